@@ -1,0 +1,200 @@
+/*
+ * engine.c: the rule-based, deterministic decision engine.
+ *
+ * Memory model of one training step.  F (parameters, gradients, optimizer
+ * state) is alive throughout.  Activations outside the planned layers
+ * (embeddings, the loss) are alive from their forward to the end of
+ * backward.  Layer j holds h_j from its forward until backward reaches it:
+ * its saved activations, or, checkpointed, only its inputs.  The peak is the
+ * larger of the end of forward and the moment each checkpointed layer i is
+ * recomputed, when layers after i are already freed:
+ *
+ *     peak = F + rest + max(sum_j h_j,
+ *                           max_{i checkpointed} sum_{j<i} h_j + saved_i)
+ *
+ * Layers are taken most-bytes-freed-per-FLOP first (ties: forward order)
+ * until the peak fits the budget.
+ */
+#include "engine.h"
+
+#include <stdlib.h>
+
+static const char *const rule_names[MS_RULE_COUNT] = {
+    [MS_RULE_SMART_SKIP] = "smart-skip",
+    [MS_RULE_FORCE_ALL] = "force-all",
+    [MS_RULE_PRESSURE] = "pressure",
+    [MS_RULE_FITS] = "fits",
+    [MS_RULE_DISABLED] = "disabled",
+    [MS_RULE_INPLACE_INPUT] = "ineligible:inplace-input",
+    [MS_RULE_NOT_CALLED] = "ineligible:not-called",
+    [MS_RULE_NO_SAVINGS] = "ineligible:no-savings",
+};
+
+const char *
+ms_rule_name(ms_rule rule)
+{
+    if ((int)rule < 0 || rule >= MS_RULE_COUNT) {
+        return "unknown";
+    }
+    return rule_names[rule];
+}
+
+unsigned
+ms_mode_base_techniques(ms_mode mode)
+{
+    switch (mode) {
+    case MS_MODE_CONSERVATIVE:
+        return MS_TECH_CHECKPOINT;
+    case MS_MODE_BALANCED:
+        return MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD;
+    case MS_MODE_AGGRESSIVE:
+        return MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING;
+    }
+    return 0;
+}
+
+static int64_t
+freed_bytes(const ms_layer *layer)
+{
+    int64_t d = layer->saved_bytes - layer->input_bytes;
+    return d > 0 ? d : 0;
+}
+
+/* Peak of the step for the checkpoint set marked in `ckpt`. */
+static int64_t
+projected_peak(const ms_problem *p, const ms_layer *layers, size_t n,
+               const unsigned char *ckpt, int64_t rest)
+{
+    int64_t prefix = 0, worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (ckpt[i]) {
+            int64_t at_recompute = prefix + layers[i].saved_bytes;
+            if (at_recompute > worst) {
+                worst = at_recompute;
+            }
+            prefix += layers[i].saved_bytes - freed_bytes(&layers[i]);
+        }
+        else {
+            prefix += layers[i].saved_bytes;
+        }
+    }
+    if (prefix > worst) {
+        worst = prefix;
+    }
+    return p->fixed_bytes + rest + worst;
+}
+
+typedef struct {
+    size_t index;
+    double ratio;
+} candidate;
+
+static int
+candidate_cmp(const void *a, const void *b)
+{
+    const candidate *x = a, *y = b;
+    if (x->ratio > y->ratio) {
+        return -1;
+    }
+    if (x->ratio < y->ratio) {
+        return 1;
+    }
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+static ms_rule
+ineligible_reason(const ms_layer *layer)
+{
+    if (layer->flags & MS_LAYER_NOT_CALLED) {
+        return MS_RULE_NOT_CALLED;
+    }
+    if (layer->flags & MS_LAYER_INPLACE_INPUT) {
+        return MS_RULE_INPLACE_INPUT;
+    }
+    if (freed_bytes(layer) <= 0) {
+        return MS_RULE_NO_SAVINGS;
+    }
+    return MS_RULE_COUNT; /* eligible */
+}
+
+int
+ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
+               ms_choice *out, ms_result *res)
+{
+    unsigned char *ckpt = calloc(n ? n : 1, 1);
+    candidate *cands = malloc((n ? n : 1) * sizeof(candidate));
+    if (ckpt == NULL || cands == NULL) {
+        free(ckpt);
+        free(cands);
+        return -1;
+    }
+
+    int64_t in_layers = 0;
+    for (size_t i = 0; i < n; i++) {
+        in_layers += layers[i].saved_bytes;
+    }
+    int64_t rest = p->activation_bytes - in_layers;
+    if (rest < 0) {
+        rest = 0;
+    }
+    unsigned base = ms_mode_base_techniques(p->mode) & p->allowed;
+
+    res->peak_unoptimized = p->fixed_bytes + rest + in_layers;
+    res->pressure = p->budget_bytes > 0
+                        ? (double)res->peak_unoptimized / (double)p->budget_bytes
+                        : 0.0;
+    res->skipped = !p->force && res->peak_unoptimized <= p->budget_bytes;
+
+    size_t ncand = 0;
+    for (size_t i = 0; i < n; i++) {
+        out[i].techniques = 0;
+        out[i].bytes_saved = 0;
+        ms_rule why = ineligible_reason(&layers[i]);
+        if (res->skipped) {
+            out[i].rule = MS_RULE_SMART_SKIP;
+        }
+        else if (!(base & MS_TECH_CHECKPOINT)) {
+            out[i].rule = MS_RULE_DISABLED;
+        }
+        else if (why != MS_RULE_COUNT) {
+            out[i].rule = why;
+        }
+        else {
+            out[i].rule = MS_RULE_FITS;
+            double cost = layers[i].flops > 1.0 ? layers[i].flops : 1.0;
+            cands[ncand].index = i;
+            cands[ncand].ratio = (double)freed_bytes(&layers[i]) / cost;
+            ncand++;
+        }
+    }
+
+    int64_t peak = res->peak_unoptimized;
+    if (!res->skipped && ncand > 0) {
+        qsort(cands, ncand, sizeof(candidate), candidate_cmp);
+        for (size_t k = 0; k < ncand; k++) {
+            if (!p->force && peak <= p->budget_bytes) {
+                break;
+            }
+            size_t i = cands[k].index;
+            ckpt[i] = 1;
+            out[i].techniques = MS_TECH_CHECKPOINT;
+            out[i].rule = p->force ? MS_RULE_FORCE_ALL : MS_RULE_PRESSURE;
+            out[i].bytes_saved = freed_bytes(&layers[i]);
+            peak = projected_peak(p, layers, n, ckpt, rest);
+        }
+    }
+
+    double recomputed = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        if (ckpt[i]) {
+            recomputed += layers[i].flops;
+        }
+    }
+    res->peak_projected = peak;
+    res->recompute_ratio =
+        p->total_flops > 0.0 ? recomputed / p->total_flops : 0.0;
+    res->fits = peak <= p->budget_bytes;
+    free(ckpt);
+    free(cands);
+    return 0;
+}

@@ -1,0 +1,94 @@
+/*
+ * engine.h: the decision engine, in plain C.
+ *
+ * No Python object crosses this interface, so the rules can be unit-tested
+ * and fuzzed on their own.  Sizes are bytes, costs are forward FLOPs (a
+ * deterministic measure: timings would make plans differ between runs).
+ */
+#ifndef MEMSCALE_ENGINE_H
+#define MEMSCALE_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Technique bits, shared by the engine, the plan and
+ * the executor. */
+enum {
+    MS_TECH_CHECKPOINT = 1u << 0,
+    MS_TECH_OFFLOAD = 1u << 1,
+    MS_TECH_TILING = 1u << 2,
+};
+
+
+typedef enum {
+    MS_MODE_CONSERVATIVE = 0,
+    MS_MODE_BALANCED = 1,
+    MS_MODE_AGGRESSIVE = 2,
+} ms_mode;
+
+/* Why a layer got what it got.  Names: ms_rule_name(). */
+typedef enum {
+    MS_RULE_SMART_SKIP = 0,     /* the model fits comfortably: left alone */
+    MS_RULE_FORCE_ALL,          /* force_optimize: base techniques everywhere */
+    MS_RULE_PRESSURE,           /* chosen, in savings order, to fit budget */
+    MS_RULE_FITS,               /* not needed: the budget is met without it */
+    MS_RULE_DISABLED,           /* no technique of the mode is enabled */
+    MS_RULE_INPLACE_INPUT,      /* modifies its input in place: unsafe */
+    MS_RULE_NOT_CALLED,         /* never ran while profiling */
+    MS_RULE_NO_SAVINGS,         /* keeps as much as it would free */
+    MS_RULE_COUNT
+} ms_rule;
+
+/* Layer flags reported by the profiler. */
+enum {
+    MS_LAYER_INPLACE_INPUT = 1u << 0,
+    MS_LAYER_NOT_CALLED = 1u << 1,
+};
+
+typedef struct {
+    int64_t param_bytes;  /* parameters owned by the layer */
+    int64_t saved_bytes;  /* activations it saves for backward */
+    int64_t input_bytes;  /* inputs checkpointing keeps instead */
+    double flops;         /* forward cost */
+    unsigned flags;       /* MS_LAYER_* */
+} ms_layer;
+
+typedef struct {
+    ms_mode mode;
+    unsigned allowed;          /* MS_TECH_* the engine may use */
+    int force;                 /* force_optimize */
+    int64_t budget_bytes;      /* usable device memory */
+    int64_t fixed_bytes;       /* params + grads + optimizer state */
+    int64_t activation_bytes;  /* all activations saved, whole model */
+    double total_flops;        /* forward cost of the whole model */
+} ms_problem;
+
+typedef struct {
+    unsigned techniques;  /* MS_TECH_* */
+    ms_rule rule;
+    int64_t bytes_saved;  /* predicted, while the layer waits for backward */
+} ms_choice;
+
+typedef struct {
+    int64_t peak_unoptimized;  /* fixed + activations */
+    int64_t peak_projected;    /* with the plan */
+    double pressure;           /* peak_unoptimized / budget */
+    double recompute_ratio;    /* recomputed FLOPs / forward FLOPs */
+    int skipped;               /* smart-skip */
+    int fits;                  /* peak_projected <= budget */
+} ms_result;
+
+/* The techniques a mode starts from (before Config overrides). */
+unsigned ms_mode_base_techniques(ms_mode mode);
+
+/* Stable, lowercase, hyphenated rule names. */
+const char *ms_rule_name(ms_rule rule);
+
+/*
+ * Plan n layers.  out has room for n choices.  Returns 0, or -1 when memory
+ * for the work arrays cannot be had (nothing is written then).
+ */
+int ms_engine_plan(const ms_problem *problem, const ms_layer *layers,
+                   size_t n, ms_choice *out, ms_result *result);
+
+#endif /* MEMSCALE_ENGINE_H */

@@ -1,0 +1,1273 @@
+/*
+ * executor.c: applies a plan through module hooks and saved-tensor hooks.
+ *
+ * Activation checkpointing follows PyTorch's non-reentrant checkpoint.  The
+ * forward pre-hook of a checkpointed layer opens a Frame: it keeps the
+ * layer's inputs, records the RNG and autocast state, and pushes
+ * saved-tensor hooks whose pack returns a small Handle instead of the
+ * tensor.  The forward hook (always_call=True, so it also runs when the
+ * forward raises) pops them.  In backward, the first Handle unpacked
+ * recomputes the layer (our own hooks bypassed, everyone else's run again)
+ * under the recorded RNG and autocast state, with saved-tensor hooks that
+ * collect the recomputed tensors in the order they are saved; each unpack
+ * hands one back and drops it.
+ *
+ * Every call of a planned layer pushes one entry on the executor's stack
+ * (a Frame, or None when nothing is done) and its forward hook pops one, so
+ * pre- and post-hooks stay paired whatever raises in between.
+ */
+#include "ms.h"
+
+#include <string.h>
+
+typedef struct Executor Executor;
+
+typedef struct {
+    PyObject_HEAD
+    Executor *ex;
+    Py_ssize_t index;      /* unit index, for messages */
+    PyObject *unit;        /* the module */
+    PyObject *args;        /* tuple */
+    PyObject *kwargs;      /* dict */
+    PyObject *versions;    /* list of (tensor, version) of the inputs */
+    PyObject *rng_cpu;     /* ByteTensor */
+    PyObject *rng_cuda;    /* list of ByteTensor, or NULL */
+    PyObject *cpu_dtype;
+    PyObject *cuda_dtype;  /* NULL unless CUDA was initialized */
+    PyObject *ctx;         /* saved_tensors_hooks while the forward runs */
+    PyObject *shapes;      /* list: shape of each packed tensor */
+    PyObject *recomputed;  /* list, NULL before the first recompute */
+    Py_ssize_t rpos;
+    int cpu_autocast;
+    int cuda_autocast;
+    int recomputing;
+} Frame;
+
+typedef struct {
+    PyObject_HEAD
+    Frame *frame;
+    Py_ssize_t index;
+} Handle;
+
+struct Executor {
+    PyObject_HEAD
+    PyObject *module;       /* memscale._core */
+    ms_state *st;
+    PyObject *model_ref;    /* weakref to the root module */
+    PyObject *units;        /* list of modules */
+    PyObject *names;        /* list of str */
+    PyObject *index_of;     /* {module: index} */
+    PyObject *plan;         /* Plan or None */
+    PyObject *profiler;     /* Profiler while warming up, else None */
+    PyObject *on_profiled;  /* callable(profiler) -> Plan, or None */
+    PyObject *handles;      /* unit hooks */
+    PyObject *root_handles; /* hooks on the root */
+    PyObject *stack;        /* Frame or None per active planned call */
+    unsigned *masks;
+    Py_ssize_t n;
+    long warmup_steps;
+    long steps;             /* forward passes seen with grad, training */
+    long long frames;       /* checkpoint frames opened */
+    long long recomputes;   /* layer recomputations run */
+    int recompute_depth;
+    int active_frames;
+    int root_in_pass;
+    int attached;
+};
+
+/* ---- Handle ------------------------------------------------------- */
+
+static int
+handle_traverse(Handle *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->frame);
+    return 0;
+}
+
+static int
+handle_clear(Handle *self)
+{
+    Py_CLEAR(self->frame);
+    return 0;
+}
+
+static void
+handle_dealloc(Handle *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    (void)handle_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot handle_slots[] = {
+    {Py_tp_doc, "Stands for a tensor a checkpointed layer saved."},
+    {Py_tp_dealloc, handle_dealloc},
+    {Py_tp_traverse, handle_traverse},
+    {Py_tp_clear, handle_clear},
+    {0, NULL},
+};
+
+static PyType_Spec handle_spec = {
+    .name = "memscale._core._Handle",
+    .basicsize = sizeof(Handle),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE
+             | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = handle_slots,
+};
+
+/* ---- Frame -------------------------------------------------------- */
+
+static int
+frame_traverse(Frame *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->ex);
+    Py_VISIT(self->unit);
+    Py_VISIT(self->args);
+    Py_VISIT(self->kwargs);
+    Py_VISIT(self->versions);
+    Py_VISIT(self->rng_cpu);
+    Py_VISIT(self->rng_cuda);
+    Py_VISIT(self->cpu_dtype);
+    Py_VISIT(self->cuda_dtype);
+    Py_VISIT(self->ctx);
+    Py_VISIT(self->shapes);
+    Py_VISIT(self->recomputed);
+    return 0;
+}
+
+static int
+frame_clear(Frame *self)
+{
+    Py_CLEAR(self->ex);
+    Py_CLEAR(self->unit);
+    Py_CLEAR(self->args);
+    Py_CLEAR(self->kwargs);
+    Py_CLEAR(self->versions);
+    Py_CLEAR(self->rng_cpu);
+    Py_CLEAR(self->rng_cuda);
+    Py_CLEAR(self->cpu_dtype);
+    Py_CLEAR(self->cuda_dtype);
+    Py_CLEAR(self->ctx);
+    Py_CLEAR(self->shapes);
+    Py_CLEAR(self->recomputed);
+    return 0;
+}
+
+static void
+frame_dealloc(Frame *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    (void)frame_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+unit_name(Executor *ex, Py_ssize_t index)
+{
+    if (ex->names != NULL && index >= 0 && index < PyList_GET_SIZE(ex->names))
+    {
+        return PyList_GET_ITEM(ex->names, index);
+    }
+    return Py_None;
+}
+
+/* Record what recompute must replay: RNG and autocast state, inputs. */
+static Frame *
+frame_new(Executor *ex, Py_ssize_t index, PyObject *unit, PyObject *args,
+          PyObject *kwargs)
+{
+    ms_state *st = ex->st;
+    PyObject *flag = NULL;
+    Frame *f = PyObject_GC_New(Frame, st->frame_type);
+    if (f == NULL) {
+        return NULL;
+    }
+    f->ex = (Executor *)Py_NewRef(ex);
+    f->index = index;
+    f->unit = Py_NewRef(unit);
+    f->args = Py_NewRef(args);
+    f->kwargs = (kwargs != NULL && kwargs != Py_None) ? PyDict_Copy(kwargs)
+                                                       : PyDict_New();
+    f->versions = PyList_New(0);
+    f->shapes = PyList_New(0);
+    f->rng_cpu = f->rng_cuda = f->cpu_dtype = f->cuda_dtype = NULL;
+    f->ctx = f->recomputed = NULL;
+    f->rpos = 0;
+    f->cpu_autocast = f->cuda_autocast = 0;
+    f->recomputing = 0;
+    PyObject_GC_Track(f);
+    if (f->kwargs == NULL || f->versions == NULL || f->shapes == NULL) {
+        goto error;
+    }
+    /* Versions of the tensor inputs: recompute needs them unchanged. */
+    PyObject *kwvals = PyDict_Values(f->kwargs);
+    PyObject *all = kwvals ? PySequence_Concat(args, kwvals) : NULL;
+    Py_XDECREF(kwvals);
+    if (all == NULL) {
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(all); i++) {
+        PyObject *a = PySequence_Fast_ITEMS(all)[i];
+        if (ms_is_tensor(st, a)) {
+            PyObject *v = PyObject_GetAttr(a, st->s_version);
+            PyObject *pair = v ? PyTuple_Pack(2, a, v) : NULL;
+            Py_XDECREF(v);
+            if (pair == NULL || PyList_Append(f->versions, pair) < 0) {
+                Py_XDECREF(pair);
+                Py_DECREF(all);
+                goto error;
+            }
+            Py_DECREF(pair);
+        }
+    }
+    Py_DECREF(all);
+    f->rng_cpu = PyObject_CallNoArgs(st->get_rng_state);
+    if (f->rng_cpu == NULL) {
+        goto error;
+    }
+    flag = PyObject_CallOneArg(st->is_autocast_enabled, st->s_cpu);
+    if (flag == NULL || (f->cpu_autocast = PyObject_IsTrue(flag)) < 0) {
+        goto error;
+    }
+    Py_CLEAR(flag);
+    f->cpu_dtype = PyObject_CallOneArg(st->get_autocast_dtype, st->s_cpu);
+    if (f->cpu_dtype == NULL) {
+        goto error;
+    }
+    flag = PyObject_CallNoArgs(st->cuda_is_initialized);
+    int cuda = flag ? PyObject_IsTrue(flag) : -1;
+    Py_CLEAR(flag);
+    if (cuda < 0) {
+        goto error;
+    }
+    if (cuda) {
+        /* CUDA path: unverified on this project's CPU-only machines. */
+        f->rng_cuda = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
+        flag = PyObject_CallOneArg(st->is_autocast_enabled, st->s_cuda);
+        if (f->rng_cuda == NULL || flag == NULL
+            || (f->cuda_autocast = PyObject_IsTrue(flag)) < 0)
+        {
+            goto error;
+        }
+        Py_CLEAR(flag);
+        f->cuda_dtype = PyObject_CallOneArg(st->get_autocast_dtype,
+                                            st->s_cuda);
+        if (f->cuda_dtype == NULL) {
+            goto error;
+        }
+    }
+    return f;
+error:
+    Py_XDECREF(flag);
+    Py_DECREF(f);
+    return NULL;
+}
+
+static PyObject *
+frame_pack(Frame *self, PyObject *tensor)
+{
+    ms_state *st = self->ex->st;
+    PyObject *shape = PyObject_GetAttr(tensor, st->s_shape);
+    if (shape == NULL) {
+        return NULL;
+    }
+    int rc = PyList_Append(self->shapes, shape);
+    Py_DECREF(shape);
+    if (rc < 0) {
+        return NULL;
+    }
+    Handle *h = PyObject_GC_New(Handle, st->handle_type);
+    if (h == NULL) {
+        return NULL;
+    }
+    h->frame = (Frame *)Py_NewRef(self);
+    h->index = PyList_GET_SIZE(self->shapes) - 1;
+    PyObject_GC_Track(h);
+    return (PyObject *)h;
+}
+
+static PyObject *
+frame_rpack(Frame *self, PyObject *tensor)
+{
+    ms_state *st = self->ex->st;
+    Py_ssize_t k = self->rpos++;
+    if (self->recomputed == NULL || k >= PyList_GET_SIZE(self->recomputed)) {
+        Py_RETURN_NONE; /* counted; reported after the recompute */
+    }
+    PyObject *shape = PyObject_GetAttr(tensor, st->s_shape);
+    if (shape == NULL) {
+        return NULL;
+    }
+    int eq = PyObject_RichCompareBool(shape, PyList_GET_ITEM(self->shapes, k),
+                                      Py_EQ);
+    if (eq <= 0) {
+        if (eq == 0) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "memscale: recomputing checkpointed layer %R gave a "
+                         "tensor of shape %R where its forward saved %R (saved "
+                         "tensor #%zd). The layer does not run the same way "
+                         "twice; exclude it from checkpointing or make its "
+                         "forward deterministic.",
+                         unit_name(self->ex, self->index), shape,
+                         PyList_GET_ITEM(self->shapes, k), k);
+        }
+        Py_DECREF(shape);
+        return NULL;
+    }
+    Py_DECREF(shape);
+    PyObject *d = PyObject_CallMethodNoArgs(tensor, st->s_detach);
+    if (d == NULL) {
+        return NULL;
+    }
+    if (PyList_SetItem(self->recomputed, k, d) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+frame_runpack(Frame *self, PyObject *Py_UNUSED(obj))
+{
+    PyErr_Format(PyExc_RuntimeError,
+                 "memscale: internal error: a tensor saved while recomputing "
+                 "layer %R was unpacked",
+                 unit_name(self->ex, self->index));
+    return NULL;
+}
+
+/* Enter ctx and append it to `entered` (for leaving in reverse). */
+static int
+enter_into(ms_state *st, PyObject *ctx, PyObject *entered)
+{
+    if (ctx == NULL) {
+        return -1;
+    }
+    int rc = ms_call_enter(st, ctx);
+    if (rc == 0) {
+        rc = PyList_Append(entered, ctx);
+        if (rc < 0) {
+            (void)ms_call_exit(st, ctx);
+        }
+    }
+    Py_DECREF(ctx);
+    return rc;
+}
+
+static PyObject *
+make_autocast(ms_state *st, PyObject *device, PyObject *dtype, int enabled)
+{
+    PyObject *kw = Py_BuildValue("{OOOO}", st->s_dtype_kw, dtype,
+                                 st->s_enabled, enabled ? Py_True : Py_False);
+    if (kw == NULL) {
+        return NULL;
+    }
+    PyObject *a = PyTuple_Pack(1, device);
+    PyObject *ctx = a ? PyObject_Call(st->autocast, a, kw) : NULL;
+    Py_XDECREF(a);
+    Py_DECREF(kw);
+    return ctx;
+}
+
+/* Run the layer again under the state its forward ran in. */
+static int
+frame_recompute(Frame *self)
+{
+    Executor *ex = self->ex;
+    ms_state *st = ex->st;
+    PyObject *entered = NULL, *cur_rng = NULL, *cur_cuda = NULL, *out = NULL;
+    PyObject *rpack = NULL, *runpack = NULL;
+    int rc = -1;
+
+    if (self->recomputing) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "memscale: layer %R needed its own saved tensors while "
+                     "being recomputed",
+                     unit_name(ex, self->index));
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->versions); i++) {
+        PyObject *pair = PyList_GET_ITEM(self->versions, i);
+        PyObject *now = PyObject_GetAttr(PyTuple_GET_ITEM(pair, 0),
+                                         st->s_version);
+        int eq = now ? PyObject_RichCompareBool(now, PyTuple_GET_ITEM(pair, 1),
+                                                Py_EQ)
+                     : -1;
+        Py_XDECREF(now);
+        if (eq < 0) {
+            return -1;
+        }
+        if (eq == 0) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "memscale: an input of checkpointed layer %R was "
+                         "modified in place after the layer's forward, so it "
+                         "cannot be recomputed. Avoid the in-place update "
+                         "(e.g. x = x + y instead of x += y) or exclude the "
+                         "layer from checkpointing.",
+                         unit_name(ex, self->index));
+            return -1;
+        }
+    }
+
+    entered = PyList_New(0);
+    Py_XSETREF(self->recomputed, PyList_New(PyList_GET_SIZE(self->shapes)));
+    if (entered == NULL || self->recomputed == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->recomputed); i++) {
+        PyList_SET_ITEM(self->recomputed, i, Py_NewRef(Py_None));
+    }
+    self->rpos = 0;
+
+    /* RNG: run under the forward's state, then put the current one back. */
+    cur_rng = PyObject_CallNoArgs(st->get_rng_state);
+    if (cur_rng == NULL) {
+        goto done;
+    }
+    PyObject *r = PyObject_CallOneArg(st->set_rng_state, self->rng_cpu);
+    if (r == NULL) {
+        goto done;
+    }
+    Py_DECREF(r);
+    if (self->rng_cuda != NULL) {
+        cur_cuda = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
+        r = cur_cuda ? PyObject_CallOneArg(st->cuda_set_rng_state_all,
+                                           self->rng_cuda)
+                     : NULL;
+        if (r == NULL) {
+            goto restore;
+        }
+        Py_DECREF(r);
+    }
+
+    rpack = PyObject_GetAttr((PyObject *)self, st->s_rpack);
+    runpack = PyObject_GetAttr((PyObject *)self, st->s_runpack);
+    if (rpack == NULL || runpack == NULL
+        || enter_into(st, PyObject_CallNoArgs(st->enable_grad), entered) < 0
+        || enter_into(st, make_autocast(st, st->s_cpu, self->cpu_dtype,
+                                        self->cpu_autocast),
+                      entered) < 0
+        || (self->cuda_dtype != NULL
+            && enter_into(st, make_autocast(st, st->s_cuda, self->cuda_dtype,
+                                            self->cuda_autocast),
+                          entered) < 0)
+        || enter_into(st,
+                      PyObject_CallFunctionObjArgs(st->saved_tensors_hooks,
+                                                   rpack, runpack, NULL),
+                      entered) < 0)
+    {
+        goto leave;
+    }
+    self->recomputing = 1;
+    ex->recompute_depth++;
+    out = PyObject_Call(self->unit, self->args, self->kwargs);
+    ex->recompute_depth--;
+    self->recomputing = 0;
+    if (out != NULL) {
+        rc = 0;
+    }
+leave:
+    for (Py_ssize_t i = PyList_GET_SIZE(entered) - 1; i >= 0; i--) {
+        if (ms_call_exit(st, PyList_GET_ITEM(entered, i)) < 0) {
+            rc = -1;
+        }
+    }
+restore:
+    {
+        /* Put the caller's RNG back on every path. */
+        ms_exc_state saved;
+        ms_exc_save(&saved);
+        int had = ms_exc_pending(&saved);
+        PyObject *r1 = PyObject_CallOneArg(st->set_rng_state, cur_rng);
+        PyObject *r2 = (r1 != NULL && cur_cuda != NULL)
+                           ? PyObject_CallOneArg(st->cuda_set_rng_state_all,
+                                                 cur_cuda)
+                           : Py_NewRef(Py_None);
+        if (r1 == NULL || r2 == NULL) {
+            if (had) {
+                PyErr_WriteUnraisable((PyObject *)self);
+                ms_exc_restore(&saved);
+            }
+            rc = -1; /* else: the new error stays set */
+        }
+        else if (had) {
+            ms_exc_restore(&saved);
+        }
+        Py_XDECREF(r1);
+        Py_XDECREF(r2);
+    }
+    if (rc == 0 && self->rpos != PyList_GET_SIZE(self->shapes)) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "memscale: recomputing checkpointed layer %R saved %zd "
+                     "tensors for backward where its forward saved %zd. The "
+                     "layer takes a different path when run again (e.g. it "
+                     "depends on global state); exclude it from "
+                     "checkpointing.",
+                     unit_name(ex, self->index), self->rpos,
+                     PyList_GET_SIZE(self->shapes));
+        rc = -1;
+    }
+    if (rc == 0) {
+        ex->recomputes++;
+    }
+    else {
+        Py_CLEAR(self->recomputed);
+    }
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(rpack);
+    Py_XDECREF(runpack);
+    Py_XDECREF(cur_rng);
+    Py_XDECREF(cur_cuda);
+    Py_XDECREF(entered);
+    return rc;
+}
+
+static PyObject *
+frame_unpack(Frame *self, PyObject *obj)
+{
+    if (!PyObject_TypeCheck(obj, self->ex->st->handle_type)
+        || ((Handle *)obj)->frame != self)
+    {
+        PyErr_Format(PyExc_RuntimeError,
+                     "memscale: internal error: unpack got %R", obj);
+        return NULL;
+    }
+    Py_ssize_t k = ((Handle *)obj)->index;
+    if (self->recomputed == NULL
+        || PyList_GET_ITEM(self->recomputed, k) == Py_None)
+    {
+        /* First need in this backward (or again, with retain_graph). */
+        if (frame_recompute(self) < 0) {
+            return NULL;
+        }
+    }
+    PyObject *t = Py_NewRef(PyList_GET_ITEM(self->recomputed, k));
+    /* Hand it over and drop ours: memory goes as backward consumes it. */
+    if (PyList_SetItem(self->recomputed, k, Py_NewRef(Py_None)) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return t;
+}
+
+static PyMethodDef frame_methods[] = {
+    {"_pack", (PyCFunction)frame_pack, METH_O, NULL},
+    {"_unpack", (PyCFunction)frame_unpack, METH_O, NULL},
+    {"_rpack", (PyCFunction)frame_rpack, METH_O, NULL},
+    {"_runpack", (PyCFunction)frame_runpack, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot frame_slots[] = {
+    {Py_tp_doc, "One checkpointed call of a layer."},
+    {Py_tp_dealloc, frame_dealloc},
+    {Py_tp_traverse, frame_traverse},
+    {Py_tp_clear, frame_clear},
+    {Py_tp_methods, frame_methods},
+    {0, NULL},
+};
+
+static PyType_Spec frame_spec = {
+    .name = "memscale._core._Frame",
+    .basicsize = sizeof(Frame),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE
+             | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = frame_slots,
+};
+
+/* ---- Executor: hooks ---------------------------------------------- */
+
+/* Pop the newest stack entry; leave its saved-tensor hooks if a Frame. */
+static int
+pop_entry(Executor *ex)
+{
+    Py_ssize_t n = PyList_GET_SIZE(ex->stack);
+    if (n == 0) {
+        return 0;
+    }
+    PyObject *top = Py_NewRef(PyList_GET_ITEM(ex->stack, n - 1));
+    int rc = PyList_SetSlice(ex->stack, n - 1, n, NULL);
+    if (top != Py_None) {
+        Frame *f = (Frame *)top;
+        ex->active_frames--;
+        if (f->ctx != NULL) {
+            PyObject *ctx = f->ctx;
+            f->ctx = NULL;
+            if (ms_call_exit(ex->st, ctx) < 0) {
+                rc = -1;
+            }
+            Py_DECREF(ctx);
+        }
+    }
+    Py_DECREF(top);
+    return rc;
+}
+
+static int
+push_entry(Executor *ex, PyObject *entry)
+{
+    if (PyList_Append(ex->stack, entry) < 0) {
+        return -1;
+    }
+    if (entry != Py_None) {
+        ex->active_frames++;
+    }
+    return 0;
+}
+
+/* Open a checkpoint frame for this call, or NULL-with-no-error to skip. */
+static PyObject *
+open_frame(Executor *ex, PyObject *unit, PyObject *args, PyObject *kwargs)
+{
+    ms_state *st = ex->st;
+    if (ex->recompute_depth > 0 || ex->active_frames > 0 || ex->masks == NULL)
+    {
+        return NULL; /* recomputing, or nested in a frame already */
+    }
+    PyObject *idx = PyDict_GetItemWithError(ex->index_of, unit);
+    if (idx == NULL) {
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(idx);
+    if (i < 0 || !(ex->masks[i] & MS_TECH_CHECKPOINT)) {
+        return NULL;
+    }
+    int grad = ms_grad_enabled(st);
+    if (grad <= 0) {
+        return NULL;
+    }
+    PyObject *training = PyObject_GetAttr(unit, st->s_training);
+    int train = training ? PyObject_IsTrue(training) : -1;
+    Py_XDECREF(training);
+    if (train <= 0) {
+        return NULL;
+    }
+    Frame *f = frame_new(ex, i, unit, args, kwargs);
+    if (f == NULL) {
+        return NULL;
+    }
+    PyObject *pack = PyObject_GetAttr((PyObject *)f, st->s_pack);
+    PyObject *unpack = PyObject_GetAttr((PyObject *)f, st->s_unpack);
+    PyObject *ctx = (pack && unpack)
+                        ? PyObject_CallFunctionObjArgs(st->saved_tensors_hooks,
+                                                       pack, unpack, NULL)
+                        : NULL;
+    Py_XDECREF(pack);
+    Py_XDECREF(unpack);
+    if (ctx == NULL || ms_call_enter(st, ctx) < 0) {
+        Py_XDECREF(ctx);
+        Py_DECREF(f);
+        return NULL;
+    }
+    f->ctx = ctx;
+    ex->frames++;
+    return (PyObject *)f;
+}
+
+static PyObject *
+ex_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_pre(module, args, kwargs)");
+        return NULL;
+    }
+    if (!PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "_pre: args must be a tuple");
+        return NULL;
+    }
+    PyObject *entry = open_frame(ex, args[0], args[1], args[2]);
+    /* Push even on error: the paired forward hook pops one entry. */
+    int failed = entry == NULL && PyErr_Occurred();
+    if (push_entry(ex, entry ? entry : Py_None) < 0) {
+        if (entry != NULL) {
+            Frame *f = (Frame *)entry;
+            PyObject *ctx = f->ctx;
+            f->ctx = NULL;
+            (void)ms_call_exit(ex->st, ctx);
+            Py_DECREF(ctx);
+        }
+        Py_XDECREF(entry);
+        return NULL;
+    }
+    Py_XDECREF(entry);
+    if (failed) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+ex_post(Executor *ex, PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_post(module, args, output)");
+        return NULL;
+    }
+    if (pop_entry(ex) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static int ex_apply_plan(Executor *ex, PyObject *plan);
+
+/* Leave whatever an interrupted forward (KeyboardInterrupt skips the
+   always_call hooks) left on the stack. */
+static int
+drop_stale(Executor *ex, int warn)
+{
+    if (PyList_GET_SIZE(ex->stack) == 0) {
+        return 0;
+    }
+    if (warn
+        && PyErr_WarnEx(PyExc_RuntimeWarning,
+                        "memscale: a previous forward was interrupted inside "
+                        "a checkpointed layer; its hooks were cleaned up",
+                        1) < 0)
+    {
+        return -1;
+    }
+    int rc = 0;
+    while (PyList_GET_SIZE(ex->stack) > 0) {
+        if (pop_entry(ex) < 0) {
+            rc = -1;
+        }
+    }
+    ex->active_frames = 0;
+    return rc;
+}
+
+static PyObject *
+ex_root_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_root_pre(module, args, kwargs)");
+        return NULL;
+    }
+    if (ex->recompute_depth == 0 && drop_stale(ex, 1) < 0) {
+        return NULL;
+    }
+    if (ex->profiler == Py_None || ex->root_in_pass) {
+        Py_RETURN_NONE;
+    }
+    int grad = ms_grad_enabled(ex->st);
+    if (grad < 0) {
+        return NULL;
+    }
+    PyObject *training = PyObject_GetAttr(args[0], ex->st->s_training);
+    int train = training ? PyObject_IsTrue(training) : -1;
+    Py_XDECREF(training);
+    if (train < 0) {
+        return NULL;
+    }
+    if (!grad || !train) {
+        Py_RETURN_NONE; /* evaluation passes are not profiled */
+    }
+    PyObject *r = PyObject_CallMethod(ex->profiler, "begin_pass", NULL);
+    if (r == NULL) {
+        return NULL;
+    }
+    Py_DECREF(r);
+    ex->root_in_pass = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+ex_root_post(Executor *ex, PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_root_post(module, args, output)");
+        return NULL;
+    }
+    if (!ex->root_in_pass) {
+        Py_RETURN_NONE;
+    }
+    ex->root_in_pass = 0;
+    /* Called from torch's "except Exception:" when the forward raised. */
+    PyObject *handled = PyErr_GetHandledException();
+    int ok = handled == NULL || handled == Py_None;
+    Py_XDECREF(handled);
+    PyObject *r = PyObject_CallMethod(ex->profiler, "end_pass", "(O)",
+                                      ok ? Py_True : Py_False);
+    if (r == NULL) {
+        return NULL;
+    }
+    Py_DECREF(r);
+    if (!ok) {
+        Py_RETURN_NONE;
+    }
+    ex->steps++;
+    if (ex->steps < ex->warmup_steps) {
+        Py_RETURN_NONE;
+    }
+    /* Warm-up done: plan from what was measured, then apply. */
+    PyObject *profiler = ex->profiler;
+    PyObject *callback = ex->on_profiled;
+    ex->profiler = Py_NewRef(Py_None);
+    ex->on_profiled = Py_NewRef(Py_None);
+    PyObject *plan = NULL;
+    r = PyObject_CallMethod(profiler, "detach", NULL);
+    if (r != NULL) {
+        Py_DECREF(r);
+        plan = callback != Py_None ? PyObject_CallOneArg(callback, profiler)
+                                   : NULL;
+        if (plan == NULL && !PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "memscale: nothing to plan with after warm-up");
+        }
+    }
+    Py_DECREF(profiler);
+    Py_DECREF(callback);
+    if (plan == NULL) {
+        return NULL;
+    }
+    int rc = ex_apply_plan(ex, plan);
+    Py_DECREF(plan);
+    if (rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---- Executor: lifecycle ------------------------------------------ */
+
+static int
+ex_apply_plan(Executor *ex, PyObject *plan)
+{
+    ms_state *st = ex->st;
+    PyObject *chosen = NULL, *pre = NULL, *post = NULL;
+    unsigned *masks = NULL;
+    int rc = -1;
+
+    if (!PyObject_TypeCheck(plan, st->plan_type)) {
+        PyErr_Format(PyExc_TypeError, "apply() needs a Plan, got %T", plan);
+        return -1;
+    }
+    if (!ex->attached) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memscale: this executor was detached");
+        return -1;
+    }
+    if (PySequence_Size(plan) != ex->n) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError,
+                         "plan has %zd layers, the executor %zd",
+                         PySequence_Size(plan), ex->n);
+        }
+        return -1;
+    }
+    masks = PyMem_Calloc(ex->n ? (size_t)ex->n : 1, sizeof(unsigned));
+    chosen = PyList_New(0);
+    if (masks == NULL || chosen == NULL) {
+        if (masks == NULL) {
+            PyErr_NoMemory();
+        }
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < ex->n; i++) {
+        if (ms_plan_layer_mask(plan, i, &masks[i]) < 0) {
+            goto done;
+        }
+        if (masks[i] != 0
+            && PyList_Append(chosen, PyList_GET_ITEM(ex->units, i)) < 0)
+        {
+            goto done;
+        }
+    }
+    if (PyList_GET_SIZE(ex->stack) > 0) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memscale: cannot change the plan inside a "
+                        "checkpointed layer's forward");
+        goto done;
+    }
+    /* Replace the hooks of any previous plan. */
+    if (ms_remove_handles(st, ex->handles) < 0) {
+        goto done;
+    }
+    PyMem_Free(ex->masks);
+    ex->masks = NULL;
+    pre = PyUnicode_InternFromString("_pre");
+    post = PyUnicode_InternFromString("_post");
+    if (pre == NULL || post == NULL
+        || ms_register_unit_hooks(st, (PyObject *)ex, chosen, ex->handles, pre,
+                                  post) < 0)
+    {
+        goto done;
+    }
+    ex->masks = masks;
+    masks = NULL;
+    Py_SETREF(ex->plan, Py_NewRef(plan));
+    rc = 0;
+done:
+    PyMem_Free(masks);
+    Py_XDECREF(chosen);
+    Py_XDECREF(pre);
+    Py_XDECREF(post);
+    return rc;
+}
+
+PyDoc_STRVAR(ex_apply_doc,
+"apply($self, plan, /)\n--\n\n"
+"Attach the hooks that carry out *plan* (replacing a previous plan's).");
+
+static PyObject *
+ex_apply(Executor *ex, PyObject *plan)
+{
+    if (ex_apply_plan(ex, plan) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(ex_start_profiling_doc,
+"start_profiling($self, profiler, on_profiled, /)\n--\n\n"
+"Measure the next warmup_steps training forwards with *profiler*, then\n"
+"call on_profiled(profiler) for a Plan and apply it.");
+
+static PyObject *
+ex_start_profiling(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError,
+                        "start_profiling(profiler, on_profiled)");
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(args[0], ex->st->profiler_type)
+        || !PyCallable_Check(args[1]))
+    {
+        PyErr_SetString(PyExc_TypeError,
+                        "start_profiling needs a Profiler and a callable");
+        return NULL;
+    }
+    if (!ex->attached) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memscale: this executor was detached");
+        return NULL;
+    }
+    Py_SETREF(ex->profiler, Py_NewRef(args[0]));
+    Py_SETREF(ex->on_profiled, Py_NewRef(args[1]));
+    ex->steps = 0;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(ex_detach_doc,
+"detach($self, /)\n--\n\n"
+"Remove every hook this executor attached and drop its references to the\n"
+"model.  Idempotent.");
+
+static PyObject *
+ex_detach(Executor *ex, PyObject *Py_UNUSED(ignored))
+{
+    int rc = 0;
+    if (drop_stale(ex, 0) < 0) {
+        rc = -1;
+    }
+    if (ex->profiler != NULL && ex->profiler != Py_None) {
+        PyObject *r = PyObject_CallMethod(ex->profiler, "detach", NULL);
+        if (r == NULL) {
+            rc = -1;
+        }
+        Py_XDECREF(r);
+    }
+    if (rc < 0) {
+        /* Remove the hooks anyway; the first error is what is raised. */
+        ms_exc_state saved;
+        ms_exc_save(&saved);
+        if (ms_remove_handles(ex->st, ex->handles) < 0
+            || ms_remove_handles(ex->st, ex->root_handles) < 0)
+        {
+            PyErr_WriteUnraisable((PyObject *)ex);
+        }
+        ms_exc_restore(&saved);
+    }
+    else if (ms_remove_handles(ex->st, ex->handles) < 0
+             || ms_remove_handles(ex->st, ex->root_handles) < 0)
+    {
+        rc = -1;
+    }
+    ex->attached = 0;
+    ex->root_in_pass = 0;
+    PyMem_Free(ex->masks);
+    ex->masks = NULL;
+    Py_SETREF(ex->profiler, Py_NewRef(Py_None));
+    Py_SETREF(ex->on_profiled, Py_NewRef(Py_None));
+    Py_CLEAR(ex->model_ref);
+    PyDict_Clear(ex->index_of);
+    if (PyList_SetSlice(ex->units, 0, PyList_GET_SIZE(ex->units), NULL) < 0) {
+        rc = -1;
+    }
+    if (rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+ex_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"model", "units", "warmup_steps", NULL};
+    PyObject *model, *units_arg, *seq = NULL;
+    long warmup = 2;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|$l:Executor", kwlist,
+                                     &model, &units_arg, &warmup))
+    {
+        return NULL;
+    }
+    if (warmup < 1) {
+        PyErr_SetString(PyExc_ValueError, "warmup_steps must be >= 1");
+        return NULL;
+    }
+    PyObject *module = PyType_GetModuleByDef(type, &ms_module_def);
+    if (module == NULL) {
+        return NULL;
+    }
+    ms_state *st = ms_get_state(module);
+    int is_mod = PyObject_IsInstance(model, st->torch_module_type);
+    if (is_mod <= 0) {
+        if (is_mod == 0) {
+            PyErr_Format(PyExc_TypeError,
+                         "Executor needs a torch.nn.Module, got %T", model);
+        }
+        return NULL;
+    }
+    Executor *ex = (Executor *)type->tp_alloc(type, 0);
+    if (ex == NULL) {
+        return NULL;
+    }
+    ex->module = Py_NewRef(module);
+    ex->st = st;
+    ex->warmup_steps = warmup;
+    ex->plan = Py_NewRef(Py_None);
+    ex->profiler = Py_NewRef(Py_None);
+    ex->on_profiled = Py_NewRef(Py_None);
+    ex->model_ref = PyWeakref_NewRef(model, NULL);
+    ex->units = PyList_New(0);
+    ex->names = PyList_New(0);
+    ex->index_of = PyDict_New();
+    ex->handles = PyList_New(0);
+    ex->root_handles = PyList_New(0);
+    ex->stack = PyList_New(0);
+    if (ex->model_ref == NULL || ex->units == NULL || ex->names == NULL
+        || ex->index_of == NULL || ex->handles == NULL
+        || ex->root_handles == NULL || ex->stack == NULL)
+    {
+        goto error;
+    }
+    seq = PySequence_Fast(units_arg, "units must be a sequence of "
+                                     "(name, module) pairs");
+    if (seq == NULL) {
+        goto error;
+    }
+    ex->n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < ex->n; i++) {
+        PyObject *name, *unit;
+        if (!PyArg_ParseTuple(PySequence_Fast_ITEMS(seq)[i],
+                              "UO;units must be (name, module) pairs", &name,
+                              &unit))
+        {
+            goto error;
+        }
+        PyObject *idx = PyLong_FromSsize_t(i);
+        int rc = idx ? PyDict_SetItem(ex->index_of, unit, idx) : -1;
+        Py_XDECREF(idx);
+        if (rc < 0 || PyList_Append(ex->units, unit) < 0
+            || PyList_Append(ex->names, name) < 0)
+        {
+            goto error;
+        }
+    }
+    Py_CLEAR(seq);
+    ex->attached = 1;
+    {
+        PyObject *pre = PyUnicode_InternFromString("_root_pre");
+        PyObject *post = PyUnicode_InternFromString("_root_post");
+        PyObject *root = PyList_New(1);
+        int rc = -1;
+        if (pre != NULL && post != NULL && root != NULL) {
+            PyList_SET_ITEM(root, 0, Py_NewRef(model));
+            rc = ms_register_unit_hooks(st, (PyObject *)ex, root,
+                                        ex->root_handles, pre, post);
+        }
+        Py_XDECREF(pre);
+        Py_XDECREF(post);
+        Py_XDECREF(root);
+        if (rc < 0) {
+            goto error;
+        }
+    }
+    return (PyObject *)ex;
+error:
+    Py_XDECREF(seq);
+    Py_DECREF(ex);
+    return NULL;
+}
+
+static int
+ex_traverse(Executor *ex, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(ex));
+    Py_VISIT(ex->module);
+    Py_VISIT(ex->model_ref);
+    Py_VISIT(ex->units);
+    Py_VISIT(ex->names);
+    Py_VISIT(ex->index_of);
+    Py_VISIT(ex->plan);
+    Py_VISIT(ex->profiler);
+    Py_VISIT(ex->on_profiled);
+    Py_VISIT(ex->handles);
+    Py_VISIT(ex->root_handles);
+    Py_VISIT(ex->stack);
+    return 0;
+}
+
+static int
+ex_clear(Executor *ex)
+{
+    Py_CLEAR(ex->model_ref);
+    Py_CLEAR(ex->units);
+    Py_CLEAR(ex->names);
+    Py_CLEAR(ex->index_of);
+    Py_CLEAR(ex->plan);
+    Py_CLEAR(ex->profiler);
+    Py_CLEAR(ex->on_profiled);
+    Py_CLEAR(ex->handles);
+    Py_CLEAR(ex->root_handles);
+    Py_CLEAR(ex->stack);
+    Py_CLEAR(ex->module);
+    return 0;
+}
+
+static void
+ex_dealloc(Executor *ex)
+{
+    PyTypeObject *tp = Py_TYPE(ex);
+    PyObject_GC_UnTrack(ex);
+    (void)ex_clear(ex);
+    PyMem_Free(ex->masks);
+    tp->tp_free((PyObject *)ex);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+ex_get_plan(Executor *ex, void *Py_UNUSED(c))
+{
+    return Py_NewRef(ex->plan);
+}
+
+static PyObject *
+ex_get_state(Executor *ex, void *Py_UNUSED(c))
+{
+    const char *s = !ex->attached               ? "detached"
+                    : ex->profiler != Py_None   ? "profiling"
+                    : ex->plan != Py_None       ? "applied"
+                                                : "idle";
+    return PyUnicode_FromString(s);
+}
+
+static PyObject *
+ex_get_model(Executor *ex, void *Py_UNUSED(c))
+{
+    if (ex->model_ref == NULL) {
+        Py_RETURN_NONE;
+    }
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *m;
+    if (PyWeakref_GetRef(ex->model_ref, &m) < 0) {
+        return NULL;
+    }
+    return m != NULL ? m : Py_NewRef(Py_None);
+#else
+    return Py_NewRef(PyWeakref_GetObject(ex->model_ref));
+#endif
+}
+
+static PyObject *
+ex_get_stats(Executor *ex, void *Py_UNUSED(c))
+{
+    return Py_BuildValue("{slsLsLsisn}", "steps", ex->steps,
+                         "checkpoint_frames", ex->frames, "recomputes",
+                         ex->recomputes, "active_frames", ex->active_frames,
+                         "hooks", PyList_GET_SIZE(ex->handles)
+                                      + PyList_GET_SIZE(ex->root_handles));
+}
+
+static PyObject *
+ex_get_names(Executor *ex, void *Py_UNUSED(c))
+{
+    return PyList_AsTuple(ex->names);
+}
+
+static PyMethodDef ex_methods[] = {
+    {"apply", (PyCFunction)ex_apply, METH_O, ex_apply_doc},
+    {"start_profiling", (PyCFunction)(void (*)(void))ex_start_profiling,
+     METH_FASTCALL, ex_start_profiling_doc},
+    {"detach", (PyCFunction)ex_detach, METH_NOARGS, ex_detach_doc},
+    {"_pre", (PyCFunction)(void (*)(void))ex_pre, METH_FASTCALL, NULL},
+    {"_post", (PyCFunction)(void (*)(void))ex_post, METH_FASTCALL, NULL},
+    {"_root_pre", (PyCFunction)(void (*)(void))ex_root_pre, METH_FASTCALL,
+     NULL},
+    {"_root_post", (PyCFunction)(void (*)(void))ex_root_post, METH_FASTCALL,
+     NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef ex_getset[] = {
+    {"plan", (getter)ex_get_plan, NULL, "The applied Plan, or None.", NULL},
+    {"state", (getter)ex_get_state, NULL,
+     "'profiling', 'applied', 'idle' or 'detached'.", NULL},
+    {"model", (getter)ex_get_model, NULL,
+     "The wrapped model (weakly referenced), or None.", NULL},
+    {"stats", (getter)ex_get_stats, NULL,
+     "Counters: steps, checkpoint_frames, recomputes, active_frames, hooks.",
+     NULL},
+    {"layer_names", (getter)ex_get_names, NULL,
+     "Names of the planning units.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot ex_slots[] = {
+    {Py_tp_doc,
+     "Executor(model, units, *, warmup_steps=2)\n--\n\n"
+     "Carries out a memscale plan on a model through hooks."},
+    {Py_tp_new, ex_new},
+    {Py_tp_dealloc, ex_dealloc},
+    {Py_tp_traverse, ex_traverse},
+    {Py_tp_clear, ex_clear},
+    {Py_tp_methods, ex_methods},
+    {Py_tp_getset, ex_getset},
+    {0, NULL},
+};
+
+static PyType_Spec ex_spec = {
+    .name = "memscale._core.Executor",
+    .basicsize = sizeof(Executor),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = ex_slots,
+};
+
+int
+ms_executor_init_types(PyObject *module, ms_state *st)
+{
+    st->handle_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(module, &handle_spec, NULL);
+    if (st->handle_type == NULL) {
+        return -1;
+    }
+    st->frame_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(module, &frame_spec, NULL);
+    if (st->frame_type == NULL) {
+        return -1;
+    }
+    st->executor_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(module, &ex_spec, NULL);
+    if (st->executor_type == NULL) {
+        return -1;
+    }
+    return PyModule_AddType(module, st->executor_type);
+}

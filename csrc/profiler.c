@@ -1,0 +1,1321 @@
+/*
+ * profiler.c: hardware, the layer graph, and per-layer measurements.
+ *
+ * A Profiler watches forward passes through module hooks and one
+ * saved-tensor hook.  Every tensor autograd saves is attributed to the
+ * innermost planning unit running at that moment; memory is counted by
+ * storage (views share one), once per unit call, and never for parameters
+ * or buffers.  Forward cost is taken from a FLOP counter, which is exact and
+ * repeatable where timings are not.  The same code measures a real pass, a
+ * pass on fake tensors (static profiling) and the user's first steps.
+ */
+#include "ms.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef struct {
+    long long saved;   /* bytes saved for backward, per call, summed */
+    long long input;   /* input bytes (non-parameter storages) */
+    long long output;  /* output bytes */
+    double flops;
+    long calls;
+    unsigned flags;
+} unit_stats;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *module;      /* memscale._core: keeps the state alive */
+    ms_state *st;
+    PyObject *units;       /* list of modules */
+    PyObject *index_of;    /* {module: index} (modules hash by identity) */
+    PyObject *param_keys;  /* set of storage keys to ignore */
+    PyObject *flop_counter;
+    PyObject *handles;     /* list of RemovableHandle */
+    PyObject *ctx;         /* saved_tensors_hooks during a pass */
+    PyObject *seen;        /* storage keys counted in this pass */
+    PyObject *stack;       /* list of active unit records */
+    Py_ssize_t n;
+    unit_stats *cur;
+    unit_stats *best;
+    long long *param_bytes;
+    long long total_cur;
+    long long total_best;
+    double flops_cur;
+    double flops_best;
+    long passes;
+    int in_pass;
+} Profiler;
+
+/* ---- storage accounting ------------------------------------------- */
+
+/* Add tensor's storage to `keys` unless seen or a parameter; return the
+   bytes added (0 if none) or -1 with an exception set. */
+static long long
+add_storage(Profiler *self, PyObject *tensor, PyObject *keys)
+{
+    PyObject *key;
+    long long nbytes;
+    if (ms_storage_key_and_size(self->st, tensor, &key, &nbytes) < 0) {
+        /* Tensors without a storage (sparse, some subclasses): count
+           nothing rather than fail the user's forward. */
+        if (PyErr_ExceptionMatches(PyExc_RuntimeError)
+            || PyErr_ExceptionMatches(PyExc_NotImplementedError)
+            || PyErr_ExceptionMatches(PyExc_AttributeError)
+            || PyErr_ExceptionMatches(PyExc_TypeError))
+        {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    int r = PySet_Contains(self->param_keys, key);
+    if (r == 0) {
+        r = PySet_Contains(keys, key);
+        if (r == 0) {
+            r = PySet_Add(keys, key) < 0 ? -1 : 0;
+            Py_DECREF(key);
+            return r < 0 ? -1 : nbytes;
+        }
+    }
+    Py_DECREF(key);
+    return r < 0 ? -1 : 0;
+}
+
+/* Sum the storages of tensors in obj (a tensor, or a tuple/list/dict of
+   them, one level deep is enough for module inputs and outputs). */
+static long long
+tensor_bytes(Profiler *self, PyObject *obj, PyObject *keys, int depth)
+{
+    ms_state *st = self->st;
+    if (ms_is_tensor(st, obj)) {
+        return add_storage(self, obj, keys);
+    }
+    if (depth > 2) {
+        return 0;
+    }
+    long long total = 0;
+    if (PyTuple_Check(obj) || PyList_Check(obj)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long long b = tensor_bytes(self, PySequence_Fast_ITEMS(obj)[i],
+                                       keys, depth + 1);
+            if (b < 0) {
+                return -1;
+            }
+            total += b;
+        }
+    }
+    else if (PyDict_Check(obj)) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(obj, &pos, &k, &v)) {
+            long long b = tensor_bytes(self, v, keys, depth + 1);
+            if (b < 0) {
+                return -1;
+            }
+            total += b;
+        }
+    }
+    else if (depth == 0) {
+        /* Model outputs such as Hugging Face ModelOutput: a mapping. */
+        PyObject *vals = NULL;
+        if (PyMapping_Check(obj) && !PyUnicode_Check(obj)) {
+            vals = PyMapping_Values(obj);
+            if (vals == NULL) {
+                PyErr_Clear();
+                return 0;
+            }
+            total = tensor_bytes(self, vals, keys, depth + 1);
+            Py_DECREF(vals);
+        }
+    }
+    return total;
+}
+
+/* Versions of the tensors among args and kwargs: a list of (tensor,
+   version) pairs, to tell in-place updates of a unit's inputs. */
+static int
+collect_versions(ms_state *st, PyObject *obj, PyObject *out)
+{
+    if (ms_is_tensor(st, obj)) {
+        PyObject *v = PyObject_GetAttr(obj, st->s_version);
+        if (v == NULL) {
+            return -1;
+        }
+        PyObject *pair = PyTuple_Pack(2, obj, v);
+        Py_DECREF(v);
+        if (pair == NULL) {
+            return -1;
+        }
+        int rc = PyList_Append(out, pair);
+        Py_DECREF(pair);
+        return rc;
+    }
+    if (PyTuple_Check(obj)) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(obj); i++) {
+            if (collect_versions(st, PyTuple_GET_ITEM(obj, i), out) < 0) {
+                return -1;
+            }
+        }
+    }
+    else if (PyDict_Check(obj)) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(obj, &pos, &k, &v)) {
+            if (collect_versions(st, v, out) < 0) {
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* 1 if any recorded version changed, 0 if none, -1 on error. */
+static int
+versions_changed(ms_state *st, PyObject *pairs)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pairs); i++) {
+        PyObject *pair = PyList_GET_ITEM(pairs, i);
+        PyObject *now = PyObject_GetAttr(PyTuple_GET_ITEM(pair, 0),
+                                         st->s_version);
+        if (now == NULL) {
+            return -1;
+        }
+        int eq = PyObject_RichCompareBool(now, PyTuple_GET_ITEM(pair, 1),
+                                          Py_EQ);
+        Py_DECREF(now);
+        if (eq <= 0) {
+            return eq < 0 ? -1 : 1;
+        }
+    }
+    return 0;
+}
+
+static int
+current_flops(Profiler *self, double *out)
+{
+    *out = 0.0;
+    if (self->flop_counter == Py_None) {
+        return 0;
+    }
+    PyObject *v = PyObject_CallMethodNoArgs(self->flop_counter,
+                                            self->st->s_get_total_flops);
+    if (v == NULL) {
+        return -1;
+    }
+    *out = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* ---- hooks -------------------------------------------------------- */
+
+/* Active unit record: (index, seen-set, flops-at-start, versions). */
+
+static Py_ssize_t
+unit_index(Profiler *self, PyObject *module)
+{
+    PyObject *idx = PyDict_GetItemWithError(self->index_of, module);
+    if (idx == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "memscale profiler: hook called for a module "
+                            "it does not watch");
+        }
+        return -1;
+    }
+    return PyLong_AsSsize_t(idx);
+}
+
+static PyObject *
+prof_pre(Profiler *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *seen = NULL, *versions = NULL, *rec = NULL;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_pre(module, args, kwargs)");
+        return NULL;
+    }
+    if (!self->in_pass) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t i = unit_index(self, args[0]);
+    if (i < 0) {
+        return NULL;
+    }
+    double flops0;
+    long long in_bytes;
+    seen = PySet_New(NULL);
+    versions = PyList_New(0);
+    if (seen == NULL || versions == NULL || current_flops(self, &flops0) < 0
+        || collect_versions(self->st, args[1], versions) < 0
+        || collect_versions(self->st, args[2], versions) < 0)
+    {
+        goto error;
+    }
+    /* Inputs are counted into the call's seen-set: a unit that saves its
+       input (most do) saves nothing checkpointing would free there. */
+    PyObject *in_keys = PySet_New(NULL);
+    if (in_keys == NULL) {
+        goto error;
+    }
+    long long a = tensor_bytes(self, args[1], in_keys, 0);
+    long long b = a < 0 ? -1 : tensor_bytes(self, args[2], in_keys, 0);
+    Py_DECREF(in_keys);
+    if (a < 0 || b < 0) {
+        goto error;
+    }
+    in_bytes = a + b;
+    self->cur[i].input += in_bytes;
+    self->cur[i].calls += 1;
+    rec = Py_BuildValue("(nOdO)", i, seen, flops0, versions);
+    if (rec == NULL || PyList_Append(self->stack, rec) < 0) {
+        goto error;
+    }
+    Py_DECREF(rec);
+    Py_DECREF(seen);
+    Py_DECREF(versions);
+    Py_RETURN_NONE;
+error:
+    Py_XDECREF(rec);
+    Py_XDECREF(seen);
+    Py_XDECREF(versions);
+    return NULL;
+}
+
+static PyObject *
+prof_post(Profiler *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_post(module, args, output)");
+        return NULL;
+    }
+    Py_ssize_t depth = PyList_GET_SIZE(self->stack);
+    if (!self->in_pass || depth == 0) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t i = unit_index(self, args[0]);
+    if (i < 0) {
+        return NULL;
+    }
+    PyObject *rec = PyList_GET_ITEM(self->stack, depth - 1);
+    if (PyLong_AsSsize_t(PyTuple_GET_ITEM(rec, 0)) != i) {
+        Py_RETURN_NONE; /* not ours: its pre-hook did not run */
+    }
+    Py_INCREF(rec);
+    if (PyList_SetSlice(self->stack, depth - 1, depth, NULL) < 0) {
+        Py_DECREF(rec);
+        return NULL;
+    }
+    double flops1;
+    int changed = versions_changed(self->st, PyTuple_GET_ITEM(rec, 3));
+    if (changed < 0 || current_flops(self, &flops1) < 0) {
+        Py_DECREF(rec);
+        return NULL;
+    }
+    if (changed) {
+        self->cur[i].flags |= MS_LAYER_INPLACE_INPUT;
+    }
+    self->cur[i].flops += flops1 - PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(rec, 2));
+    Py_DECREF(rec);
+    if (args[2] != Py_None) {
+        PyObject *keys = PySet_New(NULL);
+        if (keys == NULL) {
+            return NULL;
+        }
+        long long out = tensor_bytes(self, args[2], keys, 0);
+        Py_DECREF(keys);
+        if (out < 0) {
+            return NULL;
+        }
+        self->cur[i].output += out;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+prof_count(Profiler *self, PyObject *tensor)
+{
+    /* Pack hook: count, then hand the tensor back unchanged. */
+    long long added = add_storage(self, tensor, self->seen);
+    if (added < 0) {
+        return NULL;
+    }
+    self->total_cur += added;
+    Py_ssize_t depth = PyList_GET_SIZE(self->stack);
+    if (depth > 0) {
+        PyObject *rec = PyList_GET_ITEM(self->stack, depth - 1);
+        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(rec, 0));
+        long long b = add_storage(self, tensor, PyTuple_GET_ITEM(rec, 1));
+        if (b < 0) {
+            return NULL;
+        }
+        self->cur[i].saved += b;
+    }
+    return Py_NewRef(tensor);
+}
+
+static PyObject *
+prof_ident(Profiler *Py_UNUSED(self), PyObject *obj)
+{
+    return Py_NewRef(obj);
+}
+
+/* ---- passes ------------------------------------------------------- */
+
+PyDoc_STRVAR(prof_begin_doc,
+"begin_pass($self, /)\n--\n\n"
+"Start measuring one forward pass.");
+
+static PyObject *
+prof_begin(Profiler *self, PyObject *Py_UNUSED(ignored))
+{
+    ms_state *st = self->st;
+    PyObject *pack = NULL, *unpack = NULL, *ctx = NULL;
+    if (self->in_pass) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memscale profiler: a pass is already running");
+        return NULL;
+    }
+    memset(self->cur, 0, (size_t)self->n * sizeof(unit_stats));
+    self->total_cur = 0;
+    self->flops_cur = 0.0;
+    Py_SETREF(self->seen, PySet_New(NULL));
+    if (self->seen == NULL) {
+        return NULL;
+    }
+    if (PyList_SetSlice(self->stack, 0, PyList_GET_SIZE(self->stack), NULL)
+        < 0)
+    {
+        return NULL;
+    }
+    pack = PyObject_GetAttr((PyObject *)self, st->s_count);
+    unpack = PyObject_GetAttr((PyObject *)self, st->s_ident);
+    if (pack == NULL || unpack == NULL) {
+        goto error;
+    }
+    ctx = PyObject_CallFunctionObjArgs(st->saved_tensors_hooks, pack, unpack,
+                                       NULL);
+    if (ctx == NULL) {
+        goto error;
+    }
+    if (self->flop_counter != Py_None
+        && ms_call_enter(st, self->flop_counter) < 0)
+    {
+        goto error;
+    }
+    if (ms_call_enter(st, ctx) < 0) {
+        if (self->flop_counter != Py_None) {
+            (void)ms_call_exit(st, self->flop_counter);
+        }
+        goto error;
+    }
+    self->ctx = ctx;
+    self->in_pass = 1;
+    Py_DECREF(pack);
+    Py_DECREF(unpack);
+    Py_RETURN_NONE;
+error:
+    Py_XDECREF(ctx);
+    Py_XDECREF(pack);
+    Py_XDECREF(unpack);
+    return NULL;
+}
+
+PyDoc_STRVAR(prof_end_doc,
+"end_pass($self, /, ok=True)\n--\n\n"
+"Finish the pass begun by begin_pass(); with ok=False (the forward\n"
+"raised) its figures are dropped.");
+
+static PyObject *
+prof_end(Profiler *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"ok", NULL};
+    int ok = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|p:end_pass", kwlist,
+                                     &ok))
+    {
+        return NULL;
+    }
+    if (!self->in_pass) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memscale profiler: no pass is running");
+        return NULL;
+    }
+    ms_state *st = self->st;
+    self->in_pass = 0;
+    int rc = ms_call_exit(st, self->ctx);
+    Py_CLEAR(self->ctx);
+    if (self->flop_counter != Py_None) {
+        double total;
+        if (current_flops(self, &total) < 0) {
+            rc = -1;
+        }
+        self->flops_cur = total;
+        if (ms_call_exit(st, self->flop_counter) < 0) {
+            rc = -1;
+        }
+    }
+    Py_CLEAR(self->seen);
+    if (PyList_SetSlice(self->stack, 0, PyList_GET_SIZE(self->stack), NULL)
+        < 0)
+    {
+        rc = -1;
+    }
+    if (rc < 0) {
+        return NULL;
+    }
+    if (ok) {
+        /* Keep, per unit, the largest figures seen in any pass. */
+        for (Py_ssize_t i = 0; i < self->n; i++) {
+            unit_stats *c = &self->cur[i], *b = &self->best[i];
+            if (c->saved > b->saved) b->saved = c->saved;
+            if (c->input > b->input) b->input = c->input;
+            if (c->output > b->output) b->output = c->output;
+            if (c->flops > b->flops) b->flops = c->flops;
+            if (c->calls > b->calls) b->calls = c->calls;
+            b->flags |= c->flags;
+        }
+        if (self->total_cur > self->total_best) {
+            self->total_best = self->total_cur;
+        }
+        if (self->flops_cur > self->flops_best) {
+            self->flops_best = self->flops_cur;
+        }
+        self->passes += 1;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(prof_attach_doc,
+"attach($self, /)\n--\n\n"
+"Register the measuring hooks on every unit (kept as handles).");
+
+static int
+register_hooks(ms_state *st, PyObject *owner, PyObject *units,
+               PyObject *handles, PyObject *pre_name, PyObject *post_name);
+
+static PyObject *
+prof_attach(Profiler *self, PyObject *Py_UNUSED(ignored))
+{
+    if (PyList_GET_SIZE(self->handles) > 0) {
+        Py_RETURN_NONE;
+    }
+    PyObject *pre = PyUnicode_InternFromString("_pre");
+    PyObject *post = PyUnicode_InternFromString("_post");
+    int rc = (pre && post)
+                 ? register_hooks(self->st, (PyObject *)self, self->units,
+                                  self->handles, pre, post)
+                 : -1;
+    Py_XDECREF(pre);
+    Py_XDECREF(post);
+    if (rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static int
+remove_handles(ms_state *st, PyObject *handles)
+{
+    int rc = 0;
+    Py_ssize_t n = PyList_GET_SIZE(handles);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PyObject_CallMethodNoArgs(PyList_GET_ITEM(handles, i),
+                                                st->s_remove);
+        if (r == NULL) {
+            /* Keep removing the others; report the first failure. */
+            if (rc == 0) {
+                rc = -1;
+                ms_exc_state saved;
+                ms_exc_save(&saved);
+                for (Py_ssize_t j = i + 1; j < n; j++) {
+                    PyObject *r2 = PyObject_CallMethodNoArgs(
+                        PyList_GET_ITEM(handles, j), st->s_remove);
+                    if (r2 == NULL) {
+                        PyErr_WriteUnraisable(PyList_GET_ITEM(handles, j));
+                    }
+                    Py_XDECREF(r2);
+                }
+                ms_exc_restore(&saved);
+                break;
+            }
+        }
+        Py_XDECREF(r);
+    }
+    if (PyList_SetSlice(handles, 0, n, NULL) < 0) {
+        rc = -1;
+    }
+    return rc;
+}
+
+PyDoc_STRVAR(prof_detach_doc,
+"detach($self, /)\n--\n\n"
+"Remove the hooks attach() registered; leave any running pass.");
+
+static PyObject *
+prof_detach(Profiler *self, PyObject *Py_UNUSED(ignored))
+{
+    int rc = 0;
+    if (self->in_pass) {
+        PyObject *r = prof_end(self, NULL, NULL);
+        if (r == NULL) {
+            rc = -1;
+        }
+        Py_XDECREF(r);
+    }
+    if (rc == 0) {
+        rc = remove_handles(self->st, self->handles);
+    }
+    else {
+        ms_exc_state saved;
+        ms_exc_save(&saved);
+        if (remove_handles(self->st, self->handles) < 0) {
+            PyErr_WriteUnraisable((PyObject *)self);
+        }
+        ms_exc_restore(&saved);
+    }
+    if (rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(prof_results_doc,
+"results($self, /)\n--\n\n"
+"Per-unit figures, largest over the passes measured: a list of dicts\n"
+"with param_bytes, saved_bytes, input_bytes, output_bytes, flops, calls\n"
+"and flags.");
+
+static PyObject *
+prof_results(Profiler *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *list = PyList_New(self->n);
+    if (list == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        unit_stats *b = &self->best[i];
+        unsigned flags = b->flags | (b->calls == 0 ? MS_LAYER_NOT_CALLED : 0);
+        PyObject *d = Py_BuildValue(
+            "{sLsLsLsLsdslsI}", "param_bytes", self->param_bytes[i],
+            "saved_bytes", b->saved, "input_bytes", b->input, "output_bytes",
+            b->output, "flops", b->flops, "calls", b->calls, "flags", flags);
+        if (d == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, d);
+    }
+    return list;
+}
+
+static PyObject *
+prof_get_total(Profiler *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromLongLong(self->total_best);
+}
+
+static PyObject *
+prof_get_total_flops(Profiler *self, void *Py_UNUSED(c))
+{
+    return PyFloat_FromDouble(self->flops_best);
+}
+
+static PyObject *
+prof_get_passes(Profiler *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromLong(self->passes);
+}
+
+static PyObject *
+prof_get_in_pass(Profiler *self, void *Py_UNUSED(c))
+{
+    return PyBool_FromLong(self->in_pass);
+}
+
+/* ---- construction ------------------------------------------------- */
+
+static int
+storage_keys_of(Profiler *self, PyObject *tensors, PyObject *keys)
+{
+    PyObject *it = PyObject_GetIter(tensors);
+    if (it == NULL) {
+        return -1;
+    }
+    PyObject *t;
+    while ((t = PyIter_Next(it)) != NULL) {
+        if (!ms_is_tensor(self->st, t)) {
+            PyErr_Format(PyExc_TypeError,
+                         "param_tensors must hold tensors, got %T", t);
+            Py_DECREF(t);
+            Py_DECREF(it);
+            return -1;
+        }
+        PyObject *key;
+        long long nbytes;
+        int rc = ms_storage_key_and_size(self->st, t, &key, &nbytes);
+        Py_DECREF(t);
+        if (rc < 0 || PySet_Add(keys, key) < 0) {
+            Py_XDECREF(key);
+            Py_DECREF(it);
+            return -1;
+        }
+        Py_DECREF(key);
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* Parameter bytes of one unit, counted by storage. */
+static int
+unit_param_bytes(Profiler *self, PyObject *unit, long long *out)
+{
+    PyObject *keys = PySet_New(NULL);
+    PyObject *params = keys ? PyObject_CallMethodNoArgs(unit,
+                                                        self->st->s_parameters)
+                            : NULL;
+    PyObject *it = params ? PyObject_GetIter(params) : NULL;
+    PyObject *p;
+    *out = 0;
+    if (it == NULL) {
+        goto error;
+    }
+    while ((p = PyIter_Next(it)) != NULL) {
+        PyObject *key;
+        long long nbytes;
+        int rc = ms_storage_key_and_size(self->st, p, &key, &nbytes);
+        Py_DECREF(p);
+        if (rc < 0) {
+            goto error;
+        }
+        int has = PySet_Contains(keys, key);
+        if (has < 0 || (has == 0 && PySet_Add(keys, key) < 0)) {
+            Py_DECREF(key);
+            goto error;
+        }
+        Py_DECREF(key);
+        if (!has) {
+            *out += nbytes;
+        }
+    }
+    if (PyErr_Occurred()) {
+        goto error;
+    }
+    Py_DECREF(it);
+    Py_DECREF(params);
+    Py_DECREF(keys);
+    return 0;
+error:
+    Py_XDECREF(it);
+    Py_XDECREF(params);
+    Py_XDECREF(keys);
+    return -1;
+}
+
+static PyObject *
+prof_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"units", "param_tensors", "flop_counter", NULL};
+    PyObject *units, *params, *flop_counter = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O:Profiler", kwlist,
+                                     &units, &params, &flop_counter))
+    {
+        return NULL;
+    }
+    PyObject *module = PyType_GetModuleByDef(type, &ms_module_def);
+    if (module == NULL) {
+        return NULL;
+    }
+    Profiler *self = (Profiler *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->module = Py_NewRef(module);
+    self->st = ms_get_state(module);
+    self->flop_counter = Py_NewRef(flop_counter);
+    self->units = PySequence_List(units);
+    self->index_of = PyDict_New();
+    self->param_keys = PySet_New(NULL);
+    self->handles = PyList_New(0);
+    self->stack = PyList_New(0);
+    if (self->units == NULL || self->index_of == NULL
+        || self->param_keys == NULL || self->handles == NULL
+        || self->stack == NULL)
+    {
+        goto error;
+    }
+    self->n = PyList_GET_SIZE(self->units);
+    self->cur = PyMem_Calloc(self->n ? (size_t)self->n : 1, sizeof(unit_stats));
+    self->best = PyMem_Calloc(self->n ? (size_t)self->n : 1,
+                              sizeof(unit_stats));
+    self->param_bytes = PyMem_Calloc(self->n ? (size_t)self->n : 1,
+                                     sizeof(long long));
+    if (self->cur == NULL || self->best == NULL || self->param_bytes == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        PyObject *unit = PyList_GET_ITEM(self->units, i);
+        PyObject *idx = PyLong_FromSsize_t(i);
+        if (idx == NULL) {
+            goto error;
+        }
+        int has = PyDict_Contains(self->index_of, unit);
+        int rc = has ? -1 : PyDict_SetItem(self->index_of, unit, idx);
+        Py_DECREF(idx);
+        if (has > 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "unit %zd appears twice among the units", i);
+        }
+        if (rc < 0 || unit_param_bytes(self, unit, &self->param_bytes[i]) < 0)
+        {
+            goto error;
+        }
+    }
+    if (storage_keys_of(self, params, self->param_keys) < 0) {
+        goto error;
+    }
+    return (PyObject *)self;
+error:
+    Py_DECREF(self);
+    return NULL;
+}
+
+static int
+prof_traverse(Profiler *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->module);
+    Py_VISIT(self->units);
+    Py_VISIT(self->index_of);
+    Py_VISIT(self->param_keys);
+    Py_VISIT(self->flop_counter);
+    Py_VISIT(self->handles);
+    Py_VISIT(self->ctx);
+    Py_VISIT(self->seen);
+    Py_VISIT(self->stack);
+    return 0;
+}
+
+static int
+prof_clear(Profiler *self)
+{
+    Py_CLEAR(self->units);
+    Py_CLEAR(self->index_of);
+    Py_CLEAR(self->param_keys);
+    Py_CLEAR(self->flop_counter);
+    Py_CLEAR(self->handles);
+    Py_CLEAR(self->ctx);
+    Py_CLEAR(self->seen);
+    Py_CLEAR(self->stack);
+    Py_CLEAR(self->module);
+    return 0;
+}
+
+static void
+prof_dealloc(Profiler *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    (void)prof_clear(self);
+    PyMem_Free(self->cur);
+    PyMem_Free(self->best);
+    PyMem_Free(self->param_bytes);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef prof_methods[] = {
+    {"attach", (PyCFunction)prof_attach, METH_NOARGS, prof_attach_doc},
+    {"detach", (PyCFunction)prof_detach, METH_NOARGS, prof_detach_doc},
+    {"begin_pass", (PyCFunction)prof_begin, METH_NOARGS, prof_begin_doc},
+    {"end_pass", (PyCFunction)(void (*)(void))prof_end,
+     METH_VARARGS | METH_KEYWORDS, prof_end_doc},
+    {"results", (PyCFunction)prof_results, METH_NOARGS, prof_results_doc},
+    {"_pre", (PyCFunction)(void (*)(void))prof_pre, METH_FASTCALL, NULL},
+    {"_post", (PyCFunction)(void (*)(void))prof_post, METH_FASTCALL, NULL},
+    {"_count", (PyCFunction)prof_count, METH_O, NULL},
+    {"_ident", (PyCFunction)prof_ident, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef prof_getset[] = {
+    {"total_saved_bytes", (getter)prof_get_total, NULL,
+     "Activation bytes saved for backward by the whole model (largest "
+     "pass).", NULL},
+    {"total_flops", (getter)prof_get_total_flops, NULL,
+     "Forward FLOPs of the whole model (largest pass).", NULL},
+    {"passes", (getter)prof_get_passes, NULL, "Passes measured.", NULL},
+    {"in_pass", (getter)prof_get_in_pass, NULL, "A pass is running.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot prof_slots[] = {
+    {Py_tp_doc,
+     "Profiler(units, param_tensors, flop_counter=None)\n--\n\n"
+     "Measures what each planning unit saves for backward."},
+    {Py_tp_new, prof_new},
+    {Py_tp_dealloc, prof_dealloc},
+    {Py_tp_traverse, prof_traverse},
+    {Py_tp_clear, prof_clear},
+    {Py_tp_methods, prof_methods},
+    {Py_tp_getset, prof_getset},
+    {0, NULL},
+};
+
+static PyType_Spec prof_spec = {
+    .name = "memscale._core.Profiler",
+    .basicsize = sizeof(Profiler),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = prof_slots,
+};
+
+/* ---- hook registration, shared with the executor ------------------ */
+
+/*
+ * For each unit: owner.<pre_name> as a forward pre-hook with kwargs, and
+ * owner.<post_name> as a forward hook with always_call=True, so a forward
+ * that raises still reaches the post-hook.  Handles are appended to
+ * `handles`; on failure the ones registered here are removed again.
+ */
+static int
+register_hooks(ms_state *st, PyObject *owner, PyObject *units,
+               PyObject *handles, PyObject *pre_name, PyObject *post_name)
+{
+    PyObject *pre = NULL, *post = NULL, *kw_pre = NULL, *kw_post = NULL;
+    Py_ssize_t start = PyList_GET_SIZE(handles);
+    int rc = -1;
+
+    pre = PyObject_GetAttr(owner, pre_name);
+    post = PyObject_GetAttr(owner, post_name);
+    kw_pre = Py_BuildValue("{OO}", st->s_with_kwargs, Py_True);
+    kw_post = Py_BuildValue("{OO}", st->s_always_call, Py_True);
+    if (pre == NULL || post == NULL || kw_pre == NULL || kw_post == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(units); i++) {
+        PyObject *unit = PyList_GET_ITEM(units, i);
+        PyObject *reg = NULL, *a = NULL, *h = NULL;
+        int ok = 0;
+        reg = PyObject_GetAttr(unit, st->s_register_forward_pre_hook);
+        a = PyTuple_Pack(1, pre);
+        if (reg != NULL && a != NULL) {
+            h = PyObject_Call(reg, a, kw_pre);
+        }
+        if (h != NULL && PyList_Append(handles, h) == 0) {
+            Py_CLEAR(h);
+            Py_SETREF(reg,
+                      PyObject_GetAttr(unit, st->s_register_forward_hook));
+            Py_SETREF(a, PyTuple_Pack(1, post));
+            if (reg != NULL && a != NULL) {
+                h = PyObject_Call(reg, a, kw_post);
+            }
+            ok = h != NULL && PyList_Append(handles, h) == 0;
+        }
+        Py_XDECREF(h);
+        Py_XDECREF(a);
+        Py_XDECREF(reg);
+        if (!ok) {
+            goto done;
+        }
+    }
+    rc = 0;
+done:
+    if (rc < 0 && PyList_GET_SIZE(handles) > start) {
+        /* Undo what this call registered. */
+        ms_exc_state saved;
+        ms_exc_save(&saved);
+        PyObject *mine = PyList_GetSlice(handles, start,
+                                         PyList_GET_SIZE(handles));
+        if (mine == NULL || remove_handles(st, mine) < 0
+            || PyList_SetSlice(handles, start, PyList_GET_SIZE(handles), NULL)
+                   < 0)
+        {
+            PyErr_WriteUnraisable(owner);
+        }
+        Py_XDECREF(mine);
+        ms_exc_restore(&saved);
+    }
+    Py_XDECREF(pre);
+    Py_XDECREF(post);
+    Py_XDECREF(kw_pre);
+    Py_XDECREF(kw_post);
+    return rc;
+}
+
+int
+ms_register_unit_hooks(ms_state *st, PyObject *owner, PyObject *units,
+                       PyObject *handles, PyObject *pre_name,
+                       PyObject *post_name)
+{
+    return register_hooks(st, owner, units, handles, pre_name, post_name);
+}
+
+int
+ms_remove_handles(ms_state *st, PyObject *handles)
+{
+    return remove_handles(st, handles);
+}
+
+/* ---- the layer graph ---------------------------------------------- */
+
+static PyObject *
+named_children(ms_state *st, PyObject *mod)
+{
+    PyObject *it = PyObject_CallMethodNoArgs(mod, st->s_named_children);
+    if (it == NULL) {
+        return NULL;
+    }
+    PyObject *list = PySequence_List(it);
+    Py_DECREF(it);
+    return list;
+}
+
+/* 1 if mod is a ModuleList/Sequential with two children of one class. */
+static int
+is_repeating(ms_state *st, PyObject *mod)
+{
+    int r = PyObject_IsInstance(mod, st->module_list_type);
+    if (r == 0) {
+        r = PyObject_IsInstance(mod, st->sequential_type);
+    }
+    if (r <= 0) {
+        return r;
+    }
+    PyObject *kids = named_children(st, mod);
+    if (kids == NULL) {
+        return -1;
+    }
+    PyObject *types = PySet_New(NULL);
+    int found = types ? 0 : -1;
+    for (Py_ssize_t i = 0; found == 0 && i < PyList_GET_SIZE(kids); i++) {
+        PyObject *tp = (PyObject *)Py_TYPE(
+            PyTuple_GET_ITEM(PyList_GET_ITEM(kids, i), 1));
+        int has = PySet_Contains(types, tp);
+        if (has != 0) {
+            found = has;
+        }
+        else if (PySet_Add(types, tp) < 0) {
+            found = -1;
+        }
+    }
+    Py_XDECREF(types);
+    Py_DECREF(kids);
+    return found;
+}
+
+static int
+add_unit(PyObject *out, PyObject *seen, PyObject *name, PyObject *mod)
+{
+    int has = PySet_Contains(seen, mod);
+    if (has != 0) {
+        return has < 0 ? -1 : 0; /* a shared module is one unit */
+    }
+    PyObject *pair = PyTuple_Pack(2, name, mod);
+    if (pair == NULL) {
+        return -1;
+    }
+    int rc = (PySet_Add(seen, mod) < 0 || PyList_Append(out, pair) < 0) ? -1
+                                                                         : 0;
+    Py_DECREF(pair);
+    return rc;
+}
+
+static PyObject *
+join_name(PyObject *prefix, PyObject *name)
+{
+    if (PyUnicode_GET_LENGTH(prefix) == 0) {
+        return Py_NewRef(name);
+    }
+    return PyUnicode_FromFormat("%U.%U", prefix, name);
+}
+
+/* Children of repeating containers anywhere below mod. */
+static int
+walk_repeating(ms_state *st, PyObject *mod, PyObject *prefix, PyObject *out,
+               PyObject *seen)
+{
+    PyObject *kids = named_children(st, mod);
+    if (kids == NULL) {
+        return -1;
+    }
+    int rc = 0;
+    for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(kids); i++) {
+        PyObject *pair = PyList_GET_ITEM(kids, i);
+        PyObject *full = join_name(prefix, PyTuple_GET_ITEM(pair, 0));
+        if (full == NULL) {
+            rc = -1;
+            break;
+        }
+        PyObject *child = PyTuple_GET_ITEM(pair, 1);
+        int rep = is_repeating(st, child);
+        if (rep < 0) {
+            rc = -1;
+        }
+        else if (rep) {
+            PyObject *blocks = named_children(st, child);
+            if (blocks == NULL) {
+                rc = -1;
+            }
+            for (Py_ssize_t j = 0; rc == 0 && j < PyList_GET_SIZE(blocks); j++) {
+                PyObject *bp = PyList_GET_ITEM(blocks, j);
+                PyObject *bname = join_name(full, PyTuple_GET_ITEM(bp, 0));
+                rc = bname ? add_unit(out, seen, bname, PyTuple_GET_ITEM(bp, 1))
+                           : -1;
+                Py_XDECREF(bname);
+            }
+            Py_XDECREF(blocks);
+        }
+        else {
+            rc = walk_repeating(st, child, full, out, seen);
+        }
+        Py_DECREF(full);
+    }
+    Py_DECREF(kids);
+    return rc;
+}
+
+static int
+param_count(ms_state *st, PyObject *mod, long long *out)
+{
+    PyObject *params = PyObject_CallMethodNoArgs(mod, st->s_parameters);
+    PyObject *it = params ? PyObject_GetIter(params) : NULL;
+    PyObject *p;
+    *out = 0;
+    Py_XDECREF(params);
+    if (it == NULL) {
+        return -1;
+    }
+    while ((p = PyIter_Next(it)) != NULL) {
+        PyObject *n = PyObject_CallMethod(p, "numel", NULL);
+        Py_DECREF(p);
+        long long v = n ? PyLong_AsLongLong(n) : -1;
+        Py_XDECREF(n);
+        if (v < 0) {
+            Py_DECREF(it);
+            return -1;
+        }
+        *out += v;
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* Top-level children; one holding over half the parameters is split. */
+static int
+walk_fallback(ms_state *st, PyObject *mod, PyObject *prefix, long long total,
+              PyObject *out, PyObject *seen)
+{
+    PyObject *kids = named_children(st, mod);
+    if (kids == NULL) {
+        return -1;
+    }
+    int rc = 0;
+    for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(kids); i++) {
+        PyObject *pair = PyList_GET_ITEM(kids, i);
+        PyObject *child = PyTuple_GET_ITEM(pair, 1);
+        PyObject *full = join_name(prefix, PyTuple_GET_ITEM(pair, 0));
+        long long count;
+        if (full == NULL || param_count(st, child, &count) < 0) {
+            Py_XDECREF(full);
+            rc = -1;
+            break;
+        }
+        PyObject *grand = named_children(st, child);
+        if (grand == NULL) {
+            rc = -1;
+        }
+        else if (total > 0 && 2 * count > total
+                 && PyList_GET_SIZE(grand) > 0)
+        {
+            rc = walk_fallback(st, child, full, total, out, seen);
+        }
+        else {
+            rc = add_unit(out, seen, full, child);
+        }
+        Py_XDECREF(grand);
+        Py_DECREF(full);
+    }
+    Py_DECREF(kids);
+    return rc;
+}
+
+PyObject *
+ms_find_units(PyObject *module, PyObject *model)
+{
+    ms_state *st = ms_get_state(module);
+    PyObject *out = PyList_New(0), *seen = PySet_New(NULL);
+    PyObject *empty = PyUnicode_FromString("");
+    int rc = -1;
+    if (out == NULL || seen == NULL || empty == NULL) {
+        goto done;
+    }
+    int r = PyObject_IsInstance(model, st->torch_module_type);
+    if (r <= 0) {
+        if (r == 0) {
+            PyErr_Format(PyExc_TypeError,
+                         "find_units() needs a torch.nn.Module, got %T", model);
+        }
+        goto done;
+    }
+    int rep = is_repeating(st, model);
+    if (rep < 0) {
+        goto done;
+    }
+    if (rep) {
+        /* The model itself is the repeating container. */
+        PyObject *kids = named_children(st, model);
+        if (kids == NULL) {
+            goto done;
+        }
+        rc = 0;
+        for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(kids); i++) {
+            PyObject *pair = PyList_GET_ITEM(kids, i);
+            rc = add_unit(out, seen, PyTuple_GET_ITEM(pair, 0),
+                          PyTuple_GET_ITEM(pair, 1));
+        }
+        Py_DECREF(kids);
+        if (rc < 0) {
+            goto done;
+        }
+    }
+    else if (walk_repeating(st, model, empty, out, seen) < 0) {
+        goto done;
+    }
+    if (PyList_GET_SIZE(out) == 0) {
+        long long total;
+        if (param_count(st, model, &total) < 0
+            || walk_fallback(st, model, empty, total, out, seen) < 0)
+        {
+            goto done;
+        }
+    }
+    rc = 0;
+done:
+    Py_XDECREF(seen);
+    Py_XDECREF(empty);
+    if (rc < 0) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
+/* ---- hardware ----------------------------------------------------- */
+
+/* Host RAM, lowered to a cgroup v2 / v1 memory limit where one is set. */
+static long long
+host_memory_bytes(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    long long total = (pages > 0 && page > 0) ? (long long)pages * page : 0;
+    static const char *const limits[] = {
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    };
+    for (size_t i = 0; i < sizeof(limits) / sizeof(limits[0]); i++) {
+        FILE *f = fopen(limits[i], "r");
+        if (f == NULL) {
+            continue;
+        }
+        long long lim;
+        if (fscanf(f, "%lld", &lim) == 1 && lim > 0
+            && (total == 0 || lim < total))
+        {
+            total = lim;
+        }
+        fclose(f);
+    }
+    return total;
+}
+
+PyObject *
+ms_detect_hardware(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"device_type", "index", NULL};
+    const char *device;
+    int index = 0;
+    ms_state *st = ms_get_state(module);
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|i:detect_hardware",
+                                     kwlist, &device, &index))
+    {
+        return NULL;
+    }
+    if (strcmp(device, "cpu") == 0) {
+        long long cap = host_memory_bytes();
+        if (cap <= 0) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "memscale could not read the host's memory size; "
+                            "set Config(memory_budget_gb=...)");
+            return NULL;
+        }
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        return Py_BuildValue("{sssisisLsOss}", "device", "cpu", "index", 0,
+                             "count", 1, "capacity_bytes", cap, "bf16",
+                             Py_True, "name",
+                             cores > 0 ? "host CPU" : "host CPU (cores ?)");
+    }
+    if (strcmp(device, "cuda") != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "memscale plans for 'cpu' and 'cuda' devices, not %R; "
+                     "move the model to one of them or set "
+                     "Config(memory_budget_gb=...)",
+                     PyTuple_GET_ITEM(args, 0));
+        return NULL;
+    }
+    /* CUDA: thin, through torch.cuda (not runnable on CPU-only hosts). */
+    PyObject *cuda = NULL, *count = NULL, *props = NULL, *total = NULL,
+             *name = NULL, *bf16 = NULL, *res = NULL;
+    cuda = PyObject_GetAttrString(st->torch, "cuda");
+    if (cuda == NULL) {
+        goto done;
+    }
+    count = PyObject_CallMethod(cuda, "device_count", NULL);
+    if (count == NULL) {
+        goto done;
+    }
+    long n = PyLong_AsLong(count);
+    if (n == -1 && PyErr_Occurred()) {
+        goto done;
+    }
+    if (index < 0 || index >= n) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "CUDA device %d is not available (%ld devices)", index, n);
+        goto done;
+    }
+    props = PyObject_CallMethod(cuda, "get_device_properties", "i", index);
+    if (props == NULL) {
+        goto done;
+    }
+    total = PyObject_GetAttrString(props, "total_memory");
+    name = PyObject_GetAttrString(props, "name");
+    bf16 = PyObject_CallMethod(cuda, "is_bf16_supported", NULL);
+    if (total == NULL || name == NULL || bf16 == NULL) {
+        goto done;
+    }
+    res = Py_BuildValue("{sssisOsOsOsO}", "device", "cuda", "index", index,
+                        "count", count, "capacity_bytes", total, "bf16", bf16,
+                        "name", name);
+done:
+    Py_XDECREF(cuda);
+    Py_XDECREF(count);
+    Py_XDECREF(props);
+    Py_XDECREF(total);
+    Py_XDECREF(name);
+    Py_XDECREF(bf16);
+    return res;
+}
+
+int
+ms_profiler_init_types(PyObject *module, ms_state *st)
+{
+    st->profiler_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(module, &prof_spec, NULL);
+    if (st->profiler_type == NULL) {
+        return -1;
+    }
+    return PyModule_AddType(module, st->profiler_type);
+}

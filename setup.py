@@ -1,0 +1,46 @@
+"""Build of memscale's C core, memscale._core.
+
+The extension uses the CPython C API only: it includes no torch header and
+links no libtorch, so the build needs setuptools and a C compiler, and one
+build works with every supported torch.
+
+Environment switches:
+  MEMSCALE_DEBUG=1     -O0 -g3 -UNDEBUG (asserts on)
+  MEMSCALE_SANITIZE=1  -fsanitize=address,undefined (run with the ASan
+                       runtime preloaded; see tests/README or .ci/sanitize)
+"""
+
+import os
+
+from setuptools import Extension, setup
+
+SOURCES = [
+    "csrc/module.c",
+    "csrc/engine.c",
+    "csrc/plan.c",
+    "csrc/profiler.c",
+    "csrc/executor.c",
+]
+
+compile_args = ["-std=c11", "-Wall", "-Wextra", "-Werror"]
+link_args = []
+
+if os.environ.get("MEMSCALE_DEBUG") == "1":
+    compile_args += ["-O0", "-g3", "-UNDEBUG"]
+if os.environ.get("MEMSCALE_SANITIZE") == "1":
+    flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+             "-fno-sanitize-recover=undefined"]
+    compile_args += flags + ["-O1", "-g"]
+    link_args += flags
+
+setup(
+    ext_modules=[
+        Extension(
+            "memscale._core",
+            sources=SOURCES,
+            depends=["csrc/ms.h", "csrc/engine.h"],
+            extra_compile_args=compile_args,
+            extra_link_args=link_args,
+        )
+    ],
+)
