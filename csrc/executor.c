@@ -206,8 +206,14 @@ frame_new(Executor *ex, Py_ssize_t index, PyObject *unit, PyObject *args,
         goto error;
     }
     /* Versions of the tensor inputs: recompute needs them unchanged. */
-    PyObject *kwvals = PyDict_Values(f->kwargs);
-    PyObject *all = kwvals ? PySequence_Concat(args, kwvals) : NULL;
+    PyObject *all = PySequence_List(args);
+    PyObject *kwvals = all ? PyDict_Values(f->kwargs) : NULL;
+    if (kwvals == NULL
+        || PyList_SetSlice(all, PyList_GET_SIZE(all), PyList_GET_SIZE(all),
+                           kwvals) < 0)
+    {
+        Py_CLEAR(all);
+    }
     Py_XDECREF(kwvals);
     if (all == NULL) {
         goto error;
@@ -902,7 +908,7 @@ ex_apply_plan(Executor *ex, PyObject *plan)
     }
     ex->masks = masks;
     masks = NULL;
-    Py_SETREF(ex->plan, Py_NewRef(plan));
+    Py_XSETREF(ex->plan, Py_NewRef(plan));
     rc = 0;
 done:
     PyMem_Free(masks);
@@ -950,8 +956,8 @@ ex_start_profiling(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
                         "memscale: this executor was detached");
         return NULL;
     }
-    Py_SETREF(ex->profiler, Py_NewRef(args[0]));
-    Py_SETREF(ex->on_profiled, Py_NewRef(args[1]));
+    Py_XSETREF(ex->profiler, Py_NewRef(args[0]));
+    Py_XSETREF(ex->on_profiled, Py_NewRef(args[1]));
     ex->steps = 0;
     Py_RETURN_NONE;
 }
@@ -995,8 +1001,8 @@ ex_detach(Executor *ex, PyObject *Py_UNUSED(ignored))
     ex->root_in_pass = 0;
     PyMem_Free(ex->masks);
     ex->masks = NULL;
-    Py_SETREF(ex->profiler, Py_NewRef(Py_None));
-    Py_SETREF(ex->on_profiled, Py_NewRef(Py_None));
+    Py_XSETREF(ex->profiler, Py_NewRef(Py_None));
+    Py_XSETREF(ex->on_profiled, Py_NewRef(Py_None));
     Py_CLEAR(ex->model_ref);
     PyDict_Clear(ex->index_of);
     if (PyList_SetSlice(ex->units, 0, PyList_GET_SIZE(ex->units), NULL) < 0) {
@@ -1244,10 +1250,12 @@ static PyType_Slot ex_slots[] = {
     {0, NULL},
 };
 
+/* A base type: memscale.executor.Executor adds the Python-side state. */
 static PyType_Spec ex_spec = {
     .name = "memscale._core.Executor",
     .basicsize = sizeof(Executor),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE
+             | Py_TPFLAGS_BASETYPE,
     .slots = ex_slots,
 };
 

@@ -382,7 +382,7 @@ prof_begin(Profiler *self, PyObject *Py_UNUSED(ignored))
     memset(self->cur, 0, (size_t)self->n * sizeof(unit_stats));
     self->total_cur = 0;
     self->flops_cur = 0.0;
-    Py_SETREF(self->seen, PySet_New(NULL));
+    Py_XSETREF(self->seen, PySet_New(NULL));
     if (self->seen == NULL) {
         return NULL;
     }

@@ -1,0 +1,26 @@
+"""memscale: a drop-in training-memory optimizer for PyTorch.
+
+``memscale.wrap(model)`` profiles the model and the hardware, lets a
+deterministic engine decide layer by layer where to apply activation
+checkpointing, and attaches it through hooks; ``memscale.detach(model)``
+takes it all off again.
+"""
+
+import logging
+
+from .api import detach, optimize, wrap
+from .config import AsyncOffloadConfig, Config, OptimizationMode
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncOffloadConfig",
+    "Config",
+    "OptimizationMode",
+    "__version__",
+    "detach",
+    "optimize",
+    "wrap",
+]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

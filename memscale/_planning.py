@@ -1,0 +1,295 @@
+"""From a model and a Config to a Plan: profiling runs and engine inputs.
+
+The measuring itself is the C profiler (``memscale._core.Profiler``); this
+module decides how to run it (fake tensors first, a real forward as
+fallback, or the user's first training steps), assembles the engine's
+inputs, and formats the plan for the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from . import _core, _torch_compat
+from .config import Config, OptimizationMode
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+# Techniques the executor can carry out in this release.  A technique a mode
+# or Config asks for beyond these is reported (never silently dropped).
+IMPLEMENTED = _core.TECH_CHECKPOINT
+
+TECHNIQUE_BITS = {
+    "checkpoint": _core.TECH_CHECKPOINT,
+    "offload": _core.TECH_OFFLOAD,
+    "tiling": _core.TECH_TILING,
+}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What one profiling run measured, in engine units."""
+
+    layers: tuple[tuple[str, str, int, int, int, float, int], ...]
+    activation_bytes: int
+    total_flops: float
+    method: str  # "static", "empirical" or "warmup"
+
+
+def split_input(sample_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A sample input as (args, kwargs): a tensor, a tuple/list, or a dict."""
+    if isinstance(sample_input, torch.Tensor):
+        return (sample_input,), {}
+    if isinstance(sample_input, (tuple, list)):
+        return tuple(sample_input), {}
+    if isinstance(sample_input, dict):
+        return (), dict(sample_input)
+    raise TypeError(
+        "sample_input must be a tensor, a tuple/list of positional inputs or "
+        f"a dict of keyword inputs, got {type(sample_input).__name__}")
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    for tensor in _tensors_of(model):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _tensors_of(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def optimizer_state_bytes(model: torch.nn.Module,
+                          optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of optimizer state one step will hold.
+
+    An optimizer whose state already exists is measured.  Otherwise the
+    state is derived from its class: Adam-family optimizers keep two
+    tensors per trainable parameter, SGD with momentum one, SGD without
+    none; with no optimizer, Adam is assumed (the spec's rule of thumb).
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    per_param = _storage_bytes(trainable)
+    if optimizer is None:
+        return 2 * per_param
+    existing = [v for state in optimizer.state.values()
+                for v in state.values() if isinstance(v, torch.Tensor)]
+    if existing:
+        return _storage_bytes(existing)
+    name = type(optimizer).__name__.lower()
+    if name == "sgd":
+        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+        return per_param if momentum else 0
+    if name in ("adagrad", "rmsprop", "adadelta", "adafactor"):
+        return per_param
+    return 2 * per_param
+
+
+def fixed_bytes(model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer | None) -> int:
+    """Parameters + buffers + gradients + optimizer state."""
+    params_and_buffers = _storage_bytes(list(_tensors_of(model)))
+    grads = _storage_bytes([p for p in model.parameters() if p.requires_grad])
+    return params_and_buffers + grads + optimizer_state_bytes(model, optimizer)
+
+
+@contextlib.contextmanager
+def _preserved_state(model: torch.nn.Module) -> Iterator[None]:
+    """Leave RNG and buffers (e.g. BatchNorm statistics) as they were."""
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, saved in buffers:
+                buf.copy_(saved)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _measure(units: list[tuple[str, torch.nn.Module]], params: list[torch.Tensor],
+             run: Any) -> Any:
+    profiler = _core.Profiler([m for _, m in units], params,
+                              FlopCounterMode(display=False))
+    profiler.attach()
+    try:
+        profiler.begin_pass()
+        ok = False
+        try:
+            with torch.enable_grad():
+                run()
+            ok = True
+        finally:
+            profiler.end_pass(ok=ok)
+    finally:
+        profiler.detach()
+    return profiler
+
+
+def _profile_static(model, units, args, kwargs):
+    fake = _torch_compat.fake_tensor_mode()
+    if fake is None:
+        raise RuntimeError("fake tensors are not available in this torch")
+    mode, convert = fake
+
+    def to_fake(obj):
+        return convert(obj) if isinstance(obj, torch.Tensor) else obj
+
+    with mode:
+        state = {name: convert(t) for name, t in
+                 list(model.named_parameters()) + list(model.named_buffers())}
+        fargs = tuple(to_fake(a) for a in args)
+        fkwargs = {k: to_fake(v) for k, v in kwargs.items()}
+
+        def run():
+            torch.func.functional_call(model, state, fargs, fkwargs, strict=False)
+
+        return _measure(units, list(state.values()), run)
+
+
+def _profile_empirical(model, units, args, kwargs):
+    def run():
+        model(*args, **kwargs)
+
+    return _measure(units, list(_tensors_of(model)), run)
+
+
+def profile_upfront(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]],
+                    sample_input: Any, config: Config) -> Profile:
+    """Measure one forward pass before training, per the Config's order."""
+    args, kwargs = split_input(sample_input)
+    errors = []
+    methods = []
+    if config.use_static_profiling:
+        methods.append(("static", _profile_static))
+    if config.use_empirical_fallback or not config.use_static_profiling:
+        methods.append(("empirical", _profile_empirical))
+    for name, fn in methods:
+        try:
+            with _preserved_state(model):
+                profiler = fn(model, units, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            logger.info("memscale: %s profiling failed: %s: %s", name,
+                        type(exc).__name__, exc)
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        return profile_from(profiler, units, name)
+    raise RuntimeError(
+        "memscale could not profile the model with sample_input ("
+        + "; ".join(errors) + "). Check that model(sample_input) runs, or "
+        "pass sample_input=None to profile the first training steps"
+        + ("" if config.use_empirical_fallback
+           else ", or set Config(use_empirical_fallback=True)") + ".")
+
+
+def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]],
+                 method: str) -> Profile:
+    layers = []
+    for (name, module), r in zip(units, profiler.results()):
+        layers.append((name, type(module).__name__, r["param_bytes"],
+                       r["saved_bytes"], r["input_bytes"], float(r["flops"]),
+                       r["flags"]))
+    return Profile(tuple(layers), profiler.total_saved_bytes,
+                   float(profiler.total_flops), method)
+
+
+def new_warmup_profiler(model: torch.nn.Module,
+                        units: list[tuple[str, torch.nn.Module]]) -> Any:
+    profiler = _core.Profiler([m for _, m in units], list(_tensors_of(model)),
+                              FlopCounterMode(display=False))
+    profiler.attach()
+    return profiler
+
+
+def allowed_techniques(config: Config) -> int:
+    """Techniques the engine may use: the mode's, minus what the Config
+    turns off, minus what this release cannot carry out (reported)."""
+    wanted = 0
+    if config.enable_checkpointing:
+        wanted |= _core.TECH_CHECKPOINT
+    if config.enable_offloading and config.mode is not OptimizationMode.CONSERVATIVE:
+        wanted |= _core.TECH_OFFLOAD
+    if config.enable_tiling or config.mode is OptimizationMode.AGGRESSIVE:
+        wanted |= _core.TECH_TILING
+    missing = [name for name, bit in TECHNIQUE_BITS.items()
+               if wanted & bit and not IMPLEMENTED & bit]
+    if missing:
+        logger.info("memscale: %s not available in this release; the plan "
+                    "uses the other techniques of mode %s",
+                    " and ".join(missing), config.mode.value)
+    return wanted & IMPLEMENTED
+
+
+def budget_bytes(config: Config, hardware: dict[str, Any]) -> int:
+    if config.memory_budget_gb is not None:
+        return max(1, int(config.memory_budget_gb * GIB))
+    return max(1, int(hardware["capacity_bytes"] * config.target_gpu_utilization))
+
+
+def make_plan(profile: Profile, config: Config, hardware: dict[str, Any],
+              fixed: int) -> Any:
+    return _core.build_plan(
+        profile.layers,
+        mode=config.mode.value,
+        allowed=allowed_techniques(config),
+        force=config.force_optimize,
+        budget_bytes=budget_bytes(config, hardware),
+        fixed_bytes=fixed,
+        activation_bytes=profile.activation_bytes,
+        total_flops=profile.total_flops,
+        device=hardware["device"],
+        device_count=int(hardware["count"]),
+        capacity_bytes=int(hardware["capacity_bytes"]),
+    )
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def plan_table(plan: Any) -> str:
+    """The plan as the log shows it: one row per layer."""
+    rows = [("layer", "kind", "technique", "bytes saved", "rule")]
+    for layer in plan.layers:
+        rows.append((layer.name, layer.kind, "+".join(layer.techniques) or "-",
+                     format_bytes(layer.bytes_saved), layer.rule))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        f"memscale plan {plan.hash[:12]}: mode={plan.mode} device={plan.device} "
+        f"budget={format_bytes(plan.budget_bytes)} "
+        f"peak {format_bytes(plan.peak_unoptimized_bytes)} -> "
+        f"{format_bytes(plan.peak_projected_bytes)} "
+        f"(pressure {plan.pressure:.2f}, recompute {plan.recompute_ratio:.0%} "
+        f"of forward){' [smart-skip]' if plan.skipped else ''}"
+    ]
+    for r in rows:
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return "\n".join(lines)

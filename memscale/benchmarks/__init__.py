@@ -1,0 +1,1 @@
+"""Benchmark suite and measurement helpers for memscale."""

@@ -1,0 +1,58 @@
+"""The executor object stored on a wrapped model.
+
+The hooks and the checkpointing machinery are in C
+(``memscale._core.Executor``); this subclass only keeps what the Python
+layer needs to undo its own changes and to report: the effective Config,
+the hardware, and the restore actions run by ``detach``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from . import _core
+from .config import Config
+
+logger = logging.getLogger(__name__)
+
+
+class Executor(_core.Executor):
+    """Applies a memscale plan to one model; see ``memscale.wrap``.
+
+    Attributes set by ``wrap``: ``config`` (the effective Config),
+    ``hardware`` (the device description the plan was made for),
+    ``profiling`` ("static", "empirical" or "warmup").
+    """
+
+    config: Config
+    hardware: dict[str, Any]
+    profiling: str
+
+    def _init_python_state(self, config: Config, hardware: dict[str, Any],
+                           profiling: str) -> None:
+        self.config = config
+        self.hardware = hardware
+        self.profiling = profiling
+        self._restore: list[Callable[[], None]] = []
+
+    def on_detach(self, action: Callable[[], None]) -> None:
+        """Run ``action`` when the executor is detached (LIFO order)."""
+        self._restore.append(action)
+
+    def detach(self) -> None:
+        """Remove every hook and undo every change; idempotent."""
+        try:
+            super().detach()
+        finally:
+            while self._restore:
+                action = self._restore.pop()
+                try:
+                    action()
+                except Exception:  # keep undoing the rest
+                    logger.exception("memscale: a restore step failed")
+
+    def __repr__(self) -> str:
+        plan = self.plan
+        summary = f"plan={plan.hash[:12]}" if plan is not None else "no plan"
+        return f"<memscale Executor state={self.state} {summary}>"
