@@ -64,6 +64,7 @@ struct Executor {
     PyObject *root_handles; /* hooks on the root */
     PyObject *stack;        /* Frame or None per active planned call */
     unsigned *masks;
+    unsigned char *buffers;  /* per unit: BUF_UNKNOWN / BUF_MUTATED / ... */
     Py_ssize_t n;
     long warmup_steps;
     long steps;             /* forward passes seen with grad, training */
@@ -74,6 +75,11 @@ struct Executor {
     int root_in_pass;
     int attached;
 };
+
+/* Whether a unit's forward updates its buffers (BatchNorm statistics),
+   learnt at its first recompute: updated buffers are restored after every
+   recompute, so recomputing never counts a batch twice. */
+enum { BUF_UNKNOWN = 0, BUF_MUTATED = 1, BUF_STATIC = 2 };
 
 /* ---- Handle ------------------------------------------------------- */
 
@@ -380,6 +386,81 @@ make_autocast(ms_state *st, PyObject *device, PyObject *dtype, int enabled)
     return ctx;
 }
 
+/* Snapshot the unit's buffers: a list of (buffer, copy, version). */
+static PyObject *
+snapshot_buffers(ms_state *st, PyObject *unit)
+{
+    PyObject *snap = PyList_New(0);
+    PyObject *bufs = snap ? PyObject_CallMethodNoArgs(unit, st->s_buffers)
+                          : NULL;
+    PyObject *it = bufs ? PyObject_GetIter(bufs) : NULL;
+    PyObject *b;
+    Py_XDECREF(bufs);
+    if (it == NULL) {
+        Py_XDECREF(snap);
+        return NULL;
+    }
+    while ((b = PyIter_Next(it)) != NULL) {
+        PyObject *copy = PyObject_CallMethodNoArgs(b, st->s_clone);
+        PyObject *ver = copy ? PyObject_GetAttr(b, st->s_version) : NULL;
+        PyObject *entry = ver ? PyTuple_Pack(3, b, copy, ver) : NULL;
+        Py_DECREF(b);
+        Py_XDECREF(copy);
+        Py_XDECREF(ver);
+        if (entry == NULL || PyList_Append(snap, entry) < 0) {
+            Py_XDECREF(entry);
+            Py_DECREF(it);
+            Py_DECREF(snap);
+            return NULL;
+        }
+        Py_DECREF(entry);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) {
+        Py_DECREF(snap);
+        return NULL;
+    }
+    return snap;
+}
+
+/*
+ * Put back buffers the recompute changed; 1 if any was, 0 if none.  Kernels
+ * such as batch_norm update running statistics without bumping the
+ * version counter, so values are compared as well.
+ */
+static int
+restore_buffers(ms_state *st, PyObject *snap)
+{
+    int changed = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(snap); i++) {
+        PyObject *e = PyList_GET_ITEM(snap, i);
+        PyObject *buf = PyTuple_GET_ITEM(e, 0), *copy = PyTuple_GET_ITEM(e, 1);
+        PyObject *ver = PyObject_GetAttr(buf, st->s_version);
+        int same = ver ? PyObject_RichCompareBool(ver, PyTuple_GET_ITEM(e, 2),
+                                                  Py_EQ)
+                       : -1;
+        Py_XDECREF(ver);
+        if (same > 0) {
+            PyObject *eq = PyObject_CallMethod(st->torch, "equal", "OO", buf,
+                                               copy);
+            same = eq ? PyObject_IsTrue(eq) : -1;
+            Py_XDECREF(eq);
+        }
+        if (same < 0) {
+            return -1;
+        }
+        if (!same) {
+            PyObject *r = PyObject_CallMethodOneArg(buf, st->s_copy_, copy);
+            if (r == NULL) {
+                return -1;
+            }
+            Py_DECREF(r);
+            changed = 1;
+        }
+    }
+    return changed;
+}
+
 /* Run the layer again under the state its forward ran in. */
 static int
 frame_recompute(Frame *self)
@@ -387,7 +468,7 @@ frame_recompute(Frame *self)
     Executor *ex = self->ex;
     ms_state *st = ex->st;
     PyObject *entered = NULL, *cur_rng = NULL, *cur_cuda = NULL, *out = NULL;
-    PyObject *rpack = NULL, *runpack = NULL;
+    PyObject *rpack = NULL, *runpack = NULL, *snap = NULL;
     int rc = -1;
 
     if (self->recomputing) {
@@ -451,6 +532,12 @@ frame_recompute(Frame *self)
         Py_DECREF(r);
     }
 
+    if (ex->buffers == NULL || ex->buffers[self->index] != BUF_STATIC) {
+        snap = snapshot_buffers(st, self->unit);
+        if (snap == NULL) {
+            goto restore;
+        }
+    }
     rpack = PyObject_GetAttr((PyObject *)self, st->s_rpack);
     runpack = PyObject_GetAttr((PyObject *)self, st->s_runpack);
     if (rpack == NULL || runpack == NULL
@@ -484,6 +571,26 @@ leave:
         }
     }
 restore:
+    if (snap != NULL) {
+        ms_exc_state saved;
+        ms_exc_save(&saved);
+        int had = ms_exc_pending(&saved);
+        int changed = restore_buffers(st, snap);
+        if (changed < 0) {
+            if (had) {
+                PyErr_WriteUnraisable((PyObject *)self);
+            }
+            else {
+                rc = -1;
+            }
+        }
+        else if (ex->buffers != NULL && rc == 0) {
+            ex->buffers[self->index] = changed ? BUF_MUTATED : BUF_STATIC;
+        }
+        if (had) {
+            ms_exc_restore(&saved);
+        }
+    }
     {
         /* Put the caller's RNG back on every path. */
         ms_exc_state saved;
@@ -525,6 +632,7 @@ restore:
         Py_CLEAR(self->recomputed);
     }
 done:
+    Py_XDECREF(snap);
     Py_XDECREF(out);
     Py_XDECREF(rpack);
     Py_XDECREF(runpack);
@@ -1089,6 +1197,11 @@ ex_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         }
     }
     Py_CLEAR(seq);
+    ex->buffers = PyMem_Calloc(ex->n ? (size_t)ex->n : 1, 1);
+    if (ex->buffers == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
     ex->attached = 1;
     {
         PyObject *pre = PyUnicode_InternFromString("_root_pre");
@@ -1156,6 +1269,7 @@ ex_dealloc(Executor *ex)
     PyObject_GC_UnTrack(ex);
     (void)ex_clear(ex);
     PyMem_Free(ex->masks);
+    PyMem_Free(ex->buffers);
     tp->tp_free((PyObject *)ex);
     Py_DECREF(tp);
 }

@@ -1,0 +1,114 @@
+"""Shared test models, all built from code or configs (never downloaded)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.filterwarnings("ignore", message=".*bos_token_id.*")
+warnings.filterwarnings("ignore", message=".*eos_token_id.*")
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 32, p: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(p)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(self.drop(self.act(self.fc1(x))))
+
+
+def mlp(depth: int = 4, width: int = 32, p: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(width, p) for _ in range(depth)])
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
+        self.bn = nn.BatchNorm2d(ch)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(x))) + x
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.Sequential(*[ConvBlock(8) for _ in range(3)])
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = self.blocks(self.stem(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def tiny_gpt2(dropout: float = 0.1):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=256,
+                     n_positions=64, resid_pdrop=dropout, embd_pdrop=dropout,
+                     attn_pdrop=dropout, use_cache=False)
+    return GPT2LMHeadModel(cfg)
+
+
+def tiny_bert(dropout: float = 0.1):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=3,
+                     num_attention_heads=4, intermediate_size=128,
+                     max_position_embeddings=64, hidden_dropout_prob=dropout,
+                     attention_probs_dropout_prob=dropout)
+    return BertForMaskedLM(cfg)
+
+
+def token_batch(vocab: int = 256, batch: int = 2, seq: int = 16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def twins(factory):
+    """Two identical copies of a model: one to wrap, one as reference."""
+    model = factory()
+    model.train()
+    return model, copy.deepcopy(model)
+
+
+def assert_same_grads(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        if p.grad is None or q.grad is None:
+            assert p.grad is None and q.grad is None, name
+            continue
+        assert torch.equal(p.grad, q.grad), (
+            f"{name}: max diff {(p.grad - q.grad).abs().max().item()}")
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
+               + len(m._backward_hooks) for m in model.modules())
+
+
+FORCE = None
+
+
+@pytest.fixture
+def force_config():
+    import memscale
+
+    return memscale.Config(mode="conservative", force_optimize=True)
