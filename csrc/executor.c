@@ -340,6 +340,11 @@ frame_rpack(Frame *self, PyObject *tensor)
     if (PyList_SetItem(self->recomputed, k, d) < 0) {
         return NULL;
     }
+    if (k + 1 == PyList_GET_SIZE(self->recomputed)) {
+        /* Everything backward needs exists: stop the layer here. */
+        PyErr_SetNone(st->stop_recompute);
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -558,11 +563,24 @@ frame_recompute(Frame *self)
     }
     self->recomputing = 1;
     ex->recompute_depth++;
+    Py_ssize_t depth = PyList_GET_SIZE(ex->stack);
     out = PyObject_Call(self->unit, self->args, self->kwargs);
     ex->recompute_depth--;
     self->recomputing = 0;
     if (out != NULL) {
         rc = 0;
+    }
+    else if (PyErr_ExceptionMatches(st->stop_recompute)) {
+        PyErr_Clear();
+        rc = 0;
+    }
+    /* Entries the recompute pushed were popped by always_call hooks; make
+       sure, should a hook have been skipped. */
+    if (PyList_GET_SIZE(ex->stack) > depth
+        && PyList_SetSlice(ex->stack, depth, PyList_GET_SIZE(ex->stack), NULL)
+               < 0)
+    {
+        rc = -1;
     }
 leave:
     for (Py_ssize_t i = PyList_GET_SIZE(entered) - 1; i >= 0; i--) {

@@ -288,6 +288,15 @@ module_exec(PyObject *module)
         return -1;
     }
 
+    /* Raised inside a recompute once every needed tensor exists, to skip
+       the rest of the layer (like torch.utils.checkpoint's early stop). */
+    st->stop_recompute = PyErr_NewExceptionWithDoc(
+        "memscale._core._StopRecompute",
+        "Internal: ends a recompute early. Never escapes memscale.",
+        PyExc_Exception, NULL);
+    if (st->stop_recompute == NULL) {
+        return -1;
+    }
     if (ms_plan_init_types(module, st) < 0
         || ms_executor_init_types(module, st) < 0
         || ms_profiler_init_types(module, st) < 0)
@@ -313,7 +322,7 @@ module_exec(PyObject *module)
     op(autocast) op(is_autocast_enabled) op(get_autocast_dtype)              \
     op(saved_tensors_hooks) op(cuda_is_initialized)                          \
     op(cuda_get_rng_state_all) op(cuda_set_rng_state_all)                    \
-    op(perf_counter_ns) op(s_register_forward_pre_hook)                      \
+    op(perf_counter_ns) op(stop_recompute) op(s_register_forward_pre_hook)                      \
     op(s_register_forward_hook) op(s_with_kwargs) op(s_always_call)          \
     op(s_remove) op(s_untyped_storage) op(s_cdata) op(s_nbytes) op(s_shape)  \
     op(s_dtype) op(s_version) op(s_training) op(s_enter) op(s_exit)          \

@@ -54,6 +54,7 @@ typedef struct {
     PyObject *cuda_get_rng_state_all;
     PyObject *cuda_set_rng_state_all;
     PyObject *perf_counter_ns;      /* time.perf_counter_ns */
+    PyObject *stop_recompute;       /* our exception: recompute is done */
 
     /* Interned names. */
     PyObject *s_register_forward_pre_hook;
