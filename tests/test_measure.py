@@ -302,3 +302,13 @@ def test_module_imports_only_torch_and_stdlib() -> None:
     }
     allowed = set(sys.stdlib_module_names) | {"torch"}
     assert roots <= allowed, roots - allowed
+
+
+def test_peak_rss_subprocess_is_the_childs_own_peak():
+    # Linux carries ru_maxrss across exec(): a large parent must not leak
+    # its size into the child's figure.
+    import torch
+
+    hold = torch.ones(256 * 2**20 // 4)  # 256 MiB touched in this process
+    child = peak_rss_subprocess("x = 1")
+    assert child < hold.numel() * 4

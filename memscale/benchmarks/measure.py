@@ -531,11 +531,22 @@ import resource as _memscale_resource
 import sys as _memscale_sys
 
 def _memscale_report():
+    # Linux carries ru_maxrss across exec(), so a child of a large parent
+    # would report the parent's size; VmHWM is this process's own peak.
     _memscale_sys.stdout.flush()
-    _rss = _memscale_resource.getrusage(
-        _memscale_resource.RUSAGE_SELF).ru_maxrss
-    if _memscale_sys.platform != "darwin":
-        _rss *= 1024
+    _rss = None
+    try:
+        with open("/proc/self/status") as _f:
+            for _line in _f:
+                if _line.startswith("VmHWM:"):
+                    _rss = int(_line.split()[1]) * 1024
+    except OSError:
+        pass
+    if _rss is None:
+        _rss = _memscale_resource.getrusage(
+            _memscale_resource.RUSAGE_SELF).ru_maxrss
+        if _memscale_sys.platform != "darwin":
+            _rss *= 1024
     print("\\n{sentinel}%d" % _rss, flush=True)
 
 try:
@@ -569,7 +580,8 @@ def peak_rss_subprocess(
 
     The code runs in a fresh interpreter as ``__main__`` (exiting through
     ``sys.exit(0)`` counts as success); afterwards the child prints
-    ``getrusage(RUSAGE_SELF).ru_maxrss`` in bytes on a sentinel line, which
+    its own peak RSS (VmHWM; ru_maxrss where /proc is missing) in bytes
+    on a sentinel line, which
     is parsed here. The figure covers everything the process held at its
     worst moment: interpreter, imported libraries, allocator overhead.
 

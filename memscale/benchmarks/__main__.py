@@ -1,0 +1,183 @@
+"""python -m memscale.benchmarks: the reproducible benchmark suite.
+
+Quick by default (small models, a few minutes on a laptop CPU); ``--full``
+runs the published reference sizes this machine has memory for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+import memscale
+from memscale import _core
+
+from .measure import format_bytes
+from .models import select
+from .runner import VARIANT_HELP, VARIANTS, VariantResult, run_model
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import transformers
+        tf_version = transformers.__version__
+    except ImportError:  # pragma: no cover
+        tf_version = None
+    return {
+        "cpu": cpu, "cores": os.cpu_count(),
+        "ram_bytes": _core.detect_hardware("cpu")["capacity_bytes"],
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(), "transformers": tf_version,
+        "memscale": memscale.__version__, "platform": platform.platform(),
+    }
+
+
+def table(results: list[VariantResult]) -> str:
+    head = ("model", "variant", "peak", "reduction", "RSS peak", "time ratio",
+            "loss diff", "grad diff")
+    rows = [head]
+    base: dict[str, VariantResult] = {}
+    for r in results:
+        if r.variant == "unoptimized":
+            base[r.model] = r
+        b = base[r.model]
+        reduction = 1 - r.peak_bytes / b.peak_bytes
+        rows.append((r.model, r.variant, format_bytes(r.peak_bytes),
+                     "-" if r is b else f"{reduction:+.1%}".replace("+", ""),
+                     "-" if r.rss_peak_bytes is None else format_bytes(r.rss_peak_bytes),
+                     f"{r.time_ratio:.2f}x", f"{r.loss_abs_diff:.2g}",
+                     f"{r.grad_max_abs_diff:.2g}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(results: list[VariantResult], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = {r.model: r for r in results if r.variant == "unoptimized"}
+    models = list(base)
+    markers = dict(zip(VARIANTS, "osD^vP"))
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for r in results:
+        color = colors[models.index(r.model) % len(colors)]
+        ax.scatter(r.time_ratio, 100 * r.peak_bytes / base[r.model].peak_bytes,
+                   marker=markers.get(r.variant, "x"), color=color, s=55,
+                   edgecolors="black", linewidths=0.4)
+    for name in models:
+        ax.scatter([], [], color=colors[models.index(name) % len(colors)],
+                   marker="s", label=name)
+    for variant, marker in markers.items():
+        if any(r.variant == variant for r in results):
+            ax.scatter([], [], color="gray", marker=marker, label=variant)
+    ax.set_xlabel("step time / unoptimized step time")
+    ax.set_ylabel("peak training-step memory, % of unoptimized")
+    ax.set_title("memscale benchmark: memory against slowdown (lower left is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m memscale.benchmarks",
+        description="memscale benchmark suite: peak training-step memory, "
+                    "step-time ratio and agreement, against the unoptimized "
+                    "model and torch's own checkpointing.")
+    parser.add_argument("--full", action="store_true",
+                        help="run the published reference sizes (where this "
+                             "machine has the memory) instead of the quick ones")
+    parser.add_argument("--models", nargs="+", metavar="NAME",
+                        help="benchmark models to run (default: every quick, or "
+                             "every full, one)")
+    parser.add_argument("--variants", nargs="+", metavar="NAME", choices=VARIANTS,
+                        default=list(VARIANTS), help="variants to run: "
+                        + ", ".join(f"{k} ({v})" for k, v in VARIANT_HELP.items()))
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed steps per variant (median reported)")
+    parser.add_argument("--no-rss", action="store_true",
+                        help="skip the peak-RSS subprocesses")
+    parser.add_argument("--json", metavar="PATH", help="write every raw figure here")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of memory "
+                        "against time ratio here")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+
+    warnings.filterwarnings("ignore", module="transformers")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        entries = select(args.models, args.full)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    ram = _core.detect_hardware("cpu")["capacity_bytes"]
+    results: list[VariantResult] = []
+    skipped: list[dict[str, Any]] = []
+    from tqdm import tqdm
+
+    bar = tqdm(entries, unit="model", disable=not sys.stderr.isatty(),
+               file=sys.stderr)
+    for entry in bar:
+        need = entry.estimated_training_bytes()
+        if entry.size == "full" and need > 0.6 * ram:
+            reason = (f"needs at least {format_bytes(need)} for weights, gradients "
+                      f"and Adam state; this machine has {format_bytes(ram)}")
+            skipped.append({"model": entry.name, "reason": reason})
+            print(f"skipping {entry.name}: {reason}", file=sys.stderr)
+            continue
+        results.extend(run_model(entry, args.variants, repeats=args.repeats,
+                                 rss=not args.no_rss,
+                                 progress=lambda m: bar.set_description(m)))
+
+    print(table(results))
+    for s in skipped:
+        print(f"skipped {s['model']}: {s['reason']}")
+    print("\npeak: live tensor bytes at the highest point of a training step "
+          "(allocator events, exact); RSS: peak resident memory of a fresh "
+          "process training the variant; time ratio: median step time over "
+          f"the unoptimized median ({args.repeats} interleaved steps).")
+    if args.json:
+        payload = {
+            "schema": "memscale-benchmarks/1",
+            "machine": machine(),
+            "settings": {"full": args.full, "repeats": args.repeats,
+                         "variants": args.variants, "rss": not args.no_rss},
+            "variants": VARIANT_HELP,
+            "results": [r.to_dict() for r in results],
+            "skipped": skipped,
+        }
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Running one benchmark: every variant of one model, measured the same way.
+
+Per variant the suite reports:
+
+* peak live tensor bytes of a training step (zero_grad, forward, loss,
+  backward, AdamW step), counted exactly from allocator events
+  (``measure.measure_peak``, after one warm-up step so optimizer state and
+  gradients exist) plus the bytes alive at the step's start;
+* peak RSS of a fresh subprocess that builds the variant and trains two
+  steps, as a second opinion (it includes the interpreter and libraries);
+* the step-time ratio to the unoptimized variant: all variants of a model
+  timed round-robin in one process, the median of several steps each;
+* agreement with the unoptimized variant: loss and the largest absolute
+  gradient difference after one forward/backward from identical weights,
+  inputs and RNG state.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+import memscale
+from memscale import _core
+
+from .measure import measure_peak, peak_rss_subprocess
+from .models import BENCHMARK_MODELS, Batch, BenchmarkModel
+
+MODES = {"conservative": "conservative", "balanced": "balanced",
+         "aggressive": "aggressive"}
+
+VARIANTS = ("unoptimized", "conservative", "balanced", "aggressive",
+            "torch-checkpoint", "checkpoint-sequential")
+
+VARIANT_HELP = {
+    "unoptimized": "the model as is",
+    "conservative": "memscale.wrap, CONSERVATIVE, force_optimize=True",
+    "balanced": "memscale.wrap, BALANCED, force_optimize=True",
+    "aggressive": "memscale.wrap, AGGRESSIVE, force_optimize=True",
+    "torch-checkpoint": "torch.utils.checkpoint (non-reentrant) on every layer; "
+                        "Hugging Face: gradient_checkpointing_enable()",
+    "checkpoint-sequential": "torch.utils.checkpoint.checkpoint_sequential, "
+                             "sqrt(n) segments (sequential models only)",
+}
+
+
+class CheckpointEach(nn.Module):
+    """Runs a module under torch.utils.checkpoint (the peer we compare to)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+
+class CheckpointSequential(nn.Module):
+    def __init__(self, inner: nn.Sequential) -> None:
+        super().__init__()
+        self.inner = inner
+        self.segments = max(1, round(math.sqrt(len(inner))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_sequential(self.inner, self.segments, x,
+                                     use_reentrant=False)
+
+
+def applies(entry: BenchmarkModel, variant: str) -> bool:
+    return variant != "checkpoint-sequential" or entry.sequential
+
+
+def _checkpoint_every_unit(model: nn.Module) -> None:
+    for name, _ in _core.find_units(model):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        parent._modules[child] = CheckpointEach(parent._modules[child])
+
+
+@dataclass
+class Prepared:
+    model: nn.Module
+    batch: Batch
+    optimizer: torch.optim.Optimizer
+    plan_hash: str | None
+    techniques: dict[str, int] | None
+
+    def step(self) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.batch.loss_fn(self.model(*self.batch.args, **self.batch.kwargs))
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def forward_backward(self, seed: int) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        loss = self.batch.loss_fn(self.model(*self.batch.args, **self.batch.kwargs))
+        loss.backward()
+        return loss.detach()
+
+    def close(self) -> None:
+        if "_memscale_executor" in self.model.__dict__:
+            memscale.detach(self.model)
+
+
+def prepare(entry: BenchmarkModel, variant: str) -> Prepared:
+    """Build ``entry`` (seed 0: identical weights and batch) as ``variant``."""
+    model, batch = entry.build(seed=0)
+    plan_hash = techniques = None
+    if variant in MODES:
+        config = memscale.Config(mode=MODES[variant], force_optimize=True,
+                                 enable_logging=False)
+        memscale.wrap(model, config, sample_input=batch.sample_input)
+        plan = model._memscale_executor.plan
+        plan_hash, techniques = plan.hash, plan.technique_counts
+    elif variant == "torch-checkpoint":
+        if entry.hf:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            _checkpoint_every_unit(model)
+    elif variant == "checkpoint-sequential":
+        if not isinstance(model, nn.Sequential):
+            raise ValueError(f"{entry.name} is not an nn.Sequential")
+        model = CheckpointSequential(model)
+    elif variant != "unoptimized":
+        raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return Prepared(model, batch, optimizer, plan_hash, techniques)
+
+
+@dataclass
+class VariantResult:
+    model: str
+    variant: str
+    description: str
+    peak_bytes: int
+    start_bytes: int
+    peak_delta_bytes: int
+    rss_peak_bytes: int | None
+    step_seconds: list[float]
+    step_median_s: float
+    time_ratio: float
+    loss: float
+    loss_abs_diff: float
+    grad_max_abs_diff: float
+    plan_hash: str | None
+    techniques: dict[str, int] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone()
+            for p in model.parameters()]
+
+
+def _max_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+    if len(a) != len(b):
+        return math.inf
+    worst = 0.0
+    for x, y in zip(a, b):
+        if (x is None) != (y is None):
+            return math.inf
+        if x is not None:
+            worst = max(worst, (x - y).abs().max().item())
+    return worst
+
+
+RSS_CODE = """
+import warnings; warnings.filterwarnings("ignore")
+from memscale.benchmarks.runner import prepare
+from memscale.benchmarks.models import BENCHMARK_MODELS
+p = prepare(BENCHMARK_MODELS[{model!r}], {variant!r})
+for _ in range(2):
+    p.step()
+"""
+
+
+def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
+              rss: bool = True, progress: Callable[[str], None] | None = None
+              ) -> list[VariantResult]:
+    """Measure every applicable variant of ``entry``; the first result is
+    always the unoptimized baseline."""
+    names = ["unoptimized"] + [v for v in variants
+                               if v != "unoptimized" and applies(entry, v)]
+    note = progress or (lambda _msg: None)
+
+    # Agreement: one forward/backward from identical state, same RNG seed.
+    note(f"{entry.name}: agreement")
+    reference_loss = reference_grads = None
+    agreement: dict[str, tuple[float, float, float]] = {}
+    for name in names:
+        prepared = prepare(entry, name)
+        loss = prepared.forward_backward(seed=1234).item()
+        grads = _grads(prepared.model)
+        if reference_grads is None:
+            reference_loss, reference_grads = loss, grads
+        agreement[name] = (loss, abs(loss - reference_loss),
+                           _max_diff(grads, reference_grads))
+        prepared.close()
+        del prepared, grads
+        gc.collect()
+
+    # Memory: exact allocator peak of a steady-state training step.
+    memory: dict[str, Any] = {}
+    meta: dict[str, tuple[str | None, dict[str, int] | None]] = {}
+    for name in names:
+        note(f"{entry.name}: memory of {name}")
+        prepared = prepare(entry, name)
+        report = measure_peak(prepared.step, model=prepared.model,
+                              inputs=(prepared.batch.args, prepared.batch.kwargs,
+                                      prepared.optimizer.state),
+                              warmup=1)
+        memory[name] = report
+        meta[name] = (prepared.plan_hash, prepared.techniques)
+        prepared.close()
+        del prepared
+        gc.collect()
+
+    # Time: all variants alive, timed round-robin, median per variant.
+    note(f"{entry.name}: step time")
+    live = {name: prepare(entry, name) for name in names}
+    for prepared in live.values():
+        prepared.step()  # warm-up: optimizer state, allocator pools
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(repeats):
+        for name in names:
+            start = time.perf_counter()
+            live[name].step()
+            times[name].append(time.perf_counter() - start)
+    for prepared in live.values():
+        prepared.close()
+    del live
+    gc.collect()
+
+    rss_peaks: dict[str, int | None] = {name: None for name in names}
+    if rss:
+        for name in names:
+            note(f"{entry.name}: RSS of {name}")
+            rss_peaks[name] = peak_rss_subprocess(
+                RSS_CODE.format(model=entry.name, variant=name))
+
+    base_median = statistics.median(times["unoptimized"])
+    results = []
+    for name in names:
+        report = memory[name]
+        median = statistics.median(times[name])
+        loss, loss_diff, grad_diff = agreement[name]
+        results.append(VariantResult(
+            model=entry.name, variant=name, description=VARIANT_HELP[name],
+            peak_bytes=report.peak_bytes, start_bytes=report.start_bytes,
+            peak_delta_bytes=report.peak_delta_bytes, rss_peak_bytes=rss_peaks[name],
+            step_seconds=times[name], step_median_s=median,
+            time_ratio=median / base_median, loss=loss, loss_abs_diff=loss_diff,
+            grad_max_abs_diff=grad_diff, plan_hash=meta[name][0],
+            techniques=meta[name][1]))
+    return results
+
+
+def lookup(name: str) -> BenchmarkModel:
+    return BENCHMARK_MODELS[name]
