@@ -9,6 +9,7 @@
  */
 #include "ms.h"
 
+#include <math.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,6 +46,7 @@ typedef struct {
     long long peak_projected_bytes;
     double pressure;
     double recompute_ratio;
+    double total_flops;
     char skipped;  /* Py_T_BOOL members are a char */
     char fits;
     unsigned allowed;
@@ -281,6 +283,8 @@ plan_to_json_str(Plan *p)
         || sb_key(&b, "peak_projected_bytes", 0) < 0
         || sb_ll(&b, p->peak_projected_bytes) < 0
         || sb_key(&b, "pressure", 0) < 0 || sb_double(&b, p->pressure) < 0
+        || sb_key(&b, "total_flops", 0) < 0
+        || sb_double(&b, p->total_flops) < 0
         || sb_key(&b, "recompute_ratio", 0) < 0
         || sb_double(&b, p->recompute_ratio) < 0
         || sb_key(&b, "skipped", 0) < 0
@@ -463,6 +467,8 @@ static PyMemberDef plan_members[] = {
     PLAN_LL(peak_projected_bytes, "Estimated peak with this plan."),
     {"pressure", Py_T_DOUBLE, offsetof(Plan, pressure), Py_READONLY,
      "peak_unoptimized_bytes / budget_bytes."},
+    {"total_flops", Py_T_DOUBLE, offsetof(Plan, total_flops), Py_READONLY,
+     "Forward FLOPs of the whole model."},
     {"recompute_ratio", Py_T_DOUBLE, offsetof(Plan, recompute_ratio),
      Py_READONLY, "Recomputed forward FLOPs / forward FLOPs."},
     {"skipped", Py_T_BOOL, offsetof(Plan, skipped), Py_READONLY,
@@ -577,11 +583,45 @@ error:
     return NULL;
 }
 
+/* Sizes above this are not a real device: refusing them keeps every sum
+   the engine makes far from int64 overflow. */
+#define MS_MAX_BYTES (1LL << 50)
+#define MS_KNOWN_FLAGS (MS_LAYER_INPLACE_INPUT | MS_LAYER_NOT_CALLED)
+#define MS_KNOWN_TECH (MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING)
+
+static int
+check_bytes(const char *what, long long v)
+{
+    if (v < 0 || v > MS_MAX_BYTES) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s must be >= 0 and <= 2**50 bytes, got %lld", what, v);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+check_flops(const char *what, double v)
+{
+    if (!isfinite(v) || v < 0.0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s must be a finite number >= 0 (not inf or nan)", what);
+        return -1;
+    }
+    return 0;
+}
+
 static int
 parse_layer(PyObject *item, PyObject **name, PyObject **kind, ms_layer *out)
 {
-    unsigned int flags = 0;
-    if (!PyArg_ParseTuple(item, "UULLLdI;each layer must be (name, kind, "
+    long flags = 0;
+    if (!PyTuple_Check(item)) {
+        PyErr_Format(PyExc_TypeError,
+                     "each layer must be a tuple (name, kind, param_bytes, "
+                     "saved_bytes, input_bytes, flops, flags), got %T", item);
+        return -1;
+    }
+    if (!PyArg_ParseTuple(item, "UULLLdl;each layer must be (name, kind, "
                           "param_bytes, saved_bytes, input_bytes, flops, "
                           "flags)",
                           name, kind, &out->param_bytes, &out->saved_bytes,
@@ -589,14 +629,18 @@ parse_layer(PyObject *item, PyObject **name, PyObject **kind, ms_layer *out)
     {
         return -1;
     }
-    if (out->param_bytes < 0 || out->saved_bytes < 0 || out->input_bytes < 0
-        || !(out->flops >= 0.0))
+    if (check_bytes("param_bytes", out->param_bytes) < 0
+        || check_bytes("saved_bytes", out->saved_bytes) < 0
+        || check_bytes("input_bytes", out->input_bytes) < 0
+        || check_flops("flops", out->flops) < 0)
     {
-        PyErr_SetString(PyExc_ValueError,
-                        "layer sizes and flops must be >= 0");
         return -1;
     }
-    out->flags = flags;
+    if (flags < 0 || (flags & ~(long)MS_KNOWN_FLAGS) != 0) {
+        PyErr_Format(PyExc_ValueError, "unknown layer flags %ld", flags);
+        return -1;
+    }
+    out->flags = (unsigned)flags;
     return 0;
 }
 
@@ -609,7 +653,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
                              "device_count", "capacity_bytes", NULL};
     ms_state *st = ms_get_state(module);
     PyObject *layers_arg, *mode_obj, *device;
-    unsigned int allowed;
+    long allowed;
     int force;
     long long budget, fixed, act, dcount, capacity;
     double total_flops;
@@ -618,7 +662,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     ms_choice *out = NULL;
     Plan *plan = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O$OIpLLLdULL:build_plan",
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O$OlpLLLdULL:build_plan",
                                      kwlist, &layers_arg, &mode_obj, &allowed,
                                      &force, &budget, &fixed, &act,
                                      &total_flops, &device, &dcount,
@@ -630,13 +674,30 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     if (parse_mode(mode_obj, &prob.mode) < 0) {
         return NULL;
     }
-    if (budget <= 0 || fixed < 0 || act < 0 || !(total_flops >= 0.0)) {
-        PyErr_SetString(PyExc_ValueError,
-                        "budget_bytes must be > 0; fixed_bytes, "
-                        "activation_bytes and total_flops >= 0");
+    if (budget <= 0) {
+        PyErr_Format(PyExc_ValueError, "budget_bytes must be > 0, got %lld",
+                     budget);
         return NULL;
     }
-    prob.allowed = allowed;
+    if (check_bytes("budget_bytes", budget) < 0
+        || check_bytes("fixed_bytes", fixed) < 0
+        || check_bytes("activation_bytes", act) < 0
+        || check_bytes("capacity_bytes", capacity) < 0
+        || check_flops("total_flops", total_flops) < 0)
+    {
+        return NULL;
+    }
+    if (dcount < 1) {
+        PyErr_Format(PyExc_ValueError, "device_count must be >= 1, got %lld",
+                     dcount);
+        return NULL;
+    }
+    if (allowed < 0 || (allowed & ~(long)MS_KNOWN_TECH) != 0) {
+        PyErr_Format(PyExc_ValueError, "unknown technique bits in allowed=%ld",
+                     allowed);
+        return NULL;
+    }
+    prob.allowed = (unsigned)allowed;
     prob.force = force;
     prob.budget_bytes = budget;
     prob.fixed_bytes = fixed;
@@ -661,6 +722,16 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
         {
             goto error;
         }
+    }
+    /* Every size is <= 2**50; bound the sum the engine will make too. */
+    double total = (double)fixed + (double)act;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        total += (double)in[i].saved_bytes + (double)in[i].input_bytes;
+    }
+    if (total > (double)(1LL << 60)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "the sizes add up to more than 2**60 bytes");
+        goto error;
     }
     ms_result res;
     if (ms_engine_plan(&prob, in, (size_t)n, out, &res) < 0) {
@@ -708,7 +779,8 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     plan->recompute_ratio = res.recompute_ratio;
     plan->skipped = (char)(res.skipped != 0);
     plan->fits = (char)(res.fits != 0);
-    plan->allowed = allowed;
+    plan->allowed = (unsigned)allowed;
+    plan->total_flops = total_flops;
     PyObject_GC_Track(plan);
     plan->json = plan_to_json_str(plan);
     if (plan->json == NULL) {

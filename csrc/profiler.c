@@ -1260,10 +1260,10 @@ ms_detect_hardware(PyObject *module, PyObject *args, PyObject *kwargs)
     }
     if (strcmp(device, "cuda") != 0) {
         PyErr_Format(PyExc_ValueError,
-                     "memscale plans for 'cpu' and 'cuda' devices, not %R; "
+                     "memscale plans for 'cpu' and 'cuda' devices, not '%s'; "
                      "move the model to one of them or set "
                      "Config(memory_budget_gb=...)",
-                     PyTuple_GET_ITEM(args, 0));
+                     device);
         return NULL;
     }
     /* CUDA: thin, through torch.cuda (not runnable on CPU-only hosts). */
