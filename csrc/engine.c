@@ -53,6 +53,14 @@ ms_mode_base_techniques(ms_mode mode)
     return 0;
 }
 
+/* a + b for a, b >= 0, saturating at INT64_MAX: sizes come from Python and
+   from fuzzers, and signed overflow is undefined behaviour. */
+static int64_t
+add_sat(int64_t a, int64_t b)
+{
+    return a > INT64_MAX - b ? INT64_MAX : a + b;
+}
+
 static int64_t
 freed_bytes(const ms_layer *layer)
 {
@@ -68,20 +76,21 @@ projected_peak(const ms_problem *p, const ms_layer *layers, size_t n,
     int64_t prefix = 0, worst = 0;
     for (size_t i = 0; i < n; i++) {
         if (ckpt[i]) {
-            int64_t at_recompute = prefix + layers[i].saved_bytes;
+            int64_t at_recompute = add_sat(prefix, layers[i].saved_bytes);
             if (at_recompute > worst) {
                 worst = at_recompute;
             }
-            prefix += layers[i].saved_bytes - freed_bytes(&layers[i]);
+            prefix = add_sat(prefix,
+                             layers[i].saved_bytes - freed_bytes(&layers[i]));
         }
         else {
-            prefix += layers[i].saved_bytes;
+            prefix = add_sat(prefix, layers[i].saved_bytes);
         }
     }
     if (prefix > worst) {
         worst = prefix;
     }
-    return p->fixed_bytes + rest + worst;
+    return add_sat(add_sat(p->fixed_bytes, rest), worst);
 }
 
 typedef struct {
@@ -131,7 +140,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
 
     int64_t in_layers = 0;
     for (size_t i = 0; i < n; i++) {
-        in_layers += layers[i].saved_bytes;
+        in_layers = add_sat(in_layers, layers[i].saved_bytes);
     }
     int64_t rest = p->activation_bytes - in_layers;
     if (rest < 0) {
@@ -139,7 +148,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
     }
     unsigned base = ms_mode_base_techniques(p->mode) & p->allowed;
 
-    res->peak_unoptimized = p->fixed_bytes + rest + in_layers;
+    res->peak_unoptimized = add_sat(add_sat(p->fixed_bytes, rest), in_layers);
     res->pressure = p->budget_bytes > 0
                         ? (double)res->peak_unoptimized / (double)p->budget_bytes
                         : 0.0;

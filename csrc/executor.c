@@ -60,6 +60,7 @@ struct Executor {
     PyObject *plan;         /* Plan or None */
     PyObject *profiler;     /* Profiler while warming up, else None */
     PyObject *on_profiled;  /* callable(profiler) -> Plan, or None */
+    PyObject *pre_exc;      /* exception being handled at _root_pre, or NULL */
     PyObject *handles;      /* unit hooks */
     PyObject *root_handles; /* hooks on the root */
     PyObject *stack;        /* Frame or None per active planned call */
@@ -211,34 +212,13 @@ frame_new(Executor *ex, Py_ssize_t index, PyObject *unit, PyObject *args,
     if (f->kwargs == NULL || f->versions == NULL || f->shapes == NULL) {
         goto error;
     }
-    /* Versions of the tensor inputs: recompute needs them unchanged. */
-    PyObject *all = PySequence_List(args);
-    PyObject *kwvals = all ? PyDict_Values(f->kwargs) : NULL;
-    if (kwvals == NULL
-        || PyList_SetSlice(all, PyList_GET_SIZE(all), PyList_GET_SIZE(all),
-                           kwvals) < 0)
+    /* Versions of the tensor inputs, nested ones included (a tuple of
+       tensors is a common argument): recompute needs them unchanged. */
+    if (ms_collect_versions(st, f->args, f->versions) < 0
+        || ms_collect_versions(st, f->kwargs, f->versions) < 0)
     {
-        Py_CLEAR(all);
-    }
-    Py_XDECREF(kwvals);
-    if (all == NULL) {
         goto error;
     }
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(all); i++) {
-        PyObject *a = PySequence_Fast_ITEMS(all)[i];
-        if (ms_is_tensor(st, a)) {
-            PyObject *v = PyObject_GetAttr(a, st->s_version);
-            PyObject *pair = v ? PyTuple_Pack(2, a, v) : NULL;
-            Py_XDECREF(v);
-            if (pair == NULL || PyList_Append(f->versions, pair) < 0) {
-                Py_XDECREF(pair);
-                Py_DECREF(all);
-                goto error;
-            }
-            Py_DECREF(pair);
-        }
-    }
-    Py_DECREF(all);
     f->rng_cpu = PyObject_CallNoArgs(st->get_rng_state);
     if (f->rng_cpu == NULL) {
         goto error;
@@ -261,10 +241,11 @@ frame_new(Executor *ex, Py_ssize_t index, PyObject *unit, PyObject *args,
     if (cuda) {
         /* CUDA path: unverified on this project's CPU-only machines. */
         f->rng_cuda = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
+        if (f->rng_cuda == NULL) {
+            goto error;
+        }
         flag = PyObject_CallOneArg(st->is_autocast_enabled, st->s_cuda);
-        if (f->rng_cuda == NULL || flag == NULL
-            || (f->cuda_autocast = PyObject_IsTrue(flag)) < 0)
-        {
+        if (flag == NULL || (f->cuda_autocast = PyObject_IsTrue(flag)) < 0) {
             goto error;
         }
         Py_CLEAR(flag);
@@ -466,6 +447,8 @@ restore_buffers(ms_state *st, PyObject *snap)
     return changed;
 }
 
+static int pop_entry(Executor *ex);
+
 /* Run the layer again under the state its forward ran in. */
 static int
 frame_recompute(Frame *self)
@@ -576,11 +559,10 @@ frame_recompute(Frame *self)
     }
     /* Entries the recompute pushed were popped by always_call hooks; make
        sure, should a hook have been skipped. */
-    if (PyList_GET_SIZE(ex->stack) > depth
-        && PyList_SetSlice(ex->stack, depth, PyList_GET_SIZE(ex->stack), NULL)
-               < 0)
-    {
-        rc = -1;
+    while (PyList_GET_SIZE(ex->stack) > depth) {
+        if (pop_entry(ex) < 0) {
+            rc = -1;
+        }
     }
 leave:
     for (Py_ssize_t i = PyList_GET_SIZE(entered) - 1; i >= 0; i--) {
@@ -646,10 +628,11 @@ restore:
     if (rc == 0) {
         ex->recomputes++;
     }
-    else {
+done:
+    if (rc < 0) {
+        /* Never leave a half-filled (or NULL-filled) list behind. */
         Py_CLEAR(self->recomputed);
     }
-done:
     Py_XDECREF(snap);
     Py_XDECREF(out);
     Py_XDECREF(rpack);
@@ -672,6 +655,7 @@ frame_unpack(Frame *self, PyObject *obj)
     }
     Py_ssize_t k = ((Handle *)obj)->index;
     if (self->recomputed == NULL
+        || k >= PyList_GET_SIZE(self->recomputed)
         || PyList_GET_ITEM(self->recomputed, k) == Py_None)
     {
         /* First need in this backward (or again, with retain_graph). */
@@ -725,7 +709,7 @@ pop_entry(Executor *ex)
     }
     PyObject *top = Py_NewRef(PyList_GET_ITEM(ex->stack, n - 1));
     int rc = PyList_SetSlice(ex->stack, n - 1, n, NULL);
-    if (top != Py_None) {
+    if (PyObject_TypeCheck(top, ex->st->frame_type)) {
         Frame *f = (Frame *)top;
         ex->active_frames--;
         if (f->ctx != NULL) {
@@ -747,7 +731,7 @@ push_entry(Executor *ex, PyObject *entry)
     if (PyList_Append(ex->stack, entry) < 0) {
         return -1;
     }
-    if (entry != Py_None) {
+    if (PyObject_TypeCheck(entry, ex->st->frame_type)) {
         ex->active_frames++;
     }
     return 0;
@@ -816,7 +800,9 @@ ex_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     PyObject *entry = open_frame(ex, args[0], args[1], args[2]);
     /* Push even on error: the paired forward hook pops one entry. */
     int failed = entry == NULL && PyErr_Occurred();
-    if (push_entry(ex, entry ? entry : Py_None) < 0) {
+    /* The entry is the Frame, or the unit itself when nothing is done, so
+       that the forward hook can tell its own entry from an outer one. */
+    if (push_entry(ex, entry ? entry : args[0]) < 0) {
         if (entry != NULL) {
             Frame *f = (Frame *)entry;
             PyObject *ctx = f->ctx;
@@ -835,11 +821,24 @@ ex_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
-ex_post(Executor *ex, PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
+ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "_post(module, args, output)");
         return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(ex->stack);
+    if (n == 0) {
+        Py_RETURN_NONE;
+    }
+    PyObject *top = PyList_GET_ITEM(ex->stack, n - 1);
+    PyObject *owner = PyObject_TypeCheck(top, ex->st->frame_type)
+                          ? ((Frame *)top)->unit
+                          : top;
+    if (owner != args[0]) {
+        /* Not ours: a hook that runs before ours raised, so our pre-hook
+           never pushed.  Popping would close an outer layer's frame. */
+        Py_RETURN_NONE;
     }
     if (pop_entry(ex) < 0) {
         return NULL;
@@ -857,14 +856,8 @@ drop_stale(Executor *ex, int warn)
     if (PyList_GET_SIZE(ex->stack) == 0) {
         return 0;
     }
-    if (warn
-        && PyErr_WarnEx(PyExc_RuntimeWarning,
-                        "memscale: a previous forward was interrupted inside "
-                        "a checkpointed layer; its hooks were cleaned up",
-                        1) < 0)
-    {
-        return -1;
-    }
+    /* Clean up first: a warning turned into an error must not leave the
+       stale contexts entered (and fail every later forward). */
     int rc = 0;
     while (PyList_GET_SIZE(ex->stack) > 0) {
         if (pop_entry(ex) < 0) {
@@ -872,6 +865,14 @@ drop_stale(Executor *ex, int warn)
         }
     }
     ex->active_frames = 0;
+    if (rc == 0 && warn
+        && PyErr_WarnEx(PyExc_RuntimeWarning,
+                        "memscale: a previous forward was interrupted inside "
+                        "a checkpointed layer; its hooks were cleaned up",
+                        1) < 0)
+    {
+        rc = -1;
+    }
     return rc;
 }
 
@@ -906,6 +907,12 @@ ex_root_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_DECREF(r);
+    /* The caller may itself run inside an except block: remember what was
+       being handled, so that _root_post only blames a new exception. */
+    Py_XSETREF(ex->pre_exc, PyErr_GetHandledException());
+    if (ex->pre_exc == Py_None) {
+        Py_CLEAR(ex->pre_exc);
+    }
     ex->root_in_pass = 1;
     Py_RETURN_NONE;
 }
@@ -923,8 +930,12 @@ ex_root_post(Executor *ex, PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
     ex->root_in_pass = 0;
     /* Called from torch's "except Exception:" when the forward raised. */
     PyObject *handled = PyErr_GetHandledException();
-    int ok = handled == NULL || handled == Py_None;
+    if (handled == Py_None) {
+        Py_CLEAR(handled);
+    }
+    int ok = handled == ex->pre_exc;
     Py_XDECREF(handled);
+    Py_CLEAR(ex->pre_exc);
     PyObject *r = PyObject_CallMethod(ex->profiler, "end_pass", "(O)",
                                       ok ? Py_True : Py_False);
     if (r == NULL) {
@@ -978,7 +989,9 @@ ex_apply_plan(Executor *ex, PyObject *plan)
     int rc = -1;
 
     if (!PyObject_TypeCheck(plan, st->plan_type)) {
-        PyErr_Format(PyExc_TypeError, "apply() needs a Plan, got %T", plan);
+        PyErr_Format(PyExc_TypeError,
+                     "apply() needs a Plan, got %.200s",
+                     Py_TYPE(plan)->tp_name);
         return -1;
     }
     if (!ex->attached) {
@@ -1024,6 +1037,7 @@ ex_apply_plan(Executor *ex, PyObject *plan)
     }
     PyMem_Free(ex->masks);
     ex->masks = NULL;
+    Py_XSETREF(ex->plan, Py_NewRef(Py_None));  /* its hooks are gone */
     pre = PyUnicode_InternFromString("_pre");
     post = PyUnicode_InternFromString("_post");
     if (pre == NULL || post == NULL
@@ -1164,7 +1178,8 @@ ex_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (is_mod <= 0) {
         if (is_mod == 0) {
             PyErr_Format(PyExc_TypeError,
-                         "Executor needs a torch.nn.Module, got %T", model);
+                         "Executor needs a torch.nn.Module, got %.200s",
+                         Py_TYPE(model)->tp_name);
         }
         return NULL;
     }
@@ -1191,18 +1206,37 @@ ex_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     {
         goto error;
     }
+    /* A tuple of our own: the caller's list cannot change under us while
+       the loop below runs Python code (hashing the modules). */
     seq = PySequence_Fast(units_arg, "units must be a sequence of "
                                      "(name, module) pairs");
     if (seq == NULL) {
         goto error;
     }
-    ex->n = PySequence_Fast_GET_SIZE(seq);
+    Py_SETREF(seq, PySequence_Tuple(seq));
+    if (seq == NULL) {
+        goto error;
+    }
+    ex->n = PyTuple_GET_SIZE(seq);
     for (Py_ssize_t i = 0; i < ex->n; i++) {
-        PyObject *name, *unit;
-        if (!PyArg_ParseTuple(PySequence_Fast_ITEMS(seq)[i],
-                              "UO;units must be (name, module) pairs", &name,
-                              &unit))
+        PyObject *item = PyTuple_GET_ITEM(seq, i), *name, *unit;
+        if (!PyTuple_Check(item)) {
+            PyErr_Format(PyExc_TypeError,
+                         "units must be (name, module) tuples, got %.200s",
+                         Py_TYPE(item)->tp_name);
+            goto error;
+        }
+        if (!PyArg_ParseTuple(item, "UO;units must be (name, module) pairs",
+                              &name, &unit))
         {
+            goto error;
+        }
+        int has = PyDict_Contains(ex->index_of, unit);
+        if (has != 0) {
+            if (has > 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "unit %R appears twice among the units", name);
+            }
             goto error;
         }
         PyObject *idx = PyLong_FromSsize_t(i);
@@ -1257,6 +1291,7 @@ ex_traverse(Executor *ex, visitproc visit, void *arg)
     Py_VISIT(ex->plan);
     Py_VISIT(ex->profiler);
     Py_VISIT(ex->on_profiled);
+    Py_VISIT(ex->pre_exc);
     Py_VISIT(ex->handles);
     Py_VISIT(ex->root_handles);
     Py_VISIT(ex->stack);
@@ -1273,6 +1308,7 @@ ex_clear(Executor *ex)
     Py_CLEAR(ex->plan);
     Py_CLEAR(ex->profiler);
     Py_CLEAR(ex->on_profiled);
+    Py_CLEAR(ex->pre_exc);
     Py_CLEAR(ex->handles);
     Py_CLEAR(ex->root_handles);
     Py_CLEAR(ex->stack);

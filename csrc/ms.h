@@ -172,6 +172,9 @@ int ms_register_unit_hooks(ms_state *st, PyObject *owner, PyObject *units,
                            PyObject *post_name);
 int ms_remove_handles(ms_state *st, PyObject *handles);
 PyObject *ms_find_units(PyObject *module, PyObject *model);
+/* Append (tensor, tensor._version) for every tensor in obj (nested in
+   tuples, lists and dict values) to the list out. */
+int ms_collect_versions(ms_state *st, PyObject *obj, PyObject *out);
 PyObject *ms_detect_hardware(PyObject *module, PyObject *args,
                              PyObject *kwargs);
 

@@ -519,7 +519,9 @@ parse_mode(PyObject *mode, ms_mode *out)
     static const char *const names[] = {"conservative", "balanced",
                                         "aggressive"};
     if (!PyUnicode_Check(mode)) {
-        PyErr_Format(PyExc_TypeError, "mode must be a str, got %T", mode);
+        PyErr_Format(PyExc_TypeError,
+                     "mode must be a str, got %.200s",
+                     Py_TYPE(mode)->tp_name);
         return -1;
     }
     for (int i = 0; i < 3; i++) {
@@ -618,7 +620,8 @@ parse_layer(PyObject *item, PyObject **name, PyObject **kind, ms_layer *out)
     if (!PyTuple_Check(item)) {
         PyErr_Format(PyExc_TypeError,
                      "each layer must be a tuple (name, kind, param_bytes, "
-                     "saved_bytes, input_bytes, flops, flags), got %T", item);
+                     "saved_bytes, input_bytes, flops, flags), got %.200s",
+                     Py_TYPE(item)->tp_name);
         return -1;
     }
     if (!PyArg_ParseTuple(item, "UULLLdl;each layer must be (name, kind, "
@@ -708,7 +711,13 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     if (seq == NULL) {
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    /* A tuple of our own: parsing calls __index__ / __float__, Python code
+       that could shrink the caller's list under the loops below. */
+    Py_SETREF(seq, PySequence_Tuple(seq));
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     in = PyMem_Calloc(n ? (size_t)n : 1, sizeof(ms_layer));
     out = PyMem_Calloc(n ? (size_t)n : 1, sizeof(ms_choice));
     if (in == NULL || out == NULL) {
@@ -717,7 +726,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name, *kind;
-        if (parse_layer(PySequence_Fast_ITEMS(seq)[i], &name, &kind,
+        if (parse_layer(PyTuple_GET_ITEM(seq, i), &name, &kind,
                         &in[i]) < 0)
         {
             goto error;
@@ -747,7 +756,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
         PyObject *name, *kind;
         ms_layer dummy;
         /* Parsed once already: cannot fail now, but check anyway. */
-        if (parse_layer(PySequence_Fast_ITEMS(seq)[i], &name, &kind,
+        if (parse_layer(PyTuple_GET_ITEM(seq, i), &name, &kind,
                         &dummy) < 0)
         {
             goto error;

@@ -98,10 +98,12 @@ tensor_bytes(Profiler *self, PyObject *obj, PyObject *keys, int depth)
     }
     long long total = 0;
     if (PyTuple_Check(obj) || PyList_Check(obj)) {
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            long long b = tensor_bytes(self, PySequence_Fast_ITEMS(obj)[i],
-                                       keys, depth + 1);
+        /* Re-read the size and own the item: tensor methods may run Python
+           code (subclasses) that changes a list. */
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(obj); i++) {
+            PyObject *item = Py_NewRef(PySequence_Fast_ITEMS(obj)[i]);
+            long long b = tensor_bytes(self, item, keys, depth + 1);
+            Py_DECREF(item);
             if (b < 0) {
                 return -1;
             }
@@ -112,7 +114,9 @@ tensor_bytes(Profiler *self, PyObject *obj, PyObject *keys, int depth)
         Py_ssize_t pos = 0;
         PyObject *k, *v;
         while (PyDict_Next(obj, &pos, &k, &v)) {
+            Py_INCREF(v);
             long long b = tensor_bytes(self, v, keys, depth + 1);
+            Py_DECREF(v);
             if (b < 0) {
                 return -1;
             }
@@ -137,8 +141,29 @@ tensor_bytes(Profiler *self, PyObject *obj, PyObject *keys, int depth)
 
 /* Versions of the tensors among args and kwargs: a list of (tensor,
    version) pairs, to tell in-place updates of a unit's inputs. */
+static int collect_versions(ms_state *st, PyObject *obj, PyObject *out);
+static int collect_versions_impl(ms_state *st, PyObject *obj,
+                                 PyObject *out);
+
 static int
 collect_versions(ms_state *st, PyObject *obj, PyObject *out)
+{
+    if (Py_EnterRecursiveCall(" while collecting input versions")) {
+        return -1;
+    }
+    int rc = collect_versions_impl(st, obj, out);
+    Py_LeaveRecursiveCall();
+    return rc;
+}
+
+int
+ms_collect_versions(ms_state *st, PyObject *obj, PyObject *out)
+{
+    return collect_versions(st, obj, out);
+}
+
+static int
+collect_versions_impl(ms_state *st, PyObject *obj, PyObject *out)
 {
     if (ms_is_tensor(st, obj)) {
         PyObject *v = PyObject_GetAttr(obj, st->s_version);
@@ -154,18 +179,27 @@ collect_versions(ms_state *st, PyObject *obj, PyObject *out)
         Py_DECREF(pair);
         return rc;
     }
-    if (PyTuple_Check(obj)) {
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(obj); i++) {
-            if (collect_versions(st, PyTuple_GET_ITEM(obj, i), out) < 0) {
+    if (PyTuple_Check(obj) || PyList_Check(obj)) {
+        PyObject *items = PySequence_Tuple(obj);  /* lists may change */
+        if (items == NULL) {
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
+            if (collect_versions(st, PyTuple_GET_ITEM(items, i), out) < 0) {
+                Py_DECREF(items);
                 return -1;
             }
         }
+        Py_DECREF(items);
     }
     else if (PyDict_Check(obj)) {
         Py_ssize_t pos = 0;
         PyObject *k, *v;
         while (PyDict_Next(obj, &pos, &k, &v)) {
-            if (collect_versions(st, v, out) < 0) {
+            Py_INCREF(v);  /* the call below may run Python code */
+            int rc = collect_versions(st, v, out);
+            Py_DECREF(v);
+            if (rc < 0) {
                 return -1;
             }
         }
@@ -429,6 +463,63 @@ PyDoc_STRVAR(prof_end_doc,
 "Finish the pass begun by begin_pass(); with ok=False (the forward\n"
 "raised) its figures are dropped.");
 
+/* Leave the pass's contexts and fold its figures in (ok) or drop them. */
+static int
+end_pass(Profiler *self, int ok)
+{
+    ms_state *st = self->st;
+    self->in_pass = 0;
+    int rc = ms_call_exit(st, self->ctx);
+    Py_CLEAR(self->ctx);
+    if (self->flop_counter != Py_None) {
+        double total = 0.0;
+        if (rc == 0 && current_flops(self, &total) < 0) {
+            rc = -1;
+        }
+        self->flops_cur = total;
+        if (ms_call_exit(st, self->flop_counter) < 0) {
+            rc = -1;
+        }
+    }
+    Py_CLEAR(self->seen);
+    if (PyList_SetSlice(self->stack, 0, PyList_GET_SIZE(self->stack), NULL)
+        < 0)
+    {
+        rc = -1;
+    }
+    if (rc < 0 || !ok) {
+        return rc;
+    }
+    /* Keep, per unit, the largest figures seen in any pass. */
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        unit_stats *c = &self->cur[i], *b = &self->best[i];
+        if (c->saved > b->saved) {
+            b->saved = c->saved;
+        }
+        if (c->input > b->input) {
+            b->input = c->input;
+        }
+        if (c->output > b->output) {
+            b->output = c->output;
+        }
+        if (c->flops > b->flops) {
+            b->flops = c->flops;
+        }
+        if (c->calls > b->calls) {
+            b->calls = c->calls;
+        }
+        b->flags |= c->flags;
+    }
+    if (self->total_cur > self->total_best) {
+        self->total_best = self->total_cur;
+    }
+    if (self->flops_cur > self->flops_best) {
+        self->flops_best = self->flops_cur;
+    }
+    self->passes += 1;
+    return 0;
+}
+
 static PyObject *
 prof_end(Profiler *self, PyObject *args, PyObject *kwargs)
 {
@@ -444,47 +535,8 @@ prof_end(Profiler *self, PyObject *args, PyObject *kwargs)
                         "memscale profiler: no pass is running");
         return NULL;
     }
-    ms_state *st = self->st;
-    self->in_pass = 0;
-    int rc = ms_call_exit(st, self->ctx);
-    Py_CLEAR(self->ctx);
-    if (self->flop_counter != Py_None) {
-        double total;
-        if (current_flops(self, &total) < 0) {
-            rc = -1;
-        }
-        self->flops_cur = total;
-        if (ms_call_exit(st, self->flop_counter) < 0) {
-            rc = -1;
-        }
-    }
-    Py_CLEAR(self->seen);
-    if (PyList_SetSlice(self->stack, 0, PyList_GET_SIZE(self->stack), NULL)
-        < 0)
-    {
-        rc = -1;
-    }
-    if (rc < 0) {
+    if (end_pass(self, ok) < 0) {
         return NULL;
-    }
-    if (ok) {
-        /* Keep, per unit, the largest figures seen in any pass. */
-        for (Py_ssize_t i = 0; i < self->n; i++) {
-            unit_stats *c = &self->cur[i], *b = &self->best[i];
-            if (c->saved > b->saved) b->saved = c->saved;
-            if (c->input > b->input) b->input = c->input;
-            if (c->output > b->output) b->output = c->output;
-            if (c->flops > b->flops) b->flops = c->flops;
-            if (c->calls > b->calls) b->calls = c->calls;
-            b->flags |= c->flags;
-        }
-        if (self->total_cur > self->total_best) {
-            self->total_best = self->total_cur;
-        }
-        if (self->flops_cur > self->flops_best) {
-            self->flops_best = self->flops_cur;
-        }
-        self->passes += 1;
     }
     Py_RETURN_NONE;
 }
@@ -559,12 +611,9 @@ static PyObject *
 prof_detach(Profiler *self, PyObject *Py_UNUSED(ignored))
 {
     int rc = 0;
-    if (self->in_pass) {
-        PyObject *r = prof_end(self, NULL, NULL);
-        if (r == NULL) {
-            rc = -1;
-        }
-        Py_XDECREF(r);
+    /* An unfinished pass (its forward was interrupted) is dropped. */
+    if (self->in_pass && end_pass(self, 0) < 0) {
+        rc = -1;
     }
     if (rc == 0) {
         rc = remove_handles(self->st, self->handles);
@@ -649,7 +698,8 @@ storage_keys_of(Profiler *self, PyObject *tensors, PyObject *keys)
     while ((t = PyIter_Next(it)) != NULL) {
         if (!ms_is_tensor(self->st, t)) {
             PyErr_Format(PyExc_TypeError,
-                         "param_tensors must hold tensors, got %T", t);
+                         "param_tensors must hold tensors, got %.200s",
+                         Py_TYPE(t)->tp_name);
             Py_DECREF(t);
             Py_DECREF(it);
             return -1;
@@ -1157,7 +1207,8 @@ ms_find_units(PyObject *module, PyObject *model)
     if (r <= 0) {
         if (r == 0) {
             PyErr_Format(PyExc_TypeError,
-                         "find_units() needs a torch.nn.Module, got %T", model);
+                         "find_units() needs a torch.nn.Module, got %.200s",
+                         Py_TYPE(model)->tp_name);
         }
         goto done;
     }

@@ -1,0 +1,105 @@
+"""The benchmark suite, end to end on its smallest model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memscale.benchmarks.models import BENCHMARK_MODELS, select
+from memscale.benchmarks.runner import VARIANTS, run_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RESULT_KEYS = {
+    "model", "variant", "description", "peak_bytes", "start_bytes",
+    "peak_delta_bytes", "rss_peak_bytes", "step_seconds", "step_median_s",
+    "time_ratio", "loss", "loss_abs_diff", "grad_max_abs_diff", "plan_hash",
+    "techniques",
+}
+
+
+def _smallest() -> str:
+    quick = select(None, full=False)
+    return min(quick, key=lambda m: m.estimated_training_bytes()).name
+
+
+@pytest.fixture(scope="module")
+def suite_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    json_path, png_path = out / "r.json", out / "r.png"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "memscale.benchmarks", "--models", _smallest(),
+         "--repeats", "2", "--json", str(json_path), "--plot", str(png_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout, json.loads(json_path.read_text()), png_path
+
+
+def test_json_schema(suite_run):
+    _, doc, _ = suite_run
+    assert doc["schema"] == "memscale-benchmarks/1"
+    for key in ("cpu", "cores", "ram_bytes", "torch", "python", "memscale"):
+        assert key in doc["machine"]
+    results = doc["results"]
+    assert {r["variant"] for r in results} == set(VARIANTS)
+    assert results[0]["variant"] == "unoptimized"
+    for r in results:
+        assert set(r) == RESULT_KEYS
+        assert r["peak_bytes"] == r["start_bytes"] + r["peak_delta_bytes"] > 0
+        assert r["rss_peak_bytes"] > 0
+        assert len(r["step_seconds"]) == 2
+        if r["variant"] in ("conservative", "balanced", "aggressive"):
+            assert len(r["plan_hash"]) == 64 and r["techniques"]["checkpoint"] > 0
+    assert results[0]["time_ratio"] == 1.0
+
+
+def test_every_variant_agrees_with_the_baseline(suite_run):
+    _, doc, _ = suite_run
+    for r in doc["results"]:
+        # Checkpointing replays the same ops: bitwise in fp32 on CPU.
+        assert r["loss_abs_diff"] == 0.0, r["variant"]
+        assert r["grad_max_abs_diff"] == 0.0, r["variant"]
+
+
+def test_memscale_uses_no_more_memory_than_torch_checkpoint(suite_run):
+    _, doc, _ = suite_run
+    peak = {r["variant"]: r["peak_bytes"] for r in doc["results"]}
+    assert peak["conservative"] <= peak["torch-checkpoint"]
+    assert peak["conservative"] < peak["unoptimized"]
+
+
+def test_table_and_plot(suite_run):
+    stdout, _, png = suite_run
+    assert "conservative" in stdout and "time ratio" in stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_figures_are_reproducible():
+    entry = BENCHMARK_MODELS[_smallest()]
+    variants = ["unoptimized", "conservative", "torch-checkpoint"]
+    first = run_model(entry, variants, repeats=1, rss=False)
+    second = run_model(entry, variants, repeats=1, rss=False)
+    assert [r.peak_bytes for r in first] == [r.peak_bytes for r in second]
+    assert [r.plan_hash for r in first] == [r.plan_hash for r in second]
+
+
+def test_unknown_model_is_a_usage_error():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "memscale.benchmarks", "--models",
+                           "nope"], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=120)
+    assert proc.returncode == 2 and "unknown benchmark model" in proc.stderr
+
+
+def test_registry_covers_the_documented_families():
+    families = {m.family for m in BENCHMARK_MODELS.values()}
+    assert {"mlp", "gpt2", "bert", "llama", "cnn"} <= families
+    refs = {m.reference for m in BENCHMARK_MODELS.values() if m.reference}
+    assert refs == {"BERT-Base 16x128", "BERT-Large 16x128", "GPT-2 Medium 4x512",
+                    "GPT-2 Large 2x512", "GPT-2 XL 1x512"}
