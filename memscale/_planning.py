@@ -42,6 +42,9 @@ class Profile:
     activation_bytes: int
     total_flops: float
     method: str  # "static", "empirical" or "warmup"
+    # Per layer, everything the profiler measured (name, kind, param_bytes,
+    # saved_bytes, input_bytes, output_bytes, flops, calls, flags).
+    details: tuple[dict[str, Any], ...] = ()
 
 
 def split_input(sample_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -209,12 +212,14 @@ def profile_upfront(model: torch.nn.Module, units: list[tuple[str, torch.nn.Modu
 def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]],
                  method: str) -> Profile:
     layers = []
+    details = []
     for (name, module), r in zip(units, profiler.results()):
-        layers.append((name, type(module).__name__, r["param_bytes"],
-                       r["saved_bytes"], r["input_bytes"], float(r["flops"]),
-                       r["flags"]))
+        kind = type(module).__name__
+        layers.append((name, kind, r["param_bytes"], r["saved_bytes"],
+                       r["input_bytes"], float(r["flops"]), r["flags"]))
+        details.append({"name": name, "kind": kind, **r})
     return Profile(tuple(layers), profiler.total_saved_bytes,
-                   float(profiler.total_flops), method)
+                   float(profiler.total_flops), method, tuple(details))
 
 
 def new_warmup_profiler(model: torch.nn.Module,

@@ -160,6 +160,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
             method = "warmup"
         executor._init_python_state(config, hardware, method)
         if sample_input is not None:
+            executor.profile = profile
             plan = _planning.make_plan(profile, config, hardware, fixed)
             _log_plan(config, hardware, plan)
             executor.apply(plan)
@@ -169,6 +170,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
 
             def on_profiled(prof: Any) -> Any:
                 warm = _planning.profile_from(prof, units, "warmup")
+                executor.profile = warm
                 plan = _planning.make_plan(warm, config, hardware, fixed)
                 _log_plan(config, hardware, plan)
                 _after_plan(model, executor, plan)

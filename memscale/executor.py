@@ -22,18 +22,21 @@ class Executor(_core.Executor):
 
     Attributes set by ``wrap``: ``config`` (the effective Config),
     ``hardware`` (the device description the plan was made for),
-    ``profiling`` ("static", "empirical" or "warmup").
+    ``profiling`` ("static", "empirical" or "warmup") and ``profile`` (what
+    was measured per layer, including output bytes and forward FLOPs).
     """
 
     config: Config
     hardware: dict[str, Any]
     profiling: str
+    profile: Any  # the _planning.Profile measured (None while warming up)
 
     def _init_python_state(self, config: Config, hardware: dict[str, Any],
                            profiling: str) -> None:
         self.config = config
         self.hardware = hardware
         self.profiling = profiling
+        self.profile = None
         self._restore: list[Callable[[], None]] = []
 
     def on_detach(self, action: Callable[[], None]) -> None:

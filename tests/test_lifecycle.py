@@ -329,3 +329,15 @@ def test_smart_skip_leaves_small_models_alone():
     assert plan.skipped and plan.technique_counts["checkpoint"] == 0
     assert {l.rule for l in plan.layers} == {"smart-skip"}
     memscale.detach(model)
+
+
+def test_profile_reports_every_layer_measurement():
+    model = mlp()
+    memscale.wrap(model, FORCE, sample_input=torch.randn(8, 32))
+    profile = model._memscale_executor.profile
+    assert profile.method == "static" and len(profile.details) == 4
+    for d in profile.details:
+        assert d["kind"] == "Block" and d["calls"] == 1
+        assert d["output_bytes"] == 8 * 32 * 4
+        assert d["saved_bytes"] > d["input_bytes"] > 0 and d["flops"] > 0
+    memscale.detach(model)
