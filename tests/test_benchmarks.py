@@ -19,7 +19,7 @@ RESULT_KEYS = {
     "model", "variant", "description", "peak_bytes", "start_bytes",
     "peak_delta_bytes", "rss_peak_bytes", "step_seconds", "step_median_s",
     "time_ratio", "loss", "loss_abs_diff", "grad_max_abs_diff", "plan_hash",
-    "techniques",
+    "techniques", "timing",
 }
 
 
@@ -53,7 +53,7 @@ def test_json_schema(suite_run):
         assert set(r) == RESULT_KEYS
         assert r["peak_bytes"] == r["start_bytes"] + r["peak_delta_bytes"] > 0
         assert r["rss_peak_bytes"] > 0
-        assert len(r["step_seconds"]) == 2
+        assert len(r["step_seconds"]) == 2 and r["timing"] == "interleaved"
         if r["variant"] in ("conservative", "balanced", "aggressive"):
             assert len(r["plan_hash"]) == 64 and r["techniques"]["checkpoint"] > 0
     assert results[0]["time_ratio"] == 1.0

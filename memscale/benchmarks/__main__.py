@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\npeak: live tensor bytes at the highest point of a training step "
           "(allocator events, exact); RSS: peak resident memory of a fresh "
           "process training the variant; time ratio: median step time over "
-          f"the unoptimized median ({args.repeats} interleaved steps).")
+          f"the unoptimized median ({args.repeats} steps per variant, all "
+          "variants of a model timed round-robin in one process when they "
+          "fit in memory together).")
     if args.json:
         payload = {
             "schema": "memscale-benchmarks/1",

@@ -37,6 +37,10 @@ from .models import BENCHMARK_MODELS, Batch, BenchmarkModel
 MODES = {"conservative": "conservative", "balanced": "balanced",
          "aggressive": "aggressive"}
 
+# Untimed steps before timing: the first steps fault in fresh memory pages
+# and build optimizer state, and are slower by a varying amount.
+WARMUP_ROUNDS = 2
+
 VARIANTS = ("unoptimized", "conservative", "balanced", "aggressive",
             "torch-checkpoint", "checkpoint-sequential")
 
@@ -156,6 +160,7 @@ class VariantResult:
     grad_max_abs_diff: float
     plan_hash: str | None
     techniques: dict[str, int] | None
+    timing: str  # "interleaved" (round-robin in one process) or "sequential"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -197,11 +202,15 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
                                if v != "unoptimized" and applies(entry, v)]
     note = progress or (lambda _msg: None)
 
-    # Agreement: one forward/backward from identical state, same RNG seed.
-    note(f"{entry.name}: agreement")
+    # Agreement and memory, one variant alive at a time.  Agreement: one
+    # forward/backward from the identical initial state and RNG seed.
+    # Memory: the exact allocator peak of a steady-state training step.
     reference_loss = reference_grads = None
     agreement: dict[str, tuple[float, float, float]] = {}
+    memory: dict[str, Any] = {}
+    meta: dict[str, tuple[str | None, dict[str, int] | None]] = {}
     for name in names:
+        note(f"{entry.name}: agreement and memory of {name}")
         prepared = prepare(entry, name)
         loss = prepared.forward_backward(seed=1234).item()
         grads = _grads(prepared.model)
@@ -209,41 +218,25 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
             reference_loss, reference_grads = loss, grads
         agreement[name] = (loss, abs(loss - reference_loss),
                            _max_diff(grads, reference_grads))
-        prepared.close()
-        del prepared, grads
-        gc.collect()
-
-    # Memory: exact allocator peak of a steady-state training step.
-    memory: dict[str, Any] = {}
-    meta: dict[str, tuple[str | None, dict[str, int] | None]] = {}
-    for name in names:
-        note(f"{entry.name}: memory of {name}")
-        prepared = prepare(entry, name)
-        report = measure_peak(prepared.step, model=prepared.model,
-                              inputs=(prepared.batch.args, prepared.batch.kwargs,
-                                      prepared.optimizer.state),
-                              warmup=1)
-        memory[name] = report
+        del grads
+        memory[name] = measure_peak(
+            prepared.step, model=prepared.model,
+            inputs=(prepared.batch.args, prepared.batch.kwargs,
+                    prepared.optimizer.state),
+            warmup=1)
         meta[name] = (prepared.plan_hash, prepared.techniques)
         prepared.close()
         del prepared
         gc.collect()
+    del reference_grads
 
-    # Time: all variants alive, timed round-robin, median per variant.
+    # Time: all variants alive and timed round-robin (median per variant)
+    # when they fit in memory together; otherwise one after the other.
     note(f"{entry.name}: step time")
-    live = {name: prepare(entry, name) for name in names}
-    for prepared in live.values():
-        prepared.step()  # warm-up: optimizer state, allocator pools
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(repeats):
-        for name in names:
-            start = time.perf_counter()
-            live[name].step()
-            times[name].append(time.perf_counter() - start)
-    for prepared in live.values():
-        prepared.close()
-    del live
-    gc.collect()
+    interleaved = (entry.estimated_training_bytes() * len(names)
+                   < 0.5 * _core.detect_hardware("cpu")["capacity_bytes"])
+    times = _time_interleaved(entry, names, repeats) if interleaved \
+        else _time_sequential(entry, names, repeats)
 
     rss_peaks: dict[str, int | None] = {name: None for name in names}
     if rss:
@@ -265,8 +258,46 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
             step_seconds=times[name], step_median_s=median,
             time_ratio=median / base_median, loss=loss, loss_abs_diff=loss_diff,
             grad_max_abs_diff=grad_diff, plan_hash=meta[name][0],
-            techniques=meta[name][1]))
+            techniques=meta[name][1], timing="interleaved" if interleaved
+            else "sequential"))
     return results
+
+
+def _time_interleaved(entry: BenchmarkModel, names: list[str],
+                      repeats: int) -> dict[str, list[float]]:
+    live = {name: prepare(entry, name) for name in names}
+    for _ in range(WARMUP_ROUNDS):  # optimizer state, allocator, page cache
+        for prepared in live.values():
+            prepared.step()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(repeats):
+        for name in names:
+            start = time.perf_counter()
+            live[name].step()
+            times[name].append(time.perf_counter() - start)
+    for prepared in live.values():
+        prepared.close()
+    del live
+    gc.collect()
+    return times
+
+
+def _time_sequential(entry: BenchmarkModel, names: list[str],
+                     repeats: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {}
+    for name in names:
+        prepared = prepare(entry, name)
+        for _ in range(WARMUP_ROUNDS):
+            prepared.step()
+        times[name] = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            prepared.step()
+            times[name].append(time.perf_counter() - start)
+        prepared.close()
+        del prepared
+        gc.collect()
+    return times
 
 
 def lookup(name: str) -> BenchmarkModel:
