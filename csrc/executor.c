@@ -19,6 +19,7 @@
 #include "ms.h"
 
 #include <string.h>
+#include <time.h>
 
 typedef struct Executor Executor;
 
@@ -71,6 +72,8 @@ struct Executor {
     long steps;             /* forward passes seen with grad, training */
     long long frames;       /* checkpoint frames opened */
     long long recomputes;   /* layer recomputations run */
+    long long forwards;     /* training forwards of the root seen */
+    long long recompute_ns; /* wall time spent recomputing */
     int recompute_depth;
     int active_frames;
     int root_in_pass;
@@ -372,6 +375,16 @@ make_autocast(ms_state *st, PyObject *device, PyObject *dtype, int enabled)
     return ctx;
 }
 
+static long long
+monotonic_ns(void)
+{
+    struct timespec ts;
+    if (clock_gettime(CLOCK_MONOTONIC, &ts) != 0) {
+        return 0;
+    }
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
 /* Snapshot the unit's buffers: a list of (buffer, copy, version). */
 static PyObject *
 snapshot_buffers(ms_state *st, PyObject *unit)
@@ -547,7 +560,9 @@ frame_recompute(Frame *self)
     self->recomputing = 1;
     ex->recompute_depth++;
     Py_ssize_t depth = PyList_GET_SIZE(ex->stack);
+    long long t0 = monotonic_ns();
     out = PyObject_Call(self->unit, self->args, self->kwargs);
+    ex->recompute_ns += monotonic_ns() - t0;
     ex->recompute_depth--;
     self->recomputing = 0;
     if (out != NULL) {
@@ -886,9 +901,6 @@ ex_root_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     if (ex->recompute_depth == 0 && drop_stale(ex, 1) < 0) {
         return NULL;
     }
-    if (ex->profiler == Py_None || ex->root_in_pass) {
-        Py_RETURN_NONE;
-    }
     int grad = ms_grad_enabled(ex->st);
     if (grad < 0) {
         return NULL;
@@ -900,7 +912,11 @@ ex_root_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (!grad || !train) {
-        Py_RETURN_NONE; /* evaluation passes are not profiled */
+        Py_RETURN_NONE; /* evaluation passes are neither counted nor profiled */
+    }
+    ex->forwards++;
+    if (ex->profiler == Py_None || ex->root_in_pass) {
+        Py_RETURN_NONE;
     }
     PyObject *r = PyObject_CallMethod(ex->profiler, "begin_pass", NULL);
     if (r == NULL) {
@@ -1364,11 +1380,15 @@ ex_get_model(Executor *ex, void *Py_UNUSED(c))
 static PyObject *
 ex_get_stats(Executor *ex, void *Py_UNUSED(c))
 {
-    return Py_BuildValue("{slsLsLsisn}", "steps", ex->steps,
+    Py_ssize_t hooks = 0;
+    if (ex->handles != NULL && ex->root_handles != NULL) {
+        hooks = PyList_GET_SIZE(ex->handles) + PyList_GET_SIZE(ex->root_handles);
+    }
+    return Py_BuildValue("{slsLsLsLsdsisn}", "steps", ex->steps,
                          "checkpoint_frames", ex->frames, "recomputes",
-                         ex->recomputes, "active_frames", ex->active_frames,
-                         "hooks", PyList_GET_SIZE(ex->handles)
-                                      + PyList_GET_SIZE(ex->root_handles));
+                         ex->recomputes, "training_forwards", ex->forwards,
+                         "recompute_seconds", (double)ex->recompute_ns / 1e9,
+                         "active_frames", ex->active_frames, "hooks", hooks);
 }
 
 static PyObject *
@@ -1398,7 +1418,9 @@ static PyGetSetDef ex_getset[] = {
     {"model", (getter)ex_get_model, NULL,
      "The wrapped model (weakly referenced), or None.", NULL},
     {"stats", (getter)ex_get_stats, NULL,
-     "Counters: steps, checkpoint_frames, recomputes, active_frames, hooks.",
+     "Counters (a new dict): steps (profiled warm-up passes),\n"
+     "checkpoint_frames, recomputes, training_forwards, recompute_seconds,\n"
+     "active_frames, hooks.",
      NULL},
     {"layer_names", (getter)ex_get_names, NULL,
      "Names of the planning units.", NULL},

@@ -151,15 +151,16 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
     units = _core.find_units(model)
     fixed = _planning.fixed_bytes(model, optimizer)
 
+    # Profile before any hook of ours exists, so that the profiling pass
+    # is not seen (or counted) as a training forward.
+    profile = None
+    if sample_input is not None:
+        profile = _planning.profile_upfront(model, units, sample_input, config)
     executor = Executor(model, units, warmup_steps=config.warmup_steps)
     try:
-        if sample_input is not None:
-            profile = _planning.profile_upfront(model, units, sample_input, config)
-            method = profile.method
-        else:
-            method = "warmup"
+        method = profile.method if profile is not None else "warmup"
         executor._init_python_state(config, hardware, method)
-        if sample_input is not None:
+        if profile is not None:
             executor.profile = profile
             plan = _planning.make_plan(profile, config, hardware, fixed)
             _log_plan(config, hardware, plan)

@@ -341,3 +341,19 @@ def test_profile_reports_every_layer_measurement():
         assert d["output_bytes"] == 8 * 32 * 4
         assert d["saved_bytes"] > d["input_bytes"] > 0 and d["flops"] > 0
     memscale.detach(model)
+
+
+def test_stats_count_training_forwards_and_recompute_time():
+    model = mlp()
+    x = torch.randn(4, 32)
+    memscale.wrap(model, FORCE, sample_input=x)
+    ex = model._memscale_executor
+    assert ex.stats["training_forwards"] == 0  # profiling is not counted
+    for _ in range(2):
+        model(x).sum().backward()
+    with torch.no_grad():
+        model(x)
+    stats = ex.stats
+    assert stats["training_forwards"] == 2
+    assert stats["recomputes"] == 8 and stats["recompute_seconds"] > 0
+    memscale.detach(model)
