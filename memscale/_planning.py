@@ -75,11 +75,10 @@ def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        storage = t.untyped_storage()
-        key = storage._cdata
+        key = _torch_compat.storage_key(t)
         if key not in seen:
             seen.add(key)
-            total += storage.nbytes()
+            total += t.untyped_storage().nbytes()
     return total
 
 

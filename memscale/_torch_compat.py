@@ -27,6 +27,16 @@ def torch_version() -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of a tensor's storage: views share one.
+
+    ``UntypedStorage._cdata`` is the storage implementation's address; unlike
+    ``data_ptr()`` it is also defined for meta and fake tensors.  The C
+    profiler uses the same attribute (csrc/module.c).
+    """
+    return t.untyped_storage()._cdata
+
+
 def fake_tensor_mode() -> tuple[Any, Callable[[torch.Tensor], torch.Tensor]] | None:
     """A FakeTensorMode and a converter from real to fake tensors.
 
