@@ -308,8 +308,10 @@ frame_rpack(Frame *self, PyObject *tensor)
                          "memscale: recomputing checkpointed layer %R gave a "
                          "tensor of shape %R where its forward saved %R (saved "
                          "tensor #%zd). The layer does not run the same way "
-                         "twice; exclude it from checkpointing or make its "
-                         "forward deterministic.",
+                         "twice: make its forward deterministic or exclude it "
+                         "from checkpointing. A model compiled with "
+                         "torch.compile (other than backend='eager') does "
+                         "this: wrap it uncompiled.",
                          unit_name(self->ex, self->index), shape,
                          PyList_GET_ITEM(self->shapes, k), k);
         }

@@ -304,3 +304,22 @@ def test_layer_that_updates_its_input_in_place_is_not_checkpointed():
     assert [l.rule for l in plan.layers] == ["ineligible:inplace-input"] * 2
     assert plan.technique_counts["checkpoint"] == 0
     memscale.detach(model)
+
+
+def test_torch_compile_is_correct_or_fails_clearly():
+    model, ref = twins(lambda: mlp(p=0.0))
+    x = torch.randn(4, 32)
+    memscale.wrap(model, FORCE, sample_input=x)
+    # Dynamo alone (backend="eager") runs the same ops: gradients match.
+    compiled = torch.compile(model, backend="eager")
+    compiled(x).sum().backward()
+    ref(x).sum().backward()
+    assert_same_grads(model, ref)
+    # AOT autograd saves other tensors than an eager recompute: a clear
+    # error in backward, never a wrong gradient.
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="torch.compile"):
+        compiled(x).sum().backward()
+    torch._dynamo.reset()
+    memscale.detach(model)
