@@ -870,8 +870,8 @@ static int ex_apply_plan(Executor *ex, PyObject *plan);
 static int
 drop_stale(Executor *ex, int warn)
 {
-    if (PyList_GET_SIZE(ex->stack) == 0) {
-        return 0;
+    if (ex->stack == NULL || PyList_GET_SIZE(ex->stack) == 0) {
+        return 0; /* (NULL: cleared by the garbage collector) */
     }
     /* Clean up first: a warning turned into an error must not leave the
        stale contexts entered (and fail every later forward). */
@@ -902,6 +902,24 @@ ex_root_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     }
     if (ex->recompute_depth == 0 && drop_stale(ex, 1) < 0) {
         return NULL;
+    }
+    if (ex->root_in_pass && ex->recompute_depth == 0) {
+        /* The previous profiled forward was interrupted before its
+           always_call hook (KeyboardInterrupt): drop that pass. */
+        ex->root_in_pass = 0;
+        PyObject *r = PyObject_CallMethod(ex->profiler, "end_pass", "(O)",
+                                          Py_False);
+        if (r == NULL) {
+            return NULL;
+        }
+        Py_DECREF(r);
+        if (PyErr_WarnEx(PyExc_RuntimeWarning,
+                         "memscale: a previous forward was interrupted while "
+                         "being profiled; its measurements were dropped",
+                         1) < 0)
+        {
+            return NULL;
+        }
     }
     int grad = ms_grad_enabled(ex->st);
     if (grad < 0) {
@@ -1114,6 +1132,11 @@ ex_start_profiling(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
                         "memscale: this executor was detached");
         return NULL;
     }
+    if (ex->root_in_pass || PyList_GET_SIZE(ex->stack) > 0) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memscale: cannot start profiling inside a forward");
+        return NULL;
+    }
     Py_XSETREF(ex->profiler, Py_NewRef(args[0]));
     Py_XSETREF(ex->on_profiled, Py_NewRef(args[1]));
     ex->steps = 0;
@@ -1128,6 +1151,10 @@ PyDoc_STRVAR(ex_detach_doc,
 static PyObject *
 ex_detach(Executor *ex, PyObject *Py_UNUSED(ignored))
 {
+    if (ex->handles == NULL || ex->root_handles == NULL || ex->units == NULL)
+    {
+        Py_RETURN_NONE; /* cleared by the garbage collector: nothing left */
+    }
     int rc = 0;
     if (drop_stale(ex, 0) < 0) {
         rc = -1;

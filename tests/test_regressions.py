@@ -240,3 +240,22 @@ def test_double_backward_matches_unwrapped():
     penalty(ref)
     assert_same_grads(model, ref)
     memscale.detach(model)
+
+
+def test_interrupted_warmup_pass_is_dropped_not_merged():
+    model = mlp()
+    memscale.wrap(model, FORCE.replace(warmup_steps=1))
+    ex = model._memscale_executor
+    original = model[1].fc2.forward
+    model[1].fc2.forward = lambda t: (_ for _ in ()).throw(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(2, 32))
+    model[1].fc2.forward = original
+    assert ex.state == "profiling"
+    with pytest.warns(RuntimeWarning, match="interrupted"):
+        model(torch.randn(2, 32)).sum().backward()
+    assert ex.state == "applied"
+    assert _top_hooks() is None
+    # The plan comes from the clean pass only: each block measured once.
+    assert all(d["calls"] == 1 for d in ex.profile.details)
+    memscale.detach(model)
