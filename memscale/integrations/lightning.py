@@ -1,0 +1,277 @@
+"""memscale for PyTorch Lightning.
+
+::
+
+    from memscale.integrations.lightning import MemScaleCallback
+    trainer = Trainer(..., callbacks=[MemScaleCallback(config)])
+
+The callback subclasses the ``Callback`` of every Lightning package that is
+installed (``lightning.pytorch`` and the older ``pytorch_lightning``; the
+``lightning`` package installs both), so one class works with either
+``Trainer``.  Without either, importing this module raises an
+``ImportError`` that names the extra to install.
+
+- ``on_fit_start``: the LightningModule is on its device and the
+  optimizers are built.  memscale wraps the LightningModule; a single
+  optimizer sharpens the estimate (with several, Adam is assumed for every
+  parameter).
+- The first ``config.warmup_steps`` training forwards are profiled, then
+  the plan applies.  When ``training_step`` calls ``self(...)``, the
+  LightningModule's own forward marks each profiled pass, as for any
+  wrapped model.  When it calls its submodules directly, that forward
+  never runs; the callback sees this on the first training batch, and
+  from the next batch on a profiled pass runs from ``on_train_batch_start``
+  to ``on_before_backward`` (the warm-up then takes one batch more).
+  Sanity-check and validation batches are never counted.
+- ``teardown`` (and ``on_exception``) detach, so nothing is left on the
+  module once ``fit`` returns or raises.
+- ``state_dict`` stores the Config and the plan's hash in Lightning
+  checkpoints.  A run resumed with ``fit(ckpt_path=...)`` plans with the
+  stored Config (unless the callback was given one), and when its plan is
+  made, checks that the hash is the stored one; a different hash (the
+  model, the batch shapes, the hardware or the Config changed) gives a
+  ``RuntimeWarning``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from .. import api
+from ..config import AsyncOffloadConfig, Config
+from . import _figures, _for_rank, _missing, _summary, _unwrap_optimizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MemScaleCallback"]
+
+_STATE_VERSION = 1
+
+
+def _callback_bases() -> tuple[type, ...]:
+    bases = []
+    first_error: ImportError | None = None
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            first_error = first_error or exc
+            continue
+        callback = module.Callback
+        # One package may re-export the other's class: keep each class
+        # once, and only the most derived of related ones.
+        if any(issubclass(base, callback) for base in bases):
+            continue
+        bases = [base for base in bases if not issubclass(callback, base)]
+        bases.append(callback)
+    if not bases:
+        assert first_error is not None
+        raise _missing("PyTorch Lightning", "lightning (or pytorch_lightning)",
+                       "lightning", first_error) from first_error
+    return tuple(bases)
+
+
+_BASES = _callback_bases()
+
+
+def _config_from_dict(data: dict[str, Any]) -> Config:
+    data = dict(data)
+    if isinstance(data.get("async_config"), dict):
+        data["async_config"] = AsyncOffloadConfig(**data["async_config"])
+    return Config(**data)
+
+
+class MemScaleCallback(*_BASES):  # type: ignore[misc]
+    """A Lightning ``Callback`` that applies memscale to the LightningModule
+    from ``on_fit_start`` to ``teardown``; see the module docstring.
+
+    ``config`` is a :class:`memscale.Config` (None: the one stored in the
+    checkpoint a run resumes from, else ``Config()``).  While fitting,
+    :attr:`executor` is memscale's executor; :attr:`plan_hash` is the hash
+    of the last plan made (kept after teardown, and saved in checkpoints).
+    """
+
+    def __init__(self, config: Config | None = None) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise TypeError("MemScaleCallback(config=...) must be a memscale.Config "
+                            f"or None, got {type(config).__name__}")
+        self.config = config
+        self.plan_hash: str | None = None
+        self._expected_hash: str | None = None
+        self._executor: Any = None
+        self._module_ref: weakref.ref[torch.nn.Module] | None = None
+        self._in_pass = False
+        self._checked = False
+        # Whether the callback marks the profiled passes itself (None: not
+        # known before the first training batch has run).
+        self._bracket: bool | None = None
+        self._forwards_before: int | None = None
+        self._last_figures: dict[str, int] = {}
+
+    @property
+    def executor(self) -> Any:
+        """memscale's executor on the LightningModule while fitting, else None."""
+        return self._executor
+
+    # ---- fit lifecycle ------------------------------------------------------
+
+    def on_fit_start(self, trainer: Any, pl_module: Any, *args: Any,
+                     **kwargs: Any) -> None:
+        zero = bool(getattr(trainer, "is_global_zero", True))
+        self._release(log_summary=False)  # a fit that never tore down
+        if pl_module.__dict__.get(api.ATTR) is not None:
+            if zero:
+                logger.warning(
+                    "memscale: the LightningModule is already wrapped by "
+                    "memscale.wrap(); the MemScaleCallback leaves that wrapping "
+                    "as it is. Call memscale.detach(module) before fit() to let "
+                    "the callback manage it.")
+            return
+        config = _for_rank(self.config if self.config is not None else Config(),
+                           zero)
+        optimizers = list(getattr(trainer, "optimizers", None) or [])
+        optimizer = _unwrap_optimizer(optimizers[0]) if len(optimizers) == 1 else None
+        api.wrap(pl_module, config, optimizer=optimizer)
+        self._executor = pl_module.__dict__[api.ATTR]
+        self._module_ref = weakref.ref(pl_module)
+        self._in_pass = False
+        self._checked = False
+        self._bracket = None
+        self._forwards_before = None
+        self._last_figures = {}
+        if zero:
+            logger.info("memscale: attached to %s for fit() (optimizer: %s)",
+                        type(pl_module).__name__,
+                        type(optimizer).__name__ if optimizer is not None else
+                        f"{len(optimizers)} optimizers, Adam assumed")
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any,
+                             **kwargs: Any) -> None:
+        executor = self._executor
+        if executor is None or executor.state != "profiling" or self._in_pass:
+            return
+        if self._bracket is None:  # first batch: does forward run?
+            self._forwards_before = executor.stats["training_forwards"]
+        elif self._bracket:
+            # Open the pass as the LightningModule's forward pre-hook would
+            # (the executor's own hook, called by hand).
+            executor._root_pre(pl_module, (), {})
+            self._in_pass = True
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, *args: Any,
+                           **kwargs: Any) -> None:
+        self._end_pass(pl_module)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any,
+                           **kwargs: Any) -> None:
+        self._end_pass(pl_module)  # a step without backward
+        executor = self._executor
+        if (executor is not None and self._bracket is None
+                and self._forwards_before is not None):
+            # training_step did not call self(...) if no training forward
+            # of the LightningModule was counted during the batch.
+            self._bracket = (executor.stats["training_forwards"]
+                             == self._forwards_before)
+            if self._bracket and executor.state == "profiling":
+                logger.debug("memscale: training_step does not call the "
+                             "LightningModule's forward; the callback marks "
+                             "the profiled passes")
+        self._check_plan()
+
+    def on_exception(self, trainer: Any, pl_module: Any, *args: Any,
+                     **kwargs: Any) -> None:
+        self._release(log_summary=False)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: Any = None,
+                 *args: Any, **kwargs: Any) -> None:
+        self._release(log_summary=bool(getattr(trainer, "is_global_zero", True)))
+
+    # ---- checkpoints --------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        config = self.config if self.config is not None else Config()
+        return {"version": _STATE_VERSION, "config": config.to_dict(),
+                "plan_hash": self.plan_hash}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._expected_hash = state_dict.get("plan_hash")
+        stored = state_dict.get("config")
+        if stored is None:
+            return
+        try:
+            config = _config_from_dict(stored)
+        except (TypeError, ValueError) as exc:
+            warnings.warn(f"memscale: the Config stored in the checkpoint cannot "
+                          f"be restored ({exc}); this run plans with "
+                          f"{'the given Config' if self.config else 'Config()'}",
+                          RuntimeWarning, stacklevel=2)
+            return
+        if self.config is None:
+            self.config = config
+        elif self.config != config:
+            warnings.warn("memscale: this MemScaleCallback's Config differs from "
+                          "the one stored in the checkpoint; the given one is "
+                          "used, so the plan may differ from the saved run's",
+                          RuntimeWarning, stacklevel=2)
+
+    # ---- internals ----------------------------------------------------------
+
+    def _end_pass(self, pl_module: Any) -> None:
+        if not self._in_pass:
+            return
+        self._in_pass = False
+        executor = self._executor
+        if executor is not None:
+            # Ends the pass (a no-op if the module's own forward hook ended
+            # it); after the last warm-up pass this plans and applies.
+            executor._root_post(pl_module, (), None)
+
+    def _check_plan(self) -> None:
+        executor = self._executor
+        if executor is None or self._checked or executor.plan is None:
+            return
+        self._checked = True
+        self.plan_hash = executor.plan.hash
+        expected = self._expected_hash
+        if expected is not None and expected != self.plan_hash:
+            warnings.warn(
+                f"memscale: the resumed run's plan ({self.plan_hash[:12]}) differs "
+                f"from the plan stored in the checkpoint ({expected[:12]}): the "
+                "model, the batch shapes, the hardware or the Config changed",
+                RuntimeWarning, stacklevel=2)
+
+    def figures(self) -> dict[str, int]:
+        """memscale's figures (``memscale/...`` keys: projected peak without
+        and with the plan, bytes saved, checkpointed layers, recomputes)
+        once a plan exists; after teardown, the last ones of the fit."""
+        if self._executor is not None:
+            return _figures(self._executor)
+        return dict(self._last_figures)
+
+    def _release(self, log_summary: bool) -> None:
+        """Detach what this callback attached (idempotent)."""
+        if self._executor is None:
+            return
+        self._check_plan()
+        executor, ref = self._executor, self._module_ref
+        self._last_figures = _figures(executor)
+        self._executor = None
+        self._module_ref = None
+        self._in_pass = False
+        if log_summary:
+            logger.info("memscale: fit ended; %s; detached", _summary(executor))
+        module = ref() if ref is not None else None
+        if module is not None and module.__dict__.get(api.ATTR) is executor:
+            api.detach(module)
+        else:
+            executor.detach()
+
+    def __repr__(self) -> str:
+        state = "idle" if self._executor is None else self._executor.state
+        return f"<memscale MemScaleCallback {state}>"
