@@ -1,0 +1,341 @@
+"""Prometheus metrics for one wrapped model (``Config(observability_port=N)``).
+
+``wrap`` starts an HTTP server on ``127.0.0.1:N`` (another address with the
+environment variable ``MEMSCALE_METRICS_HOST`` (an IP address or "localhost"), or ``host=`` of
+:func:`start_metrics_server`), in a daemon thread, serving its own
+``CollectorRegistry`` (never the global one).  ``detach`` stops it and frees
+the port.  Every value is read from the executor when it is scraped, so the
+counters follow training.  It needs ``prometheus_client``
+(``pip install 'memscale[metrics]'``).
+
+Metrics (all gauges unless they end in ``_total``; bytes and seconds are
+base units):
+
+====================================== ==========================================
+``memscale_build_info``                version, core ABI, torch and Python versions
+``memscale_plan_info``                 plan hash, mode, device, profiling method,
+                                       strategy and decision_source (once planned)
+``memscale_executor_state``            1 for the current state (label ``state``:
+                                       profiling, applied, idle, detached)
+``memscale_plan_layers``               planning units per technique (label
+                                       ``technique``: checkpoint, offload, tiling,
+                                       none)
+``memscale_predicted_peak_bytes``      the engine's peak of a training step (label
+                                       ``plan``: unoptimized, optimized)
+``memscale_memory_budget_bytes``       usable memory the plan was made for
+``memscale_device_capacity_bytes``     detected capacity of one device
+``memscale_memory_pressure_ratio``     predicted unoptimized peak / budget
+``memscale_activation_saved_bytes``    activation bytes the plan frees (predicted)
+``memscale_profiled_activation_bytes`` activation bytes the profiler measured
+``memscale_measured_peak_bytes``       measured peak (label ``source``:
+                                       ``cuda_max_memory_allocated`` on CUDA,
+                                       ``process_peak_rss`` (VmHWM) on CPU)
+``memscale_offloaded_bytes_total``     bytes offloaded (label ``tier``: cpu, disk);
+                                       always 0: offload is not in this release
+``memscale_recompute_seconds_total``   time spent recomputing checkpointed layers
+``memscale_recomputes_total``          layer recomputes in backward
+``memscale_checkpoint_frames_total``   checkpointed layer forwards
+``memscale_training_steps_total``      training forward passes seen (grad on,
+                                       train mode)
+``memscale_profiled_passes_total``     warm-up passes measured before planning
+``memscale_hooks``                     hooks memscale has attached
+``memscale_active_checkpoint_frames``  checkpoint frames open right now
+====================================== ==========================================
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import platform
+import socket
+import socketserver
+import threading
+import weakref
+from typing import Any, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+__all__ = ["DEFAULT_HOST", "HOST_ENV", "MetricsPortInUseError", "MetricsServer",
+           "render_metrics", "start_metrics_server"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+HOST_ENV = "MEMSCALE_METRICS_HOST"
+STATES = ("profiling", "applied", "idle", "detached")
+TECHNIQUES = ("checkpoint", "offload", "tiling")
+OFFLOAD_TIERS = ("cpu", "disk")
+
+
+class MetricsPortInUseError(OSError):
+    """``Config.observability_port`` is already taken on that address."""
+
+
+def _require_prometheus() -> Any:
+    try:
+        import prometheus_client
+    except ImportError as exc:
+        raise ImportError(
+            "Config(observability_port=...) needs the prometheus_client "
+            "package: pip install 'memscale[metrics]' (or pip install "
+            "prometheus_client), or leave observability_port=None") from exc
+    return prometheus_client
+
+
+def _measured_peak(hardware: dict[str, Any]) -> tuple[int, str] | None:
+    if hardware.get("device") == "cuda":
+        try:
+            import torch
+
+            if torch.cuda.is_initialized():
+                index = int(hardware.get("index", 0))
+                return int(torch.cuda.max_memory_allocated(index)), "cuda_max_memory_allocated"
+        except Exception:  # noqa: BLE001 - a scrape must not fail
+            logger.debug("memscale metrics: CUDA peak unavailable", exc_info=True)
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, "process_peak_rss"
+    except OSError:
+        pass
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return (rss if platform.system() == "Darwin" else rss * 1024), "process_peak_rss"
+    except (ImportError, OSError):
+        return None
+
+
+class _ExecutorCollector:
+    """Reads one executor at every scrape (it holds it weakly)."""
+
+    def __init__(self, executor: Any) -> None:
+        self._executor = weakref.ref(executor)
+
+    def describe(self) -> list[Any]:
+        return []  # no collect() at registration
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            InfoMetricFamily)
+
+        import torch
+
+        from .. import __version__, _core
+
+        yield InfoMetricFamily("memscale_build", "memscale build information", value={
+            "version": __version__, "core_abi": str(_core.ABI),
+            "torch_version": torch.__version__,
+            "python_version": platform.python_version()})
+        ex = self._executor()
+        if ex is None:
+            return
+        stats = ex.stats
+        plan = ex.plan
+        hardware = getattr(ex, "hardware", {}) or {}
+        decision = getattr(ex, "decision", None)
+
+        state = GaugeMetricFamily("memscale_executor_state",
+                                  "1 for the executor's current state", labels=["state"])
+        current = ex.state
+        for name in STATES:
+            state.add_metric([name], 1.0 if current == name else 0.0)
+        yield state
+
+        if plan is not None:
+            yield InfoMetricFamily("memscale_plan", "the plan being applied", value={
+                "hash": plan.hash, "mode": plan.mode, "device": plan.device,
+                "profiling": str(getattr(ex, "profiling", "")),
+                "strategy": decision.strategy if decision is not None else "",
+                "decision_source": decision.decision_source if decision is not None else ""})
+            layers = GaugeMetricFamily("memscale_plan_layers",
+                                       "planning units per technique", labels=["technique"])
+            counts = plan.technique_counts
+            for name in TECHNIQUES:
+                layers.add_metric([name], float(counts.get(name, 0)))
+            layers.add_metric(["none"], float(sum(1 for l in plan.layers if not l.techniques)))
+            yield layers
+            peak = GaugeMetricFamily("memscale_predicted_peak_bytes",
+                                     "the engine's predicted peak of a training step",
+                                     labels=["plan"])
+            peak.add_metric(["unoptimized"], float(plan.peak_unoptimized_bytes))
+            peak.add_metric(["optimized"], float(plan.peak_projected_bytes))
+            yield peak
+            yield GaugeMetricFamily("memscale_memory_budget_bytes",
+                                    "usable memory the plan was made for",
+                                    value=float(plan.budget_bytes))
+            yield GaugeMetricFamily("memscale_memory_pressure_ratio",
+                                    "predicted unoptimized peak / budget",
+                                    value=float(plan.pressure))
+            yield GaugeMetricFamily("memscale_activation_saved_bytes",
+                                    "activation bytes the plan frees (predicted)",
+                                    value=float(sum(l.bytes_saved for l in plan.layers
+                                                    if l.techniques)))
+        if hardware.get("capacity_bytes") is not None:
+            yield GaugeMetricFamily("memscale_device_capacity_bytes",
+                                    "detected capacity of one device",
+                                    value=float(hardware["capacity_bytes"]))
+        profile = getattr(ex, "profile", None)
+        if profile is not None:
+            yield GaugeMetricFamily("memscale_profiled_activation_bytes",
+                                    "activation bytes saved for backward, as profiled",
+                                    value=float(profile.activation_bytes))
+        measured = _measured_peak(hardware)
+        if measured is not None:
+            family = GaugeMetricFamily("memscale_measured_peak_bytes",
+                                       "measured peak memory", labels=["source"])
+            family.add_metric([measured[1]], float(measured[0]))
+            yield family
+
+        offloaded = CounterMetricFamily("memscale_offloaded_bytes",
+                                        "bytes offloaded, per tier (offload is not "
+                                        "in this release: always 0)", labels=["tier"])
+        for tier in OFFLOAD_TIERS:
+            offloaded.add_metric([tier], 0.0)
+        yield offloaded
+        yield CounterMetricFamily("memscale_recompute_seconds",
+                                  "time spent recomputing checkpointed layers",
+                                  value=float(stats["recompute_seconds"]))
+        yield CounterMetricFamily("memscale_recomputes", "layer recomputes in backward",
+                                  value=float(stats["recomputes"]))
+        yield CounterMetricFamily("memscale_checkpoint_frames",
+                                  "checkpointed layer forwards",
+                                  value=float(stats["checkpoint_frames"]))
+        yield CounterMetricFamily("memscale_training_steps",
+                                  "training forward passes seen",
+                                  value=float(stats["training_forwards"]))
+        yield CounterMetricFamily("memscale_profiled_passes",
+                                  "warm-up passes measured before planning",
+                                  value=float(stats["steps"]))
+        yield GaugeMetricFamily("memscale_hooks", "hooks memscale has attached",
+                                value=float(stats["hooks"]))
+        yield GaugeMetricFamily("memscale_active_checkpoint_frames",
+                                "checkpoint frames open right now",
+                                value=float(stats["active_frames"]))
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind calls socket.getfqdn(), a name lookup that
+        # may go to DNS; memscale never touches the network.
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name = str(host)
+        self.server_port = port
+        self.setup_environ()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        logger.debug("metrics request: " + format, *args)
+
+
+def _resolve(host: str) -> tuple[str, int]:
+    """``(address, family)`` for an IP literal or "localhost".  Host names
+    are refused: resolving one may query DNS, and memscale makes no
+    network call."""
+    if host == "localhost":
+        return DEFAULT_HOST, socket.AF_INET
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+            return host, family
+        except (OSError, ValueError):
+            continue
+    raise ValueError(
+        f"memscale serves metrics on an IP address, got host {host!r} (from "
+        f"{HOST_ENV} or host=): use an IPv4 or IPv6 literal such as "
+        f"{DEFAULT_HOST} (the default), ::1 or 0.0.0.0, or 'localhost'")
+
+
+class MetricsServer:
+    """Serves one executor's metrics over HTTP until :meth:`close`."""
+
+    def __init__(self, executor: Any, port: int, host: str | None = None) -> None:
+        prometheus_client = _require_prometheus()
+        if host is None:
+            host = os.environ.get(HOST_ENV, "").strip() or DEFAULT_HOST
+        host, family = _resolve(host)
+        self.host = host
+        self.registry = prometheus_client.CollectorRegistry(auto_describe=False)
+        self.registry.register(_ExecutorCollector(executor))
+        app = prometheus_client.make_wsgi_app(self.registry)
+
+        class Server(_Server):
+            address_family = family
+
+        try:
+            self._httpd = Server((host, port), _QuietHandler)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise MetricsPortInUseError(
+                    exc.errno,
+                    f"memscale cannot serve metrics on {host}:{port}: the port is "
+                    "already in use (by another program, or by another model "
+                    "wrapped with the same observability_port). Choose a free "
+                    "port with Config(observability_port=...), or detach the "
+                    "model that serves it") from exc
+            raise OSError(
+                exc.errno,
+                f"memscale cannot serve metrics on {host}:{port}: "
+                f"{exc.strerror or exc}. Check Config.observability_port and "
+                f"the {HOST_ENV} environment variable (default {DEFAULT_HOST})"
+            ) from exc
+        self._httpd.set_app(app)
+        self.port = int(self._httpd.server_address[1])
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+            name=f"memscale-metrics:{self.port}", daemon=True)
+        self._thread.start()
+        logger.info("memscale: Prometheus metrics at %s", self.url)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    @property
+    def running(self) -> bool:
+        return not self._closed and self._thread.is_alive()
+
+    def close(self) -> None:
+        """Stop serving and free the port; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._httpd.shutdown()
+        finally:
+            self._httpd.server_close()
+            self._thread.join(timeout=5)
+        logger.info("memscale: stopped serving metrics on %s:%d", self.host, self.port)
+
+    def __repr__(self) -> str:
+        return f"<memscale MetricsServer {self.url} {'running' if self.running else 'closed'}>"
+
+
+def start_metrics_server(executor: Any, port: int, host: str | None = None) -> MetricsServer:
+    """Serve ``executor``'s metrics on ``host:port`` (host: ``host``, else
+    ``$MEMSCALE_METRICS_HOST``, else 127.0.0.1).  ``wrap`` calls this for
+    ``Config(observability_port=port)``.  Raises
+    :class:`MetricsPortInUseError` when the port is taken, ``ImportError``
+    without prometheus_client."""
+    return MetricsServer(executor, port, host)
+
+
+def render_metrics(executor: Any) -> str:
+    """The metrics of ``executor`` in the Prometheus text format, without a
+    server (for logs and tests)."""
+    prometheus_client = _require_prometheus()
+    registry = prometheus_client.CollectorRegistry(auto_describe=False)
+    registry.register(_ExecutorCollector(executor))
+    return prometheus_client.generate_latest(registry).decode("utf-8")
