@@ -1,0 +1,400 @@
+"""The OOM predictor: predict_peak, estimate_savings (CPU, about 30 s).
+
+Predictions are checked against measure_step, which measures a real step
+exactly (memscale.benchmarks.measure.measure_peak); on the models here the
+two agree to the byte, so the tolerance below (0.5%) only absorbs kernel
+allocations of a few bytes, and a prediction that missed any real tensor
+(a gradient, the optimizer's temporaries, a kernel's scratch buffer) fails.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import memscale
+from conftest import CNN, hook_count, mlp, tiny_gpt2, token_batch
+from memscale import _torch_compat, predictor
+from memscale.autotuning import measure_step
+from memscale.predictor import (DeviceSpec, PeakPrediction, PredictionSession,
+                                predict_peak)
+
+FORCE = memscale.Config(mode="conservative", force_optimize=True,
+                        enable_logging=False)
+QUIET = memscale.Config(enable_logging=False)
+TOLERANCE = 0.005
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64,
+                      use_cache=False, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def _mse_target():
+    return torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
+
+
+CASES = {
+    # model factory, sample input, loss_fn
+    "mlp": (lambda: mlp(depth=4, width=32),
+            lambda: torch.randn(64, 32, generator=torch.Generator().manual_seed(2)),
+            lambda target=_mse_target(): (lambda out: nn.functional.mse_loss(out, target))),
+    "cnn": (CNN, lambda: torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(2)),
+            lambda: None),
+    "gpt2": (tiny_gpt2, lambda: {"input_ids": token_batch(), "labels": token_batch()},
+             lambda: None),
+    # Its attention-mask code branches on the values of the position ids,
+    # which the predictor keeps real: all-fake, the step would build an
+    # explicit mask and copy the key/value heads, a few percent more.
+    "llama": (tiny_llama, lambda: {"input_ids": token_batch(batch=4, seq=64),
+                                   "labels": token_batch(batch=4, seq=64)},
+              lambda: None),
+}
+
+
+def _case(name):
+    factory, make_input, make_loss = CASES[name]
+    model = factory()
+    model.train()
+    return model, make_input(), make_loss()
+
+
+@pytest.mark.parametrize("name", ["cnn", "llama", "mlp"])
+def test_prediction_matches_the_measured_step(name):
+    model, x, loss_fn = _case(name)
+    with PredictionSession(model, x, loss_fn=loss_fn) as session:
+        predictions = {None: session.predict(QUIET), FORCE: session.predict(FORCE)}
+    for config, prediction in predictions.items():
+        measured = measure_step(model, x, config, loss_fn=loss_fn).peak_bytes
+        got = (prediction.unoptimized if config is None else prediction.optimized)
+        error = abs(got.peak_bytes - measured) / measured
+        assert error <= TOLERANCE, (name, config, got, measured)
+    # Under the plan every unit is checkpointed, and that never costs memory
+    # (the tiny Llama peaks in the optimizer step, where it saves nothing).
+    assert prediction.checkpointed_layers
+    assert prediction.optimized.peak_bytes <= prediction.unoptimized.peak_bytes
+    assert prediction.optimized.activations <= prediction.unoptimized.activations
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
+def test_the_plan_is_the_plan_wrap_applies(name):
+    model, x, loss_fn = _case(name)
+    configs = (FORCE, QUIET, QUIET.replace(memory_budget_gb=1e-9))
+    with PredictionSession(model, x, loss_fn=loss_fn) as session:
+        predictions = [session.predict(config) for config in configs]
+    for config, prediction in zip(configs, predictions):
+        memscale.wrap(model, config, sample_input=x)
+        try:
+            plan = model._memscale_executor.plan
+            assert plan.hash == prediction.plan_hash
+            assert plan.peak_projected_bytes == prediction.engine_projected_bytes
+        finally:
+            memscale.detach(model)
+
+
+def test_a_model_on_the_meta_device_is_predicted_without_its_memory():
+    from memscale.benchmarks.measure import measure_peak
+
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(32)])
+    params = sum(p.numel() * 4 for p in model.parameters())  # 512 MiB
+    assert params > 500 << 20
+    spec = DeviceSpec("cpu", capacity_bytes=64 << 30, name="a 64 GiB host")
+    box = []
+    report = measure_peak(lambda: box.append(
+        predict_peak(model, torch.randn(8, 2048), FORCE, device=spec)))
+    prediction = box[0]
+    # Parameters, gradients and AdamW's two moments: 4x the parameters,
+    # and the step allocated a small fraction of one of them for real.
+    assert 4 * params <= prediction.unoptimized.peak_bytes <= 4.1 * params
+    assert report.peak_delta_bytes < 32 << 20
+    assert prediction.capacity_bytes == 64 << 30
+    assert prediction.budget_bytes == int((64 << 30) * 0.85)
+    assert prediction.device_name == "a 64 GiB host"
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_the_model_is_left_as_it_was():
+    model = CNN()
+    model.eval()
+    x = torch.randn(4, 3, 8, 8)
+    model(x).sum().backward()  # existing gradients must survive
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    params = [id(p) for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    hooks = hook_count(model)
+    rng = torch.get_rng_state()
+    py_rng = random.getstate()
+    predict_peak(model, x, FORCE)
+    assert [id(p) for p in model.parameters()] == params
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+        assert not predictor._torch_compat.fake_tensor_tools()[0](value)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
+    assert not any(m.training for m in model.modules())
+    assert hook_count(model) == hooks
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert random.getstate() == py_rng
+    assert not hasattr(model, "_memscale_executor")
+
+
+class CachesAMask(nn.Module):
+    """Stores a tensor on itself in forward, as some models cache masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.last_mask = torch.ones_like(x)
+        return self.fc(x * self.last_mask)
+
+
+def test_a_model_that_draws_from_python_random_leaves_the_stream_alone():
+    from test_verify import broken_model
+
+    model = broken_model()
+    state = random.getstate()
+    predict_peak(model, torch.randn(4, 16), FORCE)
+    assert random.getstate() == state
+
+
+def test_a_tensor_cached_in_forward_does_not_outlive_the_simulation():
+    model = nn.Sequential(CachesAMask(), CachesAMask())
+    model[0].last_mask = "before"
+    predict_peak(model, torch.randn(2, 8), FORCE)
+    assert model[0].last_mask == "before"
+    assert "last_mask" not in model[1].__dict__
+
+
+class ReadsAValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum().item() > 0:  # a branch on an activation's value
+            return h
+        return -h
+
+
+def test_a_step_that_cannot_be_simulated_raises_and_restores():
+    model = nn.Sequential(ReadsAValue(), ReadsAValue())
+    params = [id(p) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="could not simulate.*Sequential"):
+        predict_peak(model, torch.randn(2, 8), FORCE)
+    assert [id(p) for p in model.parameters()] == params
+    assert not any(predictor._torch_compat.fake_tensor_tools()[0](p)
+                   for p in model.parameters())
+    assert hook_count(model) == 0
+    model(torch.randn(2, 8)).sum().backward()  # still an ordinary model
+
+
+def test_predictions_are_deterministic_and_sum_up():
+    model, x, loss_fn = _case("gpt2")
+    first = predict_peak(model, x, FORCE, loss_fn=loss_fn)
+    with PredictionSession(model, x, loss_fn=loss_fn) as session:
+        second = session.predict(FORCE)
+    assert first == second
+    for breakdown in (first.unoptimized, first.optimized):
+        parts = sum(getattr(breakdown, c) for c in predictor.CATEGORIES)
+        assert parts == breakdown.peak_bytes
+        assert breakdown.phase in predictor.PHASES
+    assert first.optimized.activations < first.unoptimized.activations
+    text = str(first)
+    for word in ("unoptimized", "memscale plan", "optimizer state", "peak", "fits"):
+        assert word in text
+    data = first.to_dict()
+    json.dumps(data)
+    assert data["optimized"]["peak_bytes"] == first.optimized.peak_bytes
+    assert data["fits"] is True and data["checkpointed_layers"]
+
+
+def test_fits_follows_the_budget():
+    model, x, loss_fn = _case("mlp")
+    with PredictionSession(model, x, loss_fn=loss_fn) as session:
+        full = session.predict(FORCE)
+        between = (full.unoptimized.peak_bytes + full.optimized.peak_bytes) // 2
+        tight = session.predict(FORCE.replace(memory_budget_gb=between / 2**30))
+        tiny = session.predict(FORCE.replace(memory_budget_gb=1e-6))
+    assert full.fits_unoptimized and full.fits
+    assert not tight.fits_unoptimized and tight.fits
+    assert not tiny.fits_unoptimized and not tiny.fits
+    with pytest.raises(RuntimeError, match="inside"):
+        session.predict(FORCE)
+
+
+def test_optimizers_are_simulated_as_given():
+    model, x, loss_fn = _case("mlp")
+    params = sum(p.numel() * 4 for p in model.parameters())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    prediction = predict_peak(model, x, QUIET, sgd, loss_fn=loss_fn)
+    assert prediction.optimizer == "SGD" and prediction.optimizer_simulated
+    assert prediction.unoptimized.optimizer_state == 0
+    measured = measure_step(model, x, None, sgd, loss_fn=loss_fn).peak_bytes
+    assert abs(prediction.unoptimized.peak_bytes - measured) <= TOLERANCE * measured
+    momentum = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    prediction = predict_peak(model, x, QUIET, momentum, loss_fn=loss_fn)
+    assert prediction.unoptimized.optimizer_state == params
+    adamw = predict_peak(model, x, QUIET, loss_fn=loss_fn)
+    assert adamw.optimizer == "AdamW"
+    assert adamw.unoptimized.optimizer_state >= 2 * params
+
+    class NeedsMore(torch.optim.Adam):
+        def __init__(self, params, extra, lr=1e-3):
+            super().__init__(params, lr=lr)
+
+    odd = NeedsMore(model.parameters(), extra=1)
+    prediction = predict_peak(model, x, QUIET, odd, loss_fn=loss_fn)
+    assert not prediction.optimizer_simulated
+    assert prediction.unoptimized.optimizer_state == 2 * params
+
+
+def test_the_default_loss():
+    model = mlp(depth=2, width=8)
+    out = model(torch.randn(3, 8))
+    loss = predictor.default_loss(out)
+    assert loss.dim() == 0 and loss.requires_grad
+    assert predictor.default_loss({"loss": loss, "logits": out}) is loss
+    with pytest.raises(ValueError, match="loss_fn"):
+        predictor.default_loss(out.detach())
+
+
+def test_arguments_are_checked():
+    model, x, _ = _case("mlp")
+    with pytest.raises(ValueError, match="sample_input"):
+        predict_peak(model, None)
+    with pytest.raises(TypeError, match="nn.Module"):
+        predict_peak("model", x)
+    with pytest.raises(TypeError, match="config"):
+        predict_peak(model, x, config={"mode": "balanced"})
+    with pytest.raises(TypeError, match="optimizer"):
+        predict_peak(model, x, optimizer="adam")
+    with pytest.raises(TypeError, match="loss_fn"):
+        predict_peak(model, x, loss_fn=3)
+    with pytest.raises(TypeError, match="device"):
+        predict_peak(model, x, device=3.5)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        DeviceSpec("cuda", capacity_bytes=0)
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        DeviceSpec("tpu", capacity_bytes=1 << 30)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="DeviceSpec"):
+            predict_peak(model, x, device="cuda")
+    with torch.device("meta"):
+        meta = mlp(depth=2, width=8)
+    with pytest.raises(ValueError, match="meta device.*DeviceSpec"):
+        predict_peak(meta, torch.randn(2, 8))
+    memscale.wrap(model, FORCE, sample_input=x)
+    try:
+        with pytest.raises(RuntimeError, match="detach"):
+            predict_peak(model, x)
+    finally:
+        memscale.detach(model)
+
+
+def test_a_device_description_as_a_dict():
+    model, x, loss_fn = _case("mlp")
+    prediction = predict_peak(model, x, QUIET, loss_fn=loss_fn,
+                              device={"type": "cpu", "capacity_bytes": 1 << 30})
+    assert prediction.capacity_bytes == 1 << 30 and prediction.simulated_on == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_a_cuda_target_without_cuda_is_simulated_with_cpu_kernels():
+    model, x, loss_fn = _case("mlp")
+    spec = DeviceSpec("cuda", capacity_bytes=24 << 30)
+    prediction = predict_peak(model, x, QUIET, loss_fn=loss_fn, device=spec)
+    assert prediction.device == "cuda" and prediction.simulated_on == "cpu"
+    assert "simulated with cpu kernels" in str(prediction)
+    # torch picks the foreach AdamW on CUDA: its temporaries span every
+    # parameter at once, so the optimizer step weighs more than on a CPU.
+    cpu = predict_peak(model, x, QUIET, loss_fn=loss_fn)
+    assert prediction.unoptimized.peak_bytes >= cpu.unoptimized.peak_bytes
+
+
+def test_estimate_savings():
+    model, x, loss_fn = _case("mlp")
+    with pytest.raises(ValueError, match="sample_input"):
+        memscale.estimate_savings(model)
+    estimate = memscale.estimate_savings(model, x, FORCE, loss_fn=loss_fn)
+    prediction = predict_peak(model, x, FORCE, loss_fn=loss_fn)
+    assert estimate.peak_unoptimized_bytes == prediction.unoptimized.peak_bytes
+    assert estimate.peak_optimized_bytes == prediction.optimized.peak_bytes
+    assert estimate.saved_bytes == (estimate.peak_unoptimized_bytes
+                                    - estimate.peak_optimized_bytes) > 0
+    assert estimate.time_ratio == pytest.approx(1 + estimate.recompute_ratio / 3)
+    assert 0 < estimate.recompute_ratio <= 1
+    assert estimate.checkpointed_layers == estimate.layer_count == 4
+    text = str(estimate)
+    assert "unoptimized" in text and "saved" in text and "x1." in text
+    assert estimate.to_dict()["saved_bytes"] == estimate.saved_bytes
+
+
+def test_without_dispatch_modes_the_predictor_says_why(monkeypatch):
+    monkeypatch.setattr(_torch_compat, "dispatch_mode_base", lambda: None)
+    monkeypatch.setattr(predictor, "_TRACKER_CLASS", None)
+    model, x, loss_fn = _case("mlp")
+    with pytest.raises(RuntimeError, match="TorchDispatchMode"):
+        predict_peak(model, x, FORCE, loss_fn=loss_fn)
+    assert hook_count(model) == 0
+    memscale.wrap(model, FORCE, sample_input=x)  # wrap does not need it
+    memscale.detach(model)
+
+
+@pytest.mark.parametrize("missing", ["fake_tensor_mode", "module_tensor_tables"])
+def test_without_fake_tensors_the_predictor_says_why(monkeypatch, missing):
+    monkeypatch.setattr(_torch_compat, missing, lambda *a, **k: None)
+    model, x, loss_fn = _case("mlp")
+    params = [id(p) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="could not simulate.*(fake tensors|tables)"):
+        predict_peak(model, x, FORCE, loss_fn=loss_fn)
+    assert [id(p) for p in model.parameters()] == params
+    assert hook_count(model) == 0
+
+
+def test_without_fake_tensor_tools_every_operator_runs_fake(monkeypatch):
+    model, x, loss_fn = _case("mlp")
+    exact = predict_peak(model, x, FORCE, loss_fn=loss_fn)
+    monkeypatch.setattr(_torch_compat, "fake_tensor_tools", lambda: None)
+    predictor._PROBED.clear()
+    fallback = predict_peak(model, x, FORCE, loss_fn=loss_fn)
+    # No kernel is probed (mse_loss's buffer is missed) and nothing else
+    # changes for a model that does not branch on values.
+    assert fallback.unoptimized.peak_bytes <= exact.unoptimized.peak_bytes
+    assert fallback.unoptimized.peak_bytes >= 0.97 * exact.unoptimized.peak_bytes
+
+
+def test_a_running_profiler_skips_the_kernel_probes():
+    model, x, _ = _case("cnn")
+    predictor._PROBED.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        prediction = predict_peak(model, x, FORCE)
+    assert prediction.unprobed_calls > 0
+    probed = predict_peak(model, x, FORCE)
+    assert probed.unprobed_calls == 0
+    assert probed.unoptimized.peak_bytes > prediction.unoptimized.peak_bytes
+
+
+def test_the_result_type():
+    model, x, loss_fn = _case("mlp")
+    prediction = predict_peak(model, x, FORCE, loss_fn=loss_fn)
+    assert isinstance(prediction, PeakPrediction)
+    with pytest.raises(AttributeError):
+        prediction.budget_bytes = 1  # frozen
+    assert prediction.time_ratio == pytest.approx(1 + prediction.recompute_ratio / 3)
+    assert prediction.saved_bytes == (prediction.unoptimized.peak_bytes
+                                      - prediction.optimized.peak_bytes)

@@ -1,0 +1,227 @@
+"""Config(verify_correctness=True): the first optimized step is replayed
+without memscale and compared (CPU, about 15 s)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import memscale
+from conftest import CNN, hook_count, mlp, tiny_bert, tiny_gpt2, token_batch
+from memscale import _torch_compat, _verify
+
+VERIFY = memscale.Config(mode="conservative", force_optimize=True,
+                         verify_correctness=True, enable_logging=False)
+PLAIN = VERIFY.replace(verify_correctness=False)
+
+
+class PythonDropout(nn.Module):
+    """A deliberately broken layer for checkpointing: its dropout mask comes
+    from Python's random module, which the executor does not replay, so
+    the recompute in backward draws a different mask than the forward."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        keep = torch.tensor([random.random() > 0.5 for _ in range(x.shape[-1])],
+                            dtype=x.dtype)
+        return torch.tanh(self.fc(x)) * keep
+
+
+def broken_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[PythonDropout() for _ in range(3)])
+
+
+def _hf_step(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _noisy_step(m, x):
+    """Draws from every RNG between forward and backward: the replay, which
+    runs inside backward, must leave the streams where they were."""
+    out = m(x)
+    noise = torch.rand_like(out) * random.random()
+    return (out + noise).pow(2).mean()
+
+
+def _bn_step(m, x):
+    """Changes a buffer between forward and backward: the replay, which
+    starts from the buffers the forward saw, must put it back."""
+    out = m(x)
+    with torch.no_grad():
+        m.blocks[0].bn.running_mean.add_(1.0)
+    return out.logsumexp(-1).mean()
+
+
+CASES = {
+    "mlp-dropout": (lambda: mlp(p=0.1), lambda: torch.randn(8, 32), _noisy_step),
+    "cnn-batchnorm": (CNN, lambda: torch.randn(4, 3, 8, 8), _bn_step),
+    "gpt2-dropout": (tiny_gpt2, token_batch, _hf_step),
+    # The loss uses both outputs: the model's own loss and its logits.
+    "bert-two-outputs": (tiny_bert, token_batch,
+                         lambda m, x: (lambda o: o.loss + o.logits.pow(2).mean())(
+                             m(input_ids=x, labels=x))),
+}
+
+
+def _sample(name, x):
+    return {"input_ids": x, "labels": x} if name.startswith(("gpt2", "bert")) else x
+
+
+def _train(model, x, step, steps=2):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        step(model, x).backward()
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_correct_techniques_pass_and_training_is_unchanged(name, caplog):
+    factory, make_input, step = CASES[name]
+    torch.manual_seed(3)
+    checked, plain = factory(), None
+    plain = copy.deepcopy(checked)
+    x = make_input()
+    results = {}
+    for label, model, config in (("verify", checked, VERIFY), ("plain", plain, PLAIN)):
+        model.train()
+        torch.manual_seed(11)
+        random.seed(11)
+        memscale.wrap(model, config, sample_input=_sample(name, x))
+        with caplog.at_level(logging.INFO, logger="memscale._verify"):
+            opt = _train(model, x, step)
+        executor = model._memscale_executor
+        results[label] = (opt, torch.get_rng_state(), random.getstate(),
+                          getattr(executor, "verifier", None), executor.stats)
+        memscale.detach(model)
+    opt_v, rng_v, py_v, verifier, stats_v = results["verify"]
+    opt_p, rng_p, py_p, _, stats_p = results["plain"]
+    assert verifier is not None and verifier.done
+    assert verifier.report["gradient_abs"] == 0.0
+    assert verifier.report["output_abs"] == 0.0
+    assert "matches the unoptimized replay" in caplog.text
+    # Parameters, buffers, optimizer state, RNG streams: as without verify.
+    for (k, a), (_, b) in zip(checked.state_dict().items(), plain.state_dict().items()):
+        assert torch.equal(a, b), k
+    for sa, sb in zip(opt_v.state.values(), opt_p.state.values()):
+        for key in sa:
+            assert torch.equal(sa[key], sb[key])
+    assert torch.equal(rng_v, rng_p) and py_v == py_p
+    assert stats_v["training_forwards"] == stats_p["training_forwards"]
+    assert stats_v["recomputes"] == stats_p["recomputes"]
+
+
+def test_a_broken_recompute_is_caught():
+    model = broken_model()
+    x = torch.randn(4, 16)
+    hooks = hook_count(model)
+    memscale.wrap(model, VERIFY, sample_input=x)
+    wrapped_hooks = hook_count(model)
+    with pytest.raises(_verify.VerificationError,
+                       match="differs from the same step without memscale.*bitwise"):
+        model(x).pow(2).sum().backward()
+    verifier = model._memscale_executor.verifier
+    assert verifier.report["gradient_abs"] > 0
+    assert verifier.report["output_abs"] == 0.0  # the forward itself is fine
+    # The check is over: its hooks are gone, training can go on.
+    assert hook_count(model) == wrapped_hooks - 2
+    model(x).sum().backward()
+    memscale.detach(model)
+    assert hook_count(model) == hooks
+
+
+def test_the_same_broken_layer_passes_without_checkpointing():
+    model = broken_model()
+    x = torch.randn(4, 16)
+    memscale.wrap(model, VERIFY.replace(force_optimize=False), sample_input=x)
+    try:
+        assert not hasattr(model._memscale_executor, "verifier")  # smart-skip
+        model(x).sum().backward()
+    finally:
+        memscale.detach(model)
+
+
+def test_the_fallback_without_editable_hook_tables(monkeypatch):
+    monkeypatch.setattr(_torch_compat, "can_suspend_forward_hooks", lambda m: False)
+    model = broken_model()
+    x = torch.randn(4, 16)
+    memscale.wrap(model, VERIFY, sample_input=x)
+    plan = model._memscale_executor.plan
+    with pytest.raises(_verify.VerificationError):
+        model(x).pow(2).sum().backward()
+    assert model._memscale_executor.plan is plan  # the plan is back on
+    memscale.detach(model)
+    model = mlp(p=0.1)
+    memscale.wrap(model, VERIFY, sample_input=torch.randn(8, 32))
+    _train(model, torch.randn(8, 32), _noisy_step)
+    assert model._memscale_executor.verifier.report["gradient_abs"] == 0.0
+    memscale.detach(model)
+
+
+def test_the_hook_tables_are_put_back_as_they_were():
+    model = mlp()
+    memscale.wrap(model, PLAIN, sample_input=torch.randn(2, 32))
+    executor = model._memscale_executor
+    before = {id(m): (m._forward_pre_hooks, list(m._forward_pre_hooks))
+              for m in model.modules()}
+    with _torch_compat.forward_hooks_suspended(model.modules(), executor):
+        assert all(getattr(h, "__self__", None) is not executor
+                   for m in model.modules() for h in m._forward_pre_hooks.values())
+    for m in model.modules():
+        table, keys = before[id(m)]
+        assert m._forward_pre_hooks is table and list(table) == keys
+    memscale.detach(model)
+
+
+def test_a_forward_without_backward_passes_the_check_to_the_next():
+    model = mlp(p=0.1)
+    x = torch.randn(8, 32)
+    memscale.wrap(model, VERIFY, sample_input=x)
+    model(x)  # no backward
+    verifier = model._memscale_executor.verifier
+    assert not verifier.done
+    model(x).sum().backward()
+    assert verifier.done and verifier.report["gradient_abs"] == 0.0
+    memscale.detach(model)
+
+
+def test_with_warmup_profiling_the_first_applied_step_is_checked():
+    model = mlp(p=0.1)
+    x = torch.randn(8, 32)
+    memscale.wrap(model, VERIFY.replace(warmup_steps=2))
+    verifier = model._memscale_executor.verifier
+    for _ in range(2):
+        model(x).sum().backward()
+        assert not verifier.done  # still profiling
+    model(x).sum().backward()
+    assert verifier.done and verifier.report["gradient_abs"] == 0.0
+    memscale.detach(model)
+
+
+def test_verify_is_no_longer_reported_as_unavailable(caplog):
+    model = mlp()
+    with caplog.at_level(logging.WARNING, logger="memscale"):
+        memscale.wrap(model, VERIFY, sample_input=torch.randn(2, 32))
+    memscale.detach(model)
+    assert "verify_correctness" not in caplog.text
+
+
+def test_detach_before_backward_removes_everything():
+    model = mlp()
+    x = torch.randn(8, 32)
+    hooks = hook_count(model)
+    memscale.wrap(model, VERIFY, sample_input=x)
+    out = model(x)
+    memscale.detach(model)
+    assert hook_count(model) == hooks
+    out.sum().backward()  # no check runs on a detached model
