@@ -10,6 +10,7 @@ import logging
 
 from .api import detach, optimize, wrap
 from .config import AsyncOffloadConfig, Config, OptimizationMode
+from .predictor import estimate_savings, predict_peak
 
 __version__ = "0.1.0"
 
@@ -19,7 +20,9 @@ __all__ = [
     "OptimizationMode",
     "__version__",
     "detach",
+    "estimate_savings",
     "optimize",
+    "predict_peak",
     "wrap",
 ]
 

@@ -95,8 +95,11 @@ def optimizer_state_bytes(model: torch.nn.Module,
     per_param = _storage_bytes(trainable)
     if optimizer is None:
         return 2 * per_param
+    # Per-parameter buffers only: scalar entries such as Adam's ``step`` are
+    # left out, so a plan does not change once the optimizer has stepped.
     existing = [v for state in optimizer.state.values()
-                for v in state.values() if isinstance(v, torch.Tensor)]
+                for v in state.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0]
     if existing:
         return _storage_bytes(existing)
     name = type(optimizer).__name__.lower()
@@ -105,6 +108,8 @@ def optimizer_state_bytes(model: torch.nn.Module,
         return per_param if momentum else 0
     if name in ("adagrad", "rmsprop", "adadelta", "adafactor"):
         return per_param
+    if any(g.get("amsgrad", False) for g in optimizer.param_groups):
+        return 3 * per_param  # exp_avg, exp_avg_sq, max_exp_avg_sq
     return 2 * per_param
 
 

@@ -5,6 +5,13 @@ memory), which torch provides only through ``torch._subclasses``.  Private
 APIs move between releases, so each use is checked here and has a fallback:
 if fake tensors are unavailable or fail, profiling falls back to a real
 forward pass (``Config.use_empirical_fallback``).
+
+The OOM predictor (memscale.predictor) also needs ``TorchDispatchMode``,
+the fake-tensor helpers, a module's parameter tables and the profiler's raw
+events; without them it raises a clear error, or (fake-tensor helpers,
+profiler events) predicts without real values and kernel probes.
+``verify_correctness`` suspends memscale's forward hooks through the module
+hook tables, and falls back to re-applying the plan.
 """
 
 from __future__ import annotations
@@ -37,11 +44,17 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def fake_tensor_mode() -> tuple[Any, Callable[[torch.Tensor], torch.Tensor]] | None:
+def fake_tensor_mode(*, allow_non_fake_inputs: bool = False,
+                     allow_fallback_kernels: bool = True,
+                     ) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor]] | None:
     """A FakeTensorMode and a converter from real to fake tensors.
 
     Returns None when this torch has no usable FakeTensorMode; callers then
-    profile with real tensors.
+    profile with real tensors.  ``allow_non_fake_inputs`` lets real tensors
+    met inside the mode (e.g. a loss target held by a closure) be faked on
+    the fly; ``allow_fallback_kernels=False`` makes an operator without a
+    fake implementation raise instead of running its real kernel on
+    zero-filled inputs (which would allocate real memory).
     """
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -50,7 +63,8 @@ def fake_tensor_mode() -> tuple[Any, Callable[[torch.Tensor], torch.Tensor]] | N
         return None
     if torch_version() < TESTED_TORCH[0]:  # pragma: no cover
         return None
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs,
+                          allow_fallback_kernels=allow_fallback_kernels)
 
     def convert(t: torch.Tensor) -> torch.Tensor:
         fake = mode.from_tensor(t)
@@ -59,3 +73,128 @@ def fake_tensor_mode() -> tuple[Any, Callable[[torch.Tensor], torch.Tensor]] | N
         return fake
 
     return mode, convert
+
+
+def dispatch_mode_base() -> type | None:
+    """``TorchDispatchMode``, the base class of a mode that sees every aten
+    operator call below autograd (the OOM predictor counts the storages
+    operators return with one).  It lives in the private
+    ``torch.utils._python_dispatch``; None when this torch lacks it or is
+    older than the releases checked here, and the predictor then reports
+    that it cannot run (wrap() is not affected).
+    """
+    if torch_version() < TESTED_TORCH[0]:  # pragma: no cover
+        return None
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError:  # pragma: no cover - depends on the torch release
+        logger.info("TorchDispatchMode is unavailable in torch %s",
+                    torch.__version__)
+        return None
+    return TorchDispatchMode
+
+
+def fake_tensor_tools() -> tuple[Callable[[Any], bool], Callable[[], Any],
+                                 tuple[type[BaseException], ...]] | None:
+    """``(is_fake, unset_fake_temporarily, value_errors)`` from
+    ``torch._subclasses.fake_tensor``: a test for fake tensors, a context
+    manager that runs real operators inside a FakeTensorMode, and the
+    exceptions a fake operator raises when its result depends on tensor
+    values.  None when this torch lacks them; the OOM predictor then runs
+    every operator on fake tensors."""
+    if torch_version() < TESTED_TORCH[0]:  # pragma: no cover
+        return None
+    try:
+        from torch._subclasses.fake_tensor import (
+            DataDependentOutputException,
+            DynamicOutputShapeException,
+            is_fake,
+            unset_fake_temporarily,
+        )
+    except ImportError:  # pragma: no cover - depends on the torch release
+        return None
+    return is_fake, unset_fake_temporarily, (DataDependentOutputException,
+                                             DynamicOutputShapeException)
+
+
+# The per-module tables that hold forward hooks (torch/nn/modules/module.py);
+# the hook callables are in the first two, keyed by handle id.
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
+
+
+def can_suspend_forward_hooks(modules: Any) -> bool:
+    """Whether :func:`forward_hooks_suspended` works for these modules: the
+    private hook tables it edits exist in this torch."""
+    if torch_version() < TESTED_TORCH[0]:  # pragma: no cover
+        return False
+    return all(isinstance(getattr(m, name, None), dict)
+               for m in modules for name in _HOOK_TABLES)
+
+
+class forward_hooks_suspended:  # noqa: N801 - used as a context manager
+    """Within the block, the forward hooks of ``modules`` whose callable is
+    a method of ``owner`` do not run; every other hook runs, in its order.
+    On exit the modules get back their original hook tables (the same
+    objects), so nothing is re-registered and no order changes.  Check
+    :func:`can_suspend_forward_hooks` first; the hook tables are private
+    attributes of ``nn.Module``."""
+
+    def __init__(self, modules: Any, owner: Any) -> None:
+        self._modules = list(modules)
+        self._owner = owner
+        self._saved: list[tuple[Any, str, dict[int, Any]]] = []
+
+    def __enter__(self) -> None:
+        try:
+            for module in self._modules:
+                for name in _HOOK_TABLES:
+                    table = getattr(module, name)
+                    kept = type(table)(
+                        (k, hook) for k, hook in table.items()
+                        if getattr(hook, "__self__", None) is not self._owner)
+                    if len(kept) != len(table):
+                        self._saved.append((module, name, table))
+                        setattr(module, name, kept)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        while self._saved:
+            module, name, table = self._saved.pop()
+            setattr(module, name, table)
+
+
+def module_tensor_tables(module: torch.nn.Module
+                         ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The dicts in which ``module`` keeps its own parameters and buffers
+    (``_parameters`` and ``_buffers``; ``torch.func.functional_call`` swaps
+    tensors through the same tables).  The OOM predictor puts fake twins in
+    them for the length of a simulation.  None when this torch keeps them
+    elsewhere; the predictor then reports that it cannot run."""
+    params = getattr(module, "_parameters", None)
+    buffers = getattr(module, "_buffers", None)
+    if not isinstance(params, dict) or not isinstance(buffers, dict):
+        return None
+    return params, buffers
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The version counter of ``t`` (bumped by every in-place change);
+    the C executor reads the same attribute."""
+    return int(t._version)
+
+
+def profiler_memory_events(prof: Any) -> list[tuple[str, int, int, int]] | None:
+    """``(name, start_ns, end_ns, nbytes)`` of every raw event of a stopped
+    ``torch.profiler.profile(profile_memory=True)`` session; allocator
+    events are named ``"[memory]"``.  This reads the kineto results as
+    ``memscale.benchmarks.measure`` does (``prof.profiler.kineto_results``,
+    not a public API).  None when this torch does not provide them."""
+    try:
+        raw = prof.profiler.kineto_results.events()
+        return [(e.name(), e.start_ns(), e.end_ns(), e.nbytes()) for e in raw]
+    except AttributeError:  # pragma: no cover - depends on the torch build
+        logger.info("the profiler's raw events are unavailable in torch %s",
+                    torch.__version__)
+        return None

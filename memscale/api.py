@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import _core, _planning
+from . import _core, _planning, _telemetry, observability, policy
 from .config import AsyncOffloadConfig, Config
 from .executor import Executor
 
@@ -30,15 +30,19 @@ _NOT_YET = {
     "use_mixed_precision": "mixed precision",
     "use_8bit_optimizer": "the 8-bit optimizer",
     "async_offload": "async offload",
-    "observability_port": "Prometheus metrics",
-    "verify_correctness": "verify_correctness",
-    "auto_policy": "the strategy policy (auto_policy)",
 }
 
 
 def _is_trainer(obj: Any) -> bool:
     return (not isinstance(obj, torch.nn.Module) and hasattr(obj, "model")
             and callable(getattr(obj, "train", None)))
+
+
+def _is_hf_trainer(obj: Any) -> bool:
+    """A Trainer memscale can attach to: it takes callbacks (as
+    ``transformers.Trainer`` does)."""
+    return (_is_trainer(obj) and callable(getattr(obj, "add_callback", None))
+            and hasattr(obj, "callback_handler"))
 
 
 def _effective_config(config: Config | None, async_offload: bool | None,
@@ -71,6 +75,59 @@ def _report_unavailable(config: Config) -> None:
         if getattr(config, field) not in (False, None):
             logger.warning("memscale: Config.%s is set, but %s is not part of "
                            "this release yet; it is not applied", field, what)
+
+
+def _select_strategy(config: Config, context: policy.StrategyContext
+                     ) -> tuple[policy.StrategyDecision, Config]:
+    """Stage 1: the strategy decision and the effective Config (``config``
+    itself, or a derived copy; ``config`` is never changed).
+
+    ``auto_policy=False``, or a model on the host CPU: ``config`` as written
+    (``decision_source="user_config"``).  On a GPU: the trained policy
+    (``"ml"``), else the rule policy (``"rule_fallback"``), or the rule
+    policy on purpose with ``MEMSCALE_POLICY=rule`` (``"rule"``).  Stage 2,
+    the rule engine, makes the per-layer plan from the effective Config.
+    """
+    if not config.auto_policy:
+        return policy.StrategyDecision.from_config(
+            config, "auto_policy=False: the Config is used as written"), config
+    if not context.has_gpu:
+        return policy.StrategyDecision.from_config(
+            config, f"auto_policy=True, but the model is on the host "
+            f"{context.device_type}: there is no device memory pressure to "
+            "reason about, so the Config is used as written"), config
+    if not context.profiled:
+        raise ValueError("Stage 1 needs a profiled context on a GPU: build it with "
+                         "StrategyContext.build(config, hardware, profile, fixed_bytes)")
+    rules = policy.RulePolicy()
+    if policy.requested_policy() == "rule":
+        (name, reason), source, used = rules.choose(context), "rule", rules.name
+    else:
+        try:
+            trained = policy.load_trained_policy()
+            (name, reason), source, used = trained.choose(context), "ml", trained.name
+        except policy.PolicyFallbackNeeded as exc:
+            logger.info("memscale: the trained strategy policy is unavailable (%s); "
+                        "the rule policy decides", exc)
+            (name, reason), source, used = rules.choose(context), "rule_fallback", rules.name
+            reason += f"; trained policy unavailable: {exc}"
+    decision = policy.StrategyDecision.from_strategy(name, config, source, reason, used)
+    return decision, decision.effective_config(config)
+
+
+def _stage1(executor: Executor, config: Config, hardware: dict[str, Any],
+            profile: Any, fixed: int) -> Config:
+    """Run Stage 1, record the decision on the executor, log it; return the
+    effective Config for Stage 2."""
+    if not policy.needs_profile(config, hardware):
+        profile = None  # the decision does not depend on it
+    context = policy.StrategyContext.build(config, hardware, profile, fixed)
+    decision, effective = _select_strategy(config, context)
+    executor.decision = decision
+    executor.config = effective
+    logger.log(logging.INFO if config.enable_logging else logging.DEBUG, "%s",
+               decision.describe())
+    return effective
 
 
 def _log_plan(config: Config, hardware: dict[str, Any], plan: Any) -> None:
@@ -121,12 +178,36 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
     estimate with the optimizer's real state size.
 
     Wrapping a model twice raises ``RuntimeError``: call ``detach`` first.
+
+    ``target`` may also be a Hugging Face ``transformers.Trainer``: a
+    ``memscale.integrations.hf.MemScaleCallback`` is added to it, which
+    wraps the model the Trainer trains when training starts (with the
+    Trainer's optimizer) and detaches it when training ends.  The Trainer
+    is returned.
     """
     if _is_trainer(target):
+        if not _is_hf_trainer(target):
+            raise TypeError(
+                "memscale.wrap() accepts a Hugging Face transformers.Trainer "
+                "(an object with .model, .train() and .add_callback()); this "
+                f"{type(target).__name__} takes no callbacks. Wrap its model "
+                "instead: memscale.wrap(trainer.model)")
+        if optimizer is not None:
+            raise TypeError(
+                "memscale.wrap(trainer, optimizer=...): memscale uses the "
+                "optimizer the Trainer builds; give yours to the Trainer "
+                "(Trainer(..., optimizers=(optimizer, scheduler))) instead")
+        from .integrations import hf  # imports transformers
+
+        return hf.attach(target, _effective_config(config, async_offload,
+                                                   async_config), sample_input)
+    if (not isinstance(target, torch.nn.Module)
+            and type(target).__module__.split(".")[0] in ("lightning",
+                                                           "pytorch_lightning")):
         raise TypeError(
-            "memscale.wrap() of a Hugging Face Trainer is not part of this "
-            "release yet; wrap the model instead: memscale.wrap(model) before "
-            "passing it to the Trainer")
+            "memscale.wrap() does not take a PyTorch Lightning "
+            f"{type(target).__name__}; pass the callback instead: "
+            "Trainer(callbacks=[memscale.integrations.lightning.MemScaleCallback()])")
     if not isinstance(target, torch.nn.Module):
         raise TypeError("memscale.wrap() needs a torch.nn.Module (or a Hugging "
                         f"Face Trainer), got {type(target).__name__}")
@@ -160,21 +241,34 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
     try:
         method = profile.method if profile is not None else "warmup"
         executor._init_python_state(config, hardware, method)
+        executor.on_detach(observability.attach_logging(config))
+        if config.observability_port is not None:
+            executor.metrics_server = observability.start_metrics_server(
+                executor, config.observability_port)
+            executor.on_detach(executor.metrics_server.close)
         if profile is not None:
             executor.profile = profile
-            plan = _planning.make_plan(profile, config, hardware, fixed)
+            plan_config = _stage1(executor, config, hardware, profile, fixed)
+            plan = _planning.make_plan(profile, plan_config, hardware, fixed)
             _log_plan(config, hardware, plan)
             executor.apply(plan)
             _after_plan(model, executor, plan)
         else:
+            if not policy.needs_profile(config, hardware):
+                _stage1(executor, config, hardware, None, fixed)
+            else:
+                policy.requested_policy()  # a bad MEMSCALE_POLICY fails now
             profiler = _planning.new_warmup_profiler(model, units)
 
             def on_profiled(prof: Any) -> Any:
                 warm = _planning.profile_from(prof, units, "warmup")
                 executor.profile = warm
-                plan = _planning.make_plan(warm, config, hardware, fixed)
+                plan_config = (executor.config if executor.decision is not None
+                               else _stage1(executor, config, hardware, warm, fixed))
+                plan = _planning.make_plan(warm, plan_config, hardware, fixed)
                 _log_plan(config, hardware, plan)
                 _after_plan(model, executor, plan)
+                _telemetry.plan_built(executor, plan, model)
                 return plan
 
             try:
@@ -185,19 +279,33 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
             if config.enable_logging:
                 logger.info("memscale: profiling the first %d training forward "
                             "passes, then planning", config.warmup_steps)
+        if config.verify_correctness:
+            from . import _verify
+
+            _verify.attach(model, executor)
         model.__dict__[ATTR] = executor
     except BaseException:
         if not hasattr(executor, "_restore"):
             executor._init_python_state(config, hardware, "failed")
         executor.detach()
         raise
+    _telemetry.wrap_called(model, executor)  # never raises
     return target
 
 
 def detach(model: Any) -> None:
     """Remove everything ``wrap`` attached and delete
     ``model._memscale_executor``.  A model that was never wrapped gets a
-    warning, not an exception."""
+    warning, not an exception.  For a Hugging Face Trainer: removes
+    memscale's callbacks from it, and detaches its model if wrapped."""
+    if _is_hf_trainer(model):
+        from .integrations import hf  # imports transformers
+
+        if not hf.detach_trainer(model):
+            warnings.warn("memscale.detach(): this Trainer has no memscale "
+                          "callback and its model is not wrapped; nothing to do",
+                          RuntimeWarning, stacklevel=2)
+        return
     if _is_trainer(model):
         model = model.model
     executor = getattr(model, "__dict__", {}).get(ATTR)

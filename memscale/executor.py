@@ -22,14 +22,20 @@ class Executor(_core.Executor):
 
     Attributes set by ``wrap``: ``config`` (the effective Config),
     ``hardware`` (the device description the plan was made for),
-    ``profiling`` ("static", "empirical" or "warmup") and ``profile`` (what
-    was measured per layer, including output bytes and forward FLOPs).
+    ``profiling`` ("static", "empirical" or "warmup"), ``profile`` (what
+    was measured per layer, including output bytes and forward FLOPs),
+    ``decision`` (Stage 1's ``memscale.policy.StrategyDecision``, with its
+    ``decision_source``; None until made) and ``metrics_server`` (the
+    ``memscale.observability.MetricsServer`` serving this model's metrics,
+    or None).
     """
 
     config: Config
     hardware: dict[str, Any]
     profiling: str
     profile: Any  # the _planning.Profile measured (None while warming up)
+    decision: Any  # a memscale.policy.StrategyDecision, or None until made
+    metrics_server: Any  # a memscale.observability.MetricsServer, or None
 
     def _init_python_state(self, config: Config, hardware: dict[str, Any],
                            profiling: str) -> None:
@@ -37,6 +43,8 @@ class Executor(_core.Executor):
         self.hardware = hardware
         self.profiling = profiling
         self.profile = None
+        self.decision = None
+        self.metrics_server = None
         self._restore: list[Callable[[], None]] = []
 
     def on_detach(self, action: Callable[[], None]) -> None:

@@ -204,7 +204,7 @@ def test_wrap_non_module_raises_type_error(bad):
         memscale.wrap(bad)
 
 
-def test_wrap_trainer_says_not_yet():
+def test_wrap_trainer_without_callbacks_is_a_type_error():
     class FakeTrainer:
         def __init__(self):
             self.model = mlp()
@@ -308,6 +308,18 @@ def test_optimize_context_manager_detaches_on_error():
             raise KeyError("x")
     assert not hasattr(model, "_memscale_executor")
     assert hook_count(model) == 0
+
+
+def test_plan_does_not_change_once_the_optimizer_has_stepped():
+    model = mlp()
+    x = torch.randn(4, 32)
+    opt = torch.optim.AdamW(model.parameters())
+    with memscale.optimize(model, opt, FORCE, x) as ex:
+        before = ex.plan.hash
+    model(x).sum().backward()
+    opt.step()
+    with memscale.optimize(model, opt, FORCE, x) as ex:
+        assert ex.plan.hash == before
 
 
 def test_optimizer_sharpens_the_estimate():

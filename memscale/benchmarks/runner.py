@@ -202,6 +202,15 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
                                if v != "unoptimized" and applies(entry, v)]
     note = progress or (lambda _msg: None)
 
+    # RSS first, while this process is small: its own high-water mark from
+    # the phases below would otherwise add to the children's memory.
+    rss_peaks: dict[str, int | None] = {name: None for name in names}
+    if rss:
+        for name in names:
+            note(f"{entry.name}: RSS of {name}")
+            rss_peaks[name] = peak_rss_subprocess(
+                RSS_CODE.format(model=entry.name, variant=name))
+
     # Agreement and memory, one variant alive at a time.  Agreement: one
     # forward/backward from the identical initial state and RNG seed.
     # Memory: the exact allocator peak of a steady-state training step.
@@ -238,12 +247,6 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
     times = _time_interleaved(entry, names, repeats) if interleaved \
         else _time_sequential(entry, names, repeats)
 
-    rss_peaks: dict[str, int | None] = {name: None for name in names}
-    if rss:
-        for name in names:
-            note(f"{entry.name}: RSS of {name}")
-            rss_peaks[name] = peak_rss_subprocess(
-                RSS_CODE.format(model=entry.name, variant=name))
 
     base_median = statistics.median(times["unoptimized"])
     results = []
