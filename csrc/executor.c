@@ -75,6 +75,7 @@ struct Executor {
     long long forwards;     /* training forwards of the root seen */
     long long recompute_ns; /* wall time spent recomputing */
     int recompute_depth;
+    int paused;             /* > 0: hooks do nothing (see pause()) */
     int active_frames;
     int root_in_pass;
     int attached;
@@ -759,7 +760,8 @@ static PyObject *
 open_frame(Executor *ex, PyObject *unit, PyObject *args, PyObject *kwargs)
 {
     ms_state *st = ex->st;
-    if (ex->recompute_depth > 0 || ex->active_frames > 0 || ex->masks == NULL)
+    if (ex->recompute_depth > 0 || ex->active_frames > 0 || ex->masks == NULL
+        || ex->paused > 0)
     {
         return NULL; /* recomputing, or nested in a frame already */
     }
@@ -920,6 +922,9 @@ ex_root_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
         {
             return NULL;
         }
+    }
+    if (ex->paused > 0) {
+        Py_RETURN_NONE;
     }
     int grad = ms_grad_enabled(ex->st);
     if (grad < 0) {
@@ -1140,6 +1145,40 @@ ex_start_profiling(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     Py_XSETREF(ex->profiler, Py_NewRef(args[0]));
     Py_XSETREF(ex->on_profiled, Py_NewRef(args[1]));
     ex->steps = 0;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(ex_pause_doc,
+"pause($self, /)\n--\n\n"
+"Make every hook of this executor do nothing until resume() (nestable):\n"
+"forwards run as without memscale and are not counted.  Not allowed\n"
+"inside a checkpointed layer's forward or a profiled pass.");
+
+static PyObject *
+ex_pause(Executor *ex, PyObject *Py_UNUSED(ignored))
+{
+    if (ex->root_in_pass || (ex->stack && PyList_GET_SIZE(ex->stack) > 0)) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memscale: cannot pause the executor inside a forward");
+        return NULL;
+    }
+    ex->paused++;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(ex_resume_doc,
+"resume($self, /)\n--\n\n"
+"Undo one pause().");
+
+static PyObject *
+ex_resume(Executor *ex, PyObject *Py_UNUSED(ignored))
+{
+    if (ex->paused == 0) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memscale: resume() without a matching pause()");
+        return NULL;
+    }
+    ex->paused--;
     Py_RETURN_NONE;
 }
 
@@ -1431,6 +1470,8 @@ static PyMethodDef ex_methods[] = {
     {"start_profiling", (PyCFunction)(void (*)(void))ex_start_profiling,
      METH_FASTCALL, ex_start_profiling_doc},
     {"detach", (PyCFunction)ex_detach, METH_NOARGS, ex_detach_doc},
+    {"pause", (PyCFunction)ex_pause, METH_NOARGS, ex_pause_doc},
+    {"resume", (PyCFunction)ex_resume, METH_NOARGS, ex_resume_doc},
     {"_pre", (PyCFunction)(void (*)(void))ex_pre, METH_FASTCALL, NULL},
     {"_post", (PyCFunction)(void (*)(void))ex_post, METH_FASTCALL, NULL},
     {"_root_pre", (PyCFunction)(void (*)(void))ex_root_pre, METH_FASTCALL,

@@ -117,54 +117,6 @@ def fake_tensor_tools() -> tuple[Callable[[Any], bool], Callable[[], Any],
                                              DynamicOutputShapeException)
 
 
-# The per-module tables that hold forward hooks (torch/nn/modules/module.py);
-# the hook callables are in the first two, keyed by handle id.
-_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
-
-
-def can_suspend_forward_hooks(modules: Any) -> bool:
-    """Whether :func:`forward_hooks_suspended` works for these modules: the
-    private hook tables it edits exist in this torch."""
-    if torch_version() < TESTED_TORCH[0]:  # pragma: no cover
-        return False
-    return all(isinstance(getattr(m, name, None), dict)
-               for m in modules for name in _HOOK_TABLES)
-
-
-class forward_hooks_suspended:  # noqa: N801 - used as a context manager
-    """Within the block, the forward hooks of ``modules`` whose callable is
-    a method of ``owner`` do not run; every other hook runs, in its order.
-    On exit the modules get back their original hook tables (the same
-    objects), so nothing is re-registered and no order changes.  Check
-    :func:`can_suspend_forward_hooks` first; the hook tables are private
-    attributes of ``nn.Module``."""
-
-    def __init__(self, modules: Any, owner: Any) -> None:
-        self._modules = list(modules)
-        self._owner = owner
-        self._saved: list[tuple[Any, str, dict[int, Any]]] = []
-
-    def __enter__(self) -> None:
-        try:
-            for module in self._modules:
-                for name in _HOOK_TABLES:
-                    table = getattr(module, name)
-                    kept = type(table)(
-                        (k, hook) for k, hook in table.items()
-                        if getattr(hook, "__self__", None) is not self._owner)
-                    if len(kept) != len(table):
-                        self._saved.append((module, name, table))
-                        setattr(module, name, kept)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc: Any) -> None:
-        while self._saved:
-            module, name, table = self._saved.pop()
-            setattr(module, name, table)
-
-
 def module_tensor_tables(module: torch.nn.Module
                          ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The dicts in which ``module`` keeps its own parameters and buffers

@@ -310,10 +310,7 @@ class Verifier:
 
     def _suspended(self, model: nn.Module) -> Any:
         """memscale's hooks off for the replay (and nothing else)."""
-        units = [m for m in model.modules()]
-        if _torch_compat.can_suspend_forward_hooks(units):
-            return _torch_compat.forward_hooks_suspended(units, self.executor)
-        return _PlanSwap(self.executor)
+        return self.executor.paused()
 
     def _verify(self, pending: _Pending, params: list[torch.Tensor],
                 grads: list[torch.Tensor | None]) -> None:
@@ -412,29 +409,6 @@ class Verifier:
             "outside torch's RNG, or global state it reads or changes) does "
             "this: make its forward deterministic or exclude it from "
             "checkpointing.")
-
-
-class _PlanSwap:
-    """Fallback for a torch whose module hook tables cannot be edited:
-    apply a plan that does nothing for the replay, then the real plan again.
-    The executor's hooks are then registered anew, after any hook added
-    since wrap()."""
-
-    def __init__(self, executor: Any) -> None:
-        self.executor = executor
-        self.plan = executor.plan
-
-    def __enter__(self) -> None:
-        from . import _planning
-
-        ex = self.executor
-        idle = ex.config.replace(force_optimize=False, memory_budget_gb=1 << 19)
-        nothing = _planning.make_plan(ex.profile, idle, ex.hardware,
-                                      self.plan.fixed_bytes)
-        ex.apply(nothing)
-
-    def __exit__(self, *exc: Any) -> None:
-        self.executor.apply(self.plan)
 
 
 def attach(model: nn.Module, executor: Any) -> Verifier | None:

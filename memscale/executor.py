@@ -8,8 +8,9 @@ the hardware, and the restore actions run by ``detach``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import _core
 from .config import Config
@@ -46,6 +47,16 @@ class Executor(_core.Executor):
         self.decision = None
         self.metrics_server = None
         self._restore: list[Callable[[], None]] = []
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Within the block every hook of this executor does nothing: the
+        model runs exactly as without memscale (other hooks still run)."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
 
     def on_detach(self, action: Callable[[], None]) -> None:
         """Run ``action`` when the executor is detached (LIFO order)."""

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import memscale
-from conftest import CNN, hook_count, mlp, tiny_bert, tiny_gpt2, token_batch
-from memscale import _torch_compat, _verify
+from conftest import CNN, hook_count, mlp, tiny_bert, tiny_gpt2, token_batch, twins
+from memscale import _verify
 
 VERIFY = memscale.Config(mode="conservative", force_optimize=True,
                          verify_correctness=True, enable_logging=False)
@@ -151,35 +151,25 @@ def test_the_same_broken_layer_passes_without_checkpointing():
         memscale.detach(model)
 
 
-def test_the_fallback_without_editable_hook_tables(monkeypatch):
-    monkeypatch.setattr(_torch_compat, "can_suspend_forward_hooks", lambda m: False)
-    model = broken_model()
-    x = torch.randn(4, 16)
-    memscale.wrap(model, VERIFY, sample_input=x)
-    plan = model._memscale_executor.plan
-    with pytest.raises(_verify.VerificationError):
-        model(x).pow(2).sum().backward()
-    assert model._memscale_executor.plan is plan  # the plan is back on
-    memscale.detach(model)
-    model = mlp(p=0.1)
-    memscale.wrap(model, VERIFY, sample_input=torch.randn(8, 32))
-    _train(model, torch.randn(8, 32), _noisy_step)
-    assert model._memscale_executor.verifier.report["gradient_abs"] == 0.0
-    memscale.detach(model)
-
-
-def test_the_hook_tables_are_put_back_as_they_were():
-    model = mlp()
-    memscale.wrap(model, PLAIN, sample_input=torch.randn(2, 32))
+def test_executor_pause_makes_the_model_run_as_without_memscale():
+    model, ref = twins(lambda: mlp(p=0.1))
+    x = torch.randn(4, 32)
+    memscale.wrap(model, PLAIN, sample_input=x)
     executor = model._memscale_executor
-    before = {id(m): (m._forward_pre_hooks, list(m._forward_pre_hooks))
-              for m in model.modules()}
-    with _torch_compat.forward_hooks_suspended(model.modules(), executor):
-        assert all(getattr(h, "__self__", None) is not executor
-                   for m in model.modules() for h in m._forward_pre_hooks.values())
-    for m in model.modules():
-        table, keys = before[id(m)]
-        assert m._forward_pre_hooks is table and list(table) == keys
+    with executor.paused():
+        with executor.paused():  # nestable
+            torch.manual_seed(0)
+            model(x).sum().backward()
+    torch.manual_seed(0)
+    ref(x).sum().backward()
+    assert executor.stats["checkpoint_frames"] == 0
+    assert executor.stats["training_forwards"] == 0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    model(x).sum().backward()  # resumed: checkpointing again
+    assert executor.stats["checkpoint_frames"] > 0
+    with pytest.raises(RuntimeError, match="without a matching pause"):
+        executor.resume()
     memscale.detach(model)
 
 
