@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -112,3 +115,27 @@ def force_config():
     import memscale
 
     return memscale.Config(mode="conservative", force_optimize=True)
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_blocked(blocked, code):
+    """Run ``code`` in a fresh interpreter where importing any of the
+    ``blocked`` top-level packages fails as if they were not installed."""
+    prelude = textwrap.dedent(f"""
+        import sys
+        from importlib.abc import MetaPathFinder
+        BLOCKED = {tuple(blocked)!r}
+        class Block(MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in BLOCKED:
+                    raise ModuleNotFoundError(f"No module named {{name!r}}")
+                return None
+        sys.meta_path.insert(0, Block())
+    """)
+    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
+                          cwd=_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": _ROOT})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout

@@ -11,10 +11,6 @@ model once ``train()`` returns.
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
-import textwrap
 import warnings
 
 import pytest
@@ -22,10 +18,9 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import memscale
-from conftest import hook_count, tiny_bert, tiny_gpt2
+from conftest import hook_count, run_blocked, tiny_bert, tiny_gpt2
 from memscale.integrations.hf import MemScaleCallback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORCE = memscale.Config(mode="conservative", force_optimize=True)
 STEPS = 4  # warm-up profiles steps 1-2, the plan applies from step 3
 LAYERS = 3  # transformer blocks of the tiny models
@@ -306,29 +301,8 @@ def test_other_processes_wrap_quietly(tmp_path, caplog):
     assert memscale_hooks_gone(model)
 
 
-def _run_blocked(blocked, code):
-    """Run ``code`` in a fresh interpreter where importing any of the
-    ``blocked`` top-level packages fails as if they were not installed."""
-    prelude = textwrap.dedent(f"""
-        import sys
-        from importlib.abc import MetaPathFinder
-        BLOCKED = {tuple(blocked)!r}
-        class Block(MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in BLOCKED:
-                    raise ModuleNotFoundError(f"No module named {{name!r}}")
-                return None
-        sys.meta_path.insert(0, Block())
-    """)
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ROOT})
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
 def test_import_error_names_the_extra_without_transformers():
-    out = _run_blocked(["transformers", "accelerate"], """
+    out = run_blocked(["transformers", "accelerate"], """
         import torch, memscale
         assert "transformers" not in sys.modules
         model = torch.nn.Sequential(torch.nn.Linear(4, 4))

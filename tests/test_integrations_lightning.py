@@ -10,10 +10,6 @@ resumed from a Lightning checkpoint must re-plan to the same plan hash.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 import warnings
 
 import lightning.pytorch as L
@@ -25,10 +21,9 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import memscale
-from conftest import Block, hook_count
+from conftest import Block, hook_count, run_blocked
 from memscale.integrations.lightning import MemScaleCallback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORCE = memscale.Config(mode="conservative", force_optimize=True)
 STEPS = 4
 BLOCKS = 4
@@ -220,29 +215,8 @@ def test_bad_config_and_wrap_of_a_lightning_trainer():
         memscale.wrap(trainer)
 
 
-def _run_blocked(blocked, code):
-    """Run ``code`` in a fresh interpreter where importing any of the
-    ``blocked`` top-level packages fails as if they were not installed."""
-    prelude = textwrap.dedent(f"""
-        import sys
-        from importlib.abc import MetaPathFinder
-        BLOCKED = {tuple(blocked)!r}
-        class Block(MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in BLOCKED:
-                    raise ModuleNotFoundError(f"No module named {{name!r}}")
-                return None
-        sys.meta_path.insert(0, Block())
-    """)
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ROOT})
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
 def test_import_error_names_the_extra_without_lightning():
-    out = _run_blocked(["lightning", "pytorch_lightning"], """
+    out = run_blocked(["lightning", "pytorch_lightning"], """
         import memscale
         try:
             import memscale.integrations.lightning
@@ -255,7 +229,7 @@ def test_import_error_names_the_extra_without_lightning():
 @pytest.mark.parametrize("present,missing", [
     ("pytorch_lightning", "lightning"), ("lightning", "pytorch_lightning")])
 def test_subclasses_the_callback_of_the_installed_package(present, missing):
-    out = _run_blocked([missing], f"""
+    out = run_blocked([missing], f"""
         import importlib
         from memscale.integrations.lightning import MemScaleCallback
         pkg = importlib.import_module(
