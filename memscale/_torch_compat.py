@@ -150,3 +150,19 @@ def profiler_memory_events(prof: Any) -> list[tuple[str, int, int, int]] | None:
         logger.info("the profiler's raw events are unavailable in torch %s",
                     torch.__version__)
         return None
+
+
+def autograd_nodes(tensor: torch.Tensor) -> list[Any]:
+    """Every node of the autograd graph behind ``tensor`` (each once),
+    following ``grad_fn.next_functions``."""
+    nodes: list[Any] = []
+    seen: set[int] = set()
+    stack = [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes.append(node)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return nodes

@@ -162,15 +162,7 @@ def _all_tensors(obj: Any) -> list[torch.Tensor]:
 
 def _reach(tensor: torch.Tensor) -> set[int]:
     """ids of the autograd nodes ``tensor``'s gradient flows through."""
-    seen: set[int] = set()
-    stack = [tensor.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        stack.extend(fn for fn, _ in node.next_functions)
-    return seen
+    return {id(node) for node in _torch_compat.autograd_nodes(tensor)}
 
 
 def _external_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]]

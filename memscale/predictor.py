@@ -1047,19 +1047,8 @@ def _rng_state_bytes() -> int:
 def _leaves_reached(loss: torch.Tensor) -> set[int]:
     """ids of the leaf tensors backward from ``loss`` would accumulate a
     gradient into (the AccumulateGrad nodes of its graph)."""
-    reached: set[int] = set()
-    seen: set[int] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            reached.add(id(variable))
-        stack.extend(fn for fn, _ in node.next_functions)
-    return reached
+    return {id(node.variable) for node in _torch_compat.autograd_nodes(loss)
+            if isinstance(getattr(node, "variable", None), torch.Tensor)}
 
 
 @dataclasses.dataclass
