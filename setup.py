@@ -20,10 +20,14 @@ SOURCES = [
     "csrc/plan.c",
     "csrc/profiler.c",
     "csrc/executor.c",
+    "csrc/spill.c",
 ]
 
-compile_args = ["-std=c11", "-Wall", "-Wextra", "-Werror"]
-link_args = []
+# POSIX 2008 for openat/pread/pwrite under -std=c11; -pthread for the
+# offload I/O thread.
+compile_args = ["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-pthread", "-Wall",
+                "-Wextra", "-Werror"]
+link_args = ["-pthread"]
 
 if os.environ.get("MEMSCALE_DEBUG") == "1":
     compile_args += ["-O0", "-g3", "-UNDEBUG"]

@@ -14,6 +14,15 @@
  *
  * Layers are taken most-bytes-freed-per-FLOP first (ties: forward order)
  * until the peak fits the budget.
+ *
+ * Offload (BALANCED and AGGRESSIVE) then moves checkpointed layers' inputs
+ * off the device until backward reloads them: such a layer holds nothing
+ * while it waits (h_j = 0), and is back to saved_j while recomputed.
+ * BALANCED offloads in forward order (earlier layers wait longest and sit
+ * under every later recompute) while the peak is over budget; AGGRESSIVE,
+ * and force_optimize, offload every checkpointed layer whose inputs reach
+ * min_offload_bytes.  Tiers: a GPU's host RAM up to host_cap_bytes, then
+ * disk (if allowed); on a host whose device is its RAM, disk only.
  */
 #include "engine.h"
 
@@ -37,6 +46,19 @@ ms_rule_name(ms_rule rule)
         return "unknown";
     }
     return rule_names[rule];
+}
+
+const char *
+ms_tier_name(ms_tier tier)
+{
+    switch (tier) {
+    case MS_TIER_HOST:
+        return "host";
+    case MS_TIER_DISK:
+        return "disk";
+    default:
+        return "device";
+    }
 }
 
 unsigned
@@ -68,7 +90,10 @@ freed_bytes(const ms_layer *layer)
     return d > 0 ? d : 0;
 }
 
-/* Peak of the step for the checkpoint set marked in `ckpt`. */
+enum { KEEP = 0, CKPT = 1, CKPT_OFFLOAD = 2 };
+
+/* Peak of the step for the techniques marked in `ckpt` (KEEP, CKPT,
+   CKPT_OFFLOAD per layer). */
 static int64_t
 projected_peak(const ms_problem *p, const ms_layer *layers, size_t n,
                const unsigned char *ckpt, int64_t rest)
@@ -80,8 +105,10 @@ projected_peak(const ms_problem *p, const ms_layer *layers, size_t n,
             if (at_recompute > worst) {
                 worst = at_recompute;
             }
-            prefix = add_sat(prefix,
-                             layers[i].saved_bytes - freed_bytes(&layers[i]));
+            if (ckpt[i] == CKPT) {
+                prefix = add_sat(prefix, layers[i].saved_bytes
+                                             - freed_bytes(&layers[i]));
+            }
         }
         else {
             prefix = add_sat(prefix, layers[i].saved_bytes);
@@ -157,6 +184,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
     size_t ncand = 0;
     for (size_t i = 0; i < n; i++) {
         out[i].techniques = 0;
+        out[i].tier = MS_TIER_DEVICE;
         out[i].bytes_saved = 0;
         ms_rule why = ineligible_reason(&layers[i]);
         if (res->skipped) {
@@ -185,10 +213,45 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
                 break;
             }
             size_t i = cands[k].index;
-            ckpt[i] = 1;
+            ckpt[i] = CKPT;
             out[i].techniques = MS_TECH_CHECKPOINT;
             out[i].rule = p->force ? MS_RULE_FORCE_ALL : MS_RULE_PRESSURE;
             out[i].bytes_saved = freed_bytes(&layers[i]);
+            peak = projected_peak(p, layers, n, ckpt, rest);
+        }
+    }
+
+    if (!res->skipped && (base & MS_TECH_OFFLOAD)) {
+        int all = p->force || p->mode == MS_MODE_AGGRESSIVE;
+        int64_t host_used = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (!all && peak <= p->budget_bytes) {
+                break;
+            }
+            if (ckpt[i] != CKPT || layers[i].input_bytes <= 0
+                || layers[i].input_bytes < p->min_offload_bytes)
+            {
+                continue;
+            }
+            ms_tier tier = MS_TIER_DEVICE;
+            if (p->host_tier
+                && (p->host_cap_bytes < 0
+                    || add_sat(host_used, layers[i].input_bytes)
+                           <= p->host_cap_bytes))
+            {
+                tier = MS_TIER_HOST;
+                host_used = add_sat(host_used, layers[i].input_bytes);
+            }
+            else if (p->disk_tier) {
+                tier = MS_TIER_DISK;
+            }
+            if (tier == MS_TIER_DEVICE) {
+                continue; /* nowhere to put it */
+            }
+            ckpt[i] = CKPT_OFFLOAD;
+            out[i].techniques |= MS_TECH_OFFLOAD;
+            out[i].tier = tier;
+            out[i].bytes_saved = layers[i].saved_bytes;
             peak = projected_peak(p, layers, n, ckpt, rest);
         }
     }

@@ -20,6 +20,13 @@ enum {
 };
 
 
+/* Where an offloaded layer's inputs wait for backward. */
+typedef enum {
+    MS_TIER_DEVICE = 0, /* not offloaded */
+    MS_TIER_HOST = 1,   /* host RAM (a GPU's host), capped */
+    MS_TIER_DISK = 2,   /* spill files */
+} ms_tier;
+
 typedef enum {
     MS_MODE_CONSERVATIVE = 0,
     MS_MODE_BALANCED = 1,
@@ -61,11 +68,16 @@ typedef struct {
     int64_t fixed_bytes;       /* params + grads + optimizer state */
     int64_t activation_bytes;  /* all activations saved, whole model */
     double total_flops;        /* forward cost of the whole model */
+    int64_t min_offload_bytes; /* inputs smaller than this stay */
+    int host_tier;             /* the device has a separate host RAM */
+    int64_t host_cap_bytes;    /* offload bytes host RAM may take; < 0: no cap */
+    int disk_tier;             /* spilling to disk is allowed */
 } ms_problem;
 
 typedef struct {
     unsigned techniques;  /* MS_TECH_* */
     ms_rule rule;
+    ms_tier tier;         /* MS_TIER_DEVICE unless offloaded */
     int64_t bytes_saved;  /* predicted, while the layer waits for backward */
 } ms_choice;
 
@@ -83,6 +95,9 @@ unsigned ms_mode_base_techniques(ms_mode mode);
 
 /* Stable, lowercase, hyphenated rule names. */
 const char *ms_rule_name(ms_rule rule);
+
+/* "device", "host" or "disk". */
+const char *ms_tier_name(ms_tier tier);
 
 /*
  * Plan n layers.  out has room for n choices.  Returns 0, or -1 when memory

@@ -38,6 +38,9 @@ typedef struct {
     PyObject *ctx;         /* saved_tensors_hooks while the forward runs */
     PyObject *shapes;      /* list: shape of each packed tensor */
     PyObject *recomputed;  /* list, NULL before the first recompute */
+    PyObject *offloaded;   /* list of (0, index) / (1, key): inputs whose
+                              slot in args / kwargs holds an offload record,
+                              or NULL */
     Py_ssize_t rpos;
     int cpu_autocast;
     int cuda_autocast;
@@ -65,6 +68,8 @@ struct Executor {
     PyObject *handles;      /* unit hooks */
     PyObject *root_handles; /* hooks on the root */
     PyObject *stack;        /* Frame or None per active planned call */
+    PyObject *store;        /* SpillStore (disk tier) or None */
+    PyObject *host;         /* host tier for device tensors, or None */
     unsigned *masks;
     unsigned char *buffers;  /* per unit: BUF_UNKNOWN / BUF_MUTATED / ... */
     Py_ssize_t n;
@@ -85,6 +90,9 @@ struct Executor {
    learnt at its first recompute: updated buffers are restored after every
    recompute, so recomputing never counts a batch twice. */
 enum { BUF_UNKNOWN = 0, BUF_MUTATED = 1, BUF_STATIC = 2 };
+
+/* An offload tier is set (NULL once the garbage collector cleared us). */
+#define HAS(obj) ((obj) != NULL && (obj) != Py_None)
 
 /* ---- Handle ------------------------------------------------------- */
 
@@ -147,6 +155,7 @@ frame_traverse(Frame *self, visitproc visit, void *arg)
     Py_VISIT(self->ctx);
     Py_VISIT(self->shapes);
     Py_VISIT(self->recomputed);
+    Py_VISIT(self->offloaded);
     return 0;
 }
 
@@ -165,6 +174,7 @@ frame_clear(Frame *self)
     Py_CLEAR(self->ctx);
     Py_CLEAR(self->shapes);
     Py_CLEAR(self->recomputed);
+    Py_CLEAR(self->offloaded);
     return 0;
 }
 
@@ -208,7 +218,7 @@ frame_new(Executor *ex, Py_ssize_t index, PyObject *unit, PyObject *args,
     f->versions = PyList_New(0);
     f->shapes = PyList_New(0);
     f->rng_cpu = f->rng_cuda = f->cpu_dtype = f->cuda_dtype = NULL;
-    f->ctx = f->recomputed = NULL;
+    f->ctx = f->recomputed = f->offloaded = NULL;
     f->rpos = 0;
     f->cpu_autocast = f->cuda_autocast = 0;
     f->recomputing = 0;
@@ -463,6 +473,255 @@ restore_buffers(ms_state *st, PyObject *snap)
     return changed;
 }
 
+/* ---- Offload of a checkpointed layer's inputs ------------------------ */
+
+/* Offload one tensor: a record standing for it, Py_None if it stays, NULL
+   with an exception set.  CPU tensors go to the disk tier; device tensors
+   to the host tier (which spills on to disk itself). */
+static PyObject *
+offload_one(Executor *ex, PyObject *t)
+{
+    ms_state *st = ex->st;
+    PyObject *dev = PyObject_GetAttr(t, st->s_device);
+    PyObject *type = dev ? PyObject_GetAttr(dev, st->s_type) : NULL;
+    Py_XDECREF(dev);
+    if (type == NULL) {
+        return NULL;
+    }
+    int cpu = PyUnicode_Check(type)
+              && PyUnicode_CompareWithASCIIString(type, "cpu") == 0;
+    Py_DECREF(type);
+    if (cpu) {
+        return HAS(ex->store) ? ms_spill_put(ex->store, t)
+                                    : Py_NewRef(Py_None);
+    }
+    /* CUDA path (memscale.offload.HostTier): unverified on this project's
+       CPU-only machines. */
+    if (ex->host == Py_None) {
+        Py_RETURN_NONE;
+    }
+    return PyObject_CallMethodOneArg(ex->host, st->s_put, t);
+}
+
+/* 1 if every recorded input version is unchanged, 0 if not, -1 on error. */
+static int
+versions_unchanged(ms_state *st, PyObject *versions)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(versions); i++) {
+        PyObject *pair = PyList_GET_ITEM(versions, i);
+        PyObject *now = PyObject_GetAttr(PyTuple_GET_ITEM(pair, 0),
+                                         st->s_version);
+        int eq = now ? PyObject_RichCompareBool(now, PyTuple_GET_ITEM(pair, 1),
+                                                Py_EQ)
+                     : -1;
+        Py_XDECREF(now);
+        if (eq <= 0) {
+            return eq;
+        }
+    }
+    return 1;
+}
+
+/* Record an offloaded slot: `where` 0 = args index, 1 = kwargs key. */
+static int
+note_slot(PyObject *slots, int where, PyObject *key)
+{
+    PyObject *item = Py_BuildValue("(iO)", where, key);
+    if (item == NULL) {
+        return -1;
+    }
+    int rc = PyList_Append(slots, item);
+    Py_DECREF(item);
+    return rc;
+}
+
+/*
+ * After a checkpointed layer's forward: move its top-level tensor inputs
+ * off the device.  The frame then holds records instead of the tensors
+ * (and no version entry for them: the copy is what recompute will use), so
+ * the tensors' memory goes once the caller lets go of them.
+ */
+static int
+offload_inputs(Executor *ex, Frame *f)
+{
+    ms_state *st = ex->st;
+    PyObject *args = NULL, *slots = NULL, *gone = NULL, *keep = NULL;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    int rc = -1;
+
+    int same = versions_unchanged(st, f->versions);
+    if (same <= 0) {
+        /* Changed during the layer: recompute reports it; nothing to do. */
+        return same;
+    }
+    args = PySequence_List(f->args);
+    slots = PyList_New(0);
+    gone = PyList_New(0);
+    if (args == NULL || slots == NULL || gone == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args); i++) {
+        PyObject *a = PyList_GET_ITEM(args, i);
+        if (!ms_is_tensor(st, a)) {
+            continue;
+        }
+        PyObject *rec = offload_one(ex, a);
+        if (rec == NULL) {
+            goto done;
+        }
+        if (rec == Py_None) {
+            Py_DECREF(rec);
+            continue;
+        }
+        PyObject *idx = PyLong_FromSsize_t(i);
+        int bad = idx == NULL || note_slot(slots, 0, idx) < 0
+                  || PyList_Append(gone, a) < 0;
+        Py_XDECREF(idx);
+        if (bad) {
+            Py_DECREF(rec);
+            goto done;
+        }
+        PyList_SetItem(args, i, rec); /* steals rec; drops our view of a */
+    }
+    /* Values of existing keys may be replaced while iterating. */
+    while (PyDict_Next(f->kwargs, &pos, &key, &value)) {
+        if (!ms_is_tensor(st, value)) {
+            continue;
+        }
+        Py_INCREF(key);
+        Py_INCREF(value);
+        PyObject *rec = offload_one(ex, value);
+        int bad = rec == NULL;
+        if (!bad && rec != Py_None) {
+            bad = note_slot(slots, 1, key) < 0
+                  || PyList_Append(gone, value) < 0
+                  || PyDict_SetItem(f->kwargs, key, rec) < 0;
+        }
+        Py_XDECREF(rec);
+        Py_DECREF(key);
+        Py_DECREF(value);
+        if (bad) {
+            goto done;
+        }
+    }
+    if (PyList_GET_SIZE(slots) == 0) {
+        rc = 0;
+        goto done;
+    }
+    /* Forget the version entries of offloaded tensors (they held them). */
+    keep = PyList_New(0);
+    if (keep == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(f->versions); i++) {
+        PyObject *pair = PyList_GET_ITEM(f->versions, i);
+        PyObject *t = PyTuple_GET_ITEM(pair, 0);
+        int offloaded = 0;
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(gone); j++) {
+            if (PyList_GET_ITEM(gone, j) == t) {
+                offloaded = 1;
+                break;
+            }
+        }
+        if (!offloaded && PyList_Append(keep, pair) < 0) {
+            goto done;
+        }
+    }
+    PyObject *tuple = PyList_AsTuple(args);
+    if (tuple == NULL) {
+        goto done;
+    }
+    Py_SETREF(f->args, tuple);
+    Py_SETREF(f->versions, keep);
+    keep = NULL;
+    Py_XSETREF(f->offloaded, slots);
+    slots = NULL;
+    rc = 0;
+done:
+    Py_XDECREF(args);
+    Py_XDECREF(slots);
+    Py_XDECREF(gone);
+    Py_XDECREF(keep);
+    return rc;
+}
+
+static PyObject *
+reload_one(ms_state *st, PyObject *rec)
+{
+    if (ms_is_tensor(st, rec)) {
+        return Py_NewRef(rec); /* reloaded by an earlier, failed attempt */
+    }
+    if (ms_is_spilled(st, rec)) {
+        return ms_spill_get(rec);
+    }
+    return PyObject_CallMethodNoArgs(rec, st->s_get);
+}
+
+/* Before a recompute: put the offloaded inputs back. */
+static int
+reload_inputs(Frame *f)
+{
+    ms_state *st = f->ex->st;
+    PyObject *args = PySequence_List(f->args);
+    if (args == NULL) {
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(f->offloaded); i++) {
+        PyObject *slot = PyList_GET_ITEM(f->offloaded, i);
+        long where = PyLong_AsLong(PyTuple_GET_ITEM(slot, 0));
+        PyObject *key = PyTuple_GET_ITEM(slot, 1);
+        if (where == 0) {
+            Py_ssize_t k = PyLong_AsSsize_t(key);
+            if (k < 0 || k >= PyList_GET_SIZE(args)) {
+                if (!PyErr_Occurred()) {
+                    PyErr_SetString(PyExc_RuntimeError,
+                                    "memscale: internal error: bad offload "
+                                    "slot");
+                }
+                goto error;
+            }
+            PyObject *t = reload_one(st, PyList_GET_ITEM(args, k));
+            if (t == NULL) {
+                goto error;
+            }
+            PyList_SetItem(args, k, t); /* steals t */
+        }
+        else {
+            PyObject *rec = PyDict_GetItemWithError(f->kwargs, key);
+            if (rec == NULL) {
+                if (!PyErr_Occurred()) {
+                    PyErr_SetString(PyExc_RuntimeError,
+                                    "memscale: internal error: bad offload "
+                                    "slot");
+                }
+                goto error;
+            }
+            Py_INCREF(rec);
+            PyObject *t = reload_one(st, rec);
+            Py_DECREF(rec);
+            int bad = t == NULL || PyDict_SetItem(f->kwargs, key, t) < 0;
+            Py_XDECREF(t);
+            if (bad) {
+                goto error;
+            }
+        }
+    }
+    PyObject *tuple = PyList_AsTuple(args);
+    Py_DECREF(args);
+    if (tuple == NULL) {
+        return -1;
+    }
+    Py_SETREF(f->args, tuple);
+    Py_CLEAR(f->offloaded);
+    return 0;
+error:
+    /* Slots reloaded so far hold tensors in `args` only: f->args still
+       holds every record, so a retry starts over cleanly. */
+    Py_DECREF(args);
+    return -1;
+}
+
 static int pop_entry(Executor *ex);
 
 /* Run the layer again under the state its forward ran in. */
@@ -480,6 +739,9 @@ frame_recompute(Frame *self)
                      "memscale: layer %R needed its own saved tensors while "
                      "being recomputed",
                      unit_name(ex, self->index));
+        return -1;
+    }
+    if (self->offloaded != NULL && reload_inputs(self) < 0) {
         return -1;
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->versions); i++) {
@@ -859,7 +1121,22 @@ ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
            never pushed.  Popping would close an outer layer's frame. */
         Py_RETURN_NONE;
     }
+    PyObject *frame = top != owner ? Py_NewRef(top) : NULL;
     if (pop_entry(ex) < 0) {
+        Py_XDECREF(frame);
+        return NULL;
+    }
+    int rc = 0;
+    if (frame != NULL) {
+        Frame *f = (Frame *)frame;
+        if ((ex->masks != NULL && (ex->masks[f->index] & MS_TECH_OFFLOAD))
+            && (HAS(ex->store) || HAS(ex->host)))
+        {
+            rc = offload_inputs(ex, f);
+        }
+        Py_DECREF(frame);
+    }
+    if (rc < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -940,6 +1217,11 @@ ex_root_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE; /* evaluation passes are neither counted nor profiled */
     }
     ex->forwards++;
+    if (HAS(ex->store) && ex->recompute_depth == 0
+        && ms_spill_new_step(ex->store) < 0)
+    {
+        return NULL;
+    }
     if (ex->profiler == Py_None || ex->root_in_pass) {
         Py_RETURN_NONE;
     }
@@ -963,6 +1245,13 @@ ex_root_post(Executor *ex, PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
 {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "_root_post(module, args, output)");
+        return NULL;
+    }
+    /* End of the forward: writes still in flight finish now, so that their
+       tensors are gone before backward (the step's peak) starts. */
+    if (HAS(ex->store) && ex->recompute_depth == 0 && ex->paused == 0
+        && ms_spill_flush(ex->store) < 0)
+    {
         return NULL;
     }
     if (!ex->root_in_pass) {
@@ -1148,6 +1437,39 @@ ex_start_profiling(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(ex_set_offload_doc,
+"set_offload($self, store, host, /)\n--\n\n"
+"Where offloaded layers send their inputs: *store*, a SpillStore (the disk\n"
+"tier, for CPU tensors), and *host*, an object whose put(tensor) returns a\n"
+"record with get() or None (the host tier, for device tensors); either may\n"
+"be None.");
+
+static PyObject *
+ex_set_offload(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set_offload(store, host)");
+        return NULL;
+    }
+    if (args[0] != Py_None
+        && !PyObject_TypeCheck(args[0], ex->st->spill_store_type))
+    {
+        PyErr_Format(PyExc_TypeError,
+                     "set_offload: store must be a SpillStore or None, got "
+                     "%.200s",
+                     Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    if (ex->stack != NULL && PyList_GET_SIZE(ex->stack) > 0) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memscale: cannot change offloading inside a forward");
+        return NULL;
+    }
+    Py_XSETREF(ex->store, Py_NewRef(args[0]));
+    Py_XSETREF(ex->host, Py_NewRef(args[1]));
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(ex_pause_doc,
 "pause($self, /)\n--\n\n"
 "Make every hook of this executor do nothing until resume() (nestable):\n"
@@ -1227,6 +1549,8 @@ ex_detach(Executor *ex, PyObject *Py_UNUSED(ignored))
     ex->masks = NULL;
     Py_XSETREF(ex->profiler, Py_NewRef(Py_None));
     Py_XSETREF(ex->on_profiled, Py_NewRef(Py_None));
+    Py_XSETREF(ex->store, Py_NewRef(Py_None));
+    Py_XSETREF(ex->host, Py_NewRef(Py_None));
     Py_CLEAR(ex->model_ref);
     PyDict_Clear(ex->index_of);
     if (PyList_SetSlice(ex->units, 0, PyList_GET_SIZE(ex->units), NULL) < 0) {
@@ -1277,6 +1601,8 @@ ex_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     ex->plan = Py_NewRef(Py_None);
     ex->profiler = Py_NewRef(Py_None);
     ex->on_profiled = Py_NewRef(Py_None);
+    ex->store = Py_NewRef(Py_None);
+    ex->host = Py_NewRef(Py_None);
     ex->model_ref = PyWeakref_NewRef(model, NULL);
     ex->units = PyList_New(0);
     ex->names = PyList_New(0);
@@ -1379,6 +1705,8 @@ ex_traverse(Executor *ex, visitproc visit, void *arg)
     Py_VISIT(ex->handles);
     Py_VISIT(ex->root_handles);
     Py_VISIT(ex->stack);
+    Py_VISIT(ex->store);
+    Py_VISIT(ex->host);
     return 0;
 }
 
@@ -1396,6 +1724,8 @@ ex_clear(Executor *ex)
     Py_CLEAR(ex->handles);
     Py_CLEAR(ex->root_handles);
     Py_CLEAR(ex->stack);
+    Py_CLEAR(ex->store);
+    Py_CLEAR(ex->host);
     Py_CLEAR(ex->module);
     return 0;
 }
@@ -1471,6 +1801,8 @@ static PyMethodDef ex_methods[] = {
      METH_FASTCALL, ex_start_profiling_doc},
     {"detach", (PyCFunction)ex_detach, METH_NOARGS, ex_detach_doc},
     {"pause", (PyCFunction)ex_pause, METH_NOARGS, ex_pause_doc},
+    {"set_offload", (PyCFunction)(void (*)(void))ex_set_offload,
+     METH_FASTCALL, ex_set_offload_doc},
     {"resume", (PyCFunction)ex_resume, METH_NOARGS, ex_resume_doc},
     {"_pre", (PyCFunction)(void (*)(void))ex_pre, METH_FASTCALL, NULL},
     {"_post", (PyCFunction)(void (*)(void))ex_post, METH_FASTCALL, NULL},

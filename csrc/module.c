@@ -246,7 +246,8 @@ module_exec(PyObject *module)
         || lookup(&st->cuda_get_rng_state_all, st->torch,
                   "cuda.get_rng_state_all") < 0
         || lookup(&st->cuda_set_rng_state_all, st->torch,
-                  "cuda.set_rng_state_all") < 0)
+                  "cuda.set_rng_state_all") < 0
+        || lookup(&st->empty_strided, st->torch, "empty_strided") < 0)
     {
         return -1;
     }
@@ -283,7 +284,19 @@ module_exec(PyObject *module)
         || intern(&st->s_dtype_kw, "dtype") < 0
         || intern(&st->s_enabled, "enabled") < 0
         || intern(&st->s_copy_, "copy_") < 0
-        || intern(&st->s_clone, "clone") < 0)
+        || intern(&st->s_clone, "clone") < 0
+        || intern(&st->s_grad_fn, "grad_fn") < 0
+        || intern(&st->s_device, "device") < 0
+        || intern(&st->s_type, "type") < 0
+        || intern(&st->s_is_contiguous, "is_contiguous") < 0
+        || intern(&st->s_numel, "numel") < 0
+        || intern(&st->s_element_size, "element_size") < 0
+        || intern(&st->s_data_ptr, "data_ptr") < 0
+        || intern(&st->s_stride, "stride") < 0
+        || intern(&st->s_requires_grad, "requires_grad") < 0
+        || intern(&st->s_requires_grad_, "requires_grad_") < 0
+        || intern(&st->s_get, "get") < 0
+        || intern(&st->s_put, "put") < 0)
     {
         return -1;
     }
@@ -299,7 +312,8 @@ module_exec(PyObject *module)
     }
     if (ms_plan_init_types(module, st) < 0
         || ms_executor_init_types(module, st) < 0
-        || ms_profiler_init_types(module, st) < 0)
+        || ms_profiler_init_types(module, st) < 0
+        || ms_spill_init_types(module, st) < 0)
     {
         return -1;
     }
@@ -329,7 +343,11 @@ module_exec(PyObject *module)
     op(s_detach) op(s_named_children) op(s_parameters) op(s_buffers)         \
     op(s_get_total_flops) op(s_cpu) op(s_cuda) op(s_pack) op(s_unpack)       \
     op(s_rpack) op(s_runpack) op(s_count) op(s_ident) op(s_device_type)      \
-    op(s_dtype_kw) op(s_enabled) op(s_copy_) op(s_clone)
+    op(s_dtype_kw) op(s_enabled) op(s_copy_) op(s_clone)                    \
+    op(spilled_type) op(spill_store_type) op(empty_strided) op(s_grad_fn)    \
+    op(s_device) op(s_type) op(s_is_contiguous) op(s_numel)                  \
+    op(s_element_size) op(s_data_ptr) op(s_stride) op(s_requires_grad)      \
+    op(s_requires_grad_) op(s_get) op(s_put)
 
 static int
 module_traverse(PyObject *module, visitproc visit, void *arg)

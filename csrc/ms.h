@@ -35,6 +35,8 @@ typedef struct {
     PyTypeObject *frame_type;
     PyTypeObject *handle_type;
     PyTypeObject *profiler_type;
+    PyTypeObject *spilled_type;
+    PyTypeObject *spill_store_type;
 
     /* Torch callables and types, looked up once. */
     PyObject *torch;
@@ -55,6 +57,7 @@ typedef struct {
     PyObject *cuda_set_rng_state_all;
     PyObject *perf_counter_ns;      /* time.perf_counter_ns */
     PyObject *stop_recompute;       /* our exception: recompute is done */
+    PyObject *empty_strided;        /* torch.empty_strided */
 
     /* Interned names. */
     PyObject *s_register_forward_pre_hook;
@@ -89,6 +92,18 @@ typedef struct {
     PyObject *s_enabled;
     PyObject *s_copy_;
     PyObject *s_clone;
+    PyObject *s_grad_fn;
+    PyObject *s_device;
+    PyObject *s_type;
+    PyObject *s_is_contiguous;
+    PyObject *s_numel;
+    PyObject *s_element_size;
+    PyObject *s_data_ptr;
+    PyObject *s_stride;
+    PyObject *s_requires_grad;
+    PyObject *s_requires_grad_;
+    PyObject *s_get;
+    PyObject *s_put;
 } ms_state;
 
 /*
@@ -160,6 +175,19 @@ int ms_storage_key_and_size(ms_state *st, PyObject *tensor, PyObject **key,
 int ms_plan_init_types(PyObject *module, ms_state *st);
 int ms_executor_init_types(PyObject *module, ms_state *st);
 int ms_profiler_init_types(PyObject *module, ms_state *st);
+int ms_spill_init_types(PyObject *module, ms_state *st);
+
+/* spill.c: the disk tier of offload. */
+/* A record standing for the spilled tensor, Py_None when the tensor stays
+   in memory, NULL with an exception set. */
+PyObject *ms_spill_put(PyObject *store, PyObject *tensor);
+/* The tensor back (new reference). */
+PyObject *ms_spill_get(PyObject *record);
+/* Wait for every write in flight. */
+int ms_spill_flush(PyObject *store);
+/* A new training step: forget the last one's prefetch order. */
+int ms_spill_new_step(PyObject *store);
+int ms_is_spilled(ms_state *st, PyObject *obj);
 
 /* plan.c: the Plan and LayerPlan types. */
 PyObject *ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs);

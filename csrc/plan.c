@@ -22,6 +22,7 @@ typedef struct {
     PyObject *kind;        /* str: class name */
     PyObject *techniques;  /* tuple of str */
     PyObject *rule;        /* str */
+    PyObject *tier;        /* str: "device", "host" or "disk" */
     long long bytes_saved;
     long long param_bytes;
     long long saved_bytes;
@@ -65,6 +66,7 @@ layer_traverse(LayerPlan *self, visitproc visit, void *arg)
     Py_VISIT(self->kind);
     Py_VISIT(self->techniques);
     Py_VISIT(self->rule);
+    Py_VISIT(self->tier);
     return 0;
 }
 
@@ -75,6 +77,7 @@ layer_clear(LayerPlan *self)
     Py_CLEAR(self->kind);
     Py_CLEAR(self->techniques);
     Py_CLEAR(self->rule);
+    Py_CLEAR(self->tier);
     return 0;
 }
 
@@ -92,9 +95,9 @@ static PyObject *
 layer_repr(LayerPlan *self)
 {
     return PyUnicode_FromFormat("LayerPlan(%zd, %R, kind=%R, techniques=%R, "
-                                "rule=%R, bytes_saved=%lld)",
+                                "rule=%R, tier=%R, bytes_saved=%lld)",
                                 self->index, self->name, self->kind,
-                                self->techniques, self->rule,
+                                self->techniques, self->rule, self->tier,
                                 self->bytes_saved);
 }
 
@@ -109,6 +112,9 @@ static PyMemberDef layer_members[] = {
      Py_READONLY, "Techniques applied to the layer (a tuple of str)."},
     {"rule", Py_T_OBJECT_EX, offsetof(LayerPlan, rule), Py_READONLY,
      "The engine rule that decided this entry."},
+    {"tier", Py_T_OBJECT_EX, offsetof(LayerPlan, tier), Py_READONLY,
+     "Where the layer's inputs wait for backward: 'device' (not\n"
+     "offloaded), 'host' (host RAM of a GPU) or 'disk' (spill files)."},
     {"bytes_saved", Py_T_LONGLONG, offsetof(LayerPlan, bytes_saved),
      Py_READONLY, "Activation bytes the techniques free until backward."},
     {"param_bytes", Py_T_LONGLONG, offsetof(LayerPlan, param_bytes),
@@ -303,6 +309,7 @@ plan_to_json_str(Plan *p)
             || sb_key(&b, "kind", 0) < 0 || sb_jstr(&b, l->kind) < 0
             || sb_key(&b, "techniques", 0) < 0 || sb_mask(&b, l->mask) < 0
             || sb_key(&b, "rule", 0) < 0 || sb_jstr(&b, l->rule) < 0
+            || sb_key(&b, "tier", 0) < 0 || sb_jstr(&b, l->tier) < 0
             || sb_key(&b, "bytes_saved", 0) < 0
             || sb_ll(&b, l->bytes_saved) < 0
             || sb_key(&b, "param_bytes", 0) < 0
@@ -549,6 +556,7 @@ make_layer(ms_state *st, Py_ssize_t index, PyObject *name, PyObject *kind,
     l->kind = Py_NewRef(kind);
     l->techniques = NULL;
     l->rule = NULL;
+    l->tier = NULL;
     l->bytes_saved = c->bytes_saved;
     l->param_bytes = in->param_bytes;
     l->saved_bytes = in->saved_bytes;
@@ -576,7 +584,8 @@ make_layer(ms_state *st, Py_ssize_t index, PyObject *name, PyObject *kind,
         }
     }
     l->rule = PyUnicode_FromString(ms_rule_name(c->rule));
-    if (l->rule == NULL) {
+    l->tier = PyUnicode_FromString(ms_tier_name(c->tier));
+    if (l->rule == NULL || l->tier == NULL) {
         goto error;
     }
     return l;
@@ -647,6 +656,38 @@ parse_layer(PyObject *item, PyObject **name, PyObject **kind, ms_layer *out)
     return 0;
 }
 
+/* Remove an optional keyword from kw and parse it; absent: *out kept. */
+static int
+pop_ll(PyObject *kw, const char *name, long long *out)
+{
+    PyObject *v = PyDict_GetItemString(kw, name); /* borrowed */
+    if (v == NULL) {
+        return 0;
+    }
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *out = x;
+    return PyDict_DelItemString(kw, name);
+}
+
+static int
+pop_bool(PyObject *kw, const char *name, int *out)
+{
+    PyObject *v = PyDict_GetItemString(kw, name); /* borrowed */
+    if (v == NULL) {
+        return 0;
+    }
+    if (!PyBool_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "build_plan: %s must be a bool, got "
+                     "%.200s", name, Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    *out = v == Py_True;
+    return PyDict_DelItemString(kw, name);
+}
+
 PyObject *
 ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
 {
@@ -659,18 +700,44 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     long allowed;
     int force;
     long long budget, fixed, act, dcount, capacity;
+    long long min_offload = 0, host_cap = -1;
+    int host_tier = 0, disk_tier = 1;
     double total_flops;
     PyObject *seq = NULL, *tuple = NULL;
     ms_layer *in = NULL;
     ms_choice *out = NULL;
     Plan *plan = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O$OlpLLLdULL:build_plan",
-                                     kwlist, &layers_arg, &mode_obj, &allowed,
-                                     &force, &budget, &fixed, &act,
-                                     &total_flops, &device, &dcount,
-                                     &capacity))
+    /* The offload inputs are optional keywords; the rest are required
+       (a format string cannot mix the two after "$"). */
+    PyObject *rest = kwargs != NULL ? PyDict_Copy(kwargs) : PyDict_New();
+    if (rest == NULL) {
+        return NULL;
+    }
+    if (pop_ll(rest, "min_offload_bytes", &min_offload) < 0
+        || pop_ll(rest, "host_cap_bytes", &host_cap) < 0
+        || pop_bool(rest, "host_tier", &host_tier) < 0
+        || pop_bool(rest, "disk_tier", &disk_tier) < 0)
     {
+        Py_DECREF(rest);
+        return NULL;
+    }
+    int parsed = PyArg_ParseTupleAndKeywords(
+        args, rest, "O$OlpLLLdULL:build_plan", kwlist, &layers_arg, &mode_obj,
+        &allowed, &force, &budget, &fixed, &act, &total_flops, &device,
+        &dcount, &capacity);
+    Py_DECREF(rest);
+    if (!parsed) {
+        return NULL;
+    }
+    if (check_bytes("min_offload_bytes", min_offload) < 0) {
+        return NULL;
+    }
+    if (host_cap < -1 || host_cap > MS_MAX_BYTES) {
+        PyErr_Format(PyExc_ValueError,
+                     "host_cap_bytes must be -1 (no cap) or between 0 and "
+                     "2**50, got %lld",
+                     host_cap);
         return NULL;
     }
     ms_problem prob = {0};
@@ -706,6 +773,10 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     prob.fixed_bytes = fixed;
     prob.activation_bytes = act;
     prob.total_flops = total_flops;
+    prob.min_offload_bytes = min_offload;
+    prob.host_tier = host_tier;
+    prob.host_cap_bytes = host_cap;
+    prob.disk_tier = disk_tier;
 
     seq = PySequence_Fast(layers_arg, "layers must be a sequence");
     if (seq == NULL) {

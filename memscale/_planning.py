@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import _core, _torch_compat
+from . import _core, _torch_compat, offload
 from .config import Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ GIB = 1 << 30
 
 # Techniques the executor can carry out in this release.  A technique a mode
 # or Config asks for beyond these is reported (never silently dropped).
-IMPLEMENTED = _core.TECH_CHECKPOINT
+IMPLEMENTED = _core.TECH_CHECKPOINT | _core.TECH_OFFLOAD
 
 TECHNIQUE_BITS = {
     "checkpoint": _core.TECH_CHECKPOINT,
@@ -244,6 +244,12 @@ def allowed_techniques(config: Config) -> int:
         wanted |= _core.TECH_OFFLOAD
     if config.enable_tiling or config.mode is OptimizationMode.AGGRESSIVE:
         wanted |= _core.TECH_TILING
+    if wanted & _core.TECH_OFFLOAD and not wanted & _core.TECH_CHECKPOINT:
+        # Offload moves checkpointed layers' inputs: without checkpointing
+        # there is nothing for it to move.
+        logger.info("memscale: offload moves checkpointed layers' inputs; with "
+                    "enable_checkpointing=False it is not used")
+        wanted &= ~_core.TECH_OFFLOAD
     missing = [name for name, bit in TECHNIQUE_BITS.items()
                if wanted & bit and not IMPLEMENTED & bit]
     if missing:
@@ -273,6 +279,7 @@ def make_plan(profile: Profile, config: Config, hardware: dict[str, Any],
         device=hardware["device"],
         device_count=int(hardware["count"]),
         capacity_bytes=int(hardware["capacity_bytes"]),
+        **offload.plan_inputs(config, hardware),
     )
 
 
@@ -286,10 +293,10 @@ def format_bytes(n: float) -> str:
 
 def plan_table(plan: Any) -> str:
     """The plan as the log shows it: one row per layer."""
-    rows = [("layer", "kind", "technique", "bytes saved", "rule")]
+    rows = [("layer", "kind", "technique", "tier", "bytes saved", "rule")]
     for layer in plan.layers:
         rows.append((layer.name, layer.kind, "+".join(layer.techniques) or "-",
-                     format_bytes(layer.bytes_saved), layer.rule))
+                     layer.tier, format_bytes(layer.bytes_saved), layer.rule))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
         f"memscale plan {plan.hash[:12]}: mode={plan.mode} device={plan.device} "

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import _core, _planning, _telemetry, observability, policy
+from . import _core, _planning, _telemetry, observability, offload, policy
 from .config import AsyncOffloadConfig, Config
 from .executor import Executor
 
@@ -29,7 +29,6 @@ ATTR = "_memscale_executor"
 _NOT_YET = {
     "use_mixed_precision": "mixed precision",
     "use_8bit_optimizer": "the 8-bit optimizer",
-    "async_offload": "async offload",
 }
 
 
@@ -251,6 +250,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
             plan_config = _stage1(executor, config, hardware, profile, fixed)
             plan = _planning.make_plan(profile, plan_config, hardware, fixed)
             _log_plan(config, hardware, plan)
+            offload.attach(executor, plan_config, hardware, plan)
             executor.apply(plan)
             _after_plan(model, executor, plan)
         else:
@@ -267,6 +267,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
                                else _stage1(executor, config, hardware, warm, fixed))
                 plan = _planning.make_plan(warm, plan_config, hardware, fixed)
                 _log_plan(config, hardware, plan)
+                offload.attach(executor, plan_config, hardware, plan)
                 _after_plan(model, executor, plan)
                 _telemetry.plan_built(executor, plan, model)
                 return plan

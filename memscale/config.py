@@ -176,7 +176,8 @@ class AsyncOffloadConfig(_ConfigBase):
     min_offload_bytes: int = 1 << 20
     # Parent of the private spill directory; None = the system temp dir.
     spill_dir: str | None = None
-    # Cap on bytes spilled to disk, in GB (> 0); None = unlimited.
+    # Cap on bytes spilled to disk, in GB (>= 0; 0 = no disk tier);
+    # None = unlimited.
     max_disk_gb: float | None = None
     # Checksum every reloaded tensor against what was offloaded (slow).
     debug: bool = False
@@ -185,7 +186,8 @@ class AsyncOffloadConfig(_ConfigBase):
         for name in ("pinned_pool_mb", "prefetch_depth", "min_offload_bytes"):
             self._check_int(name, "an int >= 0", lambda v: v >= 0)
         self._check_path("spill_dir")
-        self._check_float("max_disk_gb", "a float > 0 or None", lambda v: v > 0, optional=True)
+        self._check_float("max_disk_gb", "a float >= 0 or None", lambda v: v >= 0,
+                          optional=True)
         self._check_bool("debug")
 
 

@@ -28,6 +28,8 @@ class Executor(_core.Executor):
     ``decision`` (Stage 1's ``memscale.policy.StrategyDecision``, with its
     ``decision_source``; None until made) and ``metrics_server`` (the
     ``memscale.observability.MetricsServer`` serving this model's metrics,
+    or None) and ``offload_store`` (the disk tier of offload, a
+    ``memscale._core.SpillStore`` whose ``stats`` count what was spilled,
     or None).
     """
 
@@ -46,6 +48,7 @@ class Executor(_core.Executor):
         self.profile = None
         self.decision = None
         self.metrics_server = None
+        self.offload_store = None  # the disk tier (a _core.SpillStore), if any
         self._restore: list[Callable[[], None]] = []
 
     @contextlib.contextmanager

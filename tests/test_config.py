@@ -205,7 +205,7 @@ BAD_ASYNC = [
     ("spill_dir", "", ValueError),
     ("max_disk_gb", "1", TypeError),
     ("max_disk_gb", True, TypeError),
-    ("max_disk_gb", 0, ValueError),
+    ("max_disk_gb", -0.001, ValueError),
     ("max_disk_gb", -2.5, ValueError),
     ("max_disk_gb", math.nan, ValueError),
     ("debug", 0, TypeError),

@@ -273,12 +273,12 @@ def test_fields_not_in_this_release_are_reported(caplog):
     memscale.detach(model)
 
 
-def test_balanced_mode_reports_offload_unavailable(caplog):
+def test_aggressive_mode_reports_tiling_unavailable(caplog):
     model = mlp()
     with caplog.at_level(logging.INFO, logger="memscale"):
-        memscale.wrap(model, memscale.Config(force_optimize=True),
+        memscale.wrap(model, memscale.Config(mode="aggressive", force_optimize=True),
                       sample_input=torch.randn(2, 32))
-    assert "offload not available" in caplog.text
+    assert "tiling not available" in caplog.text
     assert model._memscale_executor.plan.technique_counts["checkpoint"] == 4
     memscale.detach(model)
 

@@ -633,6 +633,20 @@ test_empty(void)
     group_end("empty");
 }
 
+/* Field by field: ms_choice has padding bytes. */
+static int
+same_choices(const ms_choice *a, const ms_choice *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (a[i].techniques != b[i].techniques || a[i].rule != b[i].rule
+            || a[i].tier != b[i].tier || a[i].bytes_saved != b[i].bytes_saved)
+        {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* A random problem of n layers; small sizes so budgets fall in between. */
 static void
 random_small(ms_problem *p, ms_layer *L, size_t n)
@@ -807,7 +821,7 @@ test_exhaustive(void)
         memset(out2, 0, sizeof(out2));
         memset(&r2, 0, sizeof(r2));
         CHECKC(ms_engine_plan(&p, L, n, out2, &r2) == 0);
-        CHECKC(n == 0 || memcmp(out, out2, n * sizeof(ms_choice)) == 0);
+        CHECKC(same_choices(out, out2, n));
         CHECKC(r.peak_projected == r2.peak_projected && r.fits == r2.fits
                && r.skipped == r2.skipped && r.pressure == r2.pressure);
     }
@@ -816,6 +830,189 @@ test_exhaustive(void)
              "%ld not fitting", fit_cases, partial_cases, nofit_cases);
     CHECKC(fit_cases > 100 && partial_cases > 100 && nofit_cases > 50);
     group_end("exhaustive");
+}
+
+
+/* ---- offload ------------------------------------------------------------ */
+
+/* The peak with per-layer state: 0 kept, 1 checkpointed, 2 checkpointed and
+   offloaded (h = 0 while waiting), from the model in engine.c's comment. */
+static int64_t
+ref_peak_offload(const ms_problem *p, const ms_layer *L, size_t n,
+                 const unsigned char *st)
+{
+    int64_t in_layers = 0, prefix = 0, worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        in_layers += L[i].saved_bytes;
+    }
+    int64_t rest = p->activation_bytes - in_layers;
+    if (rest < 0) {
+        rest = 0;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (st[i]) {
+            if (prefix + L[i].saved_bytes > worst) {
+                worst = prefix + L[i].saved_bytes;
+            }
+            if (st[i] == 1) {
+                int64_t freed = L[i].saved_bytes - L[i].input_bytes;
+                prefix += L[i].saved_bytes - (freed > 0 ? freed : 0);
+            }
+        }
+        else {
+            prefix += L[i].saved_bytes;
+        }
+    }
+    if (prefix > worst) {
+        worst = prefix;
+    }
+    return p->fixed_bytes + rest + worst;
+}
+
+static void
+test_offload(void)
+{
+    group_begin();
+    /* Four equal layers: saved 100, input 10.  A CPU host: disk only. */
+    ms_layer L[4];
+    for (size_t i = 0; i < 4; i++) {
+        L[i] = layer(100, 10, 10.0, 0);
+    }
+    L[2].input_bytes = 4; /* below min_offload_bytes below */
+    ms_choice out[4];
+    ms_result r;
+    ms_problem p = problem(1, 50, 400, 40.0);
+    p.allowed = MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD;
+    p.disk_tier = 1;
+    p.min_offload_bytes = 5;
+
+    /* CONSERVATIVE never offloads. */
+    p.force = 1;
+    p.mode = MS_MODE_CONSERVATIVE;
+    CHECK(ms_engine_plan(&p, L, 4, out, &r) == 0);
+    for (size_t i = 0; i < 4; i++) {
+        CHECK(out[i].techniques == MS_TECH_CHECKPOINT);
+        CHECK(out[i].tier == MS_TIER_DEVICE);
+    }
+
+    /* BALANCED + force: every checkpointed layer with inputs >= min. */
+    p.mode = MS_MODE_BALANCED;
+    CHECK(ms_engine_plan(&p, L, 4, out, &r) == 0);
+    unsigned char want[4] = {2, 2, 1, 2};
+    for (size_t i = 0; i < 4; i++) {
+        CHECK(out[i].techniques
+              == (want[i] == 2 ? (MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD)
+                               : MS_TECH_CHECKPOINT));
+        CHECK(out[i].tier == (want[i] == 2 ? MS_TIER_DISK : MS_TIER_DEVICE));
+        CHECK(out[i].bytes_saved == (want[i] == 2 ? 100 : 96));
+    }
+    CHECK(r.peak_projected == ref_peak_offload(&p, L, 4, want));
+    /* Peak: recompute of layer 3 = 4 (layer 2's input) + 100, over F. */
+    CHECK(r.peak_projected == 50 + 104);
+
+    /* OFFLOAD not allowed: checkpointing only. */
+    p.allowed = MS_TECH_CHECKPOINT;
+    CHECK(ms_engine_plan(&p, L, 4, out, &r) == 0);
+    CHECK(out[0].techniques == MS_TECH_CHECKPOINT);
+    p.allowed = MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD;
+
+    /* No tier to put it in: nothing is offloaded. */
+    p.disk_tier = 0;
+    CHECK(ms_engine_plan(&p, L, 4, out, &r) == 0);
+    for (size_t i = 0; i < 4; i++) {
+        CHECK(out[i].tier == MS_TIER_DEVICE);
+        CHECK(!(out[i].techniques & MS_TECH_OFFLOAD));
+    }
+
+    /* A GPU: host RAM up to its cap (two layers' inputs), then disk... */
+    p.host_tier = 1;
+    p.host_cap_bytes = 20;
+    p.disk_tier = 1;
+    L[2].input_bytes = 10;
+    CHECK(ms_engine_plan(&p, L, 4, out, &r) == 0);
+    CHECK(out[0].tier == MS_TIER_HOST && out[1].tier == MS_TIER_HOST);
+    CHECK(out[2].tier == MS_TIER_DISK && out[3].tier == MS_TIER_DISK);
+    /* ...or, without a disk tier, the device. */
+    p.disk_tier = 0;
+    CHECK(ms_engine_plan(&p, L, 4, out, &r) == 0);
+    CHECK(out[0].tier == MS_TIER_HOST && out[1].tier == MS_TIER_HOST);
+    CHECK(out[2].tier == MS_TIER_DEVICE && out[3].tier == MS_TIER_DEVICE);
+    CHECK(out[2].techniques == MS_TECH_CHECKPOINT);
+    /* No cap. */
+    p.host_cap_bytes = -1;
+    CHECK(ms_engine_plan(&p, L, 4, out, &r) == 0);
+    CHECK(out[3].tier == MS_TIER_HOST);
+
+    /* BALANCED under pressure: checkpoint everything (peak 50 + 130),
+       then offload in forward order only while over budget. */
+    p.host_tier = 0;
+    p.disk_tier = 1;
+    p.force = 0;
+    unsigned char all_ck[4] = {1, 1, 1, 1};
+    unsigned char first[4] = {2, 1, 1, 1};
+    int64_t ck_peak = ref_peak_offload(&p, L, 4, all_ck);
+    int64_t one_peak = ref_peak_offload(&p, L, 4, first);
+    CHECK(one_peak < ck_peak);
+    p.budget_bytes = one_peak;
+    CHECK(ms_engine_plan(&p, L, 4, out, &r) == 0);
+    CHECK(out[0].tier == MS_TIER_DISK);
+    CHECK(out[1].tier == MS_TIER_DEVICE && out[3].tier == MS_TIER_DEVICE);
+    CHECK(r.peak_projected == one_peak && r.fits);
+    /* AGGRESSIVE: every checkpointed layer, fitting or not. */
+    p.mode = MS_MODE_AGGRESSIVE;
+    p.allowed = MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD;
+    CHECK(ms_engine_plan(&p, L, 4, out, &r) == 0);
+    for (size_t i = 0; i < 4; i++) {
+        CHECK(out[i].tier == MS_TIER_DISK);
+    }
+
+    /* Fuzz: offload only on checkpointed layers, a tier iff offloaded,
+       host bytes within the cap, the peak as the reference computes it. */
+    lcg_state = 7;
+    enum { MAXN = 12 };
+    long bad = 0;
+    for (int c = 0; c < 3000; c++) {
+        size_t n = (size_t)rnd_range(0, MAXN);
+        ms_layer F[MAXN];
+        ms_choice o[MAXN];
+        ms_problem q;
+        random_small(&q, F, n);
+        q.allowed = (unsigned)rnd_range(0, 7);
+        q.min_offload_bytes = rnd_range(0, 40);
+        q.host_tier = (int)rnd_range(0, 1);
+        q.host_cap_bytes = rnd_range(-1, 100);
+        q.disk_tier = (int)rnd_range(0, 1);
+        if (ms_engine_plan(&q, F, n, o, &r) != 0) {
+            bad++;
+            continue;
+        }
+        unsigned char st[MAXN];
+        int64_t host = 0;
+        for (size_t i = 0; i < n; i++) {
+            int off = (o[i].techniques & MS_TECH_OFFLOAD) != 0;
+            int ck = (o[i].techniques & MS_TECH_CHECKPOINT) != 0;
+            st[i] = (unsigned char)(off ? 2 : ck ? 1 : 0);
+            if ((off && !ck) || (off != (o[i].tier != MS_TIER_DEVICE))
+                || (off && F[i].input_bytes < q.min_offload_bytes)
+                || (off && q.mode == MS_MODE_CONSERVATIVE)
+                || (o[i].tier == MS_TIER_HOST && !q.host_tier)
+                || (o[i].tier == MS_TIER_DISK && !q.disk_tier))
+            {
+                bad++;
+            }
+            if (o[i].tier == MS_TIER_HOST) {
+                host += F[i].input_bytes;
+            }
+        }
+        if (q.host_cap_bytes >= 0 && host > q.host_cap_bytes) {
+            bad++;
+        }
+        if (r.peak_projected != ref_peak_offload(&q, F, n, st)) {
+            bad++;
+        }
+    }
+    CHECK(bad == 0);
+    group_end("offload");
 }
 
 static void
@@ -848,7 +1045,7 @@ test_determinism(void)
         int same = 1;
         for (size_t i = 0; i < n; i++) {
             same &= a[i].techniques == b[i].techniques
-                    && a[i].rule == b[i].rule
+                    && a[i].rule == b[i].rule && a[i].tier == b[i].tier
                     && a[i].bytes_saved == b[i].bytes_saved;
         }
         CHECKC(same);
@@ -992,6 +1189,7 @@ main(void)
     test_determinism();
     test_exhaustive();
     test_fuzz();
+    test_offload();
     printf("%ld passed, %ld failed\n", n_passed, n_failed);
     return n_failed == 0 ? 0 : 1;
 }

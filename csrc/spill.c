@@ -1,0 +1,1238 @@
+/*
+ * spill.c: the disk tier of activation offload.
+ *
+ * A SpillStore owns a private directory.  put(tensor) copies a contiguous
+ * CPU tensor into a file of its own and returns a _Spilled record standing
+ * for it; the caller drops the tensor, so its memory goes back to the
+ * allocator.  get() reads the bytes back into a fresh tensor of the same
+ * shape, strides and dtype.
+ *
+ * Each file is unlinked the moment it is created: its bytes live exactly as
+ * long as the record's descriptor, so no path (an exception, a dropped
+ * graph, a killed process) can leave a spill file behind.  Files are
+ * created 0600 in a directory the caller made 0700.
+ *
+ * Synchronous stores do the I/O in the calling thread with the GIL
+ * released.  Asynchronous ones hand it to one worker thread (plain C: it
+ * never takes the GIL and never touches a Python object; it only sees the
+ * job's descriptor, pointer and length).  The record keeps the tensor whose
+ * memory the job reads or writes until the main thread, holding the GIL,
+ * sees the job done ("reaping"); a record is never freed with a job in
+ * flight.  While a layer is recomputed in backward, get() starts reading
+ * the records offloaded just before it (the next ones backward needs):
+ * prefetch_depth of them.
+ *
+ * Failures never corrupt data: a write that fails (disk full, file size
+ * limit, cap reached) leaves the tensor in memory, and the store reports
+ * it once through its log callback; a read that fails or (debug) whose
+ * checksum differs raises.
+ */
+#include "ms.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+enum { JOB_WRITE = 1, JOB_READ = 2 };
+
+typedef struct Job {
+    struct Job *next;
+    int op;
+    int fd;
+    char *ptr;
+    int64_t nbytes;
+    int checksum;       /* compute the checksum of the bytes moved */
+    uint64_t sum;       /* result */
+    int err;            /* errno of a failure, 0 when it worked */
+    int64_t ns;         /* time the I/O took */
+    int busy;           /* queued or running: guarded by the store's mutex */
+} Job;
+
+/* Record states. */
+enum {
+    R_WRITING = 1, /* async write in flight; tensor = source */
+    R_DISK,        /* bytes in the file; no tensor */
+    R_READING,     /* async read in flight; tensor = destination */
+    R_LOADED,      /* tensor holds the data again; file closed */
+};
+
+typedef struct SpillStore SpillStore;
+
+typedef struct {
+    PyObject_HEAD
+    SpillStore *store;
+    PyObject *tensor;
+    PyObject *shape;
+    PyObject *stride;
+    PyObject *dtype;
+    PyObject *version;     /* source's _version at put (async) */
+    PyObject *weakreflist;
+    int requires_grad;
+    int fd;
+    int state;
+    int on_disk;           /* counted in store->used_bytes */
+    int64_t nbytes;
+    uint64_t sum;          /* checksum at write (debug) */
+    Job job;
+} Spilled;
+
+struct SpillStore {
+    PyObject_HEAD
+    PyObject *module;
+    ms_state *st;
+    PyObject *path;        /* str: the private directory */
+    PyObject *log;         /* callable(kind, message) or None */
+    PyObject *order;       /* list of weakrefs: records of this step */
+    PyObject *pending;     /* list of records with a write in flight */
+    int dir_fd;
+    int async;
+    int debug;
+    int closed;
+    int prefetch_depth;
+    int64_t min_bytes;
+    int64_t max_bytes;     /* < 0: no cap */
+    int64_t used_bytes;    /* bytes in open spill files */
+    unsigned logged;       /* kinds of events already logged */
+    unsigned long long counter;
+    /* worker */
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work;
+    pthread_cond_t cv_done;
+    Job *head, *tail;
+    int stop;
+    int thread_started;
+    int sync_ready;        /* mu/cv initialised */
+    /* statistics */
+    long long n_written, n_read, n_refused, n_failed, n_prefetched;
+    long long n_verified, n_reused;
+    long long bytes_written, bytes_read;
+    long long io_ns, wait_ns;
+    int64_t peak_used_bytes;
+};
+
+enum { LOG_CAP = 1u, LOG_WRITE_FAILED = 2u, LOG_CLOSED = 4u };
+
+static long long
+now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* FNV-1a, 64 bits: a cheap checksum for the debug mode. */
+static uint64_t
+fnv1a(const unsigned char *p, int64_t n)
+{
+    uint64_t h = 1469598103934665603ULL;
+    for (int64_t i = 0; i < n; i++) {
+        h ^= p[i];
+        h *= 1099511628211ULL;
+    }
+    return h;
+}
+
+/* The I/O of one job, with no Python object and no GIL. */
+static void
+job_run(Job *job)
+{
+    long long t0 = now_ns();
+    int64_t done = 0;
+    job->err = 0;
+    if (job->op == JOB_WRITE && job->checksum) {
+        job->sum = fnv1a((const unsigned char *)job->ptr, job->nbytes);
+    }
+    while (done < job->nbytes) {
+        size_t chunk = (size_t)(job->nbytes - done);
+        if (chunk > ((size_t)1 << 30)) {
+            chunk = (size_t)1 << 30;
+        }
+        ssize_t r = job->op == JOB_WRITE
+                        ? pwrite(job->fd, job->ptr + done, chunk, (off_t)done)
+                        : pread(job->fd, job->ptr + done, chunk, (off_t)done);
+        if (r < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            job->err = errno;
+            break;
+        }
+        if (r == 0) {
+            job->err = job->op == JOB_WRITE ? ENOSPC : EIO; /* short file */
+            break;
+        }
+        done += r;
+    }
+    if (job->err == 0 && job->op == JOB_READ && job->checksum) {
+        job->sum = fnv1a((const unsigned char *)job->ptr, job->nbytes);
+    }
+    job->ns = now_ns() - t0;
+}
+
+static void *
+worker_main(void *arg)
+{
+    SpillStore *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (s->head == NULL && !s->stop) {
+            pthread_cond_wait(&s->cv_work, &s->mu);
+        }
+        if (s->head == NULL) {
+            break; /* stop, and nothing left to do */
+        }
+        Job *job = s->head;
+        s->head = job->next;
+        if (s->head == NULL) {
+            s->tail = NULL;
+        }
+        pthread_mutex_unlock(&s->mu);
+        job_run(job);
+        pthread_mutex_lock(&s->mu);
+        job->busy = 0;
+        pthread_cond_broadcast(&s->cv_done);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+static void
+enqueue(SpillStore *s, Job *job)
+{
+    pthread_mutex_lock(&s->mu);
+    job->next = NULL;
+    job->busy = 1;
+    if (s->tail != NULL) {
+        s->tail->next = job;
+    }
+    else {
+        s->head = job;
+    }
+    s->tail = job;
+    pthread_cond_signal(&s->cv_work);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static int
+job_busy(SpillStore *s, Job *job)
+{
+    pthread_mutex_lock(&s->mu);
+    int busy = job->busy;
+    pthread_mutex_unlock(&s->mu);
+    return busy;
+}
+
+/* Block (GIL released) until the job is done. */
+static void
+job_wait(SpillStore *s, Job *job)
+{
+    if (!job_busy(s, job)) {
+        return;
+    }
+    long long t0 = now_ns();
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&s->mu);
+    while (job->busy) {
+        pthread_cond_wait(&s->cv_done, &s->mu);
+    }
+    pthread_mutex_unlock(&s->mu);
+    Py_END_ALLOW_THREADS
+    s->wait_ns += now_ns() - t0;
+}
+
+/* Report an event through the log callback, once per kind. */
+static void
+store_log(SpillStore *s, unsigned kind, const char *level, PyObject *msg)
+{
+    if (msg == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    if (!(s->logged & kind) && s->log != Py_None) {
+        s->logged |= kind;
+        PyObject *r = PyObject_CallFunction(s->log, "sO", level, msg);
+        if (r == NULL) {
+            PyErr_WriteUnraisable(s->log);
+        }
+        Py_XDECREF(r);
+    }
+    Py_DECREF(msg);
+}
+
+/* ---- _Spilled ----------------------------------------------------- */
+
+static int
+spilled_traverse(Spilled *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->store);
+    Py_VISIT(self->tensor);
+    Py_VISIT(self->shape);
+    Py_VISIT(self->stride);
+    Py_VISIT(self->dtype);
+    Py_VISIT(self->version);
+    return 0;
+}
+
+/* Wait for the record's job, close and release its file. */
+static void
+spilled_release_file(Spilled *self)
+{
+    if (self->store != NULL) {
+        job_wait(self->store, &self->job); /* returns at once when idle */
+    }
+    if (self->fd >= 0) {
+        close(self->fd);
+        self->fd = -1;
+    }
+    if (self->on_disk && self->store != NULL) {
+        self->store->used_bytes -= self->nbytes;
+        self->on_disk = 0;
+    }
+}
+
+static int
+spilled_clear(Spilled *self)
+{
+    /* The tensor may be the target of a job in flight: never free it
+       before the job is done. */
+    spilled_release_file(self);
+    Py_CLEAR(self->tensor);
+    Py_CLEAR(self->shape);
+    Py_CLEAR(self->stride);
+    Py_CLEAR(self->dtype);
+    Py_CLEAR(self->version);
+    Py_CLEAR(self->store);
+    return 0;
+}
+
+static void
+spilled_dealloc(Spilled *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    if (self->weakreflist != NULL) {
+        PyObject_ClearWeakRefs((PyObject *)self);
+    }
+    (void)spilled_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* A finished write: keep the tensor if the write failed, else let it go.
+   Called with the job done. */
+static void
+finish_write(Spilled *r)
+{
+    SpillStore *s = r->store;
+    s->io_ns += r->job.ns;
+    if (r->job.err != 0) {
+        /* The bytes are not on disk: the tensor stays in memory. */
+        s->n_failed++;
+        store_log(s, LOG_WRITE_FAILED, "warning",
+                  PyUnicode_FromFormat(
+                      "memscale offload: writing to the spill directory %S "
+                      "failed (%s); the tensor stays in memory (this is "
+                      "reported once)",
+                      s->path, strerror(r->job.err)));
+        close(r->fd);
+        r->fd = -1;
+        r->state = R_LOADED;
+        return;
+    }
+    r->sum = r->job.sum;
+    r->on_disk = 1;
+    s->used_bytes += r->nbytes;
+    if (s->used_bytes > s->peak_used_bytes) {
+        s->peak_used_bytes = s->used_bytes;
+    }
+    s->n_written++;
+    s->bytes_written += r->nbytes;
+    r->state = R_DISK;
+}
+
+/* Let go of the source tensors whose writes are done. */
+static int
+store_reap(SpillStore *s, int wait_all)
+{
+    if (s->pending == NULL) {
+        return 0;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(s->pending), kept = 0;
+    PyObject *still = PyList_New(0);
+    if (still == NULL) {
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Spilled *r = (Spilled *)PyList_GET_ITEM(s->pending, i);
+        if (r->state != R_WRITING) {
+            continue;
+        }
+        if (wait_all) {
+            job_wait(s, &r->job);
+        }
+        else if (job_busy(s, &r->job)) {
+            if (PyList_Append(still, (PyObject *)r) < 0) {
+                Py_DECREF(still);
+                return -1;
+            }
+            kept++;
+            continue;
+        }
+        finish_write(r);
+        if (r->state == R_DISK) {
+            Py_CLEAR(r->tensor); /* the memory goes back now */
+        }
+    }
+    (void)kept;
+    Py_SETREF(s->pending, still);
+    return 0;
+}
+
+static int
+call_is_true(PyObject *obj, PyObject *name)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(obj, name);
+    if (r == NULL) {
+        return -1;
+    }
+    int v = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return v;
+}
+
+static int64_t
+call_int(PyObject *obj, PyObject *name)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(obj, name);
+    if (r == NULL) {
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    return (int64_t)v;
+}
+
+/* 1 if `t` can be spilled (a contiguous CPU activation, not a leaf, whose
+   storage it covers), 0 if not, -1 with an exception set. */
+static int
+eligible(SpillStore *s, PyObject *t, int any_tensor, int64_t *nbytes)
+{
+    ms_state *st = s->st;
+    if (!ms_is_tensor(st, t)) {
+        return 0;
+    }
+    if (!any_tensor) {
+        PyObject *grad_fn = PyObject_GetAttr(t, st->s_grad_fn);
+        if (grad_fn == NULL) {
+            return -1;
+        }
+        int leaf = grad_fn == Py_None;
+        Py_DECREF(grad_fn);
+        if (leaf) {
+            return 0; /* parameters, buffers, the user's own inputs */
+        }
+    }
+    PyObject *dev = PyObject_GetAttr(t, st->s_device);
+    PyObject *type = dev ? PyObject_GetAttr(dev, st->s_type) : NULL;
+    Py_XDECREF(dev);
+    if (type == NULL) {
+        return -1;
+    }
+    int cpu = PyUnicode_Check(type)
+              && PyUnicode_CompareWithASCIIString(type, "cpu") == 0;
+    Py_DECREF(type);
+    if (!cpu) {
+        return 0;
+    }
+    int contiguous = call_is_true(t, st->s_is_contiguous);
+    if (contiguous <= 0) {
+        return contiguous;
+    }
+    int64_t numel = call_int(t, st->s_numel);
+    int64_t esize = numel < 0 ? -1 : call_int(t, st->s_element_size);
+    if (esize < 0) {
+        return -1;
+    }
+    int64_t n = numel * esize;
+    if (n <= 0 || n < s->min_bytes) {
+        return 0;
+    }
+    /* A small view of a larger storage frees nothing when dropped. */
+    PyObject *key = NULL;
+    long long storage = 0;
+    if (ms_storage_key_and_size(st, t, &key, &storage) < 0) {
+        return -1;
+    }
+    Py_XDECREF(key);
+    if (storage > n) {
+        return 0;
+    }
+    *nbytes = n;
+    return 1;
+}
+
+static void *
+data_ptr(ms_state *st, PyObject *t)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(t, st->s_data_ptr);
+    if (r == NULL) {
+        return NULL;
+    }
+    void *p = PyLong_AsVoidPtr(r);
+    Py_DECREF(r);
+    if (p == NULL && !PyErr_Occurred()) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memscale offload: a tensor has no data");
+    }
+    return p;
+}
+
+/* Open an anonymous 0600 file in the store's directory. */
+static int
+open_spill_file(SpillStore *s)
+{
+    char name[64];
+    for (int attempt = 0; attempt < 16; attempt++) {
+        snprintf(name, sizeof(name), "spill-%llu", s->counter++);
+        int fd = openat(s->dir_fd, name,
+                        O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd >= 0) {
+            /* Unlinked at once: the bytes live as long as the descriptor. */
+            (void)unlinkat(s->dir_fd, name, 0);
+            return fd;
+        }
+        if (errno != EEXIST) {
+            return -1;
+        }
+    }
+    return -1;
+}
+
+/*
+ * Spill `t`.  Returns a new record, Py_None (new reference) when the
+ * tensor is not spilled (ineligible, over the cap, or the write failed:
+ * it stays in memory), or NULL with an exception set.
+ */
+static PyObject *
+spill_put(PyObject *store, PyObject *t, int any_tensor)
+{
+    SpillStore *s = (SpillStore *)store;
+    ms_state *st = s->st;
+    int64_t nbytes = 0;
+    if (store_reap(s, 0) < 0) {
+        return NULL;
+    }
+    if (s->closed) {
+        Py_RETURN_NONE;
+    }
+    int ok = eligible(s, t, any_tensor, &nbytes);
+    if (ok <= 0) {
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    if (s->max_bytes >= 0 && s->used_bytes + nbytes > s->max_bytes) {
+        s->n_refused++;
+        store_log(s, LOG_CAP, "info",
+                  PyUnicode_FromFormat(
+                      "memscale offload: the disk cap (max_disk_gb, %lld "
+                      "bytes) is reached; further tensors stay in memory "
+                      "this step (this is reported once)",
+                      (long long)s->max_bytes));
+        Py_RETURN_NONE;
+    }
+    char *ptr = data_ptr(st, t);
+    if (ptr == NULL) {
+        return NULL;
+    }
+    Spilled *r = PyObject_GC_New(Spilled, st->spilled_type);
+    if (r == NULL) {
+        return NULL;
+    }
+    r->store = (SpillStore *)Py_NewRef(store);
+    r->tensor = NULL;
+    r->shape = PyObject_GetAttr(t, st->s_shape);
+    r->stride = PyObject_CallMethodNoArgs(t, st->s_stride);
+    r->dtype = PyObject_GetAttr(t, st->s_dtype);
+    r->version = PyObject_GetAttr(t, st->s_version);
+    r->weakreflist = NULL;
+    r->fd = -1;
+    r->state = 0;
+    r->on_disk = 0;
+    r->nbytes = nbytes;
+    r->sum = 0;
+    memset(&r->job, 0, sizeof(r->job));
+    PyObject_GC_Track(r);
+    PyObject *rg = PyObject_GetAttr(t, st->s_requires_grad);
+    r->requires_grad = rg ? PyObject_IsTrue(rg) : -1;
+    Py_XDECREF(rg);
+    if (r->shape == NULL || r->stride == NULL || r->dtype == NULL
+        || r->version == NULL || r->requires_grad < 0)
+    {
+        Py_DECREF(r);
+        return NULL;
+    }
+    r->fd = open_spill_file(s);
+    if (r->fd < 0) {
+        int e = errno;
+        s->n_failed++;
+        store_log(s, LOG_WRITE_FAILED, "warning",
+                  PyUnicode_FromFormat(
+                      "memscale offload: cannot create a file in the spill "
+                      "directory %S (%s); tensors stay in memory (this is "
+                      "reported once)",
+                      s->path, strerror(e)));
+        Py_DECREF(r);
+        Py_RETURN_NONE;
+    }
+    r->job.op = JOB_WRITE;
+    r->job.fd = r->fd;
+    r->job.ptr = ptr;
+    r->job.nbytes = nbytes;
+    r->job.checksum = s->debug;
+    r->tensor = Py_NewRef(t); /* until the bytes are written */
+    if (s->async) {
+        if (PyList_Append(s->pending, (PyObject *)r) < 0) {
+            Py_DECREF(r);
+            return NULL;
+        }
+        r->state = R_WRITING;
+        enqueue(s, &r->job);
+    }
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        job_run(&r->job);
+        Py_END_ALLOW_THREADS
+        finish_write(r);
+        if (r->state != R_DISK) {
+            Py_DECREF(r);
+            Py_RETURN_NONE; /* failed: reported; the caller keeps t */
+        }
+        Py_CLEAR(r->tensor);
+    }
+    if (s->order != NULL) {
+        PyObject *ref = PyWeakref_NewRef((PyObject *)r, NULL);
+        if (ref == NULL || PyList_Append(s->order, ref) < 0) {
+            Py_XDECREF(ref);
+            Py_DECREF(r);
+            return NULL;
+        }
+        Py_DECREF(ref);
+    }
+    return (PyObject *)r;
+}
+
+PyObject *
+ms_spill_put(PyObject *store, PyObject *t)
+{
+    return spill_put(store, t, 0);
+}
+
+/* A fresh tensor with the record's layout, and the job reading into it. */
+static int
+start_read(Spilled *r)
+{
+    ms_state *st = r->store->st;
+    PyObject *kw = Py_BuildValue("{sO}", "dtype", r->dtype);
+    PyObject *args = kw ? PyTuple_Pack(2, r->shape, r->stride) : NULL;
+    PyObject *t = args ? PyObject_Call(st->empty_strided, args, kw) : NULL;
+    Py_XDECREF(kw);
+    Py_XDECREF(args);
+    if (t == NULL) {
+        return -1;
+    }
+    char *ptr = data_ptr(st, t);
+    if (ptr == NULL) {
+        Py_DECREF(t);
+        return -1;
+    }
+    Py_XSETREF(r->tensor, t);
+    r->job.op = JOB_READ;
+    r->job.fd = r->fd;
+    r->job.ptr = ptr;
+    r->job.nbytes = r->nbytes;
+    r->job.checksum = r->store->debug;
+    r->job.err = 0;
+    return 0;
+}
+
+/* The read is done: check it, close the file, make the tensor usable. */
+static int
+finish_read(Spilled *r)
+{
+    SpillStore *s = r->store;
+    ms_state *st = s->st;
+    s->io_ns += r->job.ns;
+    if (r->job.err != 0 || (s->debug && r->job.sum != r->sum)) {
+        Py_CLEAR(r->tensor);
+        r->state = R_DISK;
+        if (r->job.err != 0) {
+            PyErr_Format(PyExc_OSError,
+                         "memscale offload: reading an offloaded tensor back "
+                         "from %S failed: %s",
+                         s->path, strerror(r->job.err));
+        }
+        else {
+            PyErr_Format(PyExc_RuntimeError,
+                         "memscale offload: an offloaded tensor of %lld bytes "
+                         "came back from %S with a different checksum "
+                         "(debug mode): the spill file was changed or the "
+                         "disk returned bad data",
+                         (long long)r->nbytes, s->path);
+        }
+        return -1;
+    }
+    if (s->debug) {
+        s->n_verified++;
+    }
+    s->n_read++;
+    s->bytes_read += r->nbytes;
+    close(r->fd);
+    r->fd = -1;
+    if (r->on_disk) {
+        s->used_bytes -= r->nbytes;
+        r->on_disk = 0;
+    }
+    r->state = R_LOADED;
+    if (r->requires_grad) {
+        PyObject *res = PyObject_CallMethodOneArg(r->tensor,
+                                                  st->s_requires_grad_,
+                                                  Py_True);
+        if (res == NULL) {
+            return -1;
+        }
+        Py_DECREF(res);
+    }
+    return 0;
+}
+
+/* The referent of a weak reference: 1 and a new reference in *out, 0 if
+   it is gone, -1 with an exception set. */
+static int
+weak_get(PyObject *ref, PyObject **out)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    if (PyWeakref_GetRef(ref, out) < 0) {
+        return -1;
+    }
+    return *out != NULL;
+#else
+    PyObject *obj = PyWeakref_GetObject(ref);
+    if (obj == NULL) {
+        return -1;
+    }
+    if (obj == Py_None) {
+        *out = NULL;
+        return 0;
+    }
+    *out = Py_NewRef(obj);
+    return 1;
+#endif
+}
+
+/* Start reading up to prefetch_depth records put before `r`. */
+static int
+prefetch_before(Spilled *r)
+{
+    SpillStore *s = r->store;
+    if (!s->async || s->prefetch_depth <= 0 || s->order == NULL) {
+        return 0;
+    }
+    Py_ssize_t at = -1;
+    for (Py_ssize_t i = PyList_GET_SIZE(s->order) - 1; i >= 0; i--) {
+        PyObject *obj;
+        int alive = weak_get(PyList_GET_ITEM(s->order, i), &obj);
+        if (alive < 0) {
+            return -1;
+        }
+        Py_XDECREF(obj);
+        if (alive && obj == (PyObject *)r) {
+            at = i;
+            break;
+        }
+    }
+    int counted = 0;
+    for (Py_ssize_t i = at - 1; i >= 0 && counted < s->prefetch_depth; i--) {
+        PyObject *obj;
+        int alive = weak_get(PyList_GET_ITEM(s->order, i), &obj);
+        if (alive < 0) {
+            return -1;
+        }
+        if (!alive) {
+            continue;
+        }
+        Spilled *p = (Spilled *)obj;
+        int rc = 0;
+        if (p->state == R_DISK) {
+            rc = start_read(p);
+            if (rc == 0) {
+                p->state = R_READING;
+                s->n_prefetched++;
+                enqueue(s, &p->job);
+            }
+        }
+        if (p->state == R_READING) {
+            counted++;
+        }
+        Py_DECREF(obj);
+        if (rc < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The tensor back (new reference), or NULL with an exception set. */
+PyObject *
+ms_spill_get(PyObject *record)
+{
+    Spilled *r = (Spilled *)record;
+    SpillStore *s = r->store;
+    if (s == NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memscale offload: this record was cleared");
+        return NULL;
+    }
+    if (r->state == R_WRITING) {
+        job_wait(s, &r->job);
+        finish_write(r);
+        /* Still holding the source: no need to read it back. */
+        if (r->state == R_DISK) {
+            s->n_reused++;
+            close(r->fd);
+            r->fd = -1;
+            s->used_bytes -= r->nbytes;
+            r->on_disk = 0;
+            r->state = R_LOADED;
+        }
+        PyObject *now = PyObject_GetAttr(r->tensor, s->st->s_version);
+        int same = now ? PyObject_RichCompareBool(now, r->version, Py_EQ)
+                       : -1;
+        Py_XDECREF(now);
+        if (same < 0) {
+            return NULL;
+        }
+        if (!same) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "memscale offload: an offloaded tensor was "
+                            "modified in place while it was being written; "
+                            "avoid the in-place update or turn offloading off "
+                            "(Config(enable_offloading=False))");
+            return NULL;
+        }
+    }
+    else if (r->state == R_READING) {
+        job_wait(s, &r->job);
+        if (finish_read(r) < 0) {
+            return NULL;
+        }
+    }
+    else if (r->state == R_DISK) {
+        if (start_read(r) < 0) {
+            return NULL;
+        }
+        long long t0 = now_ns();
+        Py_BEGIN_ALLOW_THREADS
+        job_run(&r->job);
+        Py_END_ALLOW_THREADS
+        s->wait_ns += now_ns() - t0;
+        if (finish_read(r) < 0) {
+            return NULL;
+        }
+    }
+    if (prefetch_before(r) < 0) {
+        return NULL;
+    }
+    if (store_reap(s, 0) < 0) {
+        return NULL;
+    }
+    return Py_NewRef(r->tensor);
+}
+
+int
+ms_spill_flush(PyObject *store)
+{
+    return store_reap((SpillStore *)store, 1);
+}
+
+int
+ms_spill_new_step(PyObject *store)
+{
+    SpillStore *s = (SpillStore *)store;
+    if (store_reap(s, 0) < 0) {
+        return -1;
+    }
+    if (s->order != NULL
+        && PyList_SetSlice(s->order, 0, PyList_GET_SIZE(s->order), NULL) < 0)
+    {
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+spilled_get(Spilled *self, PyObject *Py_UNUSED(ignored))
+{
+    return ms_spill_get((PyObject *)self);
+}
+
+static PyObject *
+spilled_get_state(Spilled *self, void *Py_UNUSED(c))
+{
+    static const char *names[] = {"new", "writing", "disk", "reading",
+                                  "loaded"};
+    int k = self->state >= 0 && self->state <= R_LOADED ? self->state : 0;
+    return PyUnicode_FromString(names[k]);
+}
+
+static PyMethodDef spilled_methods[] = {
+    {"get", (PyCFunction)spilled_get, METH_NOARGS,
+     "get($self, /)\n--\n\nThe tensor, read back if it is on disk."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef spilled_members[] = {
+    {"nbytes", Py_T_LONGLONG, offsetof(Spilled, nbytes), Py_READONLY,
+     "Bytes of the tensor."},
+    {"__weaklistoffset__", Py_T_PYSSIZET, offsetof(Spilled, weakreflist),
+     Py_READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef spilled_getset[] = {
+    {"state", (getter)spilled_get_state, NULL,
+     "'writing', 'disk', 'reading' or 'loaded'.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot spilled_slots[] = {
+    {Py_tp_doc, "A tensor offloaded to a spill file."},
+    {Py_tp_dealloc, spilled_dealloc},
+    {Py_tp_traverse, spilled_traverse},
+    {Py_tp_clear, spilled_clear},
+    {Py_tp_methods, spilled_methods},
+    {Py_tp_members, spilled_members},
+    {Py_tp_getset, spilled_getset},
+    {0, NULL},
+};
+
+static PyType_Spec spilled_spec = {
+    .name = "memscale._core._Spilled",
+    .basicsize = sizeof(Spilled),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE
+             | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = spilled_slots,
+};
+
+/* ---- SpillStore --------------------------------------------------- */
+
+static void
+stop_worker(SpillStore *s)
+{
+    if (!s->thread_started) {
+        return;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->stop = 1;
+    pthread_cond_broadcast(&s->cv_work);
+    pthread_mutex_unlock(&s->mu);
+    /* The worker never takes the GIL, but it may have jobs left to run. */
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(s->thread, NULL);
+    Py_END_ALLOW_THREADS
+    s->thread_started = 0;
+}
+
+static int
+store_traverse(SpillStore *s, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(s));
+    Py_VISIT(s->module);
+    Py_VISIT(s->path);
+    Py_VISIT(s->log);
+    Py_VISIT(s->order);
+    Py_VISIT(s->pending);
+    return 0;
+}
+
+static int
+store_clear(SpillStore *s)
+{
+    /* Records in `pending` wait for their own jobs when freed. */
+    Py_CLEAR(s->pending);
+    Py_CLEAR(s->order);
+    Py_CLEAR(s->log);
+    return 0;
+}
+
+static void
+store_dealloc(SpillStore *s)
+{
+    PyTypeObject *tp = Py_TYPE(s);
+    PyObject_GC_UnTrack(s);
+    (void)store_clear(s);
+    stop_worker(s);
+    if (s->sync_ready) {
+        pthread_cond_destroy(&s->cv_work);
+        pthread_cond_destroy(&s->cv_done);
+        pthread_mutex_destroy(&s->mu);
+    }
+    if (s->dir_fd >= 0) {
+        close(s->dir_fd);
+    }
+    Py_CLEAR(s->path);
+    Py_CLEAR(s->module);
+    tp->tp_free((PyObject *)s);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+store_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"path", "async_io", "min_bytes", "max_bytes",
+                             "prefetch_depth", "debug", "log", NULL};
+    PyObject *path = NULL, *log = Py_None;
+    int async_io = 0, debug = 0, depth = 0;
+    long long min_bytes = 0, max_bytes = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "U|$pLLipO:SpillStore",
+                                     kwlist, &path, &async_io, &min_bytes,
+                                     &max_bytes, &depth, &debug, &log))
+    {
+        return NULL;
+    }
+    if (min_bytes < 0 || depth < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "SpillStore: min_bytes and prefetch_depth must be "
+                        ">= 0");
+        return NULL;
+    }
+    if (log != Py_None && !PyCallable_Check(log)) {
+        PyErr_SetString(PyExc_TypeError, "SpillStore: log must be callable");
+        return NULL;
+    }
+    PyObject *module = PyType_GetModuleByDef(type, &ms_module_def);
+    if (module == NULL) {
+        return NULL;
+    }
+    PyObject *encoded = NULL;
+    if (!PyUnicode_FSConverter(path, &encoded)) {
+        return NULL;
+    }
+    int dir_fd;
+    Py_BEGIN_ALLOW_THREADS
+    dir_fd = open(PyBytes_AS_STRING(encoded),
+                  O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(encoded);
+    if (dir_fd < 0) {
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+        return NULL;
+    }
+    SpillStore *s = (SpillStore *)type->tp_alloc(type, 0);
+    if (s == NULL) {
+        close(dir_fd);
+        return NULL;
+    }
+    s->module = Py_NewRef(module);
+    s->st = ms_get_state(module);
+    s->path = Py_NewRef(path);
+    s->log = Py_NewRef(log);
+    s->dir_fd = dir_fd;
+    s->async = async_io;
+    s->debug = debug;
+    s->prefetch_depth = depth;
+    s->min_bytes = min_bytes;
+    s->max_bytes = max_bytes;
+    s->order = PyList_New(0);
+    s->pending = PyList_New(0);
+    if (s->order == NULL || s->pending == NULL) {
+        Py_DECREF(s);
+        return NULL;
+    }
+    if (pthread_mutex_init(&s->mu, NULL) != 0) {
+        Py_DECREF(s);
+        return PyErr_NoMemory();
+    }
+    if (pthread_cond_init(&s->cv_work, NULL) != 0) {
+        pthread_mutex_destroy(&s->mu);
+        Py_DECREF(s);
+        return PyErr_NoMemory();
+    }
+    if (pthread_cond_init(&s->cv_done, NULL) != 0) {
+        pthread_cond_destroy(&s->cv_work);
+        pthread_mutex_destroy(&s->mu);
+        Py_DECREF(s);
+        return PyErr_NoMemory();
+    }
+    s->sync_ready = 1;
+    if (async_io) {
+        int e = pthread_create(&s->thread, NULL, worker_main, s);
+        if (e != 0) {
+            Py_DECREF(s);
+            errno = e;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        s->thread_started = 1;
+    }
+    return (PyObject *)s;
+}
+
+static PyObject *
+store_put(SpillStore *s, PyObject *t)
+{
+    return spill_put((PyObject *)s, t, 0);
+}
+
+static PyObject *
+store_put_copy(SpillStore *s, PyObject *t)
+{
+    return spill_put((PyObject *)s, t, 1);
+}
+
+static PyObject *
+store_flush(SpillStore *s, PyObject *Py_UNUSED(ignored))
+{
+    if (ms_spill_flush((PyObject *)s) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+store_new_step(SpillStore *s, PyObject *Py_UNUSED(ignored))
+{
+    if (ms_spill_new_step((PyObject *)s) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+store_close(SpillStore *s, PyObject *Py_UNUSED(ignored))
+{
+    /* Finish what is in flight (its tensors are released), stop the
+       worker; records still alive keep their files until they go. */
+    if (store_reap(s, 1) < 0) {
+        return NULL;
+    }
+    stop_worker(s);
+    s->closed = 1;
+    s->async = 0; /* later reads of surviving records run inline */
+    if (s->order != NULL
+        && PyList_SetSlice(s->order, 0, PyList_GET_SIZE(s->order), NULL) < 0)
+    {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+store_get_stats(SpillStore *s, void *Py_UNUSED(c))
+{
+    return Py_BuildValue(
+        "{sLsLsLsLsLsLsLsLsLsdsdsLsL}",
+        "tensors_written", s->n_written, "tensors_read", s->n_read,
+        "bytes_written", s->bytes_written, "bytes_read", s->bytes_read,
+        "refused_over_cap", s->n_refused, "write_failures", s->n_failed,
+        "prefetched", s->n_prefetched, "verified", s->n_verified,
+        "reused_in_flight", s->n_reused,
+        "io_seconds", (double)s->io_ns / 1e9,
+        "wait_seconds", (double)s->wait_ns / 1e9,
+        "bytes_on_disk", (long long)s->used_bytes,
+        "peak_bytes_on_disk", (long long)s->peak_used_bytes);
+}
+
+static PyObject *
+store_get_path(SpillStore *s, void *Py_UNUSED(c))
+{
+    return Py_NewRef(s->path);
+}
+
+static PyObject *
+store_get_async(SpillStore *s, void *Py_UNUSED(c))
+{
+    return PyBool_FromLong(s->async);
+}
+
+static PyObject *
+store_get_closed(SpillStore *s, void *Py_UNUSED(c))
+{
+    return PyBool_FromLong(s->closed);
+}
+
+static PyMethodDef store_methods[] = {
+    {"put", (PyCFunction)store_put, METH_O,
+     "put($self, tensor, /)\n--\n\n"
+     "Spill tensor (a non-leaf activation); a record (with .get()), or\n"
+     "None if it stays in memory."},
+    {"put_copy", (PyCFunction)store_put_copy, METH_O,
+     "put_copy($self, tensor, /)\n--\n\n"
+     "put() for a host copy of a device tensor (a leaf)."},
+    {"flush", (PyCFunction)store_flush, METH_NOARGS,
+     "flush($self, /)\n--\n\nWait for every write in flight."},
+    {"new_step", (PyCFunction)store_new_step, METH_NOARGS,
+     "new_step($self, /)\n--\n\nForget the prefetch order of the last step."},
+    {"close", (PyCFunction)store_close, METH_NOARGS,
+     "close($self, /)\n--\n\n"
+     "Finish writes in flight and stop the I/O thread; put() spills no "
+     "more."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef store_getset[] = {
+    {"stats", (getter)store_get_stats, NULL, "Counters and timings.", NULL},
+    {"path", (getter)store_get_path, NULL, "The spill directory.", NULL},
+    {"async_io", (getter)store_get_async, NULL,
+     "Whether a background thread does the I/O.", NULL},
+    {"closed", (getter)store_get_closed, NULL, "Whether close() ran.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot store_slots[] = {
+    {Py_tp_doc,
+     "SpillStore(path, *, async_io=False, min_bytes=0, max_bytes=-1, "
+     "prefetch_depth=0, debug=False, log=None)\n--\n\n"
+     "The disk tier of activation offload, in the private directory path."},
+    {Py_tp_new, store_new},
+    {Py_tp_dealloc, store_dealloc},
+    {Py_tp_traverse, store_traverse},
+    {Py_tp_clear, store_clear},
+    {Py_tp_methods, store_methods},
+    {Py_tp_getset, store_getset},
+    {0, NULL},
+};
+
+static PyType_Spec store_spec = {
+    .name = "memscale._core.SpillStore",
+    .basicsize = sizeof(SpillStore),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = store_slots,
+};
+
+int
+ms_spill_init_types(PyObject *module, ms_state *st)
+{
+    st->spilled_type = (PyTypeObject *)PyType_FromModuleAndSpec(
+        module, &spilled_spec, NULL);
+    if (st->spilled_type == NULL) {
+        return -1;
+    }
+    st->spill_store_type = (PyTypeObject *)PyType_FromModuleAndSpec(
+        module, &store_spec, NULL);
+    if (st->spill_store_type == NULL) {
+        return -1;
+    }
+    return PyModule_AddType(module, st->spill_store_type);
+}
+
+int
+ms_is_spilled(ms_state *st, PyObject *obj)
+{
+    return PyObject_TypeCheck(obj, st->spilled_type);
+}
