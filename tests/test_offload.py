@@ -1,0 +1,475 @@
+"""Offload: checkpointed layers' inputs to the disk tier (CPU), sync and async.
+
+Gradients must be bitwise those of the unwrapped model; spill files are
+private and never outlive what they hold; failures leave tensors in memory
+(never wrong data) or raise clearly.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import memscale
+from memscale import _core
+from memscale.offload import HostTier
+
+from conftest import (CNN, assert_same_grads, hook_count, mlp, tiny_bert,
+                      tiny_gpt2, token_batch, twins)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def offload_config(async_offload=False, **settings):
+    settings.setdefault("min_offload_bytes", 0)
+    return memscale.Config(
+        mode="balanced", force_optimize=True, async_offload=async_offload,
+        enable_logging=False,
+        async_config=memscale.AsyncOffloadConfig(**settings))
+
+
+def spill_fds(path: str) -> list[int]:
+    """This process's descriptors open on files in the spill directory."""
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith(path + "/"):
+            fds.append(int(name))
+    return fds
+
+
+def loss_of(model, inp):
+    out = model(inp, labels=inp) if hasattr(model, "config") else model(inp)
+    return out.loss if hasattr(out, "loss") else out.float().pow(2).mean()
+
+
+MODELS = {
+    "mlp": (lambda: mlp(depth=4, width=32, p=0.1), lambda: torch.randn(4, 8, 32)),
+    "gpt2": (tiny_gpt2, token_batch),
+    "bert": (tiny_bert, token_batch),
+    "cnn": (CNN, lambda: torch.randn(2, 3, 8, 8)),
+}
+
+
+@pytest.mark.parametrize("async_offload", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_gradients_bitwise_with_offload(name, async_offload):
+    factory, make_input = MODELS[name]
+    a, b = twins(factory)
+    inp = make_input()
+    memscale.wrap(a, offload_config(async_offload, debug=True), sample_input=inp)
+    ex = a._memscale_executor
+    assert ex.offload_store is not None and ex.offload_store.async_io is async_offload
+    tiers = [layer.tier for layer in ex.plan.layers]
+    assert "disk" in tiers and set(tiers) <= {"disk", "device"}
+    for step in range(2):  # dropout: the recompute replays the same masks
+        for model in (a, b):
+            torch.manual_seed(step)
+            model.zero_grad(set_to_none=True)
+            loss_of(model, inp).backward()
+        assert_same_grads(a, b)
+    stats = ex.offload_store.stats
+    assert stats["tensors_written"] > 0
+    assert stats["write_failures"] == 0
+    # Every spilled tensor came back (or was still in memory, async).
+    assert stats["tensors_read"] + stats["reused_in_flight"] == stats["tensors_written"]
+    assert stats["verified"] == stats["tensors_read"]  # debug checksums
+    assert stats["bytes_on_disk"] == 0
+    path = ex.offload_store.path
+    memscale.detach(a)
+    assert not os.path.exists(path)
+    assert hook_count(a) == 0
+
+
+def test_async_prefetches_in_backward():
+    a, b = twins(lambda: mlp(depth=6, width=32))
+    inp = torch.randn(4, 8, 32)
+    memscale.wrap(a, offload_config(True, prefetch_depth=2), sample_input=inp)
+    loss_of(a, inp).backward()
+    loss_of(b, inp).backward()
+    assert_same_grads(a, b)
+    stats = a._memscale_executor.offload_store.stats
+    assert stats["prefetched"] > 0
+    memscale.detach(a)
+
+
+def test_offloaded_inputs_leave_memory_until_backward():
+    """Between forward and backward the frames hold records, not tensors."""
+    model = mlp(depth=4, width=64)
+    inp = torch.randn(8, 16, 64)
+    memscale.wrap(model, offload_config(), sample_input=inp)
+    store = model._memscale_executor.offload_store
+    loss = loss_of(model, inp)
+    stats = store.stats
+    # Layers 1..3 take a non-leaf input (layer 0 takes the user's tensor).
+    assert stats["tensors_written"] == 3
+    assert stats["bytes_on_disk"] == 3 * 8 * 16 * 64 * 4
+    assert len(spill_fds(store.path)) == 3
+    loss.backward()
+    assert store.stats["bytes_on_disk"] == 0
+    assert spill_fds(store.path) == []
+    memscale.detach(model)
+
+
+def test_retain_graph_second_backward():
+    a, b = twins(lambda: mlp(depth=3, width=32))
+    inp = torch.randn(4, 8, 32)
+    memscale.wrap(a, offload_config(True), sample_input=inp)
+    la, lb = loss_of(a, inp), loss_of(b, inp)
+    la.backward(retain_graph=True)
+    lb.backward(retain_graph=True)
+    la.backward()
+    lb.backward()
+    assert_same_grads(a, b)
+    memscale.detach(a)
+
+
+def test_conservative_and_no_checkpointing_never_offload():
+    model = mlp()
+    inp = torch.randn(4, 8, 32)
+    cfg = offload_config().replace(mode="conservative")
+    memscale.wrap(model, cfg, sample_input=inp)
+    assert all(layer.tier == "device" for layer in model._memscale_executor.plan.layers)
+    assert model._memscale_executor.offload_store is None
+    memscale.detach(model)
+    memscale.wrap(model, offload_config().replace(enable_offloading=False),
+                  sample_input=inp)
+    assert model._memscale_executor.plan.technique_counts["offload"] == 0
+    memscale.detach(model)
+
+
+def test_min_offload_bytes_keeps_small_inputs():
+    model = mlp(depth=3, width=32)
+    inp = torch.randn(4, 8, 32)  # inputs of 4 KiB
+    memscale.wrap(model, offload_config(min_offload_bytes=4097), sample_input=inp)
+    assert model._memscale_executor.plan.technique_counts["offload"] == 0
+    memscale.detach(model)
+    memscale.wrap(model, offload_config(min_offload_bytes=4096), sample_input=inp)
+    assert model._memscale_executor.plan.technique_counts["offload"] == 3
+    memscale.detach(model)
+
+
+def test_plan_table_shows_the_tier(caplog):
+    model = mlp(depth=2)
+    with caplog.at_level(logging.INFO, logger="memscale"):
+        memscale.wrap(model, offload_config().replace(enable_logging=True),
+                      sample_input=torch.randn(4, 8, 32))
+    assert "tier" in caplog.text and "checkpoint+offload  disk" in caplog.text
+    assert "memscale offload: sync" in caplog.text
+    memscale.detach(model)
+
+
+def test_spill_files_are_private_and_unlinked():
+    model = mlp(depth=3, width=32)
+    inp = torch.randn(4, 8, 32)
+    memscale.wrap(model, offload_config(), sample_input=inp)
+    path = model._memscale_executor.offload_store.path
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    loss = loss_of(model, inp)
+    fds = spill_fds(path)
+    assert fds and os.listdir(path) == []  # unlinked at creation
+    for fd in fds:
+        st = os.fstat(fd)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_uid == os.getuid()
+    loss.backward()
+    memscale.detach(model)
+
+
+class Boom(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise RuntimeError("boom")
+        return self.inner(x)
+
+
+def test_files_released_when_forward_raises():
+    torch.manual_seed(0)
+    blocks = mlp(depth=3, width=32)
+    model = torch.nn.Sequential(*blocks, Boom(torch.nn.Linear(32, 32)))
+    inp = torch.randn(4, 8, 32)
+    memscale.wrap(model, offload_config(), sample_input=inp)
+    path = model._memscale_executor.offload_store.path
+    model[3].fail = True
+    with pytest.raises(RuntimeError, match="boom"):
+        model(inp)
+    gc.collect()
+    assert spill_fds(path) == []
+    model[3].fail = False
+    loss_of(model, inp).backward()  # still works afterwards
+    memscale.detach(model)
+    assert not os.path.exists(path)
+
+
+def test_files_released_when_backward_raises():
+    model = mlp(depth=3, width=32)
+    inp = torch.randn(4, 8, 32)
+    memscale.wrap(model, offload_config(), sample_input=inp)
+    path = model._memscale_executor.offload_store.path
+    loss = loss_of(model, inp)
+
+    def fail(grad):
+        raise RuntimeError("backward failed")
+
+    loss.register_hook(fail)
+    with pytest.raises(RuntimeError, match="backward failed"):
+        loss.backward()
+    del loss
+    gc.collect()
+    assert spill_fds(path) == []
+    memscale.detach(model)
+
+
+def test_directory_removed_when_model_is_collected():
+    model = mlp(depth=3, width=32)
+    inp = torch.randn(4, 8, 32)
+    memscale.wrap(model, offload_config(True), sample_input=inp)
+    path = model._memscale_executor.offload_store.path
+    loss = loss_of(model, inp)
+    del model, loss
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_directory_removed_at_interpreter_exit(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
+        import memscale
+        from conftest import mlp
+        model = mlp(depth=3, width=32)
+        inp = torch.randn(4, 8, 32)
+        memscale.wrap(model, memscale.Config(
+            mode="balanced", force_optimize=True, async_offload=True,
+            async_config=memscale.AsyncOffloadConfig(
+                min_offload_bytes=0, spill_dir={str(tmp_path)!r})),
+            sample_input=inp)
+        loss = model(inp).pow(2).mean()  # spilled, never backward, never detached
+        print(model._memscale_executor.offload_store.path, flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                         text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    path = out.stdout.strip().splitlines()[-1]
+    assert path.startswith(str(tmp_path))
+    assert not os.path.exists(path)
+    assert os.listdir(tmp_path) == []
+
+
+def test_unwritable_spill_dir_is_an_error_at_wrap(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    model = mlp(depth=3, width=32)
+    with pytest.raises(ValueError, match="spill directory.*spill_dir"):
+        memscale.wrap(model, offload_config(spill_dir=str(not_a_dir / "sub")),
+                      sample_input=torch.randn(4, 8, 32))
+    assert hook_count(model) == 0
+    assert "_memscale_executor" not in model.__dict__
+
+
+def test_not_enough_disk_is_an_error_at_wrap(monkeypatch, tmp_path):
+    import memscale.offload as offload
+
+    class Tiny:
+        f_bavail, f_frsize = 1, 512
+
+    monkeypatch.setattr(offload.os, "statvfs", lambda path: Tiny)
+    model = mlp(depth=3, width=32)
+    with pytest.raises(ValueError, match="GiB free.*max_disk_gb"):
+        memscale.wrap(model, offload_config(spill_dir=str(tmp_path)),
+                      sample_input=torch.randn(4, 8, 32))
+    assert hook_count(model) == 0
+    assert os.listdir(tmp_path) == []  # the directory made for it is gone
+
+
+def test_disk_cap_keeps_the_rest_in_memory(caplog):
+    a, b = twins(lambda: mlp(depth=4, width=32))
+    inp = torch.randn(4, 8, 32)  # 4 KiB inputs
+    memscale.wrap(a, offload_config(max_disk_gb=6000 / (1 << 30)), sample_input=inp)
+    with caplog.at_level(logging.INFO, logger="memscale"):
+        for _ in range(2):
+            loss_of(a, inp).backward()
+            loss_of(b, inp).backward()
+    assert_same_grads(a, b)
+    stats = a._memscale_executor.offload_store.stats
+    assert stats["tensors_written"] == 2 and stats["refused_over_cap"] == 4
+    assert caplog.text.count("disk cap") == 1  # reported once
+    memscale.detach(a)
+
+
+def test_no_disk_tier_means_no_offload_on_cpu():
+    model = mlp()
+    memscale.wrap(model, offload_config(max_disk_gb=0), sample_input=torch.randn(4, 8, 32))
+    assert model._memscale_executor.plan.technique_counts["offload"] == 0
+    assert model._memscale_executor.offload_store is None
+    memscale.detach(model)
+
+
+def test_failed_writes_keep_tensors_in_memory(tmp_path):
+    """A real write failure: a file-size limit below the tensor size."""
+    code = textwrap.dedent(f"""
+        import logging, resource, signal, sys, torch
+        sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
+        import memscale
+        from conftest import mlp, twins, assert_same_grads
+        logging.basicConfig(level=logging.WARNING)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
+        for async_offload in (False, True):
+            a, b = twins(lambda: mlp(depth=4, width=32))
+            inp = torch.randn(4, 8, 32)
+            memscale.wrap(a, memscale.Config(
+                mode="balanced", force_optimize=True, enable_logging=False,
+                async_offload=async_offload,
+                async_config=memscale.AsyncOffloadConfig(
+                    min_offload_bytes=0, spill_dir={str(tmp_path)!r})),
+                sample_input=inp)
+            for m in (a, b):
+                m(inp).pow(2).mean().backward()
+            assert_same_grads(a, b)
+            s = a._memscale_executor.offload_store.stats
+            assert s["write_failures"] == 3 and s["tensors_written"] == 0, s
+            memscale.detach(a)
+        print("OK")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                         text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("OK")
+    assert out.stderr.count("writing to the spill directory") == 2  # once per store
+    assert "File too large" in out.stderr
+
+
+def test_debug_checksum_catches_a_changed_file():
+    model = mlp(depth=3, width=32)
+    inp = torch.randn(4, 8, 32)
+    memscale.wrap(model, offload_config(debug=True), sample_input=inp)
+    path = model._memscale_executor.offload_store.path
+    loss = loss_of(model, inp)
+    fd = spill_fds(path)[0]
+    os.pwrite(fd, b"\x7f" * 16, 0)  # what a faulty disk would do
+    with pytest.raises(RuntimeError, match="different checksum"):
+        loss.backward()
+    memscale.detach(model)
+
+
+def test_async_precedence(monkeypatch):
+    model = mlp(depth=3)
+    inp = torch.randn(4, 8, 32)
+
+    def store_async(**kwargs):
+        memscale.wrap(model, sample_input=inp, **kwargs)
+        try:
+            return model._memscale_executor.offload_store.async_io
+        finally:
+            memscale.detach(model)
+
+    sync_cfg = offload_config(False)
+    async_cfg = offload_config(True)
+    monkeypatch.delenv("MEMSCALE_ASYNC_OFFLOAD", raising=False)
+    assert store_async(config=async_cfg) is True
+    assert store_async(config=sync_cfg) is False
+    monkeypatch.setenv("MEMSCALE_ASYNC_OFFLOAD", "1")
+    assert store_async(config=sync_cfg) is True  # the variable beats Config
+    assert store_async(config=sync_cfg, async_offload=False) is False  # wrap() wins
+    monkeypatch.setenv("MEMSCALE_ASYNC_OFFLOAD", "0")
+    assert store_async(config=async_cfg) is False
+
+
+def test_spill_store_round_trip_and_stats(tmp_path):
+    logged = []
+    store = _core.SpillStore(str(tmp_path), async_io=True, min_bytes=64,
+                             prefetch_depth=1, log=lambda *a: logged.append(a))
+    w = torch.randn(32, 32, requires_grad=True)
+    acts = [w * i for i in range(4)]
+    small = (w[:2, :2] * 2).contiguous()
+    assert store.put(small) is None  # under min_bytes
+    assert store.put(w) is None  # a leaf: a parameter, never spilled
+    assert store.put(acts[0][:, :3]) is None  # not contiguous
+    assert store.put(acts[0][:4]) is None  # a view of a larger storage
+    recs = [store.put(t) for t in acts]
+    expected = [t.detach().clone() for t in acts]
+    store.flush()
+    assert [r.state for r in recs] == ["disk"] * 4
+    back = recs[3].get()
+    assert torch.equal(back, expected[3]) and back.requires_grad
+    assert recs[2].state == "reading"  # prefetched, depth 1
+    for r, e in zip(recs, expected):
+        assert torch.equal(r.get(), e)
+    assert recs[0].get() is recs[0].get()  # loaded once
+    store.close()
+    assert store.closed and store.put(acts[0]) is None
+    assert logged == []
+
+
+def test_spill_store_rejects_bad_arguments(tmp_path):
+    with pytest.raises(OSError):
+        _core.SpillStore(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="min_bytes"):
+        _core.SpillStore(str(tmp_path), min_bytes=-1)
+    with pytest.raises(TypeError, match="log must be callable"):
+        _core.SpillStore(str(tmp_path), log=3)
+    ex = _core.Executor(mlp(), [])
+    with pytest.raises(TypeError, match="SpillStore or None"):
+        ex.set_offload("nope", None)
+    ex.detach()
+
+
+def test_host_tier_accounting_on_cpu(tmp_path):
+    """The CUDA host tier's bookkeeping (pool, pageable, cap, disk), run on
+    CPU tensors; the copies themselves need a GPU and are not tested here."""
+    store = _core.SpillStore(str(tmp_path), min_bytes=0)
+    tier = HostTier(pool_bytes=3000, cap_bytes=5000, min_bytes=0, store=store,
+                    async_copy=False, pin=False)
+    w = torch.randn(16, 16, requires_grad=True)  # 1 KiB tensors
+    acts = [w * i for i in range(6)]
+    recs = [tier._put_host(t, 1024) for t in acts]
+    assert tier.stats == {"to_pool": 2, "to_pageable": 2, "to_disk": 2, "kept": 0}
+    assert tier.used == 4 * 1024
+    for r, t in zip(recs, acts):
+        out = r.get()
+        assert torch.equal(out, t.detach()) and out.requires_grad
+    del r, out
+    recs.clear()
+    gc.collect()
+    assert tier.used == 0 and tier._pool_offset == 0
+    no_disk = HostTier(pool_bytes=0, cap_bytes=1024, min_bytes=0, store=None,
+                       async_copy=False, pin=False)
+    kept = [no_disk._put_host(t, 1024) for t in acts[:2]]
+    assert kept[1] is None and no_disk.stats["kept"] == 1
+    assert no_disk.put(acts[0]) is None  # a CPU tensor is not its business
+    store.close()
+
+
+def test_engine_host_tier_when_the_device_has_one():
+    layers = [(f"l{i}", "Block", 0, 1000, 100, 10.0, 0) for i in range(4)]
+    common = dict(mode="balanced", allowed=_core.TECH_CHECKPOINT | _core.TECH_OFFLOAD,
+                  force=True, budget_bytes=1 << 30, fixed_bytes=0,
+                  activation_bytes=4000, total_flops=40.0, device="cuda",
+                  device_count=1, capacity_bytes=1 << 30)
+    plan = _core.build_plan(layers, **common, host_tier=True, host_cap_bytes=250)
+    assert [l.tier for l in plan.layers] == ["host", "host", "disk", "disk"]
+    plan = _core.build_plan(layers, **common, host_tier=True, host_cap_bytes=250,
+                            disk_tier=False)
+    assert [l.tier for l in plan.layers] == ["host", "host", "device", "device"]
+    assert plan.layers[3].techniques == ("checkpoint",)
+    with pytest.raises(ValueError, match="host_cap_bytes"):
+        _core.build_plan(layers, **common, host_cap_bytes=-5)
+    with pytest.raises(TypeError, match="disk_tier must be a bool"):
+        _core.build_plan(layers, **common, disk_tier=1)
