@@ -49,6 +49,7 @@ class Executor(_core.Executor):
         self.decision = None
         self.metrics_server = None
         self.offload_store = None  # the disk tier (a _core.SpillStore), if any
+        self.offload_host = None  # the host tier (memscale.offload.HostTier), if any
         self._restore: list[Callable[[], None]] = []
 
     @contextlib.contextmanager

@@ -144,6 +144,7 @@ def attach(executor: Any, config: Config, hardware: dict[str, Any], plan: Any) -
                              store=store, async_copy=config.async_offload)
     executor.set_offload(store, host_tier)
     executor.offload_store = store
+    executor.offload_host = host_tier
 
     def close() -> None:
         executor.set_offload(None, None)
@@ -224,6 +225,7 @@ class HostTier:
         self._pool_offset = 0  # bump allocation; reset when the pool empties
         self._pool_live = 0
         self.stats = {"to_pool": 0, "to_pageable": 0, "to_disk": 0, "kept": 0}
+        self.bytes_to_host = 0  # counted over the tier's life
         self._warned = False
 
     def put(self, t: torch.Tensor) -> _HostRecord | None:
@@ -259,6 +261,7 @@ class HostTier:
         else:
             dst.copy_(t.detach())
         self.used += nbytes
+        self.bytes_to_host += nbytes
         return _HostRecord(self, dst, nbytes, in_pool, t.device, t.requires_grad,
                            event)
 

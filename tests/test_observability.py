@@ -343,3 +343,21 @@ def test_stderr_unless_the_application_configured_logging(tmp_path):
     assert "memscale" not in disabled
     assert "memscale" not in configured
     assert done.stdout == ""  # no print outside the CLI
+
+
+def test_offloaded_bytes_are_scraped():
+    model = mlp(depth=4)
+    x = torch.randn(4, 8, 32)
+    port = free_port()
+    memscale.wrap(model, memscale.Config(
+        mode="balanced", force_optimize=True, enable_logging=False,
+        observability_port=port,
+        async_config=memscale.AsyncOffloadConfig(min_offload_bytes=0)), sample_input=x)
+    server = model._memscale_executor.metrics_server
+    assert value(scrape(server.url), "memscale_offloaded_bytes_total", tier="disk") == 0
+    model(x).pow(2).mean().backward()
+    after = scrape(server.url)
+    # Three blocks take a non-leaf input of 4 x 8 x 32 floats each.
+    assert value(after, "memscale_offloaded_bytes_total", tier="disk") == 3 * 4 * 8 * 32 * 4
+    assert value(after, "memscale_offloaded_bytes_total", tier="cpu") == 0
+    memscale.detach(model)

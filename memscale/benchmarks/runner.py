@@ -35,19 +35,22 @@ from .measure import measure_peak, peak_rss_subprocess
 from .models import BENCHMARK_MODELS, Batch, BenchmarkModel
 
 MODES = {"conservative": "conservative", "balanced": "balanced",
-         "aggressive": "aggressive"}
+         "balanced-async": "balanced", "aggressive": "aggressive"}
 
 # Untimed steps before timing: the first steps fault in fresh memory pages
 # and build optimizer state, and are slower by a varying amount.
 WARMUP_ROUNDS = 2
 
-VARIANTS = ("unoptimized", "conservative", "balanced", "aggressive",
-            "torch-checkpoint", "checkpoint-sequential")
+VARIANTS = ("unoptimized", "conservative", "balanced", "balanced-async",
+            "aggressive", "torch-checkpoint", "checkpoint-sequential")
 
 VARIANT_HELP = {
     "unoptimized": "the model as is",
     "conservative": "memscale.wrap, CONSERVATIVE, force_optimize=True",
-    "balanced": "memscale.wrap, BALANCED, force_optimize=True",
+    "balanced": "memscale.wrap, BALANCED (checkpointing + disk offload on "
+                "this CPU host), force_optimize=True",
+    "balanced-async": "as balanced, with async_offload=True (C I/O thread, "
+                      "prefetch in backward)",
     "aggressive": "memscale.wrap, AGGRESSIVE, force_optimize=True",
     "torch-checkpoint": "torch.utils.checkpoint (non-reentrant) on every layer; "
                         "Hugging Face: gradient_checkpointing_enable()",
@@ -123,7 +126,8 @@ def prepare(entry: BenchmarkModel, variant: str) -> Prepared:
     if variant in MODES:
         config = memscale.Config(mode=MODES[variant], force_optimize=True,
                                  enable_logging=False)
-        memscale.wrap(model, config, sample_input=batch.sample_input)
+        memscale.wrap(model, config, sample_input=batch.sample_input,
+                      async_offload=variant == "balanced-async")
         plan = model._memscale_executor.plan
         plan_hash, techniques = plan.hash, plan.technique_counts
     elif variant == "torch-checkpoint":

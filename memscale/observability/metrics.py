@@ -30,8 +30,8 @@ base units):
 ``memscale_measured_peak_bytes``       measured peak (label ``source``:
                                        ``cuda_max_memory_allocated`` on CUDA,
                                        ``process_peak_rss`` (VmHWM) on CPU)
-``memscale_offloaded_bytes_total``     bytes offloaded (label ``tier``: cpu, disk);
-                                       always 0: offload is not in this release
+``memscale_offloaded_bytes_total``     bytes offloaded (label ``tier``: cpu, the
+                                       host RAM of a GPU; disk, spill files)
 ``memscale_recompute_seconds_total``   time spent recomputing checkpointed layers
 ``memscale_recomputes_total``          layer recomputes in backward
 ``memscale_checkpoint_frames_total``   checkpointed layer forwards
@@ -191,10 +191,13 @@ class _ExecutorCollector:
             yield family
 
         offloaded = CounterMetricFamily("memscale_offloaded_bytes",
-                                        "bytes offloaded, per tier (offload is not "
-                                        "in this release: always 0)", labels=["tier"])
+                                        "bytes offloaded, per tier", labels=["tier"])
+        store = getattr(ex, "offload_store", None)
+        host = getattr(ex, "offload_host", None)
+        by_tier = {"cpu": float(host.bytes_to_host) if host is not None else 0.0,
+                   "disk": float(store.stats["bytes_written"]) if store is not None else 0.0}
         for tier in OFFLOAD_TIERS:
-            offloaded.add_metric([tier], 0.0)
+            offloaded.add_metric([tier], by_tier[tier])
         yield offloaded
         yield CounterMetricFamily("memscale_recompute_seconds",
                                   "time spent recomputing checkpointed layers",
