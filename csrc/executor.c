@@ -473,6 +473,42 @@ restore_buffers(ms_state *st, PyObject *snap)
     return changed;
 }
 
+/* Whether an input recorded as (tensor, version) has changed: 1 yes, 0 no,
+   -1 with an exception set.  An offloaded input is recorded through a weak
+   reference: gone, nobody can have changed it since. */
+static int
+input_changed(ms_state *st, PyObject *pair)
+{
+    PyObject *t = PyTuple_GET_ITEM(pair, 0);
+    if (PyWeakref_CheckRef(t)) {
+#if PY_VERSION_HEX >= 0x030D0000
+        if (PyWeakref_GetRef(t, &t) < 0) {
+            return -1;
+        }
+#else
+        t = PyWeakref_GetObject(t);
+        if (t == NULL) {
+            return -1;
+        }
+        t = t == Py_None ? NULL : Py_NewRef(t);
+#endif
+        if (t == NULL) {
+            return 0;
+        }
+    }
+    else {
+        Py_INCREF(t);
+    }
+    PyObject *now = PyObject_GetAttr(t, st->s_version);
+    Py_DECREF(t);
+    if (now == NULL) {
+        return -1;
+    }
+    int eq = PyObject_RichCompareBool(now, PyTuple_GET_ITEM(pair, 1), Py_EQ);
+    Py_DECREF(now);
+    return eq < 0 ? -1 : !eq;
+}
+
 /* ---- Offload of a checkpointed layer's inputs ------------------------ */
 
 /* Offload one tensor: a record standing for it, Py_None if it stays, NULL
@@ -491,13 +527,13 @@ offload_one(Executor *ex, PyObject *t)
     int cpu = PyUnicode_Check(type)
               && PyUnicode_CompareWithASCIIString(type, "cpu") == 0;
     Py_DECREF(type);
-    if (cpu) {
-        return HAS(ex->store) ? ms_spill_put(ex->store, t)
-                                    : Py_NewRef(Py_None);
+    if (cpu && HAS(ex->store)) {
+        return ms_spill_put(ex->store, t);
     }
-    /* CUDA path (memscale.offload.HostTier): unverified on this project's
-       CPU-only machines. */
-    if (ex->host == Py_None) {
+    /* The host tier: memscale.offload.HostTier for CUDA tensors (a path
+       unverified on this project's CPU-only machines), or the predictor's
+       stand-in for fake tensors. */
+    if (!HAS(ex->host)) {
         Py_RETURN_NONE;
     }
     return PyObject_CallMethodOneArg(ex->host, st->s_put, t);
@@ -508,15 +544,11 @@ static int
 versions_unchanged(ms_state *st, PyObject *versions)
 {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(versions); i++) {
-        PyObject *pair = PyList_GET_ITEM(versions, i);
-        PyObject *now = PyObject_GetAttr(PyTuple_GET_ITEM(pair, 0),
-                                         st->s_version);
-        int eq = now ? PyObject_RichCompareBool(now, PyTuple_GET_ITEM(pair, 1),
-                                                Py_EQ)
-                     : -1;
-        Py_XDECREF(now);
-        if (eq <= 0) {
-            return eq;
+        PyObject *pair = Py_NewRef(PyList_GET_ITEM(versions, i));
+        int changed = input_changed(st, pair);
+        Py_DECREF(pair);
+        if (changed != 0) {
+            return changed < 0 ? -1 : 0;
         }
     }
     return 1;
@@ -537,17 +569,18 @@ note_slot(PyObject *slots, int where, PyObject *key)
 
 /*
  * After a checkpointed layer's forward: move its top-level tensor inputs
- * off the device.  The frame then holds records instead of the tensors
- * (and no version entry for them: the copy is what recompute will use), so
- * the tensors' memory goes once the caller lets go of them.
+ * off the device.  The frame then holds records instead of the tensors,
+ * and their version entries through weak references (an input changed in
+ * place later still makes the recompute refuse, as without offload), so
+ * the tensors' memory goes once the caller lets go of them.  Nothing of
+ * the frame changes unless everything succeeds.
  */
 static int
 offload_inputs(Executor *ex, Frame *f)
 {
     ms_state *st = ex->st;
-    PyObject *args = NULL, *slots = NULL, *gone = NULL, *keep = NULL;
-    PyObject *key, *value;
-    Py_ssize_t pos = 0;
+    PyObject *args = NULL, *kwargs = NULL, *slots = NULL, *gone = NULL;
+    PyObject *versions = NULL, *keys = NULL;
     int rc = -1;
 
     int same = versions_unchanged(st, f->versions);
@@ -556,50 +589,50 @@ offload_inputs(Executor *ex, Frame *f)
         return same;
     }
     args = PySequence_List(f->args);
+    kwargs = PyDict_Copy(f->kwargs);
+    keys = kwargs ? PyDict_Keys(kwargs) : NULL;
     slots = PyList_New(0);
     gone = PyList_New(0);
-    if (args == NULL || slots == NULL || gone == NULL) {
+    if (args == NULL || keys == NULL || slots == NULL || gone == NULL) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args); i++) {
-        PyObject *a = PyList_GET_ITEM(args, i);
-        if (!ms_is_tensor(st, a)) {
-            continue;
+        PyObject *a = Py_NewRef(PyList_GET_ITEM(args, i));
+        PyObject *rec = ms_is_tensor(st, a) ? offload_one(ex, a)
+                                            : Py_NewRef(Py_None);
+        int bad = rec == NULL;
+        if (!bad && rec != Py_None) {
+            PyObject *idx = PyLong_FromSsize_t(i);
+            bad = idx == NULL || note_slot(slots, 0, idx) < 0
+                  || PyList_Append(gone, a) < 0
+                  || PyList_SetItem(args, i, Py_NewRef(rec)) < 0;
+            Py_XDECREF(idx);
         }
-        PyObject *rec = offload_one(ex, a);
-        if (rec == NULL) {
-            goto done;
-        }
-        if (rec == Py_None) {
-            Py_DECREF(rec);
-            continue;
-        }
-        PyObject *idx = PyLong_FromSsize_t(i);
-        int bad = idx == NULL || note_slot(slots, 0, idx) < 0
-                  || PyList_Append(gone, a) < 0;
-        Py_XDECREF(idx);
+        Py_XDECREF(rec);
+        Py_DECREF(a);
         if (bad) {
-            Py_DECREF(rec);
             goto done;
         }
-        PyList_SetItem(args, i, rec); /* steals rec; drops our view of a */
     }
-    /* Values of existing keys may be replaced while iterating. */
-    while (PyDict_Next(f->kwargs, &pos, &key, &value)) {
-        if (!ms_is_tensor(st, value)) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        PyObject *value = PyDict_GetItemWithError(kwargs, key);
+        if (value == NULL) {
+            if (PyErr_Occurred()) {
+                goto done;
+            }
             continue;
         }
-        Py_INCREF(key);
         Py_INCREF(value);
-        PyObject *rec = offload_one(ex, value);
+        PyObject *rec = ms_is_tensor(st, value) ? offload_one(ex, value)
+                                                : Py_NewRef(Py_None);
         int bad = rec == NULL;
         if (!bad && rec != Py_None) {
             bad = note_slot(slots, 1, key) < 0
                   || PyList_Append(gone, value) < 0
-                  || PyDict_SetItem(f->kwargs, key, rec) < 0;
+                  || PyDict_SetItem(kwargs, key, rec) < 0;
         }
         Py_XDECREF(rec);
-        Py_DECREF(key);
         Py_DECREF(value);
         if (bad) {
             goto done;
@@ -609,9 +642,9 @@ offload_inputs(Executor *ex, Frame *f)
         rc = 0;
         goto done;
     }
-    /* Forget the version entries of offloaded tensors (they held them). */
-    keep = PyList_New(0);
-    if (keep == NULL) {
+    /* Version entries of offloaded tensors: through weak references. */
+    versions = PyList_New(0);
+    if (versions == NULL) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(f->versions); i++) {
@@ -624,7 +657,19 @@ offload_inputs(Executor *ex, Frame *f)
                 break;
             }
         }
-        if (!offloaded && PyList_Append(keep, pair) < 0) {
+        PyObject *entry;
+        if (offloaded) {
+            PyObject *ref = PyWeakref_NewRef(t, NULL);
+            entry = ref ? PyTuple_Pack(2, ref, PyTuple_GET_ITEM(pair, 1))
+                        : NULL;
+            Py_XDECREF(ref);
+        }
+        else {
+            entry = Py_NewRef(pair);
+        }
+        int bad = entry == NULL || PyList_Append(versions, entry) < 0;
+        Py_XDECREF(entry);
+        if (bad) {
             goto done;
         }
     }
@@ -632,93 +677,100 @@ offload_inputs(Executor *ex, Frame *f)
     if (tuple == NULL) {
         goto done;
     }
+    /* Commit. */
     Py_SETREF(f->args, tuple);
-    Py_SETREF(f->versions, keep);
-    keep = NULL;
+    Py_SETREF(f->kwargs, kwargs);
+    kwargs = NULL;
+    Py_SETREF(f->versions, versions);
+    versions = NULL;
     Py_XSETREF(f->offloaded, slots);
     slots = NULL;
     rc = 0;
 done:
     Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(keys);
     Py_XDECREF(slots);
     Py_XDECREF(gone);
-    Py_XDECREF(keep);
+    Py_XDECREF(versions);
     return rc;
 }
 
 static PyObject *
 reload_one(ms_state *st, PyObject *rec)
 {
-    if (ms_is_tensor(st, rec)) {
-        return Py_NewRef(rec); /* reloaded by an earlier, failed attempt */
-    }
     if (ms_is_spilled(st, rec)) {
         return ms_spill_get(rec);
     }
     return PyObject_CallMethodNoArgs(rec, st->s_get);
 }
 
-/* Before a recompute: put the offloaded inputs back. */
+/* Before a recompute: put the offloaded inputs back.  Works on copies and
+   commits at the end, so that a failure (or a concurrent recompute of the
+   frame) leaves the frame as it was. */
 static int
 reload_inputs(Frame *f)
 {
     ms_state *st = f->ex->st;
+    PyObject *slots = Py_NewRef(f->offloaded);
     PyObject *args = PySequence_List(f->args);
-    if (args == NULL) {
-        return -1;
+    PyObject *kwargs = PyDict_Copy(f->kwargs);
+    if (args == NULL || kwargs == NULL) {
+        goto error;
     }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(f->offloaded); i++) {
-        PyObject *slot = PyList_GET_ITEM(f->offloaded, i);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(slots); i++) {
+        PyObject *slot = PyList_GET_ITEM(slots, i);
         long where = PyLong_AsLong(PyTuple_GET_ITEM(slot, 0));
         PyObject *key = PyTuple_GET_ITEM(slot, 1);
+        PyObject *rec;
         if (where == 0) {
             Py_ssize_t k = PyLong_AsSsize_t(key);
-            if (k < 0 || k >= PyList_GET_SIZE(args)) {
-                if (!PyErr_Occurred()) {
-                    PyErr_SetString(PyExc_RuntimeError,
-                                    "memscale: internal error: bad offload "
-                                    "slot");
-                }
-                goto error;
-            }
-            PyObject *t = reload_one(st, PyList_GET_ITEM(args, k));
-            if (t == NULL) {
-                goto error;
-            }
-            PyList_SetItem(args, k, t); /* steals t */
+            rec = (k >= 0 && k < PyList_GET_SIZE(args))
+                      ? PyList_GET_ITEM(args, k)
+                      : NULL;
         }
         else {
-            PyObject *rec = PyDict_GetItemWithError(f->kwargs, key);
-            if (rec == NULL) {
-                if (!PyErr_Occurred()) {
-                    PyErr_SetString(PyExc_RuntimeError,
-                                    "memscale: internal error: bad offload "
-                                    "slot");
-                }
-                goto error;
+            rec = PyDict_GetItemWithError(kwargs, key);
+        }
+        if (rec == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_RuntimeError,
+                                "memscale: internal error: bad offload slot");
             }
-            Py_INCREF(rec);
-            PyObject *t = reload_one(st, rec);
-            Py_DECREF(rec);
-            int bad = t == NULL || PyDict_SetItem(f->kwargs, key, t) < 0;
-            Py_XDECREF(t);
-            if (bad) {
-                goto error;
-            }
+            goto error;
+        }
+        Py_INCREF(rec);
+        PyObject *t = reload_one(st, rec);
+        Py_DECREF(rec);
+        if (t == NULL) {
+            goto error;
+        }
+        int bad = where == 0
+                      ? PyList_SetItem(args, PyLong_AsSsize_t(key), t) < 0
+                      : PyDict_SetItem(kwargs, key, t) < 0;
+        if (where != 0) {
+            Py_DECREF(t); /* PyDict_SetItem does not steal */
+        }
+        if (bad) {
+            goto error;
         }
     }
     PyObject *tuple = PyList_AsTuple(args);
-    Py_DECREF(args);
     if (tuple == NULL) {
-        return -1;
+        goto error;
     }
+    Py_DECREF(args);
     Py_SETREF(f->args, tuple);
-    Py_CLEAR(f->offloaded);
+    Py_SETREF(f->kwargs, kwargs);
+    if (f->offloaded == slots) {
+        Py_CLEAR(f->offloaded);
+    }
+    Py_DECREF(slots);
     return 0;
 error:
-    /* Slots reloaded so far hold tensors in `args` only: f->args still
-       holds every record, so a retry starts over cleanly. */
-    Py_DECREF(args);
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    Py_DECREF(slots);
     return -1;
 }
 
@@ -741,21 +793,9 @@ frame_recompute(Frame *self)
                      unit_name(ex, self->index));
         return -1;
     }
-    if (self->offloaded != NULL && reload_inputs(self) < 0) {
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->versions); i++) {
-        PyObject *pair = PyList_GET_ITEM(self->versions, i);
-        PyObject *now = PyObject_GetAttr(PyTuple_GET_ITEM(pair, 0),
-                                         st->s_version);
-        int eq = now ? PyObject_RichCompareBool(now, PyTuple_GET_ITEM(pair, 1),
-                                                Py_EQ)
-                     : -1;
-        Py_XDECREF(now);
-        if (eq < 0) {
-            return -1;
-        }
-        if (eq == 0) {
+    int same = versions_unchanged(st, self->versions);
+    if (same <= 0) {
+        if (same == 0) {
             PyErr_Format(PyExc_RuntimeError,
                          "memscale: an input of checkpointed layer %R was "
                          "modified in place after the layer's forward, so it "
@@ -763,8 +803,11 @@ frame_recompute(Frame *self)
                          "(e.g. x = x + y instead of x += y) or exclude the "
                          "layer from checkpointing.",
                          unit_name(ex, self->index));
-            return -1;
         }
+        return -1;
+    }
+    if (self->offloaded != NULL && reload_inputs(self) < 0) {
+        return -1;
     }
 
     entered = PyList_New(0);

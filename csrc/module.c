@@ -247,7 +247,8 @@ module_exec(PyObject *module)
                   "cuda.get_rng_state_all") < 0
         || lookup(&st->cuda_set_rng_state_all, st->torch,
                   "cuda.set_rng_state_all") < 0
-        || lookup(&st->empty_strided, st->torch, "empty_strided") < 0)
+        || lookup(&st->empty_strided, st->torch, "empty_strided") < 0
+        || lookup(&st->strided, st->torch, "strided") < 0)
     {
         return -1;
     }
@@ -296,7 +297,10 @@ module_exec(PyObject *module)
         || intern(&st->s_requires_grad, "requires_grad") < 0
         || intern(&st->s_requires_grad_, "requires_grad_") < 0
         || intern(&st->s_get, "get") < 0
-        || intern(&st->s_put, "put") < 0)
+        || intern(&st->s_put, "put") < 0
+        || intern(&st->s_layout, "layout") < 0
+        || intern(&st->s_is_conj, "is_conj") < 0
+        || intern(&st->s_is_neg, "is_neg") < 0)
     {
         return -1;
     }
@@ -347,7 +351,8 @@ module_exec(PyObject *module)
     op(spilled_type) op(spill_store_type) op(empty_strided) op(s_grad_fn)    \
     op(s_device) op(s_type) op(s_is_contiguous) op(s_numel)                  \
     op(s_element_size) op(s_data_ptr) op(s_stride) op(s_requires_grad)      \
-    op(s_requires_grad_) op(s_get) op(s_put)
+    op(s_requires_grad_) op(s_get) op(s_put) op(strided) op(s_layout)        \
+    op(s_is_conj) op(s_is_neg)
 
 static int
 module_traverse(PyObject *module, visitproc visit, void *arg)

@@ -58,6 +58,7 @@ typedef struct {
     PyObject *perf_counter_ns;      /* time.perf_counter_ns */
     PyObject *stop_recompute;       /* our exception: recompute is done */
     PyObject *empty_strided;        /* torch.empty_strided */
+    PyObject *strided;              /* torch.strided */
 
     /* Interned names. */
     PyObject *s_register_forward_pre_hook;
@@ -104,6 +105,9 @@ typedef struct {
     PyObject *s_requires_grad_;
     PyObject *s_get;
     PyObject *s_put;
+    PyObject *s_layout;
+    PyObject *s_is_conj;
+    PyObject *s_is_neg;
 } ms_state;
 
 /*

@@ -57,6 +57,7 @@ enum {
     R_DISK,        /* bytes in the file; no tensor */
     R_READING,     /* async read in flight; tensor = destination */
     R_LOADED,      /* tensor holds the data again; file closed */
+    R_STALE,       /* changed in place while being written: get() raises */
 };
 
 typedef struct SpillStore SpillStore;
@@ -200,21 +201,39 @@ worker_main(void *arg)
     return NULL;
 }
 
+/*
+ * Run a job: on the worker when there is one (and it is not stopping),
+ * else here with the GIL released.  Either way the job is marked busy
+ * under the mutex first, so that any other caller waits for it.
+ */
 static void
-enqueue(SpillStore *s, Job *job)
+submit(SpillStore *s, Job *job, int inline_io)
 {
     pthread_mutex_lock(&s->mu);
-    job->next = NULL;
     job->busy = 1;
-    if (s->tail != NULL) {
-        s->tail->next = job;
+    if (!inline_io && s->thread_started && !s->stop) {
+        job->next = NULL;
+        if (s->tail != NULL) {
+            s->tail->next = job;
+        }
+        else {
+            s->head = job;
+        }
+        s->tail = job;
+        pthread_cond_signal(&s->cv_work);
+        pthread_mutex_unlock(&s->mu);
+        return;
     }
-    else {
-        s->head = job;
-    }
-    s->tail = job;
-    pthread_cond_signal(&s->cv_work);
     pthread_mutex_unlock(&s->mu);
+    long long t0 = now_ns();
+    Py_BEGIN_ALLOW_THREADS
+    job_run(job);
+    pthread_mutex_lock(&s->mu);
+    job->busy = 0;
+    pthread_cond_broadcast(&s->cv_done);
+    pthread_mutex_unlock(&s->mu);
+    Py_END_ALLOW_THREADS
+    s->wait_ns += now_ns() - t0;
 }
 
 static int
@@ -252,7 +271,7 @@ store_log(SpillStore *s, unsigned kind, const char *level, PyObject *msg)
         PyErr_Clear();
         return;
     }
-    if (!(s->logged & kind) && s->log != Py_None) {
+    if (!(s->logged & kind) && s->log != NULL && s->log != Py_None) {
         s->logged |= kind;
         PyObject *r = PyObject_CallFunction(s->log, "sO", level, msg);
         if (r == NULL) {
@@ -323,74 +342,117 @@ spilled_dealloc(Spilled *self)
     Py_DECREF(tp);
 }
 
-/* A finished write: keep the tensor if the write failed, else let it go.
-   Called with the job done. */
+/* Give back the disk bytes a record reserved. */
 static void
+unreserve(Spilled *r)
+{
+    if (r->on_disk) {
+        r->store->used_bytes -= r->nbytes;
+        r->on_disk = 0;
+    }
+}
+
+/*
+ * A finished write (the job is done).  Does nothing unless the record is
+ * still R_WRITING: two callers may get here for one record, each after
+ * releasing the GIL.  A failed write keeps the tensor in memory; a source
+ * changed in place while it was written (async) makes the record stale.
+ * Returns -1 with an exception set only when reading _version fails.
+ */
+static int
 finish_write(Spilled *r)
 {
+    if (r->state != R_WRITING) {
+        return 0;
+    }
     SpillStore *s = r->store;
     s->io_ns += r->job.ns;
     if (r->job.err != 0) {
         /* The bytes are not on disk: the tensor stays in memory. */
         s->n_failed++;
+        unreserve(r);
+        close(r->fd);
+        r->fd = -1;
+        r->state = R_LOADED;
         store_log(s, LOG_WRITE_FAILED, "warning",
                   PyUnicode_FromFormat(
                       "memscale offload: writing to the spill directory %S "
                       "failed (%s); the tensor stays in memory (this is "
                       "reported once)",
                       s->path, strerror(r->job.err)));
+        return 0;
+    }
+    int same = 1;
+    if (r->tensor != NULL) {
+        PyObject *now = PyObject_GetAttr(r->tensor, s->st->s_version);
+        same = now ? PyObject_RichCompareBool(now, r->version, Py_EQ) : -1;
+        Py_XDECREF(now);
+        if (r->state != R_WRITING) {
+            return same < 0 ? -1 : 0; /* finished meanwhile */
+        }
+    }
+    if (same <= 0) {
+        /* Torn or unknown: never hand these bytes back. */
+        unreserve(r);
         close(r->fd);
         r->fd = -1;
-        r->state = R_LOADED;
-        return;
+        r->state = R_STALE;
+        Py_CLEAR(r->tensor);
+        return same < 0 ? -1 : 0;
     }
     r->sum = r->job.sum;
-    r->on_disk = 1;
-    s->used_bytes += r->nbytes;
-    if (s->used_bytes > s->peak_used_bytes) {
-        s->peak_used_bytes = s->used_bytes;
-    }
     s->n_written++;
     s->bytes_written += r->nbytes;
     r->state = R_DISK;
+    return 0;
 }
 
-/* Let go of the source tensors whose writes are done. */
+/* Let go of the source tensors whose writes are done (all of them, waiting,
+   with wait_all).  The pending list is taken over first: nested or
+   concurrent reaps (the GIL is released while waiting, the log callback
+   runs Python) each work on their own records. */
 static int
 store_reap(SpillStore *s, int wait_all)
 {
-    if (s->pending == NULL) {
+    if (s->pending == NULL || PyList_GET_SIZE(s->pending) == 0) {
         return 0;
     }
-    Py_ssize_t n = PyList_GET_SIZE(s->pending), kept = 0;
-    PyObject *still = PyList_New(0);
-    if (still == NULL) {
+    PyObject *old = s->pending;
+    s->pending = PyList_New(0);
+    if (s->pending == NULL) {
+        s->pending = old;
         return -1;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Spilled *r = (Spilled *)PyList_GET_ITEM(s->pending, i);
-        if (r->state != R_WRITING) {
-            continue;
-        }
-        if (wait_all) {
-            job_wait(s, &r->job);
-        }
-        else if (job_busy(s, &r->job)) {
-            if (PyList_Append(still, (PyObject *)r) < 0) {
-                Py_DECREF(still);
-                return -1;
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(old); i++) {
+        Spilled *r = (Spilled *)Py_NewRef(PyList_GET_ITEM(old, i));
+        if (r->state == R_WRITING) {
+            if (wait_all) {
+                job_wait(s, &r->job);
             }
-            kept++;
-            continue;
+            if (r->state == R_WRITING && job_busy(s, &r->job)) {
+                if (s->pending == NULL
+                    || PyList_Append(s->pending, (PyObject *)r) < 0)
+                {
+                    rc = -1; /* it stays R_WRITING: get() still works */
+                }
+            }
+            else {
+                if (finish_write(r) < 0) {
+                    rc = -1;
+                }
+                if (r->state == R_DISK) {
+                    Py_CLEAR(r->tensor); /* the memory goes back now */
+                }
+            }
         }
-        finish_write(r);
-        if (r->state == R_DISK) {
-            Py_CLEAR(r->tensor); /* the memory goes back now */
-        }
+        Py_DECREF(r);
     }
-    (void)kept;
-    Py_SETREF(s->pending, still);
-    return 0;
+    Py_DECREF(old);
+    if (rc < 0 && !PyErr_Occurred()) {
+        PyErr_NoMemory();
+    }
+    return rc;
 }
 
 static int
@@ -451,6 +513,25 @@ eligible(SpillStore *s, PyObject *t, int any_tensor, int64_t *nbytes)
     Py_DECREF(type);
     if (!cpu) {
         return 0;
+    }
+    /* Raw bytes only stand for a plain strided tensor: not a sparse one,
+       nor a lazily conjugated or negated view. */
+    PyObject *layout = PyObject_GetAttr(t, st->s_layout);
+    if (layout == NULL) {
+        return -1;
+    }
+    int strided = layout == st->strided;
+    Py_DECREF(layout);
+    if (!strided) {
+        return 0;
+    }
+    int flag = call_is_true(t, st->s_is_conj);
+    if (flag != 0) {
+        return flag < 0 ? -1 : 0;
+    }
+    flag = call_is_true(t, st->s_is_neg);
+    if (flag != 0) {
+        return flag < 0 ? -1 : 0;
     }
     int contiguous = call_is_true(t, st->s_is_contiguous);
     if (contiguous <= 0) {
@@ -526,6 +607,7 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
 {
     SpillStore *s = (SpillStore *)store;
     ms_state *st = s->st;
+    PyObject *shape = NULL, *stride = NULL, *dtype = NULL, *version = NULL;
     int64_t nbytes = 0;
     if (store_reap(s, 0) < 0) {
         return NULL;
@@ -537,6 +619,26 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
     if (ok <= 0) {
         return ok < 0 ? NULL : Py_NewRef(Py_None);
     }
+    PyObject *rg = NULL;
+    int requires_grad = -1;
+    if ((shape = PyObject_GetAttr(t, st->s_shape)) == NULL
+        || (stride = PyObject_CallMethodNoArgs(t, st->s_stride)) == NULL
+        || (dtype = PyObject_GetAttr(t, st->s_dtype)) == NULL
+        || (version = PyObject_GetAttr(t, st->s_version)) == NULL
+        || (rg = PyObject_GetAttr(t, st->s_requires_grad)) == NULL
+        || (requires_grad = PyObject_IsTrue(rg)) < 0)
+    {
+        goto error;
+    }
+    Py_CLEAR(rg);
+    char *ptr = data_ptr(st, t);
+    if (ptr == NULL) {
+        goto error;
+    }
+    /* No Python code runs from the cap check to the reservation. */
+    if (s->closed) {
+        goto not_spilled;
+    }
     if (s->max_bytes >= 0 && s->used_bytes + nbytes > s->max_bytes) {
         s->n_refused++;
         store_log(s, LOG_CAP, "info",
@@ -545,41 +647,10 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
                       "bytes) is reached; further tensors stay in memory "
                       "this step (this is reported once)",
                       (long long)s->max_bytes));
-        Py_RETURN_NONE;
+        goto not_spilled;
     }
-    char *ptr = data_ptr(st, t);
-    if (ptr == NULL) {
-        return NULL;
-    }
-    Spilled *r = PyObject_GC_New(Spilled, st->spilled_type);
-    if (r == NULL) {
-        return NULL;
-    }
-    r->store = (SpillStore *)Py_NewRef(store);
-    r->tensor = NULL;
-    r->shape = PyObject_GetAttr(t, st->s_shape);
-    r->stride = PyObject_CallMethodNoArgs(t, st->s_stride);
-    r->dtype = PyObject_GetAttr(t, st->s_dtype);
-    r->version = PyObject_GetAttr(t, st->s_version);
-    r->weakreflist = NULL;
-    r->fd = -1;
-    r->state = 0;
-    r->on_disk = 0;
-    r->nbytes = nbytes;
-    r->sum = 0;
-    memset(&r->job, 0, sizeof(r->job));
-    PyObject_GC_Track(r);
-    PyObject *rg = PyObject_GetAttr(t, st->s_requires_grad);
-    r->requires_grad = rg ? PyObject_IsTrue(rg) : -1;
-    Py_XDECREF(rg);
-    if (r->shape == NULL || r->stride == NULL || r->dtype == NULL
-        || r->version == NULL || r->requires_grad < 0)
-    {
-        Py_DECREF(r);
-        return NULL;
-    }
-    r->fd = open_spill_file(s);
-    if (r->fd < 0) {
+    int fd = open_spill_file(s);
+    if (fd < 0) {
         int e = errno;
         s->n_failed++;
         store_log(s, LOG_WRITE_FAILED, "warning",
@@ -588,28 +659,52 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
                       "directory %S (%s); tensors stay in memory (this is "
                       "reported once)",
                       s->path, strerror(e)));
-        Py_DECREF(r);
-        Py_RETURN_NONE;
+        goto not_spilled;
     }
+    Spilled *r = PyObject_GC_New(Spilled, st->spilled_type);
+    if (r == NULL) {
+        close(fd);
+        goto error;
+    }
+    r->store = (SpillStore *)Py_NewRef(store);
+    r->tensor = Py_NewRef(t); /* until the bytes are written */
+    r->shape = shape;
+    r->stride = stride;
+    r->dtype = dtype;
+    r->version = version;
+    shape = stride = dtype = version = NULL;
+    r->weakreflist = NULL;
+    r->requires_grad = requires_grad;
+    r->fd = fd;
+    r->nbytes = nbytes;
+    r->sum = 0;
+    memset(&r->job, 0, sizeof(r->job));
     r->job.op = JOB_WRITE;
-    r->job.fd = r->fd;
+    r->job.fd = fd;
     r->job.ptr = ptr;
     r->job.nbytes = nbytes;
     r->job.checksum = s->debug;
-    r->tensor = Py_NewRef(t); /* until the bytes are written */
+    /* Reserve the bytes now, so that writes in flight count for the cap. */
+    r->on_disk = 1;
+    s->used_bytes += nbytes;
+    if (s->used_bytes > s->peak_used_bytes) {
+        s->peak_used_bytes = s->used_bytes;
+    }
+    r->state = R_WRITING;
+    PyObject_GC_Track(r);
     if (s->async) {
         if (PyList_Append(s->pending, (PyObject *)r) < 0) {
+            Py_DECREF(r); /* never submitted: nothing in flight */
+            return NULL;
+        }
+        submit(s, &r->job, 0);
+    }
+    else {
+        submit(s, &r->job, 1);
+        if (finish_write(r) < 0) {
             Py_DECREF(r);
             return NULL;
         }
-        r->state = R_WRITING;
-        enqueue(s, &r->job);
-    }
-    else {
-        Py_BEGIN_ALLOW_THREADS
-        job_run(&r->job);
-        Py_END_ALLOW_THREADS
-        finish_write(r);
         if (r->state != R_DISK) {
             Py_DECREF(r);
             Py_RETURN_NONE; /* failed: reported; the caller keeps t */
@@ -626,6 +721,20 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
         Py_DECREF(ref);
     }
     return (PyObject *)r;
+
+not_spilled:
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    Py_XDECREF(dtype);
+    Py_XDECREF(version);
+    Py_RETURN_NONE;
+error:
+    Py_XDECREF(rg);
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    Py_XDECREF(dtype);
+    Py_XDECREF(version);
+    return NULL;
 }
 
 PyObject *
@@ -634,11 +743,18 @@ ms_spill_put(PyObject *store, PyObject *t)
     return spill_put(store, t, 0);
 }
 
-/* A fresh tensor with the record's layout, and the job reading into it. */
+/*
+ * Read an R_DISK record back: allocate a tensor of its layout and run the
+ * read, on the worker (async prefetch) or here.  Allocating runs torch,
+ * which may release the GIL: if the record has moved on meanwhile (another
+ * caller started its read), the new tensor is dropped and 0 returned, as
+ * when the read was started.  -1 with an exception set on failure.
+ */
 static int
-start_read(Spilled *r)
+begin_read(Spilled *r, int inline_io)
 {
-    ms_state *st = r->store->st;
+    SpillStore *s = r->store;
+    ms_state *st = s->st;
     PyObject *kw = Py_BuildValue("{sO}", "dtype", r->dtype);
     PyObject *args = kw ? PyTuple_Pack(2, r->shape, r->stride) : NULL;
     PyObject *t = args ? PyObject_Call(st->empty_strided, args, kw) : NULL;
@@ -652,17 +768,24 @@ start_read(Spilled *r)
         Py_DECREF(t);
         return -1;
     }
+    if (r->state != R_DISK) {
+        Py_DECREF(t);
+        return 0;
+    }
     Py_XSETREF(r->tensor, t);
     r->job.op = JOB_READ;
     r->job.fd = r->fd;
     r->job.ptr = ptr;
     r->job.nbytes = r->nbytes;
-    r->job.checksum = r->store->debug;
+    r->job.checksum = s->debug;
     r->job.err = 0;
+    r->state = R_READING;
+    submit(s, &r->job, inline_io || !s->async);
     return 0;
 }
 
-/* The read is done: check it, close the file, make the tensor usable. */
+/* The read is done (state R_READING): check it, close the file, make the
+   tensor usable.  -1 with an exception set when the data cannot be had. */
 static int
 finish_read(Spilled *r)
 {
@@ -670,6 +793,7 @@ finish_read(Spilled *r)
     ms_state *st = s->st;
     s->io_ns += r->job.ns;
     if (r->job.err != 0 || (s->debug && r->job.sum != r->sum)) {
+        /* The file is still there: a later get() tries again. */
         Py_CLEAR(r->tensor);
         r->state = R_DISK;
         if (r->job.err != 0) {
@@ -688,6 +812,18 @@ finish_read(Spilled *r)
         }
         return -1;
     }
+    if (r->requires_grad) {
+        PyObject *res = PyObject_CallMethodOneArg(r->tensor,
+                                                  st->s_requires_grad_,
+                                                  Py_True);
+        if (res == NULL) {
+            return -1; /* still R_READING with its data: retried by get() */
+        }
+        Py_DECREF(res);
+        if (r->state != R_READING) {
+            return 0; /* another caller finished it meanwhile */
+        }
+    }
     if (s->debug) {
         s->n_verified++;
     }
@@ -695,20 +831,8 @@ finish_read(Spilled *r)
     s->bytes_read += r->nbytes;
     close(r->fd);
     r->fd = -1;
-    if (r->on_disk) {
-        s->used_bytes -= r->nbytes;
-        r->on_disk = 0;
-    }
+    unreserve(r);
     r->state = R_LOADED;
-    if (r->requires_grad) {
-        PyObject *res = PyObject_CallMethodOneArg(r->tensor,
-                                                  st->s_requires_grad_,
-                                                  Py_True);
-        if (res == NULL) {
-            return -1;
-        }
-        Py_DECREF(res);
-    }
     return 0;
 }
 
@@ -736,33 +860,45 @@ weak_get(PyObject *ref, PyObject **out)
 #endif
 }
 
-/* Start reading up to prefetch_depth records put before `r`. */
-static int
+/*
+ * Start reading up to prefetch_depth records put before `r` (backward
+ * needs them next): walking back, records on disk are started and records
+ * being read are counted, until prefetch_depth are being read.  Only an
+ * optimisation: a failure (say, no memory for the buffer) stops it
+ * silently, and get() reads those records when it needs them.
+ */
+static void
 prefetch_before(Spilled *r)
 {
     SpillStore *s = r->store;
     if (!s->async || s->prefetch_depth <= 0 || s->order == NULL) {
-        return 0;
+        return;
+    }
+    /* A private copy: reading may release the GIL, and new_step() may
+       empty the store's list meanwhile. */
+    PyObject *order = PyList_GetSlice(s->order, 0, PY_SSIZE_T_MAX);
+    if (order == NULL) {
+        PyErr_Clear();
+        return;
     }
     Py_ssize_t at = -1;
-    for (Py_ssize_t i = PyList_GET_SIZE(s->order) - 1; i >= 0; i--) {
+    for (Py_ssize_t i = PyList_GET_SIZE(order) - 1; i >= 0 && at < 0; i--) {
         PyObject *obj;
-        int alive = weak_get(PyList_GET_ITEM(s->order, i), &obj);
+        int alive = weak_get(PyList_GET_ITEM(order, i), &obj);
         if (alive < 0) {
-            return -1;
+            goto stop;
         }
-        Py_XDECREF(obj);
         if (alive && obj == (PyObject *)r) {
             at = i;
-            break;
         }
+        Py_XDECREF(obj);
     }
     int counted = 0;
     for (Py_ssize_t i = at - 1; i >= 0 && counted < s->prefetch_depth; i--) {
         PyObject *obj;
-        int alive = weak_get(PyList_GET_ITEM(s->order, i), &obj);
+        int alive = weak_get(PyList_GET_ITEM(order, i), &obj);
         if (alive < 0) {
-            return -1;
+            goto stop;
         }
         if (!alive) {
             continue;
@@ -770,11 +906,9 @@ prefetch_before(Spilled *r)
         Spilled *p = (Spilled *)obj;
         int rc = 0;
         if (p->state == R_DISK) {
-            rc = start_read(p);
+            rc = begin_read(p, 0);
             if (rc == 0) {
-                p->state = R_READING;
                 s->n_prefetched++;
-                enqueue(s, &p->job);
             }
         }
         if (p->state == R_READING) {
@@ -782,13 +916,19 @@ prefetch_before(Spilled *r)
         }
         Py_DECREF(obj);
         if (rc < 0) {
-            return -1;
+            goto stop;
         }
     }
-    return 0;
+    Py_DECREF(order);
+    return;
+stop:
+    PyErr_Clear();
+    Py_DECREF(order);
 }
 
-/* The tensor back (new reference), or NULL with an exception set. */
+/* The tensor back (new reference), or NULL with an exception set.  Every
+   step re-reads the state: the GIL is released while waiting and reading,
+   and another caller may have moved the record on. */
 PyObject *
 ms_spill_get(PyObject *record)
 {
@@ -799,60 +939,64 @@ ms_spill_get(PyObject *record)
                         "memscale offload: this record was cleared");
         return NULL;
     }
-    if (r->state == R_WRITING) {
-        job_wait(s, &r->job);
-        finish_write(r);
-        /* Still holding the source: no need to read it back. */
-        if (r->state == R_DISK) {
-            s->n_reused++;
-            close(r->fd);
-            r->fd = -1;
-            s->used_bytes -= r->nbytes;
-            r->on_disk = 0;
-            r->state = R_LOADED;
-        }
-        PyObject *now = PyObject_GetAttr(r->tensor, s->st->s_version);
-        int same = now ? PyObject_RichCompareBool(now, r->version, Py_EQ)
-                       : -1;
-        Py_XDECREF(now);
-        if (same < 0) {
-            return NULL;
-        }
-        if (!same) {
+    for (;;) {
+        switch (r->state) {
+        case R_WRITING:
+            job_wait(s, &r->job);
+            if (finish_write(r) < 0) {
+                return NULL;
+            }
+            if (r->state == R_DISK && r->tensor != NULL) {
+                /* Still holding the source: no need to read it back. */
+                s->n_reused++;
+                close(r->fd);
+                r->fd = -1;
+                unreserve(r);
+                r->state = R_LOADED;
+            }
+            continue;
+        case R_READING:
+            job_wait(s, &r->job);
+            if (r->state == R_READING && finish_read(r) < 0) {
+                return NULL;
+            }
+            continue;
+        case R_DISK:
+            if (begin_read(r, 1) < 0) {
+                return NULL;
+            }
+            continue;
+        case R_STALE:
             PyErr_SetString(PyExc_RuntimeError,
                             "memscale offload: an offloaded tensor was "
-                            "modified in place while it was being written; "
-                            "avoid the in-place update or turn offloading off "
+                            "modified in place while it was being written, "
+                            "so it cannot be recomputed from; avoid the "
+                            "in-place update or turn offloading off "
                             "(Config(enable_offloading=False))");
             return NULL;
-        }
-    }
-    else if (r->state == R_READING) {
-        job_wait(s, &r->job);
-        if (finish_read(r) < 0) {
+        case R_LOADED:
+            if (r->tensor != NULL) {
+                break;
+            }
+            PyErr_SetString(PyExc_RuntimeError,
+                            "memscale offload: internal error: a loaded "
+                            "record without its tensor");
+            return NULL;
+        default:
+            PyErr_SetString(PyExc_RuntimeError,
+                            "memscale offload: internal error: bad record "
+                            "state");
             return NULL;
         }
+        break;
     }
-    else if (r->state == R_DISK) {
-        if (start_read(r) < 0) {
-            return NULL;
-        }
-        long long t0 = now_ns();
-        Py_BEGIN_ALLOW_THREADS
-        job_run(&r->job);
-        Py_END_ALLOW_THREADS
-        s->wait_ns += now_ns() - t0;
-        if (finish_read(r) < 0) {
-            return NULL;
-        }
-    }
-    if (prefetch_before(r) < 0) {
-        return NULL;
-    }
+    PyObject *t = Py_NewRef(r->tensor);
+    prefetch_before(r);
     if (store_reap(s, 0) < 0) {
+        Py_DECREF(t);
         return NULL;
     }
-    return Py_NewRef(r->tensor);
+    return t;
 }
 
 int
@@ -885,9 +1029,9 @@ spilled_get(Spilled *self, PyObject *Py_UNUSED(ignored))
 static PyObject *
 spilled_get_state(Spilled *self, void *Py_UNUSED(c))
 {
-    static const char *names[] = {"new", "writing", "disk", "reading",
-                                  "loaded"};
-    int k = self->state >= 0 && self->state <= R_LOADED ? self->state : 0;
+    static const char *names[] = {"new",     "writing", "disk",
+                                  "reading", "loaded",  "stale"};
+    int k = self->state >= 0 && self->state <= R_STALE ? self->state : 0;
     return PyUnicode_FromString(names[k]);
 }
 
@@ -907,7 +1051,7 @@ static PyMemberDef spilled_members[] = {
 
 static PyGetSetDef spilled_getset[] = {
     {"state", (getter)spilled_get_state, NULL,
-     "'writing', 'disk', 'reading' or 'loaded'.", NULL},
+     "'writing', 'disk', 'reading', 'loaded' or 'stale'.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -964,6 +1108,7 @@ store_traverse(SpillStore *s, visitproc visit, void *arg)
 static int
 store_clear(SpillStore *s)
 {
+    s->closed = 1; /* whatever still calls in spills nothing */
     /* Records in `pending` wait for their own jobs when freed. */
     Py_CLEAR(s->pending);
     Py_CLEAR(s->order);
@@ -1024,13 +1169,15 @@ store_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (!PyUnicode_FSConverter(path, &encoded)) {
         return NULL;
     }
-    int dir_fd;
+    int dir_fd, open_errno = 0;
     Py_BEGIN_ALLOW_THREADS
     dir_fd = open(PyBytes_AS_STRING(encoded),
                   O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    open_errno = errno;
     Py_END_ALLOW_THREADS
     Py_DECREF(encoded);
     if (dir_fd < 0) {
+        errno = open_errno;
         PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
         return NULL;
     }
@@ -1116,17 +1263,23 @@ store_new_step(SpillStore *s, PyObject *Py_UNUSED(ignored))
 static PyObject *
 store_close(SpillStore *s, PyObject *Py_UNUSED(ignored))
 {
-    /* Finish what is in flight (its tensors are released), stop the
-       worker; records still alive keep their files until they go. */
-    if (store_reap(s, 1) < 0) {
-        return NULL;
-    }
-    stop_worker(s);
+    /* No new work from here on (put() spills no more; reads of records
+       still alive run inline), then finish what is in flight (its tensors
+       are released) and stop the worker; surviving records keep their
+       files until they go. */
     s->closed = 1;
-    s->async = 0; /* later reads of surviving records run inline */
+    s->async = 0;
+    int rc = store_reap(s, 1);
+    stop_worker(s);
+    if (store_reap(s, 1) < 0) {
+        rc = -1;
+    }
     if (s->order != NULL
         && PyList_SetSlice(s->order, 0, PyList_GET_SIZE(s->order), NULL) < 0)
     {
+        rc = -1;
+    }
+    if (rc < 0) {
         return NULL;
     }
     Py_RETURN_NONE;

@@ -229,7 +229,7 @@ class HostTier:
         self._warned = False
 
     def put(self, t: torch.Tensor) -> _HostRecord | None:
-        if t.grad_fn is None or not t.is_contiguous():
+        if t.device.type == "cpu" or t.grad_fn is None or not t.is_contiguous():
             return None
         nbytes = t.numel() * t.element_size()
         if nbytes < self.min_bytes or nbytes == 0:
@@ -287,3 +287,79 @@ class HostTier:
             self._pool_live -= 1
             if self._pool_live == 0:
                 self._pool_offset = 0
+
+
+def spillable_bytes(t: torch.Tensor, min_bytes: int) -> int:
+    """The bytes the disk tier would take for ``t``, 0 if it keeps it: the
+    rule of SpillStore.put (an activation, contiguous, owning its storage,
+    at least ``min_bytes``)."""
+    if t.grad_fn is None or not t.is_contiguous():
+        return 0
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0 or nbytes < min_bytes or t.untyped_storage().nbytes() > nbytes:
+        return 0
+    return nbytes
+
+
+class _SimulatedRecord:
+    def __init__(self, tier: SimulatedTier, t: torch.Tensor) -> None:
+        self._tier = tier
+        self._proto = t.new_empty((0,))  # same tensor kind (fake), no bytes
+        self._layout = (tuple(t.shape), t.stride(), t.requires_grad)
+        self.tensor: torch.Tensor | None = None  # once read back (or prefetched)
+        self.got = False
+
+    def load(self) -> None:
+        if self.tensor is None:
+            shape, stride, requires_grad = self._layout
+            out = self._proto.new_empty_strided(shape, stride)
+            self.tensor = out.requires_grad_(requires_grad)
+
+    def get(self) -> torch.Tensor:
+        self.load()
+        self.got = True
+        self._tier._prefetch_before(self)
+        assert self.tensor is not None
+        return self.tensor
+
+
+class SimulatedTier:
+    """What offload does to memory, for the predictor's fake tensors: the
+    same tensors leave (the executor drops them) and come back as new ones
+    of the same layout when the layer is recomputed, with the async
+    store's prefetch (the ``prefetch_depth`` records put before, read as
+    the record is); no bytes are moved."""
+
+    def __init__(self, min_bytes: int, prefetch_depth: int = 0) -> None:
+        self.min_bytes = min_bytes
+        self.prefetch_depth = prefetch_depth
+        self.bytes_offloaded = 0
+        self._order: list[weakref.ref[_SimulatedRecord]] = []
+
+    def put(self, t: torch.Tensor) -> _SimulatedRecord | None:
+        nbytes = spillable_bytes(t, self.min_bytes)
+        if not nbytes:
+            return None
+        self.bytes_offloaded += nbytes
+        record = _SimulatedRecord(self, t)
+        self._order.append(weakref.ref(record))
+        return record
+
+    def _prefetch_before(self, record: _SimulatedRecord) -> None:
+        """The rule of the C store's prefetch: walking back from ``record``,
+        start reading records still on disk, counting those being read,
+        until ``prefetch_depth`` are."""
+        if self.prefetch_depth <= 0:
+            return
+        alive = [r() for r in self._order]
+        at = next((i for i, r in enumerate(alive) if r is record), None)
+        if at is None:
+            return
+        counted = 0
+        for earlier in reversed(alive[:at]):
+            if counted >= self.prefetch_depth:
+                break
+            if earlier is None or earlier.got:
+                continue
+            earlier.load()
+            counted += 1

@@ -1364,6 +1364,13 @@ class _Simulation:
         try:
             executor._init_python_state(config, hardware, "static")
             executor.apply(plan)
+            if plan.technique_counts["offload"]:
+                from .offload import SimulatedTier, async_settings
+
+                settings = async_settings(config)
+                executor.set_offload(None, SimulatedTier(
+                    settings.min_offload_bytes,
+                    settings.prefetch_depth if config.async_offload else 0))
             if use_cache:
                 hf_config.use_cache = False
             chosen = [m for (_, m), layer in zip(self.units, plan.layers)

@@ -473,3 +473,67 @@ def test_engine_host_tier_when_the_device_has_one():
         _core.build_plan(layers, **common, host_cap_bytes=-5)
     with pytest.raises(TypeError, match="disk_tier must be a bool"):
         _core.build_plan(layers, **common, disk_tier=1)
+
+
+def test_async_cap_counts_writes_in_flight(tmp_path):
+    store = _core.SpillStore(str(tmp_path), async_io=True, min_bytes=0,
+                             max_bytes=3 * 4096)
+    w = torch.randn(32, 32, requires_grad=True)  # 4 KiB activations
+    recs = [store.put(w * i) for i in range(6)]
+    assert sum(r is not None for r in recs) == 3  # reserved at put()
+    store.flush()
+    assert store.stats["peak_bytes_on_disk"] <= 3 * 4096
+    store.close()
+
+
+def test_async_write_raced_by_in_place_update_is_refused(tmp_path):
+    store = _core.SpillStore(str(tmp_path), async_io=True, min_bytes=0)
+    w = torch.randn(512, 512, requires_grad=True)
+    for _ in range(20):
+        t = w * 2
+        rec = store.put(t)
+        with torch.no_grad():
+            t.add_(1.0)  # while (or after) it is written
+        with pytest.raises(RuntimeError, match="modified in place"):
+            rec.get()
+        with pytest.raises(RuntimeError, match="modified in place"):
+            rec.get()  # and again: never the torn bytes
+        assert rec.state == "stale"
+    store.close()
+
+
+def test_lazy_views_are_not_spilled(tmp_path):
+    store = _core.SpillStore(str(tmp_path), min_bytes=0)
+    w = torch.randn(16, 16, requires_grad=True)
+    assert store.put(torch._neg_view(w * 2)) is None
+    z = torch.randn(16, 16, dtype=torch.complex64, requires_grad=True)
+    assert store.put((z * 2).conj()) is None
+    assert store.put((w * 2).to_sparse()) is None
+    store.close()
+
+
+def test_concurrent_gets_of_one_record(tmp_path):
+    import threading
+
+    store = _core.SpillStore(str(tmp_path), async_io=True, min_bytes=0,
+                             prefetch_depth=2)
+    w = torch.randn(256, 256, requires_grad=True)
+    for trial in range(20):
+        acts = [w * (i + trial) for i in range(4)]
+        expected = [a.detach().clone() for a in acts]
+        recs = [store.put(a) for a in acts]
+        del acts
+        store.flush()
+        results: list = [None] * 8
+
+        def reader(k):
+            results[k] = recs[k % 4].get()
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for k, got in enumerate(results):
+            assert torch.equal(got, expected[k % 4])
+    store.close()
