@@ -23,6 +23,11 @@
  * and force_optimize, offload every checkpointed layer whose inputs reach
  * min_offload_bytes.  Tiers: a GPU's host RAM up to host_cap_bytes, then
  * disk (if allowed); on a host whose device is its RAM, disk only.
+ *
+ * When the OOM predictor has simulated the step, peak_offset_bytes is its
+ * unoptimized peak minus the model's: every peak above (unoptimized and
+ * projected) carries it, so the engine decides from the predicted peak
+ * (transient workspace, the loss, allocator detail the model leaves out).
  */
 #include "engine.h"
 
@@ -92,6 +97,16 @@ freed_bytes(const ms_layer *layer)
 
 enum { KEEP = 0, CKPT = 1, CKPT_OFFLOAD = 2 };
 
+/* v + offset (offset may be negative), never below 0. */
+static int64_t
+offset_peak(int64_t v, int64_t offset)
+{
+    if (offset >= 0) {
+        return add_sat(v, offset);
+    }
+    return v + offset < 0 ? 0 : v + offset;
+}
+
 /* Peak of the step for the techniques marked in `ckpt` (KEEP, CKPT,
    CKPT_OFFLOAD per layer). */
 static int64_t
@@ -117,7 +132,8 @@ projected_peak(const ms_problem *p, const ms_layer *layers, size_t n,
     if (prefix > worst) {
         worst = prefix;
     }
-    return add_sat(add_sat(p->fixed_bytes, rest), worst);
+    return offset_peak(add_sat(add_sat(p->fixed_bytes, rest), worst),
+                       p->peak_offset_bytes);
 }
 
 typedef struct {
@@ -175,7 +191,8 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
     }
     unsigned base = ms_mode_base_techniques(p->mode) & p->allowed;
 
-    res->peak_unoptimized = add_sat(add_sat(p->fixed_bytes, rest), in_layers);
+    res->peak_unoptimized = offset_peak(
+        add_sat(add_sat(p->fixed_bytes, rest), in_layers), p->peak_offset_bytes);
     res->pressure = p->budget_bytes > 0
                         ? (double)res->peak_unoptimized / (double)p->budget_bytes
                         : 0.0;

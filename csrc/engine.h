@@ -72,6 +72,9 @@ typedef struct {
     int host_tier;             /* the device has a separate host RAM */
     int64_t host_cap_bytes;    /* offload bytes host RAM may take; < 0: no cap */
     int disk_tier;             /* spilling to disk is allowed */
+    int64_t peak_offset_bytes; /* signed correction of every peak estimate:
+                                  the OOM predictor's unoptimized peak minus
+                                  this model's (0 without a prediction) */
 } ms_problem;
 
 typedef struct {

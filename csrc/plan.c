@@ -43,6 +43,7 @@ typedef struct {
     long long budget_bytes;
     long long fixed_bytes;
     long long activation_bytes;
+    long long peak_offset_bytes;
     long long peak_unoptimized_bytes;
     long long peak_projected_bytes;
     double pressure;
@@ -284,6 +285,8 @@ plan_to_json_str(Plan *p)
         || sb_key(&b, "fixed_bytes", 0) < 0 || sb_ll(&b, p->fixed_bytes) < 0
         || sb_key(&b, "activation_bytes", 0) < 0
         || sb_ll(&b, p->activation_bytes) < 0
+        || sb_key(&b, "peak_offset_bytes", 0) < 0
+        || sb_ll(&b, p->peak_offset_bytes) < 0
         || sb_key(&b, "peak_unoptimized_bytes", 0) < 0
         || sb_ll(&b, p->peak_unoptimized_bytes) < 0
         || sb_key(&b, "peak_projected_bytes", 0) < 0
@@ -470,6 +473,9 @@ static PyMemberDef plan_members[] = {
     PLAN_LL(budget_bytes, "Usable memory the plan must fit."),
     PLAN_LL(fixed_bytes, "Parameters, gradients and optimizer state."),
     PLAN_LL(activation_bytes, "Activations saved by an unoptimized step."),
+    PLAN_LL(peak_offset_bytes, "Correction the OOM predictor gave the engine's peaks\n"
+            "(predicted unoptimized peak minus the engine's model; 0 without\n"
+            "a prediction)."),
     PLAN_LL(peak_unoptimized_bytes, "Estimated peak without memscale."),
     PLAN_LL(peak_projected_bytes, "Estimated peak with this plan."),
     {"pressure", Py_T_DOUBLE, offsetof(Plan, pressure), Py_READONLY,
@@ -700,7 +706,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     long allowed;
     int force;
     long long budget, fixed, act, dcount, capacity;
-    long long min_offload = 0, host_cap = -1;
+    long long min_offload = 0, host_cap = -1, peak_offset = 0;
     int host_tier = 0, disk_tier = 1;
     double total_flops;
     PyObject *seq = NULL, *tuple = NULL;
@@ -716,6 +722,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     }
     if (pop_ll(rest, "min_offload_bytes", &min_offload) < 0
         || pop_ll(rest, "host_cap_bytes", &host_cap) < 0
+        || pop_ll(rest, "peak_offset_bytes", &peak_offset) < 0
         || pop_bool(rest, "host_tier", &host_tier) < 0
         || pop_bool(rest, "disk_tier", &disk_tier) < 0)
     {
@@ -731,6 +738,13 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     if (check_bytes("min_offload_bytes", min_offload) < 0) {
+        return NULL;
+    }
+    if (peak_offset < -MS_MAX_BYTES || peak_offset > MS_MAX_BYTES) {
+        PyErr_Format(PyExc_ValueError,
+                     "peak_offset_bytes must be between -2**50 and 2**50, "
+                     "got %lld",
+                     peak_offset);
         return NULL;
     }
     if (host_cap < -1 || host_cap > MS_MAX_BYTES) {
@@ -777,6 +791,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     prob.host_tier = host_tier;
     prob.host_cap_bytes = host_cap;
     prob.disk_tier = disk_tier;
+    prob.peak_offset_bytes = peak_offset;
 
     seq = PySequence_Fast(layers_arg, "layers must be a sequence");
     if (seq == NULL) {
@@ -853,6 +868,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     plan->budget_bytes = budget;
     plan->fixed_bytes = fixed;
     plan->activation_bytes = act;
+    plan->peak_offset_bytes = peak_offset;
     plan->peak_unoptimized_bytes = res.peak_unoptimized;
     plan->peak_projected_bytes = res.peak_projected;
     plan->pressure = res.pressure;

@@ -266,7 +266,9 @@ def budget_bytes(config: Config, hardware: dict[str, Any]) -> int:
 
 
 def make_plan(profile: Profile, config: Config, hardware: dict[str, Any],
-              fixed: int) -> Any:
+              fixed: int, peak_offset: int = 0) -> Any:
+    """The engine's plan.  ``peak_offset`` is the OOM predictor's
+    correction of the engine's peaks (see :func:`predicted_offset`)."""
     return _core.build_plan(
         profile.layers,
         mode=config.mode.value,
@@ -279,8 +281,31 @@ def make_plan(profile: Profile, config: Config, hardware: dict[str, Any],
         device=hardware["device"],
         device_count=int(hardware["count"]),
         capacity_bytes=int(hardware["capacity_bytes"]),
+        peak_offset_bytes=int(peak_offset),
         **offload.plan_inputs(config, hardware),
     )
+
+
+def predicted_offset(model: torch.nn.Module, sample_input: Any,
+                     optimizer: torch.optim.Optimizer | None, profile: Profile,
+                     config: Config, hardware: dict[str, Any], fixed: int) -> int:
+    """The OOM predictor's unoptimized peak minus the engine's own estimate
+    of it, for ``wrap``: the engine then plans from the predicted peak, so
+    that a plan and ``memscale.predict_peak`` cannot disagree about whether
+    the step fits.  0 (logged) when the step cannot be simulated."""
+    from . import predictor  # imports this module
+
+    try:
+        with predictor.PredictionSession(model, sample_input, optimizer,
+                                         config=config) as session:
+            predicted = session.unoptimized_peak()
+    except Exception as exc:  # noqa: BLE001 - the engine's estimate stands
+        logger.info("memscale: the OOM predictor could not simulate a "
+                    "training step (%s: %s); the engine plans from its own "
+                    "estimate", type(exc).__name__, exc)
+        return 0
+    base = make_plan(profile, config, hardware, fixed)
+    return predicted - base.peak_unoptimized_bytes
 
 
 def format_bytes(n: float) -> str:

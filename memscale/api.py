@@ -236,6 +236,10 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
     profile = None
     if sample_input is not None:
         profile = _planning.profile_upfront(model, units, sample_input, config)
+        # Plan from the OOM predictor's peak (a simulated step on fake
+        # tensors), so that the plan and predict_peak() agree.
+        offset = _planning.predicted_offset(model, sample_input, optimizer,
+                                            profile, config, hardware, fixed)
     executor = Executor(model, units, warmup_steps=config.warmup_steps)
     try:
         method = profile.method if profile is not None else "warmup"
@@ -248,7 +252,8 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
         if profile is not None:
             executor.profile = profile
             plan_config = _stage1(executor, config, hardware, profile, fixed)
-            plan = _planning.make_plan(profile, plan_config, hardware, fixed)
+            plan = _planning.make_plan(profile, plan_config, hardware, fixed,
+                                       peak_offset=offset)
             _log_plan(config, hardware, plan)
             offload.attach(executor, plan_config, hardware, plan)
             executor.apply(plan)

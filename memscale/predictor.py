@@ -1461,7 +1461,19 @@ class PredictionSession:
                 profile if policy.needs_profile(config, self.hardware) else None,
                 fixed)
             _, config = api._select_strategy(config, context)
-        return _planning.make_plan(profile, config, self.hardware, fixed)
+        base = _planning.make_plan(profile, config, self.hardware, fixed)
+        # The engine plans from the predicted unoptimized peak (as wrap()
+        # does with sample_input): the same offset, the same plan.
+        offset = self.unoptimized_peak() - base.peak_unoptimized_bytes
+        return _planning.make_plan(profile, config, self.hardware, fixed,
+                                   peak_offset=offset)
+
+    def unoptimized_peak(self) -> int:
+        """The predicted peak bytes of the unoptimized step."""
+        if not self._open:
+            raise RuntimeError("PredictionSession.unoptimized_peak() runs inside "
+                               "'with PredictionSession(...) as session:'")
+        return int(self._unoptimized.breakdown(self._workspace).peak_bytes)
 
     def predict(self, config: Config | None = None) -> PeakPrediction:
         if not self._open:
@@ -1477,6 +1489,11 @@ class PredictionSession:
         key = ""
         if plan.technique_counts["checkpoint"]:
             key = plan.hash
+            if plan.technique_counts["offload"] and config.async_offload:
+                # Same plan, another step: async prefetch reads ahead.
+                from .offload import async_settings
+
+                key += f"/prefetch{async_settings(config).prefetch_depth}"
             if key not in self._traces:
                 self._traces[key] = self._guard(
                     lambda: self._sim.under(plan, config, self.hardware))

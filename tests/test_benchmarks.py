@@ -19,7 +19,7 @@ RESULT_KEYS = {
     "model", "variant", "description", "peak_bytes", "start_bytes",
     "peak_delta_bytes", "rss_peak_bytes", "step_seconds", "step_median_s",
     "time_ratio", "loss", "loss_abs_diff", "grad_max_abs_diff", "plan_hash",
-    "techniques", "timing",
+    "techniques", "timing", "offload",
 }
 
 

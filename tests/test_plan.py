@@ -23,7 +23,7 @@ GIB = 1 << 30
 
 PLAN_KEYS = [
     "format", "mode", "allowed", "device", "device_count", "capacity_bytes",
-    "budget_bytes", "fixed_bytes", "activation_bytes",
+    "budget_bytes", "fixed_bytes", "activation_bytes", "peak_offset_bytes",
     "peak_unoptimized_bytes", "peak_projected_bytes", "pressure",
     "total_flops", "recompute_ratio", "skipped", "fits", "layers",
 ]
@@ -103,19 +103,20 @@ def ref_peak(fixed, activation, layers, chosen):
     return fixed + rest + worst
 
 
-def ref_greedy(fixed, activation, budget, layers):
-    """Layer indices the engine should pick under pressure, in order."""
+def ref_greedy(fixed, activation, budget, layers, offset=0):
+    """Layer indices the engine should pick under pressure, in order
+    (``offset``: the predictor's correction, added to every peak)."""
     eligible = [i for i, l in enumerate(layers)
                 if not l[6] & 3 and l[3] > l[4]]
     eligible.sort(key=lambda i: (-(layers[i][3] - layers[i][4])
                                  / max(layers[i][5], 1.0), i))
     chosen: list[int] = []
-    peak = ref_peak(fixed, activation, layers, set())
+    peak = ref_peak(fixed, activation, layers, set()) + offset
     for i in eligible:
         if peak <= budget:
             break
         chosen.append(i)
-        peak = ref_peak(fixed, activation, layers, set(chosen))
+        peak = ref_peak(fixed, activation, layers, set(chosen)) + offset
     return chosen, peak
 
 
@@ -305,7 +306,7 @@ def test_budget_between_peaks_checkpoints_some_layers():
     assert stats["hooks"] == 2 + 2 * len(chosen)
     # Exactly the greedy prefix of the documented memory model.
     want, peak = ref_greedy(plan.fixed_bytes, plan.activation_bytes, budget,
-                            engine_layers(plan))
+                            engine_layers(plan), plan.peak_offset_bytes)
     assert sorted(want) == chosen
     assert peak == plan.peak_projected_bytes
     assert plan.recompute_ratio == pytest.approx(len(chosen) / len(plan))

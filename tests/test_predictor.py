@@ -89,9 +89,10 @@ def test_prediction_matches_the_measured_step(name):
 
 @pytest.mark.parametrize("name", ["mlp", "gpt2"])
 def test_the_plan_is_the_plan_wrap_applies(name):
-    model, x, loss_fn = _case(name)
+    model, x, _ = _case(name)
     configs = (FORCE, QUIET, QUIET.replace(memory_budget_gb=1e-9))
-    with PredictionSession(model, x, loss_fn=loss_fn) as session:
+    # wrap() is given no loss: it predicts with the default one.
+    with PredictionSession(model, x) as session:
         predictions = [session.predict(config) for config in configs]
     for config, prediction in zip(configs, predictions):
         memscale.wrap(model, config, sample_input=x)
@@ -398,3 +399,43 @@ def test_the_result_type():
     assert prediction.time_ratio == pytest.approx(1 + prediction.recompute_ratio / 3)
     assert prediction.saved_bytes == (prediction.unoptimized.peak_bytes
                                       - prediction.optimized.peak_bytes)
+
+
+def test_wrap_plans_from_the_predicted_peak():
+    """The engine's unoptimized peak is the predictor's, and its decision
+    follows it: a budget between the two estimates is judged as predicted."""
+    model = tiny_gpt2()
+    model.train()
+    x = token_batch()
+    memscale.wrap(model, QUIET, sample_input=x)
+    plan = model._memscale_executor.plan
+    memscale.detach(model)
+    predicted = memscale.predict_peak(model, x, QUIET).unoptimized.peak_bytes
+    assert plan.peak_unoptimized_bytes == predicted
+    engine_alone = predicted - plan.peak_offset_bytes
+    assert plan.peak_offset_bytes != 0 and engine_alone > 0
+    # Between the engine's own estimate and the prediction: the prediction
+    # decides (fits -> smart-skip, or not -> a plan).
+    budget = (predicted + engine_alone) // 2
+    config = QUIET.replace(memory_budget_gb=budget / (1 << 30))
+    memscale.wrap(model, config, sample_input=x)
+    plan = model._memscale_executor.plan
+    memscale.detach(model)
+    assert plan.skipped == (predicted <= plan.budget_bytes)
+    assert plan.skipped != (engine_alone <= plan.budget_bytes)
+
+
+def test_wrap_falls_back_to_the_engine_estimate(monkeypatch, caplog):
+    import logging
+
+    class Broken:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("cannot simulate")
+
+    monkeypatch.setattr(predictor, "PredictionSession", Broken)
+    model = mlp()
+    with caplog.at_level(logging.INFO, logger="memscale"):
+        memscale.wrap(model, QUIET, sample_input=torch.randn(4, 32))
+    assert model._memscale_executor.plan.peak_offset_bytes == 0
+    assert "could not simulate" in caplog.text
+    memscale.detach(model)

@@ -22,7 +22,7 @@ from memscale import _core
 
 from .measure import format_bytes
 from .models import select
-from .runner import VARIANT_HELP, VARIANTS, VariantResult, run_model
+from .runner import RSS_ENV, VARIANT_HELP, VARIANTS, VariantResult, rss_env, run_model
 
 
 def machine() -> dict[str, Any]:
@@ -156,11 +156,18 @@ def main(argv: list[str] | None = None) -> int:
                                  progress=lambda m: bar.set_description(m)))
 
     print(table(results))
+    for r in results:
+        if r.offload:
+            o = r.offload
+            print(f"offload {r.model} {r.variant}: {format_bytes(o['bytes_written'])} "
+                  f"per step to disk; I/O {o['io_seconds'] * 1e3:.1f} ms, training "
+                  f"thread waited {o['wait_seconds'] * 1e3:.1f} ms")
     for s in skipped:
         print(f"skipped {s['model']}: {s['reason']}")
     print("\npeak: live tensor bytes at the highest point of a training step "
           "(allocator events, exact); RSS: peak resident memory of a fresh "
-          "process training the variant; time ratio: median step time over "
+          "process training the variant (glibc MALLOC_MMAP_THRESHOLD_=65536 "
+          "unless set: freed tensors go back to the system); time ratio: median step time over "
           f"the unoptimized median ({args.repeats} steps per variant, all "
           "variants of a model timed round-robin in one process when they "
           "fit in memory together).")
@@ -169,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             "schema": "memscale-benchmarks/1",
             "machine": machine(),
             "settings": {"full": args.full, "repeats": args.repeats,
-                         "variants": args.variants, "rss": not args.no_rss},
+                         "variants": args.variants, "rss": not args.no_rss,
+                         "rss_env": {k: v for k, v in rss_env().items()
+                                     if k in RSS_ENV}},
             "variants": VARIANT_HELP,
             "results": [r.to_dict() for r in results],
             "skipped": skipped,

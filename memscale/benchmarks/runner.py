@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -165,6 +166,10 @@ class VariantResult:
     plan_hash: str | None
     techniques: dict[str, int] | None
     timing: str  # "interleaved" (round-robin in one process) or "sequential"
+    # Offload per timed step (variants with a disk tier, else None):
+    # bytes_written, io_seconds (time the I/O took, on the C thread when
+    # async) and wait_seconds (time the training thread spent on it).
+    offload: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,6 +190,23 @@ def _max_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> flo
         if x is not None:
             worst = max(worst, (x - y).abs().max().item())
     return worst
+
+
+# glibc's malloc raises its mmap threshold as large blocks are freed, after
+# which freed tensors stay in the heap: peak RSS then depends on the order
+# of frees and varied by +-50 MiB between identical runs of the GPT-2
+# benchmark here.  A fixed threshold makes every tensor over 64 KiB its own
+# mapping, returned to the system when freed, so the RSS peak follows the
+# memory actually in use and repeats to within a MiB.  (Set
+# MALLOC_MMAP_THRESHOLD_ yourself to measure another setting.)
+RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def rss_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for key, value in RSS_ENV.items():
+        env.setdefault(key, value)
+    return env
 
 
 RSS_CODE = """
@@ -213,7 +235,7 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
         for name in names:
             note(f"{entry.name}: RSS of {name}")
             rss_peaks[name] = peak_rss_subprocess(
-                RSS_CODE.format(model=entry.name, variant=name))
+                RSS_CODE.format(model=entry.name, variant=name), env=rss_env())
 
     # Agreement and memory, one variant alive at a time.  Agreement: one
     # forward/backward from the identical initial state and RNG seed.
@@ -248,7 +270,7 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
     note(f"{entry.name}: step time")
     interleaved = (entry.estimated_training_bytes() * len(names)
                    < 0.5 * _core.detect_hardware("cpu")["capacity_bytes"])
-    times = _time_interleaved(entry, names, repeats) if interleaved \
+    times, offload = _time_interleaved(entry, names, repeats) if interleaved \
         else _time_sequential(entry, names, repeats)
 
 
@@ -266,45 +288,75 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
             time_ratio=median / base_median, loss=loss, loss_abs_diff=loss_diff,
             grad_max_abs_diff=grad_diff, plan_hash=meta[name][0],
             techniques=meta[name][1], timing="interleaved" if interleaved
-            else "sequential"))
+            else "sequential", offload=offload.get(name)))
     return results
 
 
+OFFLOAD_FIGURES = ("bytes_written", "io_seconds", "wait_seconds")
+
+
+def _offload_counters(prepared: Prepared) -> dict[str, float] | None:
+    executor = prepared.model.__dict__.get("_memscale_executor")
+    store = getattr(executor, "offload_store", None)
+    if store is None:
+        return None
+    stats = store.stats
+    return {key: float(stats[key]) for key in OFFLOAD_FIGURES}
+
+
+def _per_step(before: dict[str, float] | None, after: dict[str, float] | None,
+              steps: int) -> dict[str, float] | None:
+    if before is None or after is None or steps <= 0:
+        return None
+    return {key: (after[key] - before[key]) / steps for key in OFFLOAD_FIGURES}
+
+
+Timings = tuple[dict[str, list[float]], dict[str, dict[str, float] | None]]
+
+
 def _time_interleaved(entry: BenchmarkModel, names: list[str],
-                      repeats: int) -> dict[str, list[float]]:
+                      repeats: int) -> Timings:
     live = {name: prepare(entry, name) for name in names}
     for _ in range(WARMUP_ROUNDS):  # optimizer state, allocator, page cache
         for prepared in live.values():
             prepared.step()
     times: dict[str, list[float]] = {name: [] for name in names}
+    offload: dict[str, dict[str, float] | None] = {}
+    before = {name: _offload_counters(p) for name, p in live.items()}
     for _ in range(repeats):
         for name in names:
             start = time.perf_counter()
             live[name].step()
             times[name].append(time.perf_counter() - start)
+    for name, prepared in live.items():
+        offload[name] = _per_step(before[name], _offload_counters(prepared),
+                                  repeats)
     for prepared in live.values():
         prepared.close()
     del live
     gc.collect()
-    return times
+    return times, offload
 
 
 def _time_sequential(entry: BenchmarkModel, names: list[str],
-                     repeats: int) -> dict[str, list[float]]:
+                     repeats: int) -> Timings:
     times: dict[str, list[float]] = {}
+    offload: dict[str, dict[str, float] | None] = {}
     for name in names:
         prepared = prepare(entry, name)
         for _ in range(WARMUP_ROUNDS):
             prepared.step()
         times[name] = []
+        before = _offload_counters(prepared)
         for _ in range(repeats):
             start = time.perf_counter()
             prepared.step()
             times[name].append(time.perf_counter() - start)
+        offload[name] = _per_step(before, _offload_counters(prepared), repeats)
         prepared.close()
         del prepared
         gc.collect()
-    return times
+    return times, offload
 
 
 def lookup(name: str) -> BenchmarkModel:

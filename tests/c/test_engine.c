@@ -1015,6 +1015,46 @@ test_offload(void)
     group_end("offload");
 }
 
+/* The predictor's correction moves every peak by the same signed amount,
+   never below 0, and the decisions follow the corrected peaks. */
+static void
+test_peak_offset(void)
+{
+    group_begin();
+    ms_layer L[3];
+    for (size_t i = 0; i < 3; i++) {
+        L[i] = layer(100, 10, 10.0, 0);
+    }
+    ms_choice out[3];
+    ms_result r0, r;
+    ms_problem p = problem(1000, 50, 300, 30.0);
+    CHECK(ms_engine_plan(&p, L, 3, out, &r0) == 0);
+    CHECK(r0.skipped && r0.peak_unoptimized == 350);
+    /* The simulated step needs 700 more than the model says: over budget,
+       so the engine checkpoints until the corrected peak fits. */
+    p.peak_offset_bytes = 700;
+    CHECK(ms_engine_plan(&p, L, 3, out, &r) == 0);
+    CHECK(r.peak_unoptimized == 1050 && !r.skipped);
+    CHECK(r.pressure == 1050.0 / 1000.0);
+    CHECK(out[0].techniques == MS_TECH_CHECKPOINT);
+    CHECK(r.fits && r.peak_projected <= 1000);
+    /* Negative: the model overestimates; the plan may skip. */
+    p.budget_bytes = 300;
+    p.peak_offset_bytes = -60;
+    CHECK(ms_engine_plan(&p, L, 3, out, &r) == 0);
+    CHECK(r.peak_unoptimized == 290 && r.skipped);
+    /* Never below 0. */
+    p.peak_offset_bytes = -100000;
+    p.force = 1;
+    CHECK(ms_engine_plan(&p, L, 3, out, &r) == 0);
+    CHECK(r.peak_unoptimized == 0 && r.peak_projected == 0);
+    /* Saturates instead of overflowing. */
+    p.peak_offset_bytes = INT64_MAX;
+    CHECK(ms_engine_plan(&p, L, 3, out, &r) == 0);
+    CHECK(r.peak_unoptimized == INT64_MAX);
+    group_end("peak-offset");
+}
+
 static void
 test_determinism(void)
 {
@@ -1190,6 +1230,7 @@ main(void)
     test_exhaustive();
     test_fuzz();
     test_offload();
+    test_peak_offset();
     printf("%ld passed, %ld failed\n", n_passed, n_failed);
     return n_failed == 0 ? 0 : 1;
 }
