@@ -100,6 +100,7 @@ class Prepared:
     optimizer: torch.optim.Optimizer
     plan_hash: str | None
     techniques: dict[str, int] | None
+    plan: Any = None  # the memscale Plan applied, if any
 
     def step(self) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -123,7 +124,7 @@ class Prepared:
 def prepare(entry: BenchmarkModel, variant: str) -> Prepared:
     """Build ``entry`` (seed 0: identical weights and batch) as ``variant``."""
     model, batch = entry.build(seed=0)
-    plan_hash = techniques = None
+    plan_hash = techniques = plan = None
     if variant in MODES:
         config = memscale.Config(mode=MODES[variant], force_optimize=True,
                                  enable_logging=False)
@@ -145,7 +146,7 @@ def prepare(entry: BenchmarkModel, variant: str) -> Prepared:
         raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return Prepared(model, batch, optimizer, plan_hash, techniques)
+    return Prepared(model, batch, optimizer, plan_hash, techniques, plan)
 
 
 @dataclass
