@@ -57,6 +57,17 @@ class BenchmarkModel:
             model, _ = _BUILDERS[self.family](**self.params, meta=True)
         return 16 * sum(p.numel() for p in model.parameters())
 
+    def predicted_peak_bytes(self) -> int:
+        """The unoptimized step's peak as memscale.predict_peak gives it, on
+        fake tensors (seconds, no memory): used to skip full-size rows this
+        machine cannot measure."""
+        from ..predictor import predict_peak
+
+        model, batch = self.build(seed=0)
+        prediction = predict_peak(model, batch.sample_input, optimizer=None,
+                                  loss_fn=batch.loss_fn)
+        return int(prediction.unoptimized.peak_bytes)
+
 
 # ---- builders ------------------------------------------------------------
 
