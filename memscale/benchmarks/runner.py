@@ -22,6 +22,7 @@ import math
 import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -231,12 +232,21 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
 
     # RSS first, while this process is small: its own high-water mark from
     # the phases below would otherwise add to the children's memory.
+    # Each child's VmHWM is its own, so quick models' children run side by
+    # side, one per core (the phase is mostly importing torch and building
+    # the model); full-size ones one at a time, as they need the memory.
     rss_peaks: dict[str, int | None] = {name: None for name in names}
     if rss:
-        for name in names:
-            note(f"{entry.name}: RSS of {name}")
-            rss_peaks[name] = peak_rss_subprocess(
-                RSS_CODE.format(model=entry.name, variant=name), env=rss_env())
+        note(f"{entry.name}: RSS of {len(names)} variants")
+        env = rss_env()
+        workers = min(len(names), os.cpu_count() or 1) if entry.size == "quick" else 1
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            futures = {name: pool.submit(peak_rss_subprocess,
+                                         RSS_CODE.format(model=entry.name, variant=name),
+                                         env=env)
+                       for name in names}
+            for name in names:
+                rss_peaks[name] = futures[name].result()
 
     # Agreement and memory, one variant alive at a time.  Agreement: one
     # forward/backward from the identical initial state and RNG seed.
