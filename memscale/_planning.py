@@ -75,6 +75,8 @@ def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
+        if callable(getattr(t, "to_local", None)):
+            t = t.to_local()  # a DTensor (FSDP2): this rank's shard
         key = _torch_compat.storage_key(t)
         if key not in seen:
             seen.add(key)
@@ -191,9 +193,14 @@ def profile_upfront(model: torch.nn.Module, units: list[tuple[str, torch.nn.Modu
     args, kwargs = split_input(sample_input)
     errors = []
     methods = []
-    if config.use_static_profiling:
+    why_not = static_profiling_supported(model)
+    if config.use_static_profiling and why_not is not None:
+        logger.info("memscale: profiling with a real forward, not on fake "
+                    "tensors: %s", why_not)
+    if config.use_static_profiling and why_not is None:
         methods.append(("static", _profile_static))
-    if config.use_empirical_fallback or not config.use_static_profiling:
+    if (config.use_empirical_fallback or not config.use_static_profiling
+            or why_not is not None):
         methods.append(("empirical", _profile_empirical))
     for name, fn in methods:
         try:
@@ -269,8 +276,16 @@ def make_plan(profile: Profile, config: Config, hardware: dict[str, Any],
               fixed: int, peak_offset: int = 0) -> Any:
     """The engine's plan.  ``peak_offset`` is the OOM predictor's
     correction of the engine's peaks (see :func:`predicted_offset`)."""
-    return _core.build_plan(
-        profile.layers,
+    return _core.build_plan(**plan_inputs(profile, config, hardware, fixed,
+                                          peak_offset))
+
+
+def plan_inputs(profile: Profile, config: Config, hardware: dict[str, Any],
+                fixed: int, peak_offset: int = 0) -> dict[str, Any]:
+    """Every input of the engine (``_core.build_plan`` keywords): plain
+    data, so that one rank can send them to the others."""
+    return dict(
+        layers=[tuple(layer) for layer in profile.layers],
         mode=config.mode.value,
         allowed=allowed_techniques(config),
         force=config.force_optimize,
@@ -286,6 +301,19 @@ def make_plan(profile: Profile, config: Config, hardware: dict[str, Any],
     )
 
 
+def static_profiling_supported(model: torch.nn.Module) -> str | None:
+    """Why fake-tensor passes (the static profile, the OOM predictor) must
+    not run on ``model``, or None.  FSDP2 keeps its own parameter state
+    (sharded DTensors it swaps for all-gathered ones around each forward),
+    which a pass with substituted fake parameters leaves inconsistent."""
+    from . import distributed
+
+    if distributed.is_fsdp2(model):
+        return ("the model is sharded with FSDP2 (fully_shard), whose "
+                "parameter state a fake-tensor pass would disturb")
+    return None
+
+
 def predicted_offset(model: torch.nn.Module, sample_input: Any,
                      optimizer: torch.optim.Optimizer | None, profile: Profile,
                      config: Config, hardware: dict[str, Any], fixed: int) -> int:
@@ -295,6 +323,10 @@ def predicted_offset(model: torch.nn.Module, sample_input: Any,
     the step fits.  0 (logged) when the step cannot be simulated."""
     from . import predictor  # imports this module
 
+    why_not = static_profiling_supported(model)
+    if why_not is not None:
+        logger.info("memscale: no OOM prediction for the engine: %s", why_not)
+        return 0
     try:
         with predictor.PredictionSession(model, sample_input, optimizer,
                                          config=config) as session:

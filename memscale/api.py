@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import _core, _planning, _telemetry, observability, offload, policy
+from . import _core, _planning, _telemetry, distributed, observability, offload, policy
 from .config import AsyncOffloadConfig, Config
 from .executor import Executor
 
@@ -229,7 +229,9 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
     else:
         hardware = _core.detect_hardware(device.type, device.index or 0)
     units = _core.find_units(model)
-    fixed = _planning.fixed_bytes(model, optimizer)
+    fixed = _planning.fixed_bytes(model, optimizer)  # FSDP2: the local shards
+    if distributed.is_fsdp2(model):
+        fixed += distributed.fsdp2_in_flight_bytes(model)
 
     # Profile before any hook of ours exists, so that the profiling pass
     # is not seen (or counted) as a training forward.
@@ -252,8 +254,8 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
         if profile is not None:
             executor.profile = profile
             plan_config = _stage1(executor, config, hardware, profile, fixed)
-            plan = _planning.make_plan(profile, plan_config, hardware, fixed,
-                                       peak_offset=offset)
+            plan = distributed.shared_plan(_planning.plan_inputs(
+                profile, plan_config, hardware, fixed, peak_offset=offset))
             _log_plan(config, hardware, plan)
             offload.attach(executor, plan_config, hardware, plan)
             executor.apply(plan)
@@ -270,7 +272,8 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
                 executor.profile = warm
                 plan_config = (executor.config if executor.decision is not None
                                else _stage1(executor, config, hardware, warm, fixed))
-                plan = _planning.make_plan(warm, plan_config, hardware, fixed)
+                plan = distributed.shared_plan(_planning.plan_inputs(
+                    warm, plan_config, hardware, fixed))
                 _log_plan(config, hardware, plan)
                 offload.attach(executor, plan_config, hardware, plan)
                 _after_plan(model, executor, plan)

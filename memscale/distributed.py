@@ -1,0 +1,142 @@
+"""memscale under ``torch.distributed``: one plan for every rank.
+
+memscale composes with PyTorch's own engines (DistributedDataParallel,
+FSDP2's ``fully_shard``); it never distributes anything itself.  What it
+adds is agreement: the engine's inputs can differ slightly between ranks
+(free memory, a budget set per rank), and ranks that checkpoint or offload
+different layers would differ in memory and speed for no reason.  So, when a
+process group is initialized with more than one rank, ``wrap`` decides the
+plan once:
+
+1. every rank reaches a ``monitored_barrier`` (gloo) with a timeout, so a
+   rank that never calls ``wrap`` is named in the error instead of hanging
+   the others;
+2. the ranks' budgets are gathered and the smallest is used;
+3. rank 0 sends its engine inputs (plain data: the profiled layers and the
+   figures) with that budget; every rank builds the plan from them, so the
+   plan and its hash are the same on every rank, and each rank logs it.
+
+Under FSDP2 the engine counts what a rank holds: parameter, gradient and
+optimizer-state shards (the DTensors' local storage) plus the largest
+FSDP unit's parameters unsharded, which are all-gathered while it runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Seconds every rank has to reach memscale's plan exchange
+# (MEMSCALE_DIST_TIMEOUT overrides).
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def active() -> bool:
+    """A process group with more than one rank is initialized."""
+    if not torch.distributed.is_available():
+        return False
+    dist = _dist()
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def is_fsdp2(model: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``model`` or a submodule."""
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _full_bytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()  # a DTensor's numel is the global one
+
+
+def fsdp2_in_flight_bytes(model: torch.nn.Module) -> int:
+    """The largest FSDP unit's parameters, unsharded: what the all-gather of
+    the unit that runs holds on top of the shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    largest = 0
+    for unit in units:
+        nested = [m for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)]
+        own = {id(p): p for p in unit.parameters()}
+        for child in nested:
+            for p in child.parameters():
+                own.pop(id(p), None)
+        largest = max(largest, sum(_full_bytes(p) for p in own.values()))
+    return largest
+
+
+def timeout_seconds() -> float:
+    raw = os.environ.get("MEMSCALE_DIST_TIMEOUT")
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"MEMSCALE_DIST_TIMEOUT must be a number of seconds > 0, "
+                         f"got {raw!r}")
+    return value
+
+
+def _barrier(timeout: float) -> None:
+    dist = _dist()
+    rank = dist.get_rank()
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout),
+                                   wait_all_ranks=True)
+        else:
+            # NCCL has no monitored barrier: the process group's own timeout
+            # applies.  (Unverified: this project has no GPU.)
+            dist.barrier()
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"memscale: rank {rank}: not every rank reached memscale's plan "
+            f"exchange within {timeout:g} s ({exc}). Every rank must call "
+            "memscale.wrap on its model at the same point (and, without "
+            "sample_input, train the same number of warm-up steps); "
+            "MEMSCALE_DIST_TIMEOUT sets the time allowed.") from exc
+
+
+def shared_plan(inputs: dict[str, Any], *, timeout: float | None = None,
+                build: Callable[..., Any] | None = None) -> Any:
+    """The plan every rank uses: rank 0's engine inputs, with the smallest
+    budget of all ranks.  ``inputs`` are this rank's ``build_plan``
+    keywords.  Not distributed (or one rank): the plan of ``inputs``."""
+    from . import _core
+
+    build = build or _core.build_plan
+    if not active():
+        return build(**inputs)
+    dist = _dist()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _barrier(timeout_seconds() if timeout is None else timeout)
+    budgets: list[Any] = [None] * world
+    dist.all_gather_object(budgets, int(inputs["budget_bytes"]))
+    smallest = min(int(b) for b in budgets)
+    payload = [dict(inputs, budget_bytes=smallest) if rank == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    plan = build(**payload[0])
+    logger.info("memscale: rank %d of %d: plan %s, decided on rank 0 with the "
+                "smallest budget of all ranks (%d bytes; this rank's: %d)",
+                rank, world, plan.hash[:12], smallest, int(inputs["budget_bytes"]))
+    return plan

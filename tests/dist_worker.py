@@ -1,0 +1,103 @@
+"""Worker for tests/test_distributed.py: real torch.distributed processes
+(gloo, CPU).  Usage: python dist_worker.py SCENARIO PORT OUT_DIR
+
+Each rank writes OUT_DIR/rank<r>.pt with what the test compares.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+warnings.filterwarnings("ignore")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def _grads(model):
+    out = []
+    for p in model.parameters():
+        g = p.grad
+        if hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        out.append(g.detach().clone())
+    return out
+
+
+def _step(target, x):
+    out = target(input_ids=x, labels=x)
+    out.loss.backward()
+    return out.loss.detach().item()
+
+
+def _train(rank, scenario, use_memscale, budget_gb=None):
+    import memscale
+    from conftest import tiny_gpt2, token_batch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = tiny_gpt2(dropout=0.0)  # same seed: same weights on every rank
+    model.train()
+    torch.manual_seed(100 + rank)  # each rank its own batch
+    x = token_batch(batch=2, seq=32)
+    info = {}
+    if scenario == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+    config = memscale.Config(mode="balanced", force_optimize=True, enable_logging=False,
+                             memory_budget_gb=budget_gb,
+                             async_config=memscale.AsyncOffloadConfig(min_offload_bytes=0))
+    if use_memscale:
+        memscale.wrap(model, config, sample_input={"input_ids": x, "labels": x})
+        plan = model._memscale_executor.plan
+        info.update(hash=plan.hash, budget=plan.budget_bytes, fixed=plan.fixed_bytes,
+                    techniques=plan.technique_counts)
+    target = DDP(model) if scenario == "ddp" else model
+    losses = [_step(target, x) for _ in range(2)]  # grads accumulate twice
+    info.update(losses=losses, grads=_grads(model))
+    if use_memscale:
+        info["recomputes"] = model._memscale_executor.stats["recomputes"]
+        memscale.detach(model)
+    return info
+
+
+def run(rank, world, scenario, port, out_dir):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = {}
+    try:
+        if scenario in ("ddp", "fsdp2"):
+            result["plain"] = _train(rank, scenario, False)
+            result["memscale"] = _train(rank, scenario, True)
+        elif scenario == "budgets":
+            # Rank 1 is told it has far less memory: the plan is still one.
+            result["memscale"] = _train(rank, "ddp", True,
+                                        budget_gb=8.0 if rank == 0 else 0.001)
+        elif scenario == "absent":
+            # Rank 1 never calls wrap: rank 0 must fail with a clear error.
+            if rank == 0:
+                try:
+                    _train(rank, "ddp", True)
+                except RuntimeError as exc:
+                    result["error"] = str(exc)
+            else:
+                time.sleep(float(os.environ["MEMSCALE_DIST_TIMEOUT"]) + 5)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if scenario != "absent":
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    scenario, port, out_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    mp.spawn(run, args=(2, scenario, port, out_dir), nprocs=2)
