@@ -388,7 +388,11 @@ prof_count(Profiler *self, PyObject *tensor)
         }
         self->cur[i].saved += b;
     }
-    return Py_NewRef(tensor);
+    /* Hand back a detached alias, as checkpointing does: the tensor itself
+       would, for an output its own grad_fn saves, make a cycle through
+       that grad_fn which nothing collects, keeping a forward-only pass's
+       whole graph alive (the empirical profile has no backward). */
+    return PyObject_CallMethodNoArgs(tensor, self->st->s_detach);
 }
 
 static PyObject *

@@ -259,3 +259,35 @@ def test_interrupted_warmup_pass_is_dropped_not_merged():
     # The plan comes from the clean pass only: each block measured once.
     assert all(d["calls"] == 1 for d in ex.profile.details)
     memscale.detach(model)
+
+
+def test_empirical_profiling_keeps_no_activation_alive():
+    """The profiler's pack hook handed back the tensor itself: an output
+    saved by its own grad_fn then formed a cycle through autograd that
+    nothing collects, so a forward-only profiling pass kept its whole graph
+    (1.1 GiB for the GPT-2 benchmark model) alive for good."""
+    import gc
+    import weakref
+
+    import memscale
+
+    refs = []
+
+    class Spy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            y = torch.tanh(self.lin(x))  # tanh saves its own output
+            refs.append(weakref.ref(y))
+            return y
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Spy() for _ in range(3)])
+    memscale.wrap(model, memscale.Config(use_static_profiling=False,
+                                         force_optimize=True, enable_logging=False),
+                  sample_input=torch.randn(4, 32))
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+    memscale.detach(model)
