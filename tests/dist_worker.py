@@ -56,17 +56,22 @@ def _train(rank, scenario, use_memscale, budget_gb=None):
     config = memscale.Config(mode="balanced", force_optimize=True, enable_logging=False,
                              memory_budget_gb=budget_gb,
                              async_config=memscale.AsyncOffloadConfig(min_offload_bytes=0))
+    wrapped = model
+    if scenario == "ddp-outer":  # DDP first, then memscale on the DDP module
+        model = DDP(model)
+        wrapped = model
     if use_memscale:
-        memscale.wrap(model, config, sample_input={"input_ids": x, "labels": x})
-        plan = model._memscale_executor.plan
+        memscale.wrap(wrapped, config, sample_input={"input_ids": x, "labels": x})
+        plan = wrapped._memscale_executor.plan
         info.update(hash=plan.hash, budget=plan.budget_bytes, fixed=plan.fixed_bytes,
                     techniques=plan.technique_counts)
     target = DDP(model) if scenario == "ddp" else model
     losses = [_step(target, x) for _ in range(2)]  # grads accumulate twice
     info.update(losses=losses, grads=_grads(model))
     if use_memscale:
-        info["recomputes"] = model._memscale_executor.stats["recomputes"]
-        memscale.detach(model)
+        info["recomputes"] = wrapped._memscale_executor.stats["recomputes"]
+        info["spilled"] = wrapped._memscale_executor.offload_store.stats["tensors_written"]
+        memscale.detach(wrapped)
     return info
 
 
@@ -76,7 +81,7 @@ def run(rank, world, scenario, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     result = {}
     try:
-        if scenario in ("ddp", "fsdp2"):
+        if scenario in ("ddp", "ddp-outer", "fsdp2"):
             result["plain"] = _train(rank, scenario, False)
             result["memscale"] = _train(rank, scenario, True)
         elif scenario == "budgets":

@@ -44,7 +44,7 @@ def assert_equal_grads(a, b):
         assert torch.equal(x, y), (x - y).abs().max().item()
 
 
-@pytest.mark.parametrize("scenario", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("scenario", ["ddp", "ddp-outer", "fsdp2"])
 def test_same_losses_gradients_and_plan(scenario, tmp_path):
     ranks = run_ranks(scenario, tmp_path)
     for r in ranks:
@@ -53,6 +53,7 @@ def test_same_losses_gradients_and_plan(scenario, tmp_path):
         assert_equal_grads(ours["grads"], plain["grads"])
         assert ours["recomputes"] > 0  # checkpointing really ran
         assert ours["techniques"]["checkpoint"] > 0
+        assert ours["techniques"]["offload"] > 0 and ours["spilled"] > 0  # and offload
     # Gradients are synchronized: the same on both ranks.
     assert_equal_grads(ranks[0]["memscale"]["grads"], ranks[1]["memscale"]["grads"])
     assert ranks[0]["memscale"]["hash"] == ranks[1]["memscale"]["hash"]
