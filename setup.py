@@ -21,6 +21,7 @@ SOURCES = [
     "csrc/profiler.c",
     "csrc/executor.c",
     "csrc/spill.c",
+    "csrc/adam8bit.c",
 ]
 
 # POSIX 2008 for openat/pread/pwrite under -std=c11; -pthread for the
@@ -45,6 +46,7 @@ setup(
             depends=["csrc/ms.h", "csrc/engine.h"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
+            libraries=["m"],
         )
     ],
 )

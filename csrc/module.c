@@ -147,10 +147,20 @@ PyDoc_STRVAR(detect_hardware_doc,
 PyDoc_STRVAR(build_plan_doc,
 "build_plan($module, /, layers, *, mode, allowed, force, budget_bytes,\n"
 "           fixed_bytes, activation_bytes, total_flops, device,\n"
-"           device_count, capacity_bytes)\n--\n\n"
+"           device_count, capacity_bytes, min_offload_bytes=0,\n"
+"           host_tier=False, host_cap_bytes=-1, disk_tier=True,\n"
+"           peak_offset_bytes=0)\n--\n\n"
 "Run the decision engine and return an immutable Plan.\n\n"
 "layers is a sequence of (name, kind, param_bytes, saved_bytes,\n"
 "input_bytes, flops, flags) tuples as the profiler reports them.");
+
+PyDoc_STRVAR(adamw8bit_doc,
+"adamw8bit_step($module, /, param, grad, exp_avg, exp_avg_scale,\n"
+"               exp_avg_sq, exp_avg_sq_scale, *, lr, beta1, beta2, eps,\n"
+"               weight_decay, step, block)\n--\n\n"
+"One AdamW update of a contiguous float32 CPU parameter, in place, with\n"
+"block-wise 8-bit moments (int8 exp_avg, uint8 sqrt(exp_avg_sq), one\n"
+"float32 scale per block of `block` elements).  Releases the GIL.");
 
 static PyMethodDef module_methods[] = {
     {"find_units", (PyCFunction)find_units, METH_O, find_units_doc},
@@ -158,6 +168,8 @@ static PyMethodDef module_methods[] = {
      METH_VARARGS | METH_KEYWORDS, detect_hardware_doc},
     {"build_plan", (PyCFunction)(void (*)(void))ms_plan_build,
      METH_VARARGS | METH_KEYWORDS, build_plan_doc},
+    {"adamw8bit_step", (PyCFunction)(void (*)(void))ms_adamw8bit_step,
+     METH_VARARGS | METH_KEYWORDS, adamw8bit_doc},
     {NULL, NULL, 0, NULL},
 };
 

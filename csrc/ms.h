@@ -193,6 +193,10 @@ int ms_spill_flush(PyObject *store);
 int ms_spill_new_step(PyObject *store);
 int ms_is_spilled(ms_state *st, PyObject *obj);
 
+/* adam8bit.c: the 8-bit AdamW update (module function). */
+PyObject *ms_adamw8bit_step(PyObject *module, PyObject *args,
+                            PyObject *kwargs);
+
 /* plan.c: the Plan and LayerPlan types. */
 PyObject *ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs);
 /* Technique mask of layer i of a plan, or -1 with an exception set. */

@@ -72,6 +72,12 @@ def _effective_config(config: Config | None, async_offload: bool | None,
 def _report_unavailable(config: Config) -> None:
     for field, what in _NOT_YET.items():
         if getattr(config, field) not in (False, None):
+            if field == "use_8bit_optimizer":
+                logger.warning(
+                    "memscale: Config.use_8bit_optimizer is set, but wrap() is "
+                    "given no optimizer to replace; build yours with "
+                    "memscale.optim.make_8bit_adamw(model.parameters(), lr=...)")
+                continue
             logger.warning("memscale: Config.%s is set, but %s is not part of "
                            "this release yet; it is not applied", field, what)
 

@@ -270,6 +270,7 @@ def test_fields_not_in_this_release_are_reported(caplog):
                       sample_input=torch.randn(2, 32))
     text = caplog.text
     assert "use_mixed_precision" in text and "use_8bit_optimizer" in text
+    assert "memscale.optim.make_8bit_adamw" in text  # how to get one
     memscale.detach(model)
 
 

@@ -1,0 +1,234 @@
+/*
+ * adam8bit.c: the update kernel of memscale's 8-bit AdamW.
+ *
+ * The two moment estimates are stored in 8 bits per element, block-wise:
+ * each block of `block` elements keeps one fp32 scale (its largest
+ * magnitude) and one byte per element.
+ *
+ *   exp_avg      int8,  linear:   m = q * scale_m / 127
+ *   exp_avg_sq   uint8, sqrt:     v = (q * scale_v / 255)^2
+ *
+ * The second moment is stored as its square root, which halves its
+ * dynamic range in bits, and rounded *up*: a non-zero v never decodes to 0,
+ * so an element never takes a step of lr * m / eps.  Each step decodes a
+ * block into fp32, applies AdamW (decoupled weight decay, bias correction)
+ * with the fp32 moments, and encodes the new moments back.  The tensors are
+ * reached through data_ptr() after their dtype, device, size and layout
+ * are checked; the loop runs with the GIL released.
+ */
+#include "ms.h"
+
+#include <math.h>
+#include <string.h>
+
+#define MAX_BLOCK 4096
+
+typedef struct {
+    float *param;
+    const float *grad;
+    int8_t *qm;
+    float *sm;
+    uint8_t *qv;
+    float *sv;
+    int64_t n;
+    int64_t block;
+    float lr, beta1, beta2, eps, wd, bc1, bc2_sqrt;
+} step_args;
+
+static void
+run_step(const step_args *a)
+{
+    float m[MAX_BLOCK], r[MAX_BLOCK];
+    int64_t nblocks = (a->n + a->block - 1) / a->block;
+    for (int64_t b = 0; b < nblocks; b++) {
+        int64_t lo = b * a->block;
+        int64_t len = a->n - lo < a->block ? a->n - lo : a->block;
+        float dm = a->sm[b] / 127.0f, dv = a->sv[b] / 255.0f;
+        float amax_m = 0.0f, amax_r = 0.0f;
+        for (int64_t k = 0; k < len; k++) {
+            int64_t i = lo + k;
+            float g = a->grad[i];
+            float mk = (float)a->qm[i] * dm;
+            float rk = (float)a->qv[i] * dv;
+            mk = a->beta1 * mk + (1.0f - a->beta1) * g;
+            float vk = a->beta2 * rk * rk + (1.0f - a->beta2) * g * g;
+            rk = sqrtf(vk);
+            float p = a->param[i] * (1.0f - a->lr * a->wd);
+            p -= a->lr * (mk / a->bc1) / (rk / a->bc2_sqrt + a->eps);
+            a->param[i] = p;
+            m[k] = mk;
+            r[k] = rk;
+            if (fabsf(mk) > amax_m) {
+                amax_m = fabsf(mk);
+            }
+            if (rk > amax_r) {
+                amax_r = rk;
+            }
+        }
+        a->sm[b] = amax_m;
+        a->sv[b] = amax_r;
+        for (int64_t k = 0; k < len; k++) {
+            int64_t i = lo + k;
+            a->qm[i] = amax_m > 0.0f
+                           ? (int8_t)lrintf(m[k] / amax_m * 127.0f)
+                           : 0;
+            float qr = amax_r > 0.0f ? ceilf(r[k] / amax_r * 255.0f) : 0.0f;
+            a->qv[i] = (uint8_t)(qr > 255.0f ? 255.0f : qr);
+        }
+    }
+}
+
+/* The data pointer of `t` after checking it: a contiguous CPU tensor of
+   `dtype_name` with `numel` elements (numel < 0: any, reported back). */
+static void *
+checked_ptr(ms_state *st, PyObject *t, const char *what,
+            const char *dtype_name, int64_t *numel)
+{
+    if (!ms_is_tensor(st, t)) {
+        PyErr_Format(PyExc_TypeError, "adamw8bit_step: %s must be a tensor",
+                     what);
+        return NULL;
+    }
+    PyObject *dtype = PyObject_GetAttr(t, st->s_dtype);
+    PyObject *dstr = dtype ? PyObject_Str(dtype) : NULL;
+    Py_XDECREF(dtype);
+    if (dstr == NULL) {
+        return NULL;
+    }
+    int ok = PyUnicode_CompareWithASCIIString(dstr, dtype_name) == 0;
+    Py_DECREF(dstr);
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "adamw8bit_step: %s must be %s", what,
+                     dtype_name);
+        return NULL;
+    }
+    PyObject *dev = PyObject_GetAttr(t, st->s_device);
+    PyObject *type = dev ? PyObject_GetAttr(dev, st->s_type) : NULL;
+    Py_XDECREF(dev);
+    if (type == NULL) {
+        return NULL;
+    }
+    ok = PyUnicode_Check(type)
+         && PyUnicode_CompareWithASCIIString(type, "cpu") == 0;
+    Py_DECREF(type);
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "adamw8bit_step: %s must be on the CPU",
+                     what);
+        return NULL;
+    }
+    PyObject *c = PyObject_CallMethodNoArgs(t, st->s_is_contiguous);
+    ok = c ? PyObject_IsTrue(c) : -1;
+    Py_XDECREF(c);
+    if (ok <= 0) {
+        if (ok == 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "adamw8bit_step: %s must be contiguous", what);
+        }
+        return NULL;
+    }
+    PyObject *nobj = PyObject_CallMethodNoArgs(t, st->s_numel);
+    long long n = nobj ? PyLong_AsLongLong(nobj) : -1;
+    Py_XDECREF(nobj);
+    if (n < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "adamw8bit_step: bad numel");
+        }
+        return NULL;
+    }
+    if (*numel >= 0 && n != *numel) {
+        PyErr_Format(PyExc_ValueError,
+                     "adamw8bit_step: %s has %lld elements, expected %lld",
+                     what, n, (long long)*numel);
+        return NULL;
+    }
+    *numel = n;
+    PyObject *p = PyObject_CallMethodNoArgs(t, st->s_data_ptr);
+    void *ptr = p ? PyLong_AsVoidPtr(p) : NULL;
+    Py_XDECREF(p);
+    if (ptr == NULL && !PyErr_Occurred() && n > 0) {
+        PyErr_Format(PyExc_ValueError, "adamw8bit_step: %s has no data", what);
+    }
+    return ptr;
+}
+
+PyObject *
+ms_adamw8bit_step(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_scale",
+                             "exp_avg_sq", "exp_avg_sq_scale", "lr", "beta1",
+                             "beta2", "eps", "weight_decay", "step", "block",
+                             NULL};
+    ms_state *st = ms_get_state(module);
+    PyObject *tp, *tg, *tqm, *tsm, *tqv, *tsv;
+    double lr, beta1, beta2, eps, wd;
+    long long step, block;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs,
+                                     "OOOOOO$dddddLL:adamw8bit_step", kwlist,
+                                     &tp, &tg, &tqm, &tsm, &tqv, &tsv, &lr,
+                                     &beta1, &beta2, &eps, &wd, &step, &block))
+    {
+        return NULL;
+    }
+    if (block < 1 || block > MAX_BLOCK) {
+        PyErr_Format(PyExc_ValueError,
+                     "adamw8bit_step: block must be in [1, %d], got %lld",
+                     MAX_BLOCK, block);
+        return NULL;
+    }
+    if (step < 1 || !(beta1 >= 0.0 && beta1 < 1.0)
+        || !(beta2 >= 0.0 && beta2 < 1.0) || !(eps > 0.0) || !isfinite(lr)
+        || !isfinite(wd))
+    {
+        PyErr_SetString(PyExc_ValueError,
+                        "adamw8bit_step: needs step >= 1, 0 <= betas < 1, "
+                        "eps > 0 and finite lr and weight_decay");
+        return NULL;
+    }
+    step_args a;
+    int64_t n = -1;
+    a.param = checked_ptr(st, tp, "param", "torch.float32", &n);
+    if (a.param == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    a.grad = checked_ptr(st, tg, "grad", "torch.float32", &n);
+    if (a.grad == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    a.qm = checked_ptr(st, tqm, "exp_avg", "torch.int8", &n);
+    if (a.qm == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    a.qv = checked_ptr(st, tqv, "exp_avg_sq", "torch.uint8", &n);
+    if (a.qv == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    int64_t nblocks = (n + block - 1) / block;
+    int64_t nb = nblocks;
+    a.sm = checked_ptr(st, tsm, "exp_avg_scale", "torch.float32", &nb);
+    if (a.sm == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    nb = nblocks;
+    a.sv = checked_ptr(st, tsv, "exp_avg_sq_scale", "torch.float32", &nb);
+    if (a.sv == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (n == 0) {
+        Py_RETURN_NONE;
+    }
+    a.n = n;
+    a.block = block;
+    a.lr = (float)lr;
+    a.beta1 = (float)beta1;
+    a.beta2 = (float)beta2;
+    a.eps = (float)eps;
+    a.wd = (float)wd;
+    a.bc1 = (float)(1.0 - pow(beta1, (double)step));
+    a.bc2_sqrt = (float)sqrt(1.0 - pow(beta2, (double)step));
+    /* The tensors stay referenced by the caller's frame while the GIL is
+       released (the arguments), so their memory cannot go away. */
+    Py_BEGIN_ALLOW_THREADS
+    run_step(&a);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}

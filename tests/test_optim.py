@@ -1,0 +1,166 @@
+"""memscale's 8-bit AdamW: the C kernel, the Optimizer, and how it trains."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from memscale import _core
+from memscale.optim import AdamW8bit, make_8bit_adamw
+
+V = 64
+
+
+def markov_lm():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(
+        n_layer=2, n_embd=128, n_head=4, vocab_size=V, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+
+
+def markov_batches(steps, b=16, n=32):
+    """Sequences from a fixed random Markov chain: a loss that levels off
+    at the chain's entropy, not at 0, so relative differences mean
+    something."""
+    g = torch.Generator().manual_seed(1)
+    table = torch.softmax(torch.randn(V, V, generator=g) * 3, -1)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        x = torch.empty(b, n, dtype=torch.long)
+        x[:, 0] = torch.randint(0, V, (b,), generator=gen)
+        for t in range(1, n):
+            x[:, t] = torch.multinomial(table[x[:, t - 1]], 1, generator=gen).squeeze(1)
+        yield x
+
+
+def train(make_opt, steps=200):
+    model = markov_lm()
+    model.train()
+    opt = make_opt(model.parameters())
+    losses = []
+    for x in markov_batches(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return sum(losses[-20:]) / 20, model, opt
+
+
+def test_trains_a_small_language_model_as_fp32_adamw_does():
+    ref, _, _ = train(lambda p: torch.optim.AdamW(p, lr=3e-3))
+    ours, _, opt = train(lambda p: AdamW8bit(p, lr=3e-3))
+    assert ours == pytest.approx(ref, rel=0.03), (ours, ref)
+    assert ref < 2.5  # it learned the chain (log V = 4.16 at the start)
+    assert any(s["exp_avg"].dtype == torch.int8 for s in opt.state.values())
+
+
+def test_state_is_at_most_30_percent_of_adamw_on_the_benchmark_gpt2():
+    from memscale.benchmarks.models import BENCHMARK_MODELS
+
+    model, batch = BENCHMARK_MODELS["gpt2-12l"].build(seed=0)
+    states = {}
+    for name, cls in (("adamw", torch.optim.AdamW), ("8bit", AdamW8bit)):
+        m = copy.deepcopy(model)
+        opt = cls(m.parameters(), lr=1e-4)
+        batch.loss_fn(m(*batch.args, **batch.kwargs)).backward()
+        opt.step()
+        states[name] = sum(t.numel() * t.element_size() for s in opt.state.values()
+                           for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    assert states["8bit"] <= 0.30 * states["adamw"], states
+
+
+def test_state_dict_round_trips_exactly():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 8))
+    opt = AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=1024)
+    x = torch.randn(32, 64)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    twin = copy.deepcopy(model)
+    buf.seek(0)
+    saved = torch.load(buf)
+    twin.load_state_dict(saved["model"])
+    opt2 = AdamW8bit(twin.parameters(), lr=1e-2, min_8bit_size=1024)
+    opt2.load_state_dict(saved["opt"])
+    for a, b in zip(opt.state.values(), opt2.state.values()):
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    for m, o in ((model, opt), (twin, opt2)):
+        for _ in range(2):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_param_groups_weight_decay_and_small_or_other_params():
+    torch.manual_seed(0)
+    big = torch.nn.Parameter(torch.randn(8192))
+    small = torch.nn.Parameter(torch.randn(10))  # under min_8bit_size: fp32 state
+    double = torch.nn.Parameter(torch.randn(8192, dtype=torch.float64))
+    opt = AdamW8bit([{"params": [big, small], "weight_decay": 0.0},
+                     {"params": [double], "lr": 0.0, "weight_decay": 0.5}], lr=0.1)
+    before = double.detach().clone()
+    big_before = big.detach().clone()
+    for p in (big, small, double):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.state[big]["exp_avg"].dtype == torch.int8
+    assert opt.state[small]["exp_avg"].dtype == torch.float32
+    assert opt.state[double]["exp_avg"].dtype == torch.float64
+    assert torch.equal(double, before)  # lr 0: neither decay nor step
+    # First step of Adam with a constant gradient: every element moves by lr.
+    assert torch.allclose(big_before - big.detach(), torch.full((8192,), 0.1), atol=1e-5)
+    opt.zero_grad()
+    assert big.grad is None
+
+
+def test_kernel_matches_adamw_within_quantization():
+    """One step from zero state: the moments are exact (one quantized
+    level), so the update equals fp32 AdamW's to float precision."""
+    torch.manual_seed(0)
+    p = torch.randn(1000)
+    ref = torch.nn.Parameter(p.clone())
+    ours = torch.nn.Parameter(p.clone())
+    g = torch.randn(1000)
+    ref.grad, ours.grad = g.clone(), g.clone()
+    torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1).step()
+    AdamW8bit([ours], lr=1e-2, weight_decay=0.1, min_8bit_size=0).step()
+    assert torch.allclose(ref, ours, atol=1e-4, rtol=0)
+
+
+def test_kernel_rejects_bad_arguments():
+    n = 100
+    p, g = torch.zeros(n), torch.zeros(n)
+    qm, sm = torch.zeros(n, dtype=torch.int8), torch.zeros(2)
+    qv, sv = torch.zeros(n, dtype=torch.uint8), torch.zeros(2)
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
+              block=64)
+    _core.adamw8bit_step(p, g, qm, sm, qv, sv, **kw)
+    with pytest.raises(TypeError, match="grad must be torch.float32"):
+        _core.adamw8bit_step(p, g.double(), qm, sm, qv, sv, **kw)
+    with pytest.raises(ValueError, match="exp_avg_scale has 1 elements, expected 2"):
+        _core.adamw8bit_step(p, g, qm, torch.zeros(1), qv, sv, **kw)
+    with pytest.raises(ValueError, match="contiguous"):
+        _core.adamw8bit_step(torch.zeros(n, 2)[:, 0], g, qm, sm, qv, sv, **kw)
+    with pytest.raises(ValueError, match="block"):
+        _core.adamw8bit_step(p, g, qm, sm, qv, sv, **dict(kw, block=0))
+    with pytest.raises(ValueError, match="step >= 1"):
+        _core.adamw8bit_step(p, g, qm, sm, qv, sv, **dict(kw, step=0))
+    with pytest.raises(ValueError, match="lr must be"):
+        AdamW8bit([torch.nn.Parameter(p)], lr=float("nan"))
+
+
+def test_factory_on_cpu_is_memscales():
+    assert isinstance(make_8bit_adamw([torch.nn.Parameter(torch.zeros(3))]), AdamW8bit)
