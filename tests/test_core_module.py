@@ -139,8 +139,11 @@ def test_signatures():
     assert params[0].name == "layers"
     assert params[0].kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
     keyword = {p.name for p in params[1:]}
-    assert keyword == set(PLAN_ARGS)
+    optional = {"min_offload_bytes": 0, "host_tier": False, "host_cap_bytes": -1,
+                "disk_tier": True, "peak_offset_bytes": 0}
+    assert keyword == set(PLAN_ARGS) | set(optional)
     assert all(p.kind is P.KEYWORD_ONLY for p in params[1:])
+    assert {p.name: p.default for p in params[1:] if p.name in optional} == optional
     # The signature says what the function accepts.
     sig.bind(PLAN_LAYERS, **PLAN_ARGS)
     _core.build_plan(PLAN_LAYERS, **PLAN_ARGS)
