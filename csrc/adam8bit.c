@@ -39,41 +39,51 @@ static void
 run_step(const step_args *a)
 {
     float m[MAX_BLOCK], r[MAX_BLOCK];
+    const float decay = 1.0f - a->lr * a->wd;
+    const float step_size = a->lr / a->bc1;
+    const float inv_bc2 = 1.0f / a->bc2_sqrt;
+    const float b1 = a->beta1, c1 = 1.0f - a->beta1;
+    const float b2 = a->beta2, c2 = 1.0f - a->beta2;
     int64_t nblocks = (a->n + a->block - 1) / a->block;
     for (int64_t b = 0; b < nblocks; b++) {
         int64_t lo = b * a->block;
         int64_t len = a->n - lo < a->block ? a->n - lo : a->block;
-        float dm = a->sm[b] / 127.0f, dv = a->sv[b] / 255.0f;
+        const float dm = a->sm[b] * (1.0f / 127.0f);
+        const float dv = a->sv[b] * (1.0f / 255.0f);
+        const float *g = a->grad + lo;
+        const int8_t *qm = a->qm + lo;
+        const uint8_t *qv = a->qv + lo;
+        float *param = a->param + lo;
         float amax_m = 0.0f, amax_r = 0.0f;
+        /* Decode, update the moments and the parameter (vectorizable). */
         for (int64_t k = 0; k < len; k++) {
-            int64_t i = lo + k;
-            float g = a->grad[i];
-            float mk = (float)a->qm[i] * dm;
-            float rk = (float)a->qv[i] * dv;
-            mk = a->beta1 * mk + (1.0f - a->beta1) * g;
-            float vk = a->beta2 * rk * rk + (1.0f - a->beta2) * g * g;
-            rk = sqrtf(vk);
-            float p = a->param[i] * (1.0f - a->lr * a->wd);
-            p -= a->lr * (mk / a->bc1) / (rk / a->bc2_sqrt + a->eps);
-            a->param[i] = p;
+            float mk = b1 * ((float)qm[k] * dm) + c1 * g[k];
+            float rk0 = (float)qv[k] * dv;
+            float rk = sqrtf(b2 * rk0 * rk0 + c2 * g[k] * g[k]);
+            param[k] = param[k] * decay - step_size * mk / (rk * inv_bc2 + a->eps);
             m[k] = mk;
             r[k] = rk;
-            if (fabsf(mk) > amax_m) {
-                amax_m = fabsf(mk);
-            }
-            if (rk > amax_r) {
-                amax_r = rk;
-            }
+            amax_m = fmaxf(amax_m, fabsf(mk));
+            amax_r = fmaxf(amax_r, rk);
         }
         a->sm[b] = amax_m;
         a->sv[b] = amax_r;
+        /* Encode: m to the nearest level, sqrt(v) rounded up. */
+        const float em = amax_m > 0.0f ? 127.0f / amax_m : 0.0f;
+        const float ev = amax_r > 0.0f ? 255.0f / amax_r : 0.0f;
+        int8_t *qm_out = a->qm + lo;
+        uint8_t *qv_out = a->qv + lo;
         for (int64_t k = 0; k < len; k++) {
-            int64_t i = lo + k;
-            a->qm[i] = amax_m > 0.0f
-                           ? (int8_t)lrintf(m[k] / amax_m * 127.0f)
-                           : 0;
-            float qr = amax_r > 0.0f ? ceilf(r[k] / amax_r * 255.0f) : 0.0f;
-            a->qv[i] = (uint8_t)(qr > 255.0f ? 255.0f : qr);
+            /* |m[k] * em| <= 127 and 0 <= r[k] * ev <= 255 by construction
+               (up to rounding, hence the clamps); plain conversions keep
+               the loop free of libm calls. */
+            float xm = m[k] * em;
+            int qmk = (int)(xm + (xm >= 0.0f ? 0.5f : -0.5f));
+            float xv = r[k] * ev;
+            int qvk = (int)xv;
+            qvk += (float)qvk < xv;
+            qm_out[k] = (int8_t)(qmk > 127 ? 127 : qmk < -127 ? -127 : qmk);
+            qv_out[k] = (uint8_t)(qvk > 255 ? 255 : qvk);
         }
     }
 }
