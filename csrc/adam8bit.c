@@ -14,11 +14,13 @@
  * block into fp32, applies AdamW (decoupled weight decay, bias correction)
  * with the fp32 moments, and encodes the new moments back.  The tensors are
  * reached through data_ptr() after their dtype, device, size and layout
- * are checked; the loop runs with the GIL released.
+ * are checked; the loop runs with the GIL released, its blocks split over
+ * `threads` POSIX threads (they share nothing but read-only arguments).
  */
 #include "ms.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 #define MAX_BLOCK 4096
@@ -33,6 +35,7 @@ typedef struct {
     int64_t n;
     int64_t block;
     float lr, beta1, beta2, eps, wd, bc1, bc2_sqrt;
+    int64_t first_block, end_block;  /* the blocks this worker updates */
 } step_args;
 
 static void
@@ -44,8 +47,7 @@ run_step(const step_args *a)
     const float inv_bc2 = 1.0f / a->bc2_sqrt;
     const float b1 = a->beta1, c1 = 1.0f - a->beta1;
     const float b2 = a->beta2, c2 = 1.0f - a->beta2;
-    int64_t nblocks = (a->n + a->block - 1) / a->block;
-    for (int64_t b = 0; b < nblocks; b++) {
+    for (int64_t b = a->first_block; b < a->end_block; b++) {
         int64_t lo = b * a->block;
         int64_t len = a->n - lo < a->block ? a->n - lo : a->block;
         const float dm = a->sm[b] * (1.0f / 127.0f);
@@ -84,6 +86,57 @@ run_step(const step_args *a)
             qvk += (float)qvk < xv;
             qm_out[k] = (int8_t)(qmk > 127 ? 127 : qmk < -127 ? -127 : qmk);
             qv_out[k] = (uint8_t)(qvk > 255 ? 255 : qvk);
+        }
+    }
+}
+
+static void *
+run_step_thread(void *arg)
+{
+    run_step(arg);
+    return NULL;
+}
+
+#define MAX_THREADS 64
+
+/* Blocks are independent: split them over `threads` (this thread
+   included); if a thread cannot be started, its share runs here. */
+static void
+run_parallel(const step_args *a, int threads)
+{
+    int64_t nblocks = (a->n + a->block - 1) / a->block;
+    if (threads > MAX_THREADS) {
+        threads = MAX_THREADS;
+    }
+    if ((int64_t)threads > nblocks / 16) { /* small tensors: not worth it */
+        threads = (int)(nblocks / 16);
+    }
+    if (threads < 2) {
+        step_args one = *a;
+        one.first_block = 0;
+        one.end_block = nblocks;
+        run_step(&one);
+        return;
+    }
+    step_args part[MAX_THREADS];
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS];
+    for (int t = 0; t < threads; t++) {
+        part[t] = *a;
+        part[t].first_block = nblocks * t / threads;
+        part[t].end_block = nblocks * (t + 1) / threads;
+        started[t] = t > 0
+                     && pthread_create(&tid[t], NULL, run_step_thread,
+                                       &part[t]) == 0;
+    }
+    for (int t = 0; t < threads; t++) {
+        if (!started[t]) {
+            run_step(&part[t]);
+        }
+    }
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) {
+            pthread_join(tid[t], NULL);
         }
     }
 }
@@ -167,16 +220,23 @@ ms_adamw8bit_step(PyObject *module, PyObject *args, PyObject *kwargs)
     static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_scale",
                              "exp_avg_sq", "exp_avg_sq_scale", "lr", "beta1",
                              "beta2", "eps", "weight_decay", "step", "block",
-                             NULL};
+                             "threads", NULL};
     ms_state *st = ms_get_state(module);
     PyObject *tp, *tg, *tqm, *tsm, *tqv, *tsv;
     double lr, beta1, beta2, eps, wd;
     long long step, block;
+    int threads = 1;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs,
-                                     "OOOOOO$dddddLL:adamw8bit_step", kwlist,
+                                     "OOOOOO$dddddLLi:adamw8bit_step", kwlist,
                                      &tp, &tg, &tqm, &tsm, &tqv, &tsv, &lr,
-                                     &beta1, &beta2, &eps, &wd, &step, &block))
+                                     &beta1, &beta2, &eps, &wd, &step, &block,
+                                     &threads))
     {
+        return NULL;
+    }
+    if (threads < 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "adamw8bit_step: threads must be >= 1, got %d", threads);
         return NULL;
     }
     if (block < 1 || block > MAX_BLOCK) {
@@ -238,7 +298,7 @@ ms_adamw8bit_step(PyObject *module, PyObject *args, PyObject *kwargs)
     /* The tensors stay referenced by the caller's frame while the GIL is
        released (the arguments), so their memory cannot go away. */
     Py_BEGIN_ALLOW_THREADS
-    run_step(&a);
+    run_parallel(&a, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -157,10 +157,11 @@ PyDoc_STRVAR(build_plan_doc,
 PyDoc_STRVAR(adamw8bit_doc,
 "adamw8bit_step($module, /, param, grad, exp_avg, exp_avg_scale,\n"
 "               exp_avg_sq, exp_avg_sq_scale, *, lr, beta1, beta2, eps,\n"
-"               weight_decay, step, block)\n--\n\n"
+"               weight_decay, step, block, threads)\n--\n\n"
 "One AdamW update of a contiguous float32 CPU parameter, in place, with\n"
 "block-wise 8-bit moments (int8 exp_avg, uint8 sqrt(exp_avg_sq), one\n"
-"float32 scale per block of `block` elements).  Releases the GIL.");
+"float32 scale per block of `block` elements).  Releases the GIL and\n"
+"splits the blocks over `threads` threads.");
 
 static PyMethodDef module_methods[] = {
     {"find_units", (PyCFunction)find_units, METH_O, find_units_doc},

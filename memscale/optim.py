@@ -103,7 +103,8 @@ class AdamW8bit(torch.optim.Optimizer):
                         state["exp_avg_sq"], state["exp_avg_sq_scale"],
                         lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
                         eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                        step=step, block=int(group["block_size"]))
+                        step=step, block=int(group["block_size"]),
+                        threads=torch.get_num_threads())
                 else:
                     self._fp32_step(p, state, group, step)
         return loss

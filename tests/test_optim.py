@@ -146,7 +146,7 @@ def test_kernel_rejects_bad_arguments():
     qm, sm = torch.zeros(n, dtype=torch.int8), torch.zeros(2)
     qv, sv = torch.zeros(n, dtype=torch.uint8), torch.zeros(2)
     kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
-              block=64)
+              block=64, threads=2)
     _core.adamw8bit_step(p, g, qm, sm, qv, sv, **kw)
     with pytest.raises(TypeError, match="grad must be torch.float32"):
         _core.adamw8bit_step(p, g.double(), qm, sm, qv, sv, **kw)
@@ -156,6 +156,8 @@ def test_kernel_rejects_bad_arguments():
         _core.adamw8bit_step(torch.zeros(n, 2)[:, 0], g, qm, sm, qv, sv, **kw)
     with pytest.raises(ValueError, match="block"):
         _core.adamw8bit_step(p, g, qm, sm, qv, sv, **dict(kw, block=0))
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        _core.adamw8bit_step(p, g, qm, sm, qv, sv, **dict(kw, threads=0))
     with pytest.raises(ValueError, match="step >= 1"):
         _core.adamw8bit_step(p, g, qm, sm, qv, sv, **dict(kw, step=0))
     with pytest.raises(ValueError, match="lr must be"):
@@ -164,3 +166,23 @@ def test_kernel_rejects_bad_arguments():
 
 def test_factory_on_cpu_is_memscales():
     assert isinstance(make_8bit_adamw([torch.nn.Parameter(torch.zeros(3))]), AdamW8bit)
+
+
+def test_threads_give_the_same_bits():
+    """Blocks are independent: any thread count gives the same result."""
+    torch.manual_seed(0)
+    n, block = 64 * 1000 + 17, 64
+    blocks = -(-n // block)
+    out = []
+    for threads in (1, 2, 3):
+        p = torch.randn(n, generator=torch.Generator().manual_seed(1))
+        qm, qv = torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)
+        sm, sv = torch.zeros(blocks), torch.zeros(blocks)
+        for step in (1, 2, 3):
+            g = torch.randn(n, generator=torch.Generator().manual_seed(step))
+            _core.adamw8bit_step(p, g, qm, sm, qv, sv, lr=1e-2, beta1=0.9,
+                                 beta2=0.999, eps=1e-8, weight_decay=0.01,
+                                 step=step, block=block, threads=threads)
+        out.append((p, qm, qv, sm, sv))
+    for other in out[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out[0], other))
