@@ -9,7 +9,8 @@
  *   exp_avg_sq   uint8, sqrt:     v = (q * scale_v / 255)^2
  *
  * The second moment is stored as its square root, which halves its
- * dynamic range in bits, and rounded *up*: a non-zero v never decodes to 0,
+ * dynamic range in bits.  Both are rounded stochastically (see the encode
+ * loop), and a non-zero v keeps at least one level: it never decodes to 0,
  * so an element never takes a step of lr * m / eps.  Each step decodes a
  * block into fp32, applies AdamW (decoupled weight decay, bias correction)
  * with the fp32 moments, and encodes the new moments back.  The tensors are
@@ -36,7 +37,28 @@ typedef struct {
     int64_t block;
     float lr, beta1, beta2, eps, wd, bc1, bc2_sqrt;
     int64_t first_block, end_block;  /* the blocks this worker updates */
+    uint64_t seed;                   /* stochastic rounding: from step */
 } step_args;
+
+/* SplitMix64's finalizer: a well-mixed 64-bit hash. */
+static uint64_t
+mix64(uint64_t x)
+{
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+/* floor() for |x| < 2**31, without a libm call. */
+static inline float
+floor_small(float x)
+{
+    int i = (int)x;
+    return (float)(i - (x < (float)i));
+}
 
 static void
 run_step(const step_args *a)
@@ -70,22 +92,35 @@ run_step(const step_args *a)
         }
         a->sm[b] = amax_m;
         a->sv[b] = amax_r;
-        /* Encode: m to the nearest level, sqrt(v) rounded up. */
-        const float em = amax_m > 0.0f ? 127.0f / amax_m : 0.0f;
-        const float ev = amax_r > 0.0f ? 255.0f / amax_r : 0.0f;
+        /* Encode, with stochastic rounding: rounding to the nearest level
+           (or up) has fixed points, e.g. round(0.9 * q) == q for |q| <= 5,
+           so a small moment would never decay and its parameter would keep
+           moving.  The random offsets come from a hash of (step, element),
+           so the result does not depend on how blocks are split over
+           threads.  A non-zero sqrt(v) keeps at least one level. */
         int8_t *qm_out = a->qm + lo;
         uint8_t *qv_out = a->qv + lo;
         for (int64_t k = 0; k < len; k++) {
-            /* |m[k] * em| <= 127 and 0 <= r[k] * ev <= 255 by construction
-               (up to rounding, hence the clamps); plain conversions keep
-               the loop free of libm calls. */
-            float xm = m[k] * em;
-            int qmk = (int)(xm + (xm >= 0.0f ? 0.5f : -0.5f));
-            float xv = r[k] * ev;
-            int qvk = (int)xv;
-            qvk += (float)qvk < xv;
-            qm_out[k] = (int8_t)(qmk > 127 ? 127 : qmk < -127 ? -127 : qmk);
-            qv_out[k] = (uint8_t)(qvk > 255 ? 255 : qvk);
+            uint64_t h = mix64(a->seed ^ (uint64_t)(lo + k));
+            float u1 = (float)(h >> 40) * (1.0f / 16777216.0f);
+            float u2 = (float)((h >> 16) & 0xFFFFFF) * (1.0f / 16777216.0f);
+            float xm = amax_m > 0.0f ? m[k] / amax_m * 127.0f : 0.0f;
+            float xv = amax_r > 0.0f ? r[k] / amax_r * 255.0f : 0.0f;
+            /* Non-finite moments (a NaN or inf gradient) encode as 0; the
+               parameter itself already shows the NaN. */
+            if (!(xm >= -127.0f && xm <= 127.0f)) {
+                xm = 0.0f;
+            }
+            if (!(xv >= 0.0f && xv <= 255.0f)) {
+                xv = 0.0f;
+            }
+            float fm = floor_small(xm + u1); /* |xm + u1| < 129 */
+            float fv = floor_small(xv + u2);
+            if (fv < 1.0f && r[k] > 0.0f) {
+                fv = 1.0f;
+            }
+            qm_out[k] = (int8_t)(fm > 127.0f ? 127.0f : fm < -127.0f ? -127.0f : fm);
+            qv_out[k] = (uint8_t)(fv > 255.0f ? 255.0f : fv);
         }
     }
 }
@@ -295,6 +330,16 @@ ms_adamw8bit_step(PyObject *module, PyObject *args, PyObject *kwargs)
     a.wd = (float)wd;
     a.bc1 = (float)(1.0 - pow(beta1, (double)step));
     a.bc2_sqrt = (float)sqrt(1.0 - pow(beta2, (double)step));
+    a.seed = mix64((uint64_t)step * 0x9e3779b97f4a7c15ULL);
+    if (!(a.eps > 0.0f) || !(a.beta1 < 1.0f) || !(a.beta2 < 1.0f)
+        || !(a.bc1 > 0.0f) || !(a.bc2_sqrt > 0.0f))
+    {
+        PyErr_SetString(PyExc_ValueError,
+                        "adamw8bit_step: eps, betas or the step make a zero "
+                        "or infinite term in float32 (eps too small, or a "
+                        "beta too close to 1)");
+        return NULL;
+    }
     /* The tensors stay referenced by the caller's frame while the GIL is
        released (the arguments), so their memory cannot go away. */
     Py_BEGIN_ALLOW_THREADS

@@ -105,6 +105,8 @@ class AdamW8bit(torch.optim.Optimizer):
                         eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                         step=step, block=int(group["block_size"]),
                         threads=torch.get_num_threads())
+                    # Written through data_ptr(): tell autograd it changed.
+                    torch.autograd.graph.increment_version(p)
                 else:
                     self._fp32_step(p, state, group, step)
         return loss
