@@ -22,6 +22,7 @@ SOURCES = [
     "csrc/executor.c",
     "csrc/spill.c",
     "csrc/adam8bit.c",
+    "csrc/tiling.c",
 ]
 
 # POSIX 2008 for openat/pread/pwrite under -std=c11; -pthread for the

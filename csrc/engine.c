@@ -108,17 +108,27 @@ offset_peak(int64_t v, int64_t offset)
 }
 
 /* Peak of the step for the techniques marked in `ckpt` (KEEP, CKPT,
-   CKPT_OFFLOAD per layer). */
+   CKPT_OFFLOAD per layer) and the tile counts in `tiles` (NULL: none).  A
+   checkpointed layer's recompute holds its saved tensors on top of what
+   waits for backward; tiled, one tile's share of them.  *at (if not NULL)
+   is the layer whose recompute makes the peak, or n when it is the end of
+   the forward. */
 static int64_t
-projected_peak(const ms_problem *p, const ms_layer *layers, size_t n,
-               const unsigned char *ckpt, int64_t rest)
+peak_at(const ms_problem *p, const ms_layer *layers, size_t n,
+        const unsigned char *ckpt, const int *tiles, int64_t rest, size_t *at)
 {
     int64_t prefix = 0, worst = 0;
+    size_t who = n;
     for (size_t i = 0; i < n; i++) {
         if (ckpt[i]) {
-            int64_t at_recompute = add_sat(prefix, layers[i].saved_bytes);
+            int64_t held = layers[i].saved_bytes;
+            if (tiles != NULL && tiles[i] > 1) {
+                held = held / tiles[i] + (held % tiles[i] != 0);
+            }
+            int64_t at_recompute = add_sat(prefix, held);
             if (at_recompute > worst) {
                 worst = at_recompute;
+                who = i;
             }
             if (ckpt[i] == CKPT) {
                 prefix = add_sat(prefix, layers[i].saved_bytes
@@ -129,17 +139,41 @@ projected_peak(const ms_problem *p, const ms_layer *layers, size_t n,
             prefix = add_sat(prefix, layers[i].saved_bytes);
         }
     }
-    if (prefix > worst) {
+    if (prefix >= worst) {
         worst = prefix;
+        who = n;
+    }
+    if (at != NULL) {
+        *at = who;
     }
     return offset_peak(add_sat(add_sat(p->fixed_bytes, rest), worst),
                        p->peak_offset_bytes);
+}
+
+static int64_t
+projected_peak(const ms_problem *p, const ms_layer *layers, size_t n,
+               const unsigned char *ckpt, const int *tiles, int64_t rest)
+{
+    return peak_at(p, layers, n, ckpt, tiles, rest, NULL);
 }
 
 typedef struct {
     size_t index;
     double ratio;
 } candidate;
+
+/* Tiles for a layer when the plan already fits (force_optimize,
+   AGGRESSIVE): the power of two at or above the memory pressure, in
+   [2, MS_MAX_TILES]. */
+static int
+pressure_tiles(double pressure)
+{
+    int t = 2;
+    while (t < MS_MAX_TILES && (double)t < pressure) {
+        t *= 2;
+    }
+    return t;
+}
 
 static int
 candidate_cmp(const void *a, const void *b)
@@ -174,11 +208,16 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
                ms_choice *out, ms_result *res)
 {
     unsigned char *ckpt = calloc(n ? n : 1, 1);
+    int *tiles = malloc((n ? n : 1) * sizeof(int));
     candidate *cands = malloc((n ? n : 1) * sizeof(candidate));
-    if (ckpt == NULL || cands == NULL) {
+    if (ckpt == NULL || tiles == NULL || cands == NULL) {
         free(ckpt);
+        free(tiles);
         free(cands);
         return -1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        tiles[i] = 1;
     }
 
     int64_t in_layers = 0;
@@ -189,7 +228,11 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
     if (rest < 0) {
         rest = 0;
     }
-    unsigned base = ms_mode_base_techniques(p->mode) & p->allowed;
+    /* Tiling is off in every mode but AGGRESSIVE unless asked for
+       (enable_tiling), and then in any mode: `allowed` says which. */
+    unsigned base = (ms_mode_base_techniques(p->mode)
+                     | (p->allowed & MS_TECH_TILING))
+                    & p->allowed;
 
     res->peak_unoptimized = offset_peak(
         add_sat(add_sat(p->fixed_bytes, rest), in_layers), p->peak_offset_bytes);
@@ -203,6 +246,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
         out[i].techniques = 0;
         out[i].tier = MS_TIER_DEVICE;
         out[i].bytes_saved = 0;
+        out[i].tiles = 1;
         ms_rule why = ineligible_reason(&layers[i]);
         if (res->skipped) {
             out[i].rule = MS_RULE_SMART_SKIP;
@@ -234,7 +278,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
             out[i].techniques = MS_TECH_CHECKPOINT;
             out[i].rule = p->force ? MS_RULE_FORCE_ALL : MS_RULE_PRESSURE;
             out[i].bytes_saved = freed_bytes(&layers[i]);
-            peak = projected_peak(p, layers, n, ckpt, rest);
+            peak = projected_peak(p, layers, n, ckpt, NULL, rest);
         }
     }
 
@@ -269,8 +313,45 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
             out[i].techniques |= MS_TECH_OFFLOAD;
             out[i].tier = tier;
             out[i].bytes_saved = layers[i].saved_bytes;
-            peak = projected_peak(p, layers, n, ckpt, rest);
+            peak = projected_peak(p, layers, n, ckpt, NULL, rest);
         }
+    }
+
+    if (!res->skipped && (base & MS_TECH_TILING)) {
+        int all = p->force || p->mode == MS_MODE_AGGRESSIVE;
+        if (peak <= p->budget_bytes && all) {
+            /* Fits already, but asked for the full stack: every candidate
+               gets the tiles the memory pressure calls for. */
+            for (size_t i = 0; i < n; i++) {
+                if (ckpt[i] && (layers[i].flags & MS_LAYER_TILEABLE)
+                    && layers[i].saved_bytes > 1)
+                {
+                    tiles[i] = pressure_tiles(res->pressure);
+                }
+            }
+        }
+        else {
+            /* Tiling shrinks what a checkpointed layer's recompute holds:
+               while over budget, double the tiles of the layer whose
+               recompute makes the peak, until another term (or a layer
+               that cannot be tiled further) does. */
+            size_t at;
+            int64_t cur = peak_at(p, layers, n, ckpt, tiles, rest, &at);
+            while (cur > p->budget_bytes && at < n
+                   && (layers[at].flags & MS_LAYER_TILEABLE)
+                   && layers[at].saved_bytes > 1 && tiles[at] < MS_MAX_TILES)
+            {
+                tiles[at] *= 2;
+                cur = peak_at(p, layers, n, ckpt, tiles, rest, &at);
+            }
+        }
+        for (size_t i = 0; i < n; i++) {
+            if (tiles[i] > 1) {
+                out[i].techniques |= MS_TECH_TILING;
+                out[i].tiles = tiles[i];
+            }
+        }
+        peak = projected_peak(p, layers, n, ckpt, tiles, rest);
     }
 
     double recomputed = 0.0;
@@ -284,6 +365,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
         p->total_flops > 0.0 ? recomputed / p->total_flops : 0.0;
     res->fits = peak <= p->budget_bytes;
     free(ckpt);
+    free(tiles);
     free(cands);
     return 0;
 }

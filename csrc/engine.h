@@ -19,6 +19,9 @@ enum {
     MS_TECH_TILING = 1u << 2,
 };
 
+/* The most tiles a layer is split into. */
+#define MS_MAX_TILES 16
+
 
 /* Where an offloaded layer's inputs wait for backward. */
 typedef enum {
@@ -50,6 +53,7 @@ typedef enum {
 enum {
     MS_LAYER_INPLACE_INPUT = 1u << 0,
     MS_LAYER_NOT_CALLED = 1u << 1,
+    MS_LAYER_TILEABLE = 1u << 2, /* may be tiled (verified when it first runs) */
 };
 
 typedef struct {
@@ -82,6 +86,7 @@ typedef struct {
     ms_rule rule;
     ms_tier tier;         /* MS_TIER_DEVICE unless offloaded */
     int64_t bytes_saved;  /* predicted, while the layer waits for backward */
+    int tiles;            /* > 1: run in this many tiles (MS_TECH_TILING) */
 } ms_choice;
 
 typedef struct {

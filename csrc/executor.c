@@ -42,6 +42,16 @@ typedef struct {
                               slot in args / kwargs holds an offload record,
                               or NULL */
     Py_ssize_t rpos;
+    Py_ssize_t rend;       /* the recompute stops once rpos reaches this */
+    /* Tiling: the forward ran in `tiles` slices along `dim`; tile j packed
+       the saved tensors [tile_end[j - 1], tile_end[j]) and recomputes on
+       its own, from RNG state tile_rng[j]. tile_end is NULL otherwise. */
+    int tiles;
+    int dim;
+    Py_ssize_t extent;
+    Py_ssize_t *tile_end;
+    PyObject *tile_rng;      /* list of ByteTensor */
+    PyObject *tile_rng_cuda; /* list of lists, or NULL */
     int cpu_autocast;
     int cuda_autocast;
     int recomputing;
@@ -68,9 +78,15 @@ struct Executor {
     PyObject *handles;      /* unit hooks */
     PyObject *root_handles; /* hooks on the root */
     PyObject *stack;        /* Frame or None per active planned call */
+    PyObject *tile_verifier; /* verifier(unit, forward, args, kwargs, tiles)
+                                -> dim or None, or None */
+    PyObject *amp_device;   /* autocast device type (str), or None */
+    PyObject *amp_dtype;    /* autocast dtype, or None */
+    PyObject *amp_stack;    /* per root call: the entered autocast, or None */
     PyObject *store;        /* SpillStore (disk tier) or None */
     PyObject *host;         /* host tier for device tensors, or None */
     unsigned *masks;
+    int *tiles;             /* per unit, from the plan */
     unsigned char *buffers;  /* per unit: BUF_UNKNOWN / BUF_MUTATED / ... */
     Py_ssize_t n;
     long warmup_steps;
@@ -79,6 +95,7 @@ struct Executor {
     long long recomputes;   /* layer recomputations run */
     long long forwards;     /* training forwards of the root seen */
     long long recompute_ns; /* wall time spent recomputing */
+    long long tiled_calls;  /* forwards run in tiles */
     int recompute_depth;
     int paused;             /* > 0: hooks do nothing (see pause()) */
     int active_frames;
@@ -156,6 +173,8 @@ frame_traverse(Frame *self, visitproc visit, void *arg)
     Py_VISIT(self->shapes);
     Py_VISIT(self->recomputed);
     Py_VISIT(self->offloaded);
+    Py_VISIT(self->tile_rng);
+    Py_VISIT(self->tile_rng_cuda);
     return 0;
 }
 
@@ -175,6 +194,8 @@ frame_clear(Frame *self)
     Py_CLEAR(self->shapes);
     Py_CLEAR(self->recomputed);
     Py_CLEAR(self->offloaded);
+    Py_CLEAR(self->tile_rng);
+    Py_CLEAR(self->tile_rng_cuda);
     return 0;
 }
 
@@ -184,6 +205,7 @@ frame_dealloc(Frame *self)
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     (void)frame_clear(self);
+    PyMem_Free(self->tile_end);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }
@@ -219,7 +241,12 @@ frame_new(Executor *ex, Py_ssize_t index, PyObject *unit, PyObject *args,
     f->shapes = PyList_New(0);
     f->rng_cpu = f->rng_cuda = f->cpu_dtype = f->cuda_dtype = NULL;
     f->ctx = f->recomputed = f->offloaded = NULL;
-    f->rpos = 0;
+    f->rpos = f->rend = 0;
+    f->tiles = 1;
+    f->dim = -1;
+    f->extent = 0;
+    f->tile_end = NULL;
+    f->tile_rng = f->tile_rng_cuda = NULL;
     f->cpu_autocast = f->cuda_autocast = 0;
     f->recomputing = 0;
     PyObject_GC_Track(f);
@@ -304,7 +331,9 @@ frame_rpack(Frame *self, PyObject *tensor)
 {
     ms_state *st = self->ex->st;
     Py_ssize_t k = self->rpos++;
-    if (self->recomputed == NULL || k >= PyList_GET_SIZE(self->recomputed)) {
+    if (self->recomputed == NULL || k >= self->rend
+        || k >= PyList_GET_SIZE(self->recomputed))
+    {
         Py_RETURN_NONE; /* counted; reported after the recompute */
     }
     PyObject *shape = PyObject_GetAttr(tensor, st->s_shape);
@@ -337,7 +366,7 @@ frame_rpack(Frame *self, PyObject *tensor)
     if (PyList_SetItem(self->recomputed, k, d) < 0) {
         return NULL;
     }
-    if (k + 1 == PyList_GET_SIZE(self->recomputed)) {
+    if (k + 1 == self->rend) {
         /* Everything backward needs exists: stop the layer here. */
         PyErr_SetNone(st->stop_recompute);
         return NULL;
@@ -776,14 +805,19 @@ error:
 
 static int pop_entry(Executor *ex);
 
-/* Run the layer again under the state its forward ran in. */
+/* Run the layer again under the state its forward ran in: all of it
+   (tile < 0), or one tile of a tiled forward. */
 static int
-frame_recompute(Frame *self)
+frame_recompute(Frame *self, Py_ssize_t tile)
 {
     Executor *ex = self->ex;
     ms_state *st = ex->st;
     PyObject *entered = NULL, *cur_rng = NULL, *cur_cuda = NULL, *out = NULL;
     PyObject *rpack = NULL, *runpack = NULL, *snap = NULL;
+    PyObject *call_args = NULL, *call_kwargs = NULL, *lead_shape = NULL;
+    PyObject *rng = self->rng_cpu, *rng_cuda = self->rng_cuda;
+    Py_ssize_t nshapes = PyList_GET_SIZE(self->shapes);
+    Py_ssize_t start = 0, end = nshapes;
     int rc = -1;
 
     if (self->recomputing) {
@@ -809,31 +843,72 @@ frame_recompute(Frame *self)
     if (self->offloaded != NULL && reload_inputs(self) < 0) {
         return -1;
     }
+    if (tile >= 0) {
+        /* The tile's slice of the (reloaded) inputs, as in the forward. */
+        Py_ssize_t extent, tstart, tlen;
+        start = tile > 0 ? self->tile_end[tile - 1] : 0;
+        end = self->tile_end[tile];
+        rng = PyList_GET_ITEM(self->tile_rng, tile);
+        rng_cuda = self->tile_rng_cuda != NULL
+                       ? PyList_GET_ITEM(self->tile_rng_cuda, tile)
+                       : NULL;
+        if (ms_tile_extent(st, self->args, self->kwargs, self->dim, &extent,
+                           &lead_shape) < 0)
+        {
+            return -1;
+        }
+        if (extent != self->extent) {
+            Py_XDECREF(lead_shape);
+            PyErr_Format(PyExc_RuntimeError,
+                         "memscale: internal error: tiled layer %R has an "
+                         "input of extent %zd where its forward had %zd",
+                         unit_name(ex, self->index), extent, self->extent);
+            return -1;
+        }
+        ms_tile_range(extent, self->tiles, (int)tile, &tstart, &tlen);
+        int sliced = ms_tile_slice(st, self->args, self->kwargs, self->dim,
+                                   lead_shape, tstart, tlen, &call_args,
+                                   &call_kwargs);
+        Py_DECREF(lead_shape);
+        if (sliced < 0) {
+            return -1;
+        }
+    }
+    else {
+        call_args = Py_NewRef(self->args);
+        call_kwargs = Py_NewRef(self->kwargs);
+    }
 
     entered = PyList_New(0);
-    Py_XSETREF(self->recomputed, PyList_New(PyList_GET_SIZE(self->shapes)));
-    if (entered == NULL || self->recomputed == NULL) {
+    if (entered == NULL) {
         goto done;
     }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->recomputed); i++) {
-        PyList_SET_ITEM(self->recomputed, i, Py_NewRef(Py_None));
+    if (tile < 0 || self->recomputed == NULL) {
+        Py_XSETREF(self->recomputed, PyList_New(nshapes));
+        if (self->recomputed == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < nshapes; i++) {
+            PyList_SET_ITEM(self->recomputed, i, Py_NewRef(Py_None));
+        }
     }
-    self->rpos = 0;
+    self->rpos = start;
+    self->rend = end;
 
     /* RNG: run under the forward's state, then put the current one back. */
     cur_rng = PyObject_CallNoArgs(st->get_rng_state);
     if (cur_rng == NULL) {
         goto done;
     }
-    PyObject *r = PyObject_CallOneArg(st->set_rng_state, self->rng_cpu);
+    PyObject *r = PyObject_CallOneArg(st->set_rng_state, rng);
     if (r == NULL) {
         goto done;
     }
     Py_DECREF(r);
-    if (self->rng_cuda != NULL) {
+    if (rng_cuda != NULL) {
         cur_cuda = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
         r = cur_cuda ? PyObject_CallOneArg(st->cuda_set_rng_state_all,
-                                           self->rng_cuda)
+                                           rng_cuda)
                      : NULL;
         if (r == NULL) {
             goto restore;
@@ -869,7 +944,7 @@ frame_recompute(Frame *self)
     ex->recompute_depth++;
     Py_ssize_t depth = PyList_GET_SIZE(ex->stack);
     long long t0 = monotonic_ns();
-    out = PyObject_Call(self->unit, self->args, self->kwargs);
+    out = PyObject_Call(self->unit, call_args, call_kwargs);
     ex->recompute_ns += monotonic_ns() - t0;
     ex->recompute_depth--;
     self->recomputing = 0;
@@ -937,15 +1012,15 @@ restore:
         Py_XDECREF(r1);
         Py_XDECREF(r2);
     }
-    if (rc == 0 && self->rpos != PyList_GET_SIZE(self->shapes)) {
+    if (rc == 0 && self->rpos != end) {
         PyErr_Format(PyExc_RuntimeError,
                      "memscale: recomputing checkpointed layer %R saved %zd "
                      "tensors for backward where its forward saved %zd. The "
                      "layer takes a different path when run again (e.g. it "
                      "depends on global state); exclude it from "
                      "checkpointing.",
-                     unit_name(ex, self->index), self->rpos,
-                     PyList_GET_SIZE(self->shapes));
+                     unit_name(ex, self->index), self->rpos - start,
+                     end - start);
         rc = -1;
     }
     if (rc == 0) {
@@ -963,6 +1038,8 @@ done:
     Py_XDECREF(cur_rng);
     Py_XDECREF(cur_cuda);
     Py_XDECREF(entered);
+    Py_XDECREF(call_args);
+    Py_XDECREF(call_kwargs);
     return rc;
 }
 
@@ -982,7 +1059,24 @@ frame_unpack(Frame *self, PyObject *obj)
         || PyList_GET_ITEM(self->recomputed, k) == Py_None)
     {
         /* First need in this backward (or again, with retain_graph). */
-        if (frame_recompute(self) < 0) {
+        Py_ssize_t tile = -1;
+        if (self->tile_end != NULL) {
+            for (Py_ssize_t j = 0; j < self->tiles; j++) {
+                if (k < self->tile_end[j]) {
+                    tile = j;
+                    break;
+                }
+            }
+            if (tile < 0) {
+                PyErr_Format(PyExc_RuntimeError,
+                             "memscale: tiled layer %R saved a tensor for "
+                             "backward outside its tiles (in a hook around "
+                             "its forward); exclude it from tiling",
+                             unit_name(self->ex, self->index));
+                return NULL;
+            }
+        }
+        if (frame_recompute(self, tile) < 0) {
             return NULL;
         }
     }
@@ -1092,6 +1186,9 @@ open_frame(Executor *ex, PyObject *unit, PyObject *args, PyObject *kwargs)
     if (f == NULL) {
         return NULL;
     }
+    if ((ex->masks[i] & MS_TECH_TILING) && ex->tiles != NULL) {
+        f->tiles = ex->tiles[i]; /* carried out by the layer's _Tiled */
+    }
     PyObject *pack = PyObject_GetAttr((PyObject *)f, st->s_pack);
     PyObject *unpack = PyObject_GetAttr((PyObject *)f, st->s_unpack);
     PyObject *ctx = (pack && unpack)
@@ -1185,6 +1282,316 @@ ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ---- Tiled forwards ----------------------------------------------- */
+
+/* A tiled layer's `forward` while memscale is attached (an instance
+   attribute, removed by detach): inside the layer's checkpoint frame it
+   runs the layer's own forward tile by tile, recording where each tile's
+   saved tensors start and end so that backward recomputes one tile at a
+   time; anywhere else (evaluation, recompute, paused) it is the layer's
+   forward unchanged.  The first tiled call asks the executor's verifier
+   along which dimension the layer may be tiled, if at all. */
+enum { DIM_UNVERIFIED = -1, DIM_DEMOTED = -2 };
+
+typedef struct {
+    PyObject_HEAD
+    Executor *ex;
+    PyObject *unit;
+    PyObject *orig;   /* the forward it stands in for */
+    int dim;          /* >= 0, or DIM_UNVERIFIED / DIM_DEMOTED */
+} Tiled;
+
+static int
+tiled_traverse(Tiled *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->ex);
+    Py_VISIT(self->unit);
+    Py_VISIT(self->orig);
+    return 0;
+}
+
+static int
+tiled_clear(Tiled *self)
+{
+    Py_CLEAR(self->ex);
+    Py_CLEAR(self->unit);
+    Py_CLEAR(self->orig);
+    return 0;
+}
+
+static void
+tiled_dealloc(Tiled *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    (void)tiled_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* The frame this call tiles (borrowed), or NULL to run untiled. */
+static Frame *
+tiled_frame(Tiled *self)
+{
+    Executor *ex = self->ex;
+    if (ex == NULL || ex->stack == NULL || ex->recompute_depth > 0
+        || self->dim == DIM_DEMOTED)
+    {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(ex->stack);
+    if (n == 0) {
+        return NULL;
+    }
+    PyObject *top = PyList_GET_ITEM(ex->stack, n - 1);
+    if (!PyObject_TypeCheck(top, ex->st->frame_type)) {
+        return NULL;
+    }
+    Frame *f = (Frame *)top;
+    /* Only a fresh frame of this layer: nothing saved before the tiles. */
+    if (f->unit != self->unit || f->tiles < 2 || f->tile_end != NULL
+        || f->recomputing || PyList_GET_SIZE(f->shapes) != 0)
+    {
+        return NULL;
+    }
+    return f;
+}
+
+/* Run the tiles of f; the joined output, or NULL with an exception. */
+static PyObject *
+run_tiles(Tiled *self, Frame *f, PyObject *args, PyObject *kwargs,
+          PyObject *lead_shape, int tiles)
+{
+    ms_state *st = self->ex->st;
+    PyObject *outs = PyList_New(0);
+    f->tile_end = PyMem_Calloc((size_t)tiles, sizeof(Py_ssize_t));
+    f->tile_rng = PyList_New(0);
+    if (f->rng_cuda != NULL) {
+        f->tile_rng_cuda = PyList_New(0);
+    }
+    if (outs == NULL || f->tile_end == NULL || f->tile_rng == NULL
+        || (f->rng_cuda != NULL && f->tile_rng_cuda == NULL))
+    {
+        if (f->tile_end == NULL) {
+            PyErr_NoMemory();
+        }
+        goto error;
+    }
+    f->tiles = tiles;
+    for (int j = 0; j < tiles; j++) {
+        Py_ssize_t start, len;
+        PyObject *targs, *tkwargs, *out;
+        PyObject *rng = PyObject_CallNoArgs(st->get_rng_state);
+        int rc = rng ? PyList_Append(f->tile_rng, rng) : -1;
+        Py_XDECREF(rng);
+        if (rc < 0) {
+            goto error;
+        }
+        if (f->tile_rng_cuda != NULL) {
+            rng = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
+            rc = rng ? PyList_Append(f->tile_rng_cuda, rng) : -1;
+            Py_XDECREF(rng);
+            if (rc < 0) {
+                goto error;
+            }
+        }
+        ms_tile_range(f->extent, tiles, j, &start, &len);
+        if (ms_tile_slice(st, args, kwargs, f->dim, lead_shape, start, len,
+                          &targs, &tkwargs) < 0)
+        {
+            goto error;
+        }
+        out = PyObject_Call(self->orig, targs, tkwargs);
+        Py_DECREF(targs);
+        Py_DECREF(tkwargs);
+        if (out == NULL) {
+            goto error;
+        }
+        f->tile_end[j] = PyList_GET_SIZE(f->shapes);
+        rc = PyList_Append(outs, out);
+        Py_DECREF(out);
+        if (rc < 0) {
+            goto error;
+        }
+    }
+    PyObject *res = ms_tile_merge(st, outs, f->dim);
+    Py_DECREF(outs);
+    if (res != NULL) {
+        self->ex->tiled_calls++;
+    }
+    return res;
+error:
+    /* The forward raises: the frame is discarded with its graph. */
+    Py_XDECREF(outs);
+    return NULL;
+}
+
+static PyObject *
+tiled_call(Tiled *self, PyObject *args, PyObject *kwargs)
+{
+    Frame *f = tiled_frame(self);
+    if (f == NULL) {
+        return PyObject_Call(self->orig, args, kwargs);
+    }
+    Executor *ex = self->ex;
+    Py_INCREF(f);
+    PyObject *res = NULL, *lead_shape = NULL;
+    if (self->dim == DIM_UNVERIFIED) {
+        PyObject *kw = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
+        PyObject *n = PyLong_FromLong(f->tiles);
+        PyObject *r = (kw != NULL && n != NULL && ex->tile_verifier != NULL
+                       && ex->tile_verifier != Py_None)
+                          ? PyObject_CallFunctionObjArgs(ex->tile_verifier,
+                                                         self->unit, self->orig,
+                                                         args, kw, n, NULL)
+                          : (kw != NULL && n != NULL ? Py_NewRef(Py_None)
+                                                     : NULL);
+        Py_XDECREF(kw);
+        Py_XDECREF(n);
+        if (r == NULL) {
+            goto done;
+        }
+        if (r == Py_None) {
+            self->dim = DIM_DEMOTED;
+        }
+        else {
+            long d = PyLong_AsLong(r);
+            if (d == -1 && PyErr_Occurred()) {
+                Py_DECREF(r);
+                goto done;
+            }
+            if (d < 0 || d > 64) {
+                Py_DECREF(r);
+                PyErr_Format(PyExc_ValueError,
+                             "memscale: the tiling verifier returned dim %ld",
+                             d);
+                goto done;
+            }
+            self->dim = (int)d;
+        }
+        Py_DECREF(r);
+    }
+    Py_ssize_t extent = 0;
+    if (self->dim >= 0
+        && ms_tile_extent(ex->st, args, kwargs, self->dim, &extent,
+                          &lead_shape) < 0)
+    {
+        goto done;
+    }
+    int tiles = extent < f->tiles ? (int)extent : f->tiles;
+    if (self->dim < 0 || lead_shape == NULL || tiles < 2) {
+        f->tiles = 1;  /* checkpointed whole, as an untiled layer */
+        res = PyObject_Call(self->orig, args, kwargs);
+        goto done;
+    }
+    f->dim = self->dim;
+    f->extent = extent;
+    res = run_tiles(self, f, args, kwargs, lead_shape, tiles);
+done:
+    Py_XDECREF(lead_shape);
+    Py_DECREF(f);
+    return res;
+}
+
+static PyObject *
+tiled_get_wrapped(Tiled *self, void *Py_UNUSED(c))
+{
+    return Py_NewRef(self->orig ? self->orig : Py_None);
+}
+
+static PyObject *
+tiled_get_dim(Tiled *self, void *Py_UNUSED(c))
+{
+    if (self->dim >= 0) {
+        return PyLong_FromLong(self->dim);
+    }
+    return PyUnicode_FromString(self->dim == DIM_DEMOTED ? "demoted"
+                                                         : "unverified");
+}
+
+static PyGetSetDef tiled_getset[] = {
+    {"__wrapped__", (getter)tiled_get_wrapped, NULL,
+     "The layer's own forward.", NULL},
+    {"dim", (getter)tiled_get_dim, NULL,
+     "The tiled dimension, 'unverified' before the first tiled call, or\n"
+     "'demoted' when verification refused tiling.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot tiled_slots[] = {
+    {Py_tp_doc, "A tiled layer's forward while memscale is attached."},
+    {Py_tp_dealloc, tiled_dealloc},
+    {Py_tp_traverse, tiled_traverse},
+    {Py_tp_clear, tiled_clear},
+    {Py_tp_call, tiled_call},
+    {Py_tp_getset, tiled_getset},
+    {0, NULL},
+};
+
+static PyType_Spec tiled_spec = {
+    .name = "memscale._core._TiledForward",
+    .basicsize = sizeof(Tiled),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE
+             | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = tiled_slots,
+};
+
+PyDoc_STRVAR(ex_tiled_forward_doc,
+"tiled_forward($self, index, forward, /)\n--\n\n"
+"A callable to install as unit *index*'s forward: it runs *forward* in\n"
+"tiles when the plan tiles the layer, and unchanged otherwise.");
+
+static PyObject *
+ex_tiled_forward(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "tiled_forward(index, forward)");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[0]);
+    if (i == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (i < 0 || i >= ex->n || ex->units == NULL
+        || i >= PyList_GET_SIZE(ex->units))
+    {
+        PyErr_Format(PyExc_IndexError, "no unit %zd", i);
+        return NULL;
+    }
+    if (!PyCallable_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "forward must be callable");
+        return NULL;
+    }
+    Tiled *t = PyObject_GC_New(Tiled, ex->st->tiled_type);
+    if (t == NULL) {
+        return NULL;
+    }
+    t->ex = (Executor *)Py_NewRef(ex);
+    t->unit = Py_NewRef(PyList_GET_ITEM(ex->units, i));
+    t->orig = Py_NewRef(args[1]);
+    t->dim = DIM_UNVERIFIED;
+    PyObject_GC_Track(t);
+    return (PyObject *)t;
+}
+
+PyDoc_STRVAR(ex_set_tile_verifier_doc,
+"set_tile_verifier($self, verifier, /)\n--\n\n"
+"verifier(unit, forward, args, kwargs, tiles) -> dim or None is called at\n"
+"a tiled layer's first tiled forward: the dimension to tile along, or\n"
+"None to run the layer untiled (checkpointed whole).");
+
+static PyObject *
+ex_set_tile_verifier(Executor *ex, PyObject *verifier)
+{
+    if (verifier != Py_None && !PyCallable_Check(verifier)) {
+        PyErr_SetString(PyExc_TypeError, "verifier must be callable or None");
+        return NULL;
+    }
+    Py_XSETREF(ex->tile_verifier, Py_NewRef(verifier));
+    Py_RETURN_NONE;
+}
+
 static int ex_apply_plan(Executor *ex, PyObject *plan);
 
 /* Leave whatever an interrupted forward (KeyboardInterrupt skips the
@@ -1216,12 +1623,8 @@ drop_stale(Executor *ex, int warn)
 }
 
 static PyObject *
-ex_root_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
+root_pre_body(Executor *ex, PyObject *const *args)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "_root_pre(module, args, kwargs)");
-        return NULL;
-    }
     if (ex->recompute_depth == 0 && drop_stale(ex, 1) < 0) {
         return NULL;
     }
@@ -1284,12 +1687,8 @@ ex_root_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
-ex_root_post(Executor *ex, PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
+root_post_body(Executor *ex)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "_root_post(module, args, output)");
-        return NULL;
-    }
     /* End of the forward: writes still in flight finish now, so that their
        tensors are gone before backward (the step's peak) starts. */
     if (HAS(ex->store) && ex->recompute_depth == 0 && ex->paused == 0
@@ -1351,6 +1750,130 @@ ex_root_post(Executor *ex, PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* Mixed precision: every forward of the root runs under the autocast the
+   executor was given (set_autocast), entered last in the root's pre-hook
+   and left first in its always_call post-hook.  Recomputes replay the
+   autocast state their frame recorded, so they match. */
+static int
+amp_enter(Executor *ex)
+{
+    PyObject *ctx = Py_None;
+    if (HAS(ex->amp_device) && ex->recompute_depth == 0) {
+        ctx = make_autocast(ex->st, ex->amp_device, ex->amp_dtype, 1);
+        if (ctx == NULL) {
+            return -1;
+        }
+        if (ms_call_enter(ex->st, ctx) < 0) {
+            Py_DECREF(ctx);
+            return -1;
+        }
+    }
+    else {
+        Py_INCREF(ctx);
+    }
+    int rc = PyList_Append(ex->amp_stack, ctx);
+    if (rc < 0 && ctx != Py_None) {
+        (void)ms_call_exit(ex->st, ctx);
+    }
+    Py_DECREF(ctx);
+    return rc;
+}
+
+static int
+amp_leave(Executor *ex)
+{
+    Py_ssize_t n = ex->amp_stack ? PyList_GET_SIZE(ex->amp_stack) : 0;
+    if (n == 0) {
+        return 0; /* the pre-hook failed before entering */
+    }
+    PyObject *ctx = Py_NewRef(PyList_GET_ITEM(ex->amp_stack, n - 1));
+    int rc = PyList_SetSlice(ex->amp_stack, n - 1, n, NULL);
+    if (ctx != Py_None && ms_call_exit(ex->st, ctx) < 0) {
+        rc = -1;
+    }
+    Py_DECREF(ctx);
+    return rc;
+}
+
+static PyObject *
+ex_root_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_root_pre(module, args, kwargs)");
+        return NULL;
+    }
+    PyObject *r = root_pre_body(ex, args);
+    if (r == NULL || amp_enter(ex) < 0) {
+        Py_XDECREF(r);
+        return NULL;
+    }
+    return r;
+}
+
+static PyObject *
+ex_root_post(Executor *ex, PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_root_post(module, args, output)");
+        return NULL;
+    }
+    if (amp_leave(ex) < 0) {
+        /* Still finish the pass (profiling, spill flush), then raise. */
+        ms_exc_state saved;
+        ms_exc_save(&saved);
+        PyObject *r = root_post_body(ex);
+        if (r == NULL) {
+            PyErr_WriteUnraisable((PyObject *)ex);
+        }
+        Py_XDECREF(r);
+        ms_exc_restore(&saved);
+        return NULL;
+    }
+    return root_post_body(ex);
+}
+
+PyDoc_STRVAR(ex_set_autocast_doc,
+"set_autocast($self, device_type, dtype, /)\n--\n\n"
+"Run every forward of the model under torch.autocast(device_type, dtype);\n"
+"set_autocast(None, None) stops it.");
+
+static PyObject *
+ex_set_autocast(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set_autocast(device_type, dtype)");
+        return NULL;
+    }
+    if ((args[0] == Py_None) != (args[1] == Py_None)
+        || (args[0] != Py_None && !PyUnicode_Check(args[0])))
+    {
+        PyErr_SetString(PyExc_TypeError,
+                        "set_autocast takes a device type (str) and a dtype, "
+                        "or None and None");
+        return NULL;
+    }
+    if (args[0] != Py_None) {
+        /* Fail now, not in the next forward. */
+        PyObject *probe = make_autocast(ex->st, args[0], args[1], 1);
+        if (probe == NULL) {
+            return NULL;
+        }
+        Py_DECREF(probe);
+    }
+    Py_XSETREF(ex->amp_device, Py_NewRef(args[0]));
+    Py_XSETREF(ex->amp_dtype, Py_NewRef(args[1]));
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+ex_get_autocast(Executor *ex, void *Py_UNUSED(c))
+{
+    if (!HAS(ex->amp_device)) {
+        Py_RETURN_NONE;
+    }
+    return PyTuple_Pack(2, ex->amp_device, ex->amp_dtype);
+}
+
 /* ---- Executor: lifecycle ------------------------------------------ */
 
 static int
@@ -1359,6 +1882,7 @@ ex_apply_plan(Executor *ex, PyObject *plan)
     ms_state *st = ex->st;
     PyObject *chosen = NULL, *pre = NULL, *post = NULL;
     unsigned *masks = NULL;
+    int *tiles = NULL;
     int rc = -1;
 
     if (!PyObject_TypeCheck(plan, st->plan_type)) {
@@ -1381,15 +1905,18 @@ ex_apply_plan(Executor *ex, PyObject *plan)
         return -1;
     }
     masks = PyMem_Calloc(ex->n ? (size_t)ex->n : 1, sizeof(unsigned));
+    tiles = PyMem_Calloc(ex->n ? (size_t)ex->n : 1, sizeof(int));
     chosen = PyList_New(0);
-    if (masks == NULL || chosen == NULL) {
-        if (masks == NULL) {
+    if (masks == NULL || tiles == NULL || chosen == NULL) {
+        if (masks == NULL || tiles == NULL) {
             PyErr_NoMemory();
         }
         goto done;
     }
     for (Py_ssize_t i = 0; i < ex->n; i++) {
-        if (ms_plan_layer_mask(plan, i, &masks[i]) < 0) {
+        if (ms_plan_layer_mask(plan, i, &masks[i]) < 0
+            || ms_plan_layer_tiles(plan, i, &tiles[i]) < 0)
+        {
             goto done;
         }
         if (masks[i] != 0
@@ -1410,6 +1937,8 @@ ex_apply_plan(Executor *ex, PyObject *plan)
     }
     PyMem_Free(ex->masks);
     ex->masks = NULL;
+    PyMem_Free(ex->tiles);
+    ex->tiles = NULL;
     Py_XSETREF(ex->plan, Py_NewRef(Py_None));  /* its hooks are gone */
     pre = PyUnicode_InternFromString("_pre");
     post = PyUnicode_InternFromString("_post");
@@ -1421,10 +1950,13 @@ ex_apply_plan(Executor *ex, PyObject *plan)
     }
     ex->masks = masks;
     masks = NULL;
+    ex->tiles = tiles;
+    tiles = NULL;
     Py_XSETREF(ex->plan, Py_NewRef(plan));
     rc = 0;
 done:
     PyMem_Free(masks);
+    PyMem_Free(tiles);
     Py_XDECREF(chosen);
     Py_XDECREF(pre);
     Py_XDECREF(post);
@@ -1590,6 +2122,11 @@ ex_detach(Executor *ex, PyObject *Py_UNUSED(ignored))
     ex->root_in_pass = 0;
     PyMem_Free(ex->masks);
     ex->masks = NULL;
+    PyMem_Free(ex->tiles);
+    ex->tiles = NULL;
+    Py_XSETREF(ex->tile_verifier, Py_NewRef(Py_None));
+    Py_XSETREF(ex->amp_device, Py_NewRef(Py_None));
+    Py_XSETREF(ex->amp_dtype, Py_NewRef(Py_None));
     Py_XSETREF(ex->profiler, Py_NewRef(Py_None));
     Py_XSETREF(ex->on_profiled, Py_NewRef(Py_None));
     Py_XSETREF(ex->store, Py_NewRef(Py_None));
@@ -1646,6 +2183,10 @@ ex_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     ex->on_profiled = Py_NewRef(Py_None);
     ex->store = Py_NewRef(Py_None);
     ex->host = Py_NewRef(Py_None);
+    ex->tile_verifier = Py_NewRef(Py_None);
+    ex->amp_device = Py_NewRef(Py_None);
+    ex->amp_dtype = Py_NewRef(Py_None);
+    ex->amp_stack = PyList_New(0);
     ex->model_ref = PyWeakref_NewRef(model, NULL);
     ex->units = PyList_New(0);
     ex->names = PyList_New(0);
@@ -1653,7 +2194,8 @@ ex_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     ex->handles = PyList_New(0);
     ex->root_handles = PyList_New(0);
     ex->stack = PyList_New(0);
-    if (ex->model_ref == NULL || ex->units == NULL || ex->names == NULL
+    if (ex->model_ref == NULL || ex->amp_stack == NULL || ex->units == NULL
+        || ex->names == NULL
         || ex->index_of == NULL || ex->handles == NULL
         || ex->root_handles == NULL || ex->stack == NULL)
     {
@@ -1750,6 +2292,10 @@ ex_traverse(Executor *ex, visitproc visit, void *arg)
     Py_VISIT(ex->stack);
     Py_VISIT(ex->store);
     Py_VISIT(ex->host);
+    Py_VISIT(ex->tile_verifier);
+    Py_VISIT(ex->amp_device);
+    Py_VISIT(ex->amp_dtype);
+    Py_VISIT(ex->amp_stack);
     return 0;
 }
 
@@ -1769,6 +2315,10 @@ ex_clear(Executor *ex)
     Py_CLEAR(ex->stack);
     Py_CLEAR(ex->store);
     Py_CLEAR(ex->host);
+    Py_CLEAR(ex->tile_verifier);
+    Py_CLEAR(ex->amp_device);
+    Py_CLEAR(ex->amp_dtype);
+    Py_CLEAR(ex->amp_stack);
     Py_CLEAR(ex->module);
     return 0;
 }
@@ -1780,6 +2330,7 @@ ex_dealloc(Executor *ex)
     PyObject_GC_UnTrack(ex);
     (void)ex_clear(ex);
     PyMem_Free(ex->masks);
+    PyMem_Free(ex->tiles);
     PyMem_Free(ex->buffers);
     tp->tp_free((PyObject *)ex);
     Py_DECREF(tp);
@@ -1825,11 +2376,12 @@ ex_get_stats(Executor *ex, void *Py_UNUSED(c))
     if (ex->handles != NULL && ex->root_handles != NULL) {
         hooks = PyList_GET_SIZE(ex->handles) + PyList_GET_SIZE(ex->root_handles);
     }
-    return Py_BuildValue("{slsLsLsLsdsisn}", "steps", ex->steps,
+    return Py_BuildValue("{slsLsLsLsdsisnsL}", "steps", ex->steps,
                          "checkpoint_frames", ex->frames, "recomputes",
                          ex->recomputes, "training_forwards", ex->forwards,
                          "recompute_seconds", (double)ex->recompute_ns / 1e9,
-                         "active_frames", ex->active_frames, "hooks", hooks);
+                         "active_frames", ex->active_frames, "hooks", hooks,
+                         "tiled_calls", ex->tiled_calls);
 }
 
 static PyObject *
@@ -1847,6 +2399,12 @@ static PyMethodDef ex_methods[] = {
     {"set_offload", (PyCFunction)(void (*)(void))ex_set_offload,
      METH_FASTCALL, ex_set_offload_doc},
     {"resume", (PyCFunction)ex_resume, METH_NOARGS, ex_resume_doc},
+    {"tiled_forward", (PyCFunction)(void (*)(void))ex_tiled_forward,
+     METH_FASTCALL, ex_tiled_forward_doc},
+    {"set_tile_verifier", (PyCFunction)ex_set_tile_verifier, METH_O,
+     ex_set_tile_verifier_doc},
+    {"set_autocast", (PyCFunction)(void (*)(void))ex_set_autocast,
+     METH_FASTCALL, ex_set_autocast_doc},
     {"_pre", (PyCFunction)(void (*)(void))ex_pre, METH_FASTCALL, NULL},
     {"_post", (PyCFunction)(void (*)(void))ex_post, METH_FASTCALL, NULL},
     {"_root_pre", (PyCFunction)(void (*)(void))ex_root_pre, METH_FASTCALL,
@@ -1865,10 +2423,12 @@ static PyGetSetDef ex_getset[] = {
     {"stats", (getter)ex_get_stats, NULL,
      "Counters (a new dict): steps (profiled warm-up passes),\n"
      "checkpoint_frames, recomputes, training_forwards, recompute_seconds,\n"
-     "active_frames, hooks.",
+     "active_frames, hooks, tiled_calls.",
      NULL},
     {"layer_names", (getter)ex_get_names, NULL,
      "Names of the planning units.", NULL},
+    {"autocast", (getter)ex_get_autocast, NULL,
+     "(device_type, dtype) every forward runs under, or None.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1905,6 +2465,11 @@ ms_executor_init_types(PyObject *module, ms_state *st)
     st->frame_type =
         (PyTypeObject *)PyType_FromModuleAndSpec(module, &frame_spec, NULL);
     if (st->frame_type == NULL) {
+        return -1;
+    }
+    st->tiled_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(module, &tiled_spec, NULL);
+    if (st->tiled_type == NULL) {
         return -1;
     }
     st->executor_type =

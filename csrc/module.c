@@ -163,7 +163,15 @@ PyDoc_STRVAR(adamw8bit_doc,
 "float32 scale per block of `block` elements).  Releases the GIL and\n"
 "splits the blocks over `threads` threads.");
 
+PyDoc_STRVAR(tile_call_doc,
+"tile_call($module, fn, args, kwargs, dim, tiles, /)\n--\n\n"
+"Call fn on `tiles` consecutive slices of its tensor arguments along\n"
+"`dim` and join the outputs along `dim`: the tiled call the executor makes,\n"
+"without checkpoint frames (for verifying a layer is row-independent).");
+
 static PyMethodDef module_methods[] = {
+    {"tile_call", (PyCFunction)(void (*)(void))ms_tile_call, METH_FASTCALL,
+     tile_call_doc},
     {"find_units", (PyCFunction)find_units, METH_O, find_units_doc},
     {"detect_hardware", (PyCFunction)(void (*)(void))ms_detect_hardware,
      METH_VARARGS | METH_KEYWORDS, detect_hardware_doc},
@@ -261,7 +269,8 @@ module_exec(PyObject *module)
         || lookup(&st->cuda_set_rng_state_all, st->torch,
                   "cuda.set_rng_state_all") < 0
         || lookup(&st->empty_strided, st->torch, "empty_strided") < 0
-        || lookup(&st->strided, st->torch, "strided") < 0)
+        || lookup(&st->strided, st->torch, "strided") < 0
+        || lookup(&st->cat, st->torch, "cat") < 0)
     {
         return -1;
     }
@@ -338,7 +347,10 @@ module_exec(PyObject *module)
         || PyModule_AddIntConstant(module, "TECH_CHECKPOINT",
                                    MS_TECH_CHECKPOINT) < 0
         || PyModule_AddIntConstant(module, "TECH_OFFLOAD", MS_TECH_OFFLOAD) < 0
-        || PyModule_AddIntConstant(module, "TECH_TILING", MS_TECH_TILING) < 0)
+        || PyModule_AddIntConstant(module, "TECH_TILING", MS_TECH_TILING) < 0
+        || PyModule_AddIntConstant(module, "LAYER_TILEABLE",
+                                   MS_LAYER_TILEABLE) < 0
+        || PyModule_AddIntConstant(module, "MAX_TILES", MS_MAX_TILES) < 0)
     {
         return -1;
     }
@@ -347,7 +359,7 @@ module_exec(PyObject *module)
 
 #define MS_VISIT_ALL(op)                                                      \
     op(plan_type) op(layer_plan_type) op(executor_type) op(frame_type)       \
-    op(handle_type) op(profiler_type) op(torch)                \
+    op(handle_type) op(tiled_type) op(profiler_type) op(torch)                \
     op(tensor_type) op(torch_module_type) op(module_list_type) op(sequential_type)                 \
     op(get_rng_state) op(set_rng_state) op(is_grad_enabled) op(enable_grad)  \
     op(autocast) op(is_autocast_enabled) op(get_autocast_dtype)              \
@@ -365,7 +377,7 @@ module_exec(PyObject *module)
     op(s_device) op(s_type) op(s_is_contiguous) op(s_numel)                  \
     op(s_element_size) op(s_data_ptr) op(s_stride) op(s_requires_grad)      \
     op(s_requires_grad_) op(s_get) op(s_put) op(strided) op(s_layout)        \
-    op(s_is_conj) op(s_is_neg)
+    op(s_is_conj) op(s_is_neg) op(cat)
 
 static int
 module_traverse(PyObject *module, visitproc visit, void *arg)

@@ -34,6 +34,7 @@ typedef struct {
     PyTypeObject *executor_type;
     PyTypeObject *frame_type;
     PyTypeObject *handle_type;
+    PyTypeObject *tiled_type;
     PyTypeObject *profiler_type;
     PyTypeObject *spilled_type;
     PyTypeObject *spill_store_type;
@@ -59,6 +60,7 @@ typedef struct {
     PyObject *stop_recompute;       /* our exception: recompute is done */
     PyObject *empty_strided;        /* torch.empty_strided */
     PyObject *strided;              /* torch.strided */
+    PyObject *cat;                  /* torch.cat */
 
     /* Interned names. */
     PyObject *s_register_forward_pre_hook;
@@ -193,6 +195,24 @@ int ms_spill_flush(PyObject *store);
 int ms_spill_new_step(PyObject *store);
 int ms_is_spilled(ms_state *st, PyObject *obj);
 
+/* tiling.c: slicing a layer's inputs into tiles, joining the outputs. */
+/* The lead tensor's extent along dim and its shape (new reference), or
+   *extent = 0 and *lead_shape = NULL when there is nothing to tile. */
+int ms_tile_extent(ms_state *st, PyObject *args, PyObject *kwargs, int dim,
+                   Py_ssize_t *extent, PyObject **lead_shape);
+/* Start and length of tile j of `tiles` over `extent`. */
+void ms_tile_range(Py_ssize_t extent, int tiles, int j, Py_ssize_t *start,
+                   Py_ssize_t *len);
+/* The arguments of one tile (new references). */
+int ms_tile_slice(ms_state *st, PyObject *args, PyObject *kwargs, int dim,
+                  PyObject *lead_shape, Py_ssize_t start, Py_ssize_t len,
+                  PyObject **targs, PyObject **tkwargs);
+/* The tiles' outputs (a non-empty list) joined along dim. */
+PyObject *ms_tile_merge(ms_state *st, PyObject *outs, int dim);
+/* Module function tile_call(fn, args, kwargs, dim, tiles). */
+PyObject *ms_tile_call(PyObject *module, PyObject *const *args,
+                       Py_ssize_t nargs);
+
 /* adam8bit.c: the 8-bit AdamW update (module function). */
 PyObject *ms_adamw8bit_step(PyObject *module, PyObject *args,
                             PyObject *kwargs);
@@ -201,6 +221,8 @@ PyObject *ms_adamw8bit_step(PyObject *module, PyObject *args,
 PyObject *ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs);
 /* Technique mask of layer i of a plan, or -1 with an exception set. */
 int ms_plan_layer_mask(PyObject *plan, Py_ssize_t i, unsigned *mask);
+/* Tile count of layer i (1: not tiled), or -1 with an exception set. */
+int ms_plan_layer_tiles(PyObject *plan, Py_ssize_t i, int *tiles);
 
 /* profiler.c: module-level functions and hook helpers. */
 int ms_register_unit_hooks(ms_state *st, PyObject *owner, PyObject *units,

@@ -29,6 +29,7 @@ typedef struct {
     long long input_bytes;
     double flops;
     unsigned mask;
+    int tiles;
 } LayerPlan;
 
 typedef struct {
@@ -96,10 +97,10 @@ static PyObject *
 layer_repr(LayerPlan *self)
 {
     return PyUnicode_FromFormat("LayerPlan(%zd, %R, kind=%R, techniques=%R, "
-                                "rule=%R, tier=%R, bytes_saved=%lld)",
+                                "rule=%R, tier=%R, tiles=%d, bytes_saved=%lld)",
                                 self->index, self->name, self->kind,
                                 self->techniques, self->rule, self->tier,
-                                self->bytes_saved);
+                                self->tiles, self->bytes_saved);
 }
 
 static PyMemberDef layer_members[] = {
@@ -126,6 +127,8 @@ static PyMemberDef layer_members[] = {
      Py_READONLY, "Input bytes checkpointing keeps."},
     {"flops", Py_T_DOUBLE, offsetof(LayerPlan, flops), Py_READONLY,
      "Forward FLOPs of the layer."},
+    {"tiles", Py_T_INT, offsetof(LayerPlan, tiles), Py_READONLY,
+     "Tiles the layer's input is split into (1: not tiled)."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -313,6 +316,7 @@ plan_to_json_str(Plan *p)
             || sb_key(&b, "techniques", 0) < 0 || sb_mask(&b, l->mask) < 0
             || sb_key(&b, "rule", 0) < 0 || sb_jstr(&b, l->rule) < 0
             || sb_key(&b, "tier", 0) < 0 || sb_jstr(&b, l->tier) < 0
+            || sb_key(&b, "tiles", 0) < 0 || sb_ll(&b, (long long)l->tiles) < 0
             || sb_key(&b, "bytes_saved", 0) < 0
             || sb_ll(&b, l->bytes_saved) < 0
             || sb_key(&b, "param_bytes", 0) < 0
@@ -524,6 +528,18 @@ ms_plan_layer_mask(PyObject *plan, Py_ssize_t i, unsigned *mask)
     return 0;
 }
 
+int
+ms_plan_layer_tiles(PyObject *plan, Py_ssize_t i, int *tiles)
+{
+    Plan *p = (Plan *)plan;
+    if (i < 0 || i >= PyTuple_GET_SIZE(p->layers)) {
+        PyErr_SetString(PyExc_IndexError, "plan layer index out of range");
+        return -1;
+    }
+    *tiles = ((LayerPlan *)PyTuple_GET_ITEM(p->layers, i))->tiles;
+    return 0;
+}
+
 /* ---- build_plan --------------------------------------------------- */
 
 static int
@@ -569,6 +585,7 @@ make_layer(ms_state *st, Py_ssize_t index, PyObject *name, PyObject *kind,
     l->input_bytes = in->input_bytes;
     l->flops = in->flops;
     l->mask = c->techniques;
+    l->tiles = c->tiles;
     PyObject_GC_Track(l);
 
     Py_ssize_t nt = 0;
@@ -603,7 +620,8 @@ error:
 /* Sizes above this are not a real device: refusing them keeps every sum
    the engine makes far from int64 overflow. */
 #define MS_MAX_BYTES (1LL << 50)
-#define MS_KNOWN_FLAGS (MS_LAYER_INPLACE_INPUT | MS_LAYER_NOT_CALLED)
+#define MS_KNOWN_FLAGS                                                        \
+    (MS_LAYER_INPLACE_INPUT | MS_LAYER_NOT_CALLED | MS_LAYER_TILEABLE)
 #define MS_KNOWN_TECH (MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING)
 
 static int

@@ -25,7 +25,7 @@ GIB = 1 << 30
 
 # Techniques the executor can carry out in this release.  A technique a mode
 # or Config asks for beyond these is reported (never silently dropped).
-IMPLEMENTED = _core.TECH_CHECKPOINT | _core.TECH_OFFLOAD
+IMPLEMENTED = _core.TECH_CHECKPOINT | _core.TECH_OFFLOAD | _core.TECH_TILING
 
 TECHNIQUE_BITS = {
     "checkpoint": _core.TECH_CHECKPOINT,
@@ -222,12 +222,16 @@ def profile_upfront(model: torch.nn.Module, units: list[tuple[str, torch.nn.Modu
 
 def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]],
                  method: str) -> Profile:
+    from . import tiling
+
     layers = []
     details = []
-    for (name, module), r in zip(units, profiler.results()):
+    for (name, module), r, tile_flag in zip(units, profiler.results(),
+                                            tiling.layer_flags(units)):
         kind = type(module).__name__
         layers.append((name, kind, r["param_bytes"], r["saved_bytes"],
-                       r["input_bytes"], float(r["flops"]), r["flags"]))
+                       r["input_bytes"], float(r["flops"]),
+                       r["flags"] | tile_flag))
         details.append({"name": name, "kind": kind, **r})
     return Profile(tuple(layers), profiler.total_saved_bytes,
                    float(profiler.total_flops), method, tuple(details))
@@ -352,7 +356,10 @@ def plan_table(plan: Any) -> str:
     """The plan as the log shows it: one row per layer."""
     rows = [("layer", "kind", "technique", "tier", "bytes saved", "rule")]
     for layer in plan.layers:
-        rows.append((layer.name, layer.kind, "+".join(layer.techniques) or "-",
+        technique = "+".join(layer.techniques) or "-"
+        if layer.tiles > 1:
+            technique += f" x{layer.tiles}"
+        rows.append((layer.name, layer.kind, technique,
                      layer.tier, format_bytes(layer.bytes_saved), layer.rule))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [

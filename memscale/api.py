@@ -16,7 +16,8 @@ from typing import Any, Iterator
 
 import torch
 
-from . import _core, _planning, _telemetry, distributed, observability, offload, policy
+from . import (_core, _planning, _telemetry, amp, distributed, observability, offload,
+               policy, tiling)
 from .config import AsyncOffloadConfig, Config
 from .executor import Executor
 
@@ -27,7 +28,6 @@ ATTR = "_memscale_executor"
 # Config fields whose technique is not part of this release: accepted,
 # validated, and reported when set, never silently ignored.
 _NOT_YET = {
-    "use_mixed_precision": "mixed precision",
     "use_8bit_optimizer": "the 8-bit optimizer",
 }
 
@@ -76,7 +76,9 @@ def _report_unavailable(config: Config) -> None:
                 logger.warning(
                     "memscale: Config.use_8bit_optimizer is set, but wrap() is "
                     "given no optimizer to replace; build yours with "
-                    "memscale.optim.make_8bit_adamw(model.parameters(), lr=...)")
+                    "memscale.optim.make_8bit_adamw(model.parameters(), lr=...), "
+                    "or let memscale.apply_all_optimizations(model, optimizer) "
+                    "replace it")
                 continue
             logger.warning("memscale: Config.%s is set, but %s is not part of "
                            "this release yet; it is not applied", field, what)
@@ -243,16 +245,18 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
     # is not seen (or counted) as a training forward.
     profile = None
     if sample_input is not None:
-        profile = _planning.profile_upfront(model, units, sample_input, config)
-        # Plan from the OOM predictor's peak (a simulated step on fake
-        # tensors), so that the plan and predict_peak() agree.
-        offset = _planning.predicted_offset(model, sample_input, optimizer,
-                                            profile, config, hardware, fixed)
+        with amp.profiling_context(config, hardware):
+            profile = _planning.profile_upfront(model, units, sample_input, config)
+            # Plan from the OOM predictor's peak (a simulated step on fake
+            # tensors), so that the plan and predict_peak() agree.
+            offset = _planning.predicted_offset(model, sample_input, optimizer,
+                                                profile, config, hardware, fixed)
     executor = Executor(model, units, warmup_steps=config.warmup_steps)
     try:
         method = profile.method if profile is not None else "warmup"
         executor._init_python_state(config, hardware, method)
         executor.on_detach(observability.attach_logging(config))
+        amp.attach(executor, model, config, hardware)
         if config.observability_port is not None:
             executor.metrics_server = observability.start_metrics_server(
                 executor, config.observability_port)
@@ -264,6 +268,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
                 profile, plan_config, hardware, fixed, peak_offset=offset))
             _log_plan(config, hardware, plan)
             offload.attach(executor, plan_config, hardware, plan)
+            tiling.install(executor, units, plan)
             executor.apply(plan)
             _after_plan(model, executor, plan)
         else:
@@ -282,6 +287,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
                     warm, plan_config, hardware, fixed))
                 _log_plan(config, hardware, plan)
                 offload.attach(executor, plan_config, hardware, plan)
+                tiling.install(executor, units, plan)
                 _after_plan(model, executor, plan)
                 _telemetry.plan_built(executor, plan, model)
                 return plan

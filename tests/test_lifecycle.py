@@ -274,14 +274,20 @@ def test_fields_not_in_this_release_are_reported(caplog):
     memscale.detach(model)
 
 
-def test_aggressive_mode_reports_tiling_unavailable(caplog):
+def test_aggressive_mode_tiles_and_detach_restores_forward(caplog):
     model = mlp()
+    forwards = [m.forward for m in model]
     with caplog.at_level(logging.INFO, logger="memscale"):
         memscale.wrap(model, memscale.Config(mode="aggressive", force_optimize=True),
                       sample_input=torch.randn(2, 32))
-    assert "tiling not available" in caplog.text
-    assert model._memscale_executor.plan.technique_counts["checkpoint"] == 4
+    plan = model._memscale_executor.plan
+    assert "not available" not in caplog.text
+    assert plan.technique_counts["checkpoint"] == 4
+    assert plan.technique_counts["tiling"] == 4
+    assert all("forward" in m.__dict__ for m in model)
     memscale.detach(model)
+    assert all("forward" not in m.__dict__ for m in model)
+    assert [m.forward for m in model] == forwards
 
 
 def test_plan_is_logged_as_a_table(caplog):

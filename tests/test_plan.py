@@ -28,7 +28,7 @@ PLAN_KEYS = [
     "total_flops", "recompute_ratio", "skipped", "fits", "layers",
 ]
 LAYER_KEYS = [
-    "index", "name", "kind", "techniques", "rule", "tier", "bytes_saved",
+    "index", "name", "kind", "techniques", "rule", "tier", "tiles", "bytes_saved",
     "param_bytes", "saved_bytes", "input_bytes", "flops",
 ]
 TECHNIQUES = ["checkpoint", "offload", "tiling"]
@@ -254,9 +254,13 @@ def test_mode_changes_the_plan_not_the_decision(mode):
     assert plan.mode == mode
     assert json.loads(plan.to_json())["mode"] == mode
     # The layers' inputs are under min_offload_bytes (1 MiB by default), so
-    # offload has nothing to move and every mode decides the same.
-    assert [(l.techniques, l.rule) for l in plan.layers] == \
-        [(l.techniques, l.rule) for l in base.layers]
+    # offload has nothing to move and every mode checkpoints the same;
+    # AGGRESSIVE tiles every checkpointed layer on top (2 tiles at this
+    # pressure).
+    assert [(tuple(t for t in l.techniques if t != "tiling"), l.rule)
+            for l in plan.layers] == [(l.techniques, l.rule) for l in base.layers]
+    assert [l.tiles for l in plan.layers] == [
+        2 if mode == "aggressive" and l.techniques else 1 for l in plan.layers]
     assert (plan.hash == base.hash) == (mode == "conservative")
 
 

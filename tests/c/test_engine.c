@@ -13,7 +13,8 @@
  *                           max_{i checkpointed} sum_{j<i} h_j + saved_i)
  *
  * with h_j = input_j for a checkpointed layer and saved_j otherwise, and
- * rest = activation_bytes - sum_j saved_j (never below 0).
+ * rest = activation_bytes - sum_j saved_j (never below 0).  A layer tiled
+ * in t tiles holds ceil(saved_i / t) at its recompute instead of saved_i.
  */
 #include "../../csrc/engine.h"
 
@@ -162,10 +163,11 @@ ineligible_rule(const ms_layer *l)
     return MS_RULE_NO_SAVINGS;
 }
 
-/* The documented memory model, evaluated for the set marked in `ck`. */
+/* The documented memory model, evaluated for the set marked in `ck` and
+   the tile counts `tiles` (NULL: none tiled). */
 static int64_t
-ref_peak(const ms_problem *p, const ms_layer *L, size_t n,
-         const unsigned char *ck)
+ref_peak_tiled(const ms_problem *p, const ms_layer *L, size_t n,
+               const unsigned char *ck, const int *tiles)
 {
     int64_t in_layers = sum_saved(L, n);
     int64_t rest = p->activation_bytes - in_layers;
@@ -185,11 +187,28 @@ ref_peak(const ms_problem *p, const ms_layer *L, size_t n,
         for (size_t j = 0; j < i; j++) {
             before += ck[j] ? L[j].input_bytes : L[j].saved_bytes;
         }
-        if (before + L[i].saved_bytes > worst) {
-            worst = before + L[i].saved_bytes;
+        int64_t held = L[i].saved_bytes;
+        if (tiles != NULL && tiles[i] > 1) {
+            held = (held + tiles[i] - 1) / tiles[i];
+        }
+        if (before + held > worst) {
+            worst = before + held;
         }
     }
     return p->fixed_bytes + rest + worst;
+}
+
+static int64_t
+ref_peak(const ms_problem *p, const ms_layer *L, size_t n,
+         const unsigned char *ck)
+{
+    return ref_peak_tiled(p, L, n, ck, NULL);
+}
+
+static int
+tiling_on(const ms_problem *p)
+{
+    return (p->allowed & MS_TECH_TILING) != 0;
 }
 
 static int
@@ -206,20 +225,39 @@ check_invariants(const ms_problem *p, const ms_layer *L, size_t n,
                  const ms_choice *out, const ms_result *r)
 {
     unsigned char *ck = calloc(n ? n : 1, 1);
+    int *tiles = malloc((n ? n : 1) * sizeof(int));
     int all_eligible_chosen = 1, any_chosen = 0, bad_rule = 0, bad_tech = 0,
-        bad_saved = 0;
-    if (ck == NULL) {
-        CHECKC(ck != NULL);
+        bad_saved = 0, bad_tiles = 0;
+    if (ck == NULL || tiles == NULL) {
+        CHECKC(ck != NULL && tiles != NULL);
+        free(ck);
+        free(tiles);
         return;
     }
     for (size_t i = 0; i < n; i++) {
         ck[i] = out[i].techniques != 0;
         any_chosen |= ck[i];
+        tiles[i] = out[i].tiles;
         if (!rule_ok(out[i].rule)) {
             bad_rule = 1;
         }
-        if (out[i].techniques & ~(unsigned)MS_TECH_CHECKPOINT) {
+        if (out[i].techniques
+            & ~(unsigned)(MS_TECH_CHECKPOINT | MS_TECH_TILING))
+        {
             bad_tech = 1;
+        }
+        /* Tiled: checkpointed, a candidate, allowed, a power of two. */
+        int t = out[i].tiles;
+        if (out[i].techniques & MS_TECH_TILING) {
+            if (!(out[i].techniques & MS_TECH_CHECKPOINT)
+                || !(L[i].flags & MS_LAYER_TILEABLE) || !tiling_on(p)
+                || t < 2 || t > MS_MAX_TILES || (t & (t - 1)) != 0)
+            {
+                bad_tiles = 1;
+            }
+        }
+        else if (t != 1) {
+            bad_tiles = 1;
         }
         if (ck[i]
             && (!eligible(&L[i])
@@ -240,17 +278,45 @@ check_invariants(const ms_problem *p, const ms_layer *L, size_t n,
     CHECKC(!bad_rule);
     CHECKC(!bad_tech);
     CHECKC(!bad_saved);
+    CHECKC(!bad_tiles);
     CHECKC(!(r->skipped && any_chosen));
     CHECKC(r->skipped == (!p->force && r->peak_unoptimized <= p->budget_bytes));
     CHECKC(r->fits == (r->peak_projected <= p->budget_bytes));
     CHECKC(r->peak_projected <= r->peak_unoptimized);
-    CHECKC(r->peak_projected == ref_peak(p, L, n, ck));
+    CHECKC(r->peak_projected == ref_peak_tiled(p, L, n, ck, tiles));
     if (p->force && !r->skipped
         && (ms_mode_base_techniques(p->mode) & p->allowed & MS_TECH_CHECKPOINT))
     {
         CHECKC(all_eligible_chosen);
     }
+    if (!r->fits && tiling_on(p)) {
+        /* Over budget: tiling went as far as it helps.  Every candidate
+           at the most tiles reaches no lower peak. */
+        int *most = malloc((n ? n : 1) * sizeof(int));
+        if (most != NULL) {
+            for (size_t i = 0; i < n; i++) {
+                most[i] = (ck[i] && (L[i].flags & MS_LAYER_TILEABLE)
+                           && L[i].saved_bytes > 1)
+                              ? MS_MAX_TILES
+                              : 1;
+            }
+            CHECKC(ref_peak_tiled(p, L, n, ck, most) >= r->peak_projected
+                   || r->skipped);
+            free(most);
+        }
+    }
+    else if (r->fits && !(p->force || p->mode == MS_MODE_AGGRESSIVE)) {
+        /* Fits: no layer has more tiles than it needs. */
+        for (size_t i = 0; i < n; i++) {
+            if (tiles[i] > 1) {
+                tiles[i] /= 2;
+                CHECKC(ref_peak_tiled(p, L, n, ck, tiles) > p->budget_bytes);
+                tiles[i] *= 2;
+            }
+        }
+    }
     free(ck);
+    free(tiles);
 }
 
 /* ---- groups ------------------------------------------------------------ */
@@ -1018,6 +1084,82 @@ test_offload(void)
 /* The predictor's correction moves every peak by the same signed amount,
    never below 0, and the decisions follow the corrected peaks. */
 static void
+test_tiling(void)
+{
+    /* Two blocks of 400 saved / 4 input: checkpointed, the recompute of
+       the second holds 4 + 400; tiled in t, 4 + 400 / t. */
+    ms_layer L[2] = {
+        layer(400, 4, 10, MS_LAYER_TILEABLE),
+        layer(400, 4, 10, MS_LAYER_TILEABLE),
+    };
+    ms_choice out[2];
+    ms_result r;
+    group_begin();
+    for (int want = 2; want <= MS_MAX_TILES; want *= 2) {
+        ms_problem p = problem(4 + 400 / want, 0, 800, 20);
+        p.allowed = MS_TECH_CHECKPOINT | MS_TECH_TILING;
+        snprintf(ctx, sizeof(ctx), "tiles %d", want);
+        CHECKC(ms_engine_plan(&p, L, 2, out, &r) == 0);
+        CHECKC(r.fits);
+        CHECKC(out[0].tiles == want && out[1].tiles == want);
+        CHECKC(out[0].techniques == (MS_TECH_CHECKPOINT | MS_TECH_TILING));
+        CHECKC(r.peak_projected == 4 + 400 / want);
+        check_invariants(&p, L, 2, out, &r);
+        /* Without the candidate flag, or without TILING allowed: none. */
+        ms_layer plain[2] = {layer(400, 4, 10, 0), layer(400, 4, 10, 0)};
+        CHECKC(ms_engine_plan(&p, plain, 2, out, &r) == 0);
+        CHECKC(out[0].tiles == 1 && out[1].tiles == 1 && !r.fits);
+        p.allowed = MS_TECH_CHECKPOINT;
+        CHECKC(ms_engine_plan(&p, L, 2, out, &r) == 0);
+        CHECKC(out[0].tiles == 1 && out[1].tiles == 1 && !r.fits);
+    }
+    /* Below what 16 tiles reach: 16 tiles, and the plan says it misses. */
+    ms_problem p = problem(20, 0, 800, 20);
+    p.allowed = MS_TECH_CHECKPOINT | MS_TECH_TILING;
+    CHECK(ms_engine_plan(&p, L, 2, out, &r) == 0);
+    CHECK(!r.fits && out[1].tiles == MS_MAX_TILES);
+    CHECK(r.peak_projected == 4 + 25);
+    check_invariants(&p, L, 2, out, &r);
+    /* Forced and fitting: the tiles the pressure calls for. */
+    p = problem(100000, 0, 800, 20);
+    p.allowed = MS_TECH_CHECKPOINT | MS_TECH_TILING;
+    p.force = 1;
+    CHECK(ms_engine_plan(&p, L, 2, out, &r) == 0);
+    CHECK(out[0].tiles == 2 && out[1].tiles == 2);
+    p.budget_bytes = 404; /* checkpointing fits; pressure 1.98: 2 tiles */
+    p.mode = MS_MODE_AGGRESSIVE;
+    CHECK(ms_engine_plan(&p, L, 2, out, &r) == 0);
+    CHECK(r.fits && out[0].tiles == 2 && out[1].tiles == 2);
+    check_invariants(&p, L, 2, out, &r);
+    p = problem(100, 0, 800, 20); /* pressure 8: 8 tiles when forced */
+    p.allowed = MS_TECH_CHECKPOINT | MS_TECH_TILING;
+    p.mode = MS_MODE_AGGRESSIVE;
+    CHECK(ms_engine_plan(&p, L, 2, out, &r) == 0);
+    CHECK(r.fits && out[0].tiles == 4 && out[1].tiles == 8);
+    check_invariants(&p, L, 2, out, &r);
+
+    /* Random small problems with tiling candidates. */
+    lcg_state = 0x711eULL;
+    for (int c = 0; c < 3000; c++) {
+        ms_layer R[8];
+        size_t n = (size_t)rnd_range(0, 8);
+        ms_problem q;
+        random_small(&q, R, n);
+        for (size_t i = 0; i < n; i++) {
+            if (rnd32() % 2) {
+                R[i].flags |= MS_LAYER_TILEABLE;
+            }
+        }
+        q.allowed |= MS_TECH_TILING;
+        ms_choice o[8];
+        snprintf(ctx, sizeof(ctx), "random tiling case %d", c);
+        CHECKC(ms_engine_plan(&q, R, n, o, &r) == 0);
+        check_invariants(&q, R, n, o, &r);
+    }
+    group_end("tiling");
+}
+
+static void
 test_peak_offset(void)
 {
     group_begin();
@@ -1230,6 +1372,7 @@ main(void)
     test_exhaustive();
     test_fuzz();
     test_offload();
+    test_tiling();
     test_peak_offset();
     printf("%ld passed, %ld failed\n", n_passed, n_failed);
     return n_failed == 0 ? 0 : 1;
