@@ -8,7 +8,7 @@ takes it all off again.
 
 import logging
 
-from .api import detach, optimize, wrap
+from .api import apply_all_optimizations, detach, optimize, wrap
 from .config import AsyncOffloadConfig, Config, OptimizationMode
 from .predictor import estimate_savings, predict_peak
 
@@ -19,6 +19,7 @@ __all__ = [
     "Config",
     "OptimizationMode",
     "__version__",
+    "apply_all_optimizations",
     "detach",
     "estimate_savings",
     "optimize",

@@ -104,6 +104,22 @@ def optimizer_state_bytes(model: torch.nn.Module,
                 if isinstance(v, torch.Tensor) and v.dim() > 0]
     if existing:
         return _storage_bytes(existing)
+    from .optim import AdamW8bit
+
+    if isinstance(optimizer, AdamW8bit):
+        # int8 + uint8 moments and one float32 scale per block each, for
+        # the parameters it quantizes; float32 moments for the others.
+        total = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                if AdamW8bit._eight_bit(p, group):
+                    blocks = -(-p.numel() // group["block_size"])
+                    total += 2 * p.numel() + 8 * blocks
+                else:
+                    total += 2 * p.numel() * p.element_size()
+        return total
     name = type(optimizer).__name__.lower()
     if name == "sgd":
         momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)

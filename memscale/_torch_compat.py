@@ -44,6 +44,17 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake (or meta) tensor: no data to read or write."""
+    if t.device.type == "meta":
+        return True
+    try:
+        from torch._subclasses.fake_tensor import is_fake as _is_fake
+    except ImportError:  # pragma: no cover - older or newer torch
+        return type(t).__name__ == "FakeTensor"
+    return bool(_is_fake(t))
+
+
 def fake_tensor_mode(*, allow_non_fake_inputs: bool = False,
                      allow_fallback_kernels: bool = True,
                      ) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor]] | None:

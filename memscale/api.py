@@ -17,8 +17,8 @@ from typing import Any, Iterator
 import torch
 
 from . import (_core, _planning, _telemetry, amp, distributed, observability, offload,
-               policy, tiling)
-from .config import AsyncOffloadConfig, Config
+               optim, policy, tiling)
+from .config import AsyncOffloadConfig, Config, OptimizationMode
 from .executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -69,10 +69,12 @@ def _effective_config(config: Config | None, async_offload: bool | None,
     return config.replace(**changes) if changes else config
 
 
-def _report_unavailable(config: Config) -> None:
+def _report_unavailable(config: Config, optimizer: Any) -> None:
     for field, what in _NOT_YET.items():
         if getattr(config, field) not in (False, None):
             if field == "use_8bit_optimizer":
+                if optimizer is not None:
+                    continue  # replaced: see wrap()
                 logger.warning(
                     "memscale: Config.use_8bit_optimizer is set, but wrap() is "
                     "given no optimizer to replace; build yours with "
@@ -182,7 +184,11 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
     and the plan applied at once; without it the first
     ``config.warmup_steps`` training forwards are measured and the plan is
     applied after them.  ``optimizer`` (keyword only) sharpens the memory
-    estimate with the optimizer's real state size.
+    estimate with the optimizer's real state size.  With
+    ``Config(use_8bit_optimizer=True)`` it is replaced: the 8-bit AdamW
+    with its parameter groups and hyper-parameters is
+    ``model._memscale_executor.optimizer`` (train with that one; a
+    ``ValueError`` says why when ``optimizer`` cannot be replaced).
 
     Wrapping a model twice raises ``RuntimeError``: call ``detach`` first.
 
@@ -227,7 +233,14 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
         raise TypeError("optimizer must be a torch.optim.Optimizer or None, "
                         f"got {type(optimizer).__name__}")
     config = _effective_config(config, async_offload, async_config)
-    _report_unavailable(config)
+    _report_unavailable(config, optimizer)
+    given_optimizer = optimizer
+    if optimizer is not None and config.use_8bit_optimizer and not optim.is_8bit(optimizer):
+        optimizer = optim.to_8bit(optimizer)  # ValueError says why not
+        logger.info("memscale: replaced %s with an 8-bit AdamW (same parameter "
+                    "groups and hyper-parameters); train with "
+                    "model._memscale_executor.optimizer",
+                    type(given_optimizer).__name__)
 
     device = _planning.model_device(model)
     if config.memory_budget_gb is not None and device.type not in ("cpu", "cuda"):
@@ -255,6 +268,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
     try:
         method = profile.method if profile is not None else "warmup"
         executor._init_python_state(config, hardware, method)
+        executor.optimizer = optimizer
         executor.on_detach(observability.attach_logging(config))
         amp.attach(executor, model, config, hardware)
         if config.observability_port is not None:
@@ -345,9 +359,54 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = N
              config: Config | None = None,
              sample_input: Any = None) -> Iterator[Executor]:
     """Wrap ``model`` for the duration of a ``with`` block; yields the
-    executor and detaches on exit, also when the block raises."""
+    executor and detaches on exit, also when the block raises.  With
+    ``Config(use_8bit_optimizer=True)``, ``optimizer`` is replaced by its
+    8-bit counterpart, ``executor.optimizer``: train with that one."""
     wrap(model, config, sample_input, optimizer=optimizer)
     try:
         yield model.__dict__[ATTR]
     finally:
         detach(model)
+
+
+def apply_all_optimizations(model: torch.nn.Module,
+                            optimizer: torch.optim.Optimizer | None,
+                            *, config: Config | None = None,
+                            sample_input: Any = None
+                            ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+    """The full stack at once; returns ``(model, optimizer)``.
+
+    ``model`` is wrapped with checkpointing and offload on every eligible
+    layer (BALANCED, ``force_optimize=True``, unless ``config`` says
+    otherwise) and BF16 mixed precision (FP16 where BF16 is unsupported:
+    then use ``memscale.amp.grad_scaler(model)``).  An Adam or AdamW
+    ``optimizer`` is replaced by an 8-bit AdamW with the same parameter
+    groups and hyper-parameters, returned in its place: train with the
+    returned one (and rebuild a learning-rate scheduler on it).  An
+    optimizer that cannot be replaced faithfully (not Adam-family, Adam's
+    L2 weight decay, amsgrad, already stepped) is kept, and the log says
+    why.  ``memscale.detach(model)`` undoes the model's part.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError("apply_all_optimizations() needs a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("optimizer must be a torch.optim.Optimizer or None, "
+                        f"got {type(optimizer).__name__}")
+    if config is None:
+        config = Config(mode=OptimizationMode.BALANCED, force_optimize=True)
+    elif not isinstance(config, Config):
+        raise TypeError(f"config must be a memscale.Config or None, got "
+                        f"{type(config).__name__}")
+    replace = optimizer is not None and not optim.is_8bit(optimizer)
+    if replace:
+        why = optim.unsupported_reason(optimizer)
+        if why is not None:
+            logger.warning("memscale: apply_all_optimizations keeps the given "
+                           "optimizer: %s", why)
+            replace = False
+    config = config.replace(use_mixed_precision=True,
+                            use_8bit_optimizer=replace or (
+                                optimizer is not None and optim.is_8bit(optimizer)))
+    wrap(model, config, sample_input, optimizer=optimizer)
+    return model, model.__dict__[ATTR].optimizer

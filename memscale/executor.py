@@ -30,7 +30,8 @@ class Executor(_core.Executor):
     ``memscale.observability.MetricsServer`` serving this model's metrics,
     or None) and ``offload_store`` (the disk tier of offload, a
     ``memscale._core.SpillStore`` whose ``stats`` count what was spilled,
-    or None).
+    or None), ``optimizer`` (the optimizer ``wrap`` was given, or its 8-bit
+    replacement with ``use_8bit_optimizer``; None without one).
     """
 
     config: Config
@@ -50,6 +51,7 @@ class Executor(_core.Executor):
         self.metrics_server = None
         self.offload_store = None  # the disk tier (a _core.SpillStore), if any
         self.offload_host = None  # the host tier (memscale.offload.HostTier), if any
+        self.optimizer = None  # the optimizer to train with (replaced when 8-bit)
         self._restore: list[Callable[[], None]] = []
 
     @contextlib.contextmanager

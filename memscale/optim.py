@@ -9,7 +9,10 @@ state and the standard AdamW update, so every parameter is handled.
 
 ``make_8bit_adamw(params, ...)`` returns bitsandbytes' ``AdamW8bit`` when
 bitsandbytes is installed and the parameters are on a CUDA device, else
-memscale's own.
+memscale's own.  ``to_8bit(optimizer)`` builds the 8-bit counterpart of a
+``torch.optim.Adam``/``AdamW`` with its parameter groups and
+hyper-parameters (what ``apply_all_optimizations`` and
+``wrap``/``optimize`` with ``Config(use_8bit_optimizer=True)`` use).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Iterable
 
 import torch
 
-from . import _core
+from . import _core, _torch_compat
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +98,10 @@ class AdamW8bit(torch.optim.Optimizer):
                 state["step"] += 1
                 step = int(state["step"].item())
                 if state["exp_avg"].dtype == torch.int8:
+                    if _torch_compat.is_fake(p):
+                        # The OOM predictor's simulated step: the update
+                        # allocates nothing, and fake tensors have no data.
+                        continue
                     grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
                     if grad.data_ptr() == p.data_ptr():
                         grad = grad.clone()
@@ -141,6 +148,17 @@ class AdamW8bit(torch.optim.Optimizer):
                    for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
+_warned_no_backend = False
+
+
+def _warn_no_backend(what: str) -> None:
+    global _warned_no_backend
+    if not _warned_no_backend:
+        _warned_no_backend = True
+        logger.warning("memscale: no usable 8-bit optimizer backend for %s; those "
+                       "parameters keep the standard (float32) AdamW state", what)
+
+
 def make_8bit_adamw(params: Iterable[Any], lr: float = 1e-3,
                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                     weight_decay: float = 1e-2) -> torch.optim.Optimizer:
@@ -158,4 +176,76 @@ def make_8bit_adamw(params: Iterable[Any], lr: float = 1e-3,
         except Exception as exc:  # noqa: BLE001 - reported, then ours
             logger.info("memscale: bitsandbytes' 8-bit AdamW is not usable (%s: %s); "
                         "using memscale's", type(exc).__name__, exc)
+    off_cpu = sorted({t.device.type for t in tensors if t.device.type != "cpu"})
+    if off_cpu:
+        _warn_no_backend(f"{'/'.join(off_cpu)} parameters (bitsandbytes is not "
+                         "installed or not usable)")
     return AdamW8bit(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+# Adam/AdamW options AdamW8bit does not have; a group that sets one of
+# them to anything but its default cannot be replaced faithfully.
+_ADAM_ONLY = {"amsgrad": False, "maximize": False, "capturable": False,
+              "differentiable": False}
+_ADAM_IGNORED = ("foreach", "fused", "decoupled_weight_decay")
+
+
+def is_8bit(optimizer: torch.optim.Optimizer) -> bool:
+    """memscale's or bitsandbytes' 8-bit optimizer."""
+    return isinstance(optimizer, AdamW8bit) or (
+        type(optimizer).__module__.split(".")[0] == "bitsandbytes"
+        and "8bit" in type(optimizer).__name__.lower())
+
+
+def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` cannot be replaced by an 8-bit AdamW with the same
+    behaviour, or None when it can."""
+    if isinstance(optimizer, AdamW8bit):
+        return None
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
+        return (f"{type(optimizer).__name__} is not an Adam-family optimizer "
+                "(torch.optim.Adam or AdamW)")
+    if any(s for s in optimizer.state.values()):
+        return ("it has already taken steps: its float32 moments would be "
+                "lost; replace it before the first optimizer.step()")
+    decoupled = isinstance(optimizer, torch.optim.AdamW)
+    for i, group in enumerate(optimizer.param_groups):
+        for key, default in _ADAM_ONLY.items():
+            if group.get(key, default) != default:
+                return f"param group {i} sets {key}={group[key]!r}"
+        if (not decoupled and not group.get("decoupled_weight_decay", False)
+                and group.get("weight_decay", 0) != 0):
+            return (f"param group {i} uses Adam's L2 weight decay "
+                    f"({group['weight_decay']}); the 8-bit optimizer decouples "
+                    "it (AdamW): use torch.optim.AdamW")
+        if isinstance(group.get("lr"), torch.Tensor):
+            return f"param group {i} has a tensor learning rate"
+    return None
+
+
+def to_8bit(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The 8-bit AdamW counterpart of ``optimizer`` (a ``torch.optim.Adam``
+    or ``AdamW`` that has not stepped yet): the same parameters in the same
+    groups, with the same lr, betas, eps and weight decay (and any extra
+    keys a group carries, such as a scheduler's ``initial_lr``).  Raises
+    ``ValueError`` saying why when that cannot be done faithfully.  A
+    learning-rate scheduler built on ``optimizer`` must be rebuilt on the
+    result."""
+    if isinstance(optimizer, AdamW8bit):
+        return optimizer
+    why = unsupported_reason(optimizer)
+    if why is not None:
+        raise ValueError(f"memscale cannot replace the optimizer with an 8-bit "
+                         f"AdamW: {why}")
+    groups = []
+    for group in optimizer.param_groups:
+        g = {k: v for k, v in group.items()
+             if k not in _ADAM_ONLY and k not in _ADAM_IGNORED}
+        g["params"] = list(group["params"])
+        g["betas"] = tuple(float(b) for b in group["betas"])
+        groups.append(g)
+    first = optimizer.param_groups[0] if optimizer.param_groups else {}
+    return make_8bit_adamw(groups, lr=float(first.get("lr", 1e-3)),
+                           betas=tuple(first.get("betas", (0.9, 0.999))),
+                           eps=float(first.get("eps", 1e-8)),
+                           weight_decay=float(first.get("weight_decay", 0.0)))

@@ -262,15 +262,16 @@ def test_config_is_never_mutated():
     memscale.detach(model)
 
 
-def test_fields_not_in_this_release_are_reported(caplog):
+def test_8bit_optimizer_without_an_optimizer_says_how_to_get_one(caplog):
     model = mlp()
     with caplog.at_level(logging.WARNING, logger="memscale"):
-        memscale.wrap(model, FORCE.replace(use_mixed_precision=True,
-                                           use_8bit_optimizer=True),
+        memscale.wrap(model, FORCE.replace(use_8bit_optimizer=True),
                       sample_input=torch.randn(2, 32))
     text = caplog.text
-    assert "use_mixed_precision" in text and "use_8bit_optimizer" in text
+    assert "use_8bit_optimizer" in text
     assert "memscale.optim.make_8bit_adamw" in text  # how to get one
+    assert "apply_all_optimizations" in text
+    assert model._memscale_executor.optimizer is None
     memscale.detach(model)
 
 
