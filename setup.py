@@ -23,6 +23,7 @@ SOURCES = [
     "csrc/spill.c",
     "csrc/adam8bit.c",
     "csrc/tiling.c",
+    "csrc/solver.c",
 ]
 
 # POSIX 2008 for openat/pread/pwrite under -std=c11; -pthread for the

@@ -31,6 +31,9 @@
  */
 #include "engine.h"
 
+#include <math.h>
+#include <string.h>
+
 #include <stdlib.h>
 
 static const char *const rule_names[MS_RULE_COUNT] = {
@@ -42,6 +45,7 @@ static const char *const rule_names[MS_RULE_COUNT] = {
     [MS_RULE_INPLACE_INPUT] = "ineligible:inplace-input",
     [MS_RULE_NOT_CALLED] = "ineligible:not-called",
     [MS_RULE_NO_SAVINGS] = "ineligible:no-savings",
+    [MS_RULE_SOLVER] = "solver",
 };
 
 const char *
@@ -203,6 +207,137 @@ ineligible_reason(const ms_layer *layer)
     return MS_RULE_COUNT; /* eligible */
 }
 
+/* The solver's view of the problem, for the activation budget `avail`. */
+static ms_solver_problem
+solver_problem(const ms_problem *p, unsigned base, int64_t avail)
+{
+    ms_solver_problem sp;
+    memset(&sp, 0, sizeof(sp));
+    sp.budget_bytes = avail;
+    sp.allowed = base;
+    if (!(p->host_tier || p->disk_tier)) {
+        sp.allowed &= ~(unsigned)MS_TECH_OFFLOAD; /* nowhere to put it */
+    }
+    sp.flop_rate = p->flop_rate > 0.0 ? p->flop_rate : 1.0;
+    sp.offload_bw = p->offload_bw;
+    sp.async_offload = p->async_offload;
+    sp.min_offload_bytes = p->min_offload_bytes;
+    sp.tile_overhead = p->tile_overhead;
+    sp.max_segment = p->max_segment > 0 ? p->max_segment : 1;
+    sp.resolution = p->resolution > 0 ? p->resolution : 512;
+    return sp;
+}
+
+/* Step time with the plan over step time without, with a step costing
+   three forwards (forward, and backward at twice its cost). */
+static double
+slowdown(const ms_problem *p, const ms_layer *layers, size_t n,
+         const ms_choice *out)
+{
+    if (!(p->total_flops > 0.0) || !(p->flop_rate > 0.0)) {
+        return 1.0;
+    }
+    ms_solver_problem sp = solver_problem(p, MS_TECH_CHECKPOINT
+                                                 | MS_TECH_OFFLOAD
+                                                 | MS_TECH_TILING, 0);
+    double extra = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        if (!(out[i].techniques & MS_TECH_CHECKPOINT)) {
+            continue;
+        }
+        double f = layers[i].flops;
+        extra += (f > 0.0 && isfinite(f) ? f : 0.0) / sp.flop_rate;
+        if (out[i].segment == (int)i) {
+            if (out[i].techniques & MS_TECH_OFFLOAD && sp.offload_bw > 0.0) {
+                extra += ms_solver_offload_seconds(&sp, &layers[i]);
+            }
+            if (out[i].tiles > 1) {
+                extra += (double)(out[i].tiles - 1) * sp.tile_overhead;
+            }
+        }
+    }
+    return 1.0 + extra / (3.0 * p->total_flops / sp.flop_rate);
+}
+
+/* The budget planner: 1 when it found a plan (out and res set), 0 when no
+   plan fits (res->min_budget set), -1 out of memory. */
+static int
+solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
+      ms_result *res, unsigned base, int64_t rest)
+{
+    /* peak = fixed + rest + worst + offset must be <= budget. */
+    int64_t avail = p->budget_bytes - add_sat(p->fixed_bytes, rest)
+                    - p->peak_offset_bytes;
+    ms_solver_problem sp = solver_problem(p, base, avail);
+    ms_solver_choice *c = malloc((n ? n : 1) * sizeof(ms_solver_choice));
+    if (c == NULL) {
+        return -1;
+    }
+    ms_solver_result r;
+    int rc = ms_solve(&sp, layers, n, c, &r);
+    if (rc != 0) {
+        free(c);
+        return rc == -1 ? -1 : 0;
+    }
+    if (!r.feasible) {
+        int64_t worst = 0;
+        if (ms_solver_min_budget(&sp, layers, n, &worst) != 0) {
+            free(c);
+            return -1;
+        }
+        res->min_budget = offset_peak(add_sat(add_sat(p->fixed_bytes, rest),
+                                              worst),
+                                      p->peak_offset_bytes);
+        free(c);
+        return 0;
+    }
+    int64_t host_used = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (c[i].seg_start < 0) {
+            continue;
+        }
+        out[i].techniques = MS_TECH_CHECKPOINT;
+        out[i].rule = MS_RULE_SOLVER;
+        out[i].segment = c[i].seg_start;
+        out[i].bytes_saved = layers[i].saved_bytes;
+        if (c[i].seg_start != (int)i) {
+            continue;
+        }
+        if (c[i].offload) {
+            ms_tier tier = MS_TIER_DISK;
+            if (p->host_tier
+                && (p->host_cap_bytes < 0
+                    || add_sat(host_used, layers[i].input_bytes)
+                           <= p->host_cap_bytes))
+            {
+                tier = MS_TIER_HOST;
+                host_used = add_sat(host_used, layers[i].input_bytes);
+            }
+            out[i].techniques |= MS_TECH_OFFLOAD;
+            out[i].tier = tier;
+        }
+        else {
+            int64_t keep = layers[i].input_bytes;
+            out[i].bytes_saved = layers[i].saved_bytes > keep
+                                     ? layers[i].saved_bytes - keep
+                                     : 0;
+        }
+        if (c[i].tiles > 1) {
+            out[i].techniques |= MS_TECH_TILING;
+            out[i].tiles = c[i].tiles;
+        }
+    }
+    res->peak_projected = offset_peak(add_sat(add_sat(p->fixed_bytes, rest),
+                                              r.peak_bytes),
+                                      p->peak_offset_bytes);
+    res->fits = res->peak_projected <= p->budget_bytes;
+    res->recompute_ratio =
+        p->total_flops > 0.0 ? r.recompute_flops / p->total_flops : 0.0;
+    res->predicted_slowdown = slowdown(p, layers, n, out);
+    free(c);
+    return 1;
+}
+
 int
 ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
                ms_choice *out, ms_result *res)
@@ -247,6 +382,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
         out[i].tier = MS_TIER_DEVICE;
         out[i].bytes_saved = 0;
         out[i].tiles = 1;
+        out[i].segment = -1;
         ms_rule why = ineligible_reason(&layers[i]);
         if (res->skipped) {
             out[i].rule = MS_RULE_SMART_SKIP;
@@ -266,6 +402,20 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
         }
     }
 
+    res->min_budget = -1;
+    res->predicted_slowdown = 1.0;
+    if (p->solver && !res->skipped && !p->force && (base & MS_TECH_CHECKPOINT)) {
+        int rc = solve(p, layers, n, out, res, base, rest);
+        if (rc != 0) {
+            free(ckpt);
+            free(tiles);
+            free(cands);
+            return rc < 0 ? -1 : 0; /* > 0: solved, out and res are set */
+        }
+        /* Nothing fits: res->min_budget says what would; the rules below
+           make the best effort they can. */
+    }
+
     int64_t peak = res->peak_unoptimized;
     if (!res->skipped && ncand > 0) {
         qsort(cands, ncand, sizeof(candidate), candidate_cmp);
@@ -276,6 +426,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
             size_t i = cands[k].index;
             ckpt[i] = CKPT;
             out[i].techniques = MS_TECH_CHECKPOINT;
+            out[i].segment = (int)i;
             out[i].rule = p->force ? MS_RULE_FORCE_ALL : MS_RULE_PRESSURE;
             out[i].bytes_saved = freed_bytes(&layers[i]);
             peak = projected_peak(p, layers, n, ckpt, NULL, rest);
@@ -364,6 +515,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
     res->recompute_ratio =
         p->total_flops > 0.0 ? recomputed / p->total_flops : 0.0;
     res->fits = peak <= p->budget_bytes;
+    res->predicted_slowdown = slowdown(p, layers, n, out);
     free(ckpt);
     free(tiles);
     free(cands);

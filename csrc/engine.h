@@ -46,6 +46,7 @@ typedef enum {
     MS_RULE_INPLACE_INPUT,      /* modifies its input in place: unsafe */
     MS_RULE_NOT_CALLED,         /* never ran while profiling */
     MS_RULE_NO_SAVINGS,         /* keeps as much as it would free */
+    MS_RULE_SOLVER,             /* the budget planner's least-overhead plan */
     MS_RULE_COUNT
 } ms_rule;
 
@@ -79,6 +80,15 @@ typedef struct {
     int64_t peak_offset_bytes; /* signed correction of every peak estimate:
                                   the OOM predictor's unoptimized peak minus
                                   this model's (0 without a prediction) */
+    /* The budget planner (solver.c): used when solver is set, the model
+       does not fit and force is off.  Costs: */
+    int solver;
+    double flop_rate;          /* FLOP/s (> 0 when solver is set) */
+    double offload_bw;         /* bytes/s to the offload tier */
+    int async_offload;
+    double tile_overhead;      /* seconds per extra tile call */
+    int max_segment;           /* longest checkpoint segment */
+    int resolution;            /* memory buckets of the DP */
 } ms_problem;
 
 typedef struct {
@@ -87,6 +97,8 @@ typedef struct {
     ms_tier tier;         /* MS_TIER_DEVICE unless offloaded */
     int64_t bytes_saved;  /* predicted, while the layer waits for backward */
     int tiles;            /* > 1: run in this many tiles (MS_TECH_TILING) */
+    int segment;          /* checkpointed: the first layer of its segment
+                             (itself when alone); -1 otherwise */
 } ms_choice;
 
 typedef struct {
@@ -96,6 +108,9 @@ typedef struct {
     double recompute_ratio;    /* recomputed FLOPs / forward FLOPs */
     int skipped;               /* smart-skip */
     int fits;                  /* peak_projected <= budget */
+    double predicted_slowdown; /* step time with the plan / without */
+    int64_t min_budget;        /* when nothing fits: the smallest budget the
+                                  solver reaches; else -1 */
 } ms_result;
 
 /* The techniques a mode starts from (before Config overrides). */
@@ -113,5 +128,56 @@ const char *ms_tier_name(ms_tier tier);
  */
 int ms_engine_plan(const ms_problem *problem, const ms_layer *layers,
                    size_t n, ms_choice *out, ms_result *result);
+
+/* ---- The budget planner (solver.c) ---------------------------------- */
+
+typedef struct {
+    int64_t budget_bytes;      /* what the activation term of the peak may hold */
+    unsigned allowed;          /* MS_TECH_* the solver may use */
+    double flop_rate;          /* FLOP/s: forward FLOPs to seconds (> 0) */
+    double offload_bw;         /* bytes/s each way to the offload tier; 0: none */
+    int async_offload;         /* transfers overlap compute */
+    int64_t min_offload_bytes; /* smaller inputs are not offloaded */
+    double tile_overhead;      /* seconds per extra call of a tiled layer */
+    int max_segment;           /* longest checkpoint segment, in layers (>= 1) */
+    int resolution;            /* memory buckets of the DP (>= 1) */
+} ms_solver_problem;
+
+typedef struct {
+    int seg_start;  /* -1: kept; else the first layer of its segment */
+    int offload;    /* the segment's stored input is offloaded (first layer) */
+    int tiles;      /* 1, or a power of two up to MS_MAX_TILES (a one-layer
+                       segment) */
+} ms_solver_choice;
+
+typedef struct {
+    int feasible;
+    int64_t peak_bytes;       /* activation term of the plan's peak, exact */
+    double overhead_seconds;  /* recompute + offload + tile calls */
+    double recompute_flops;
+} ms_solver_result;
+
+/*
+ * The plan of least overhead whose peak fits p->budget_bytes (see solver.c
+ * for the model).  Returns 0 (res->feasible says whether one exists; if not,
+ * out is all kept), -1 when memory for the DP cannot be had, -2 for an
+ * invalid problem.
+ */
+int ms_solve(const ms_solver_problem *p, const ms_layer *layers, size_t n,
+             ms_solver_choice *out, ms_solver_result *res);
+/* The memory model and the overhead of any valid choice vector. */
+int64_t ms_solver_peak(const ms_layer *layers, size_t n,
+                       const ms_solver_choice *c);
+double ms_solver_overhead(const ms_solver_problem *p, const ms_layer *layers,
+                          size_t n, const ms_solver_choice *c,
+                          double *recompute_flops);
+double ms_solver_offload_seconds(const ms_solver_problem *p,
+                                 const ms_layer *layer);
+/* 0 when c is a plan the problem allows, -1 otherwise. */
+int ms_solver_check(const ms_solver_problem *p, const ms_layer *layers,
+                    size_t n, const ms_solver_choice *c);
+/* The smallest budget_bytes with a feasible plan (binary search). */
+int ms_solver_min_budget(const ms_solver_problem *p, const ms_layer *layers,
+                         size_t n, int64_t *min_budget);
 
 #endif /* MEMSCALE_ENGINE_H */

@@ -52,6 +52,17 @@ typedef struct {
     Py_ssize_t *tile_end;
     PyObject *tile_rng;      /* list of ByteTensor */
     PyObject *tile_rng_cuda; /* list of lists, or NULL */
+    /* A checkpoint segment of several units, recomputed together from the
+       first unit's inputs: one (unit, position, args, kwargs, rng_cpu,
+       rng_cuda or None) tuple per later unit, whose args hold None at
+       `position`, where the previous unit's output goes. */
+    PyObject *seg_units;     /* list, or NULL for a single unit */
+    PyObject *seg_out;       /* the last unit's output tensor while the
+                                segment waits for its next unit */
+    PyObject *cur_unit;      /* the unit running in this frame (borrowed
+                                from ex->units) */
+    int seg_id;              /* the plan's segment (first unit index) */
+    Py_ssize_t seg_next;     /* the unit index expected next */
     int cpu_autocast;
     int cuda_autocast;
     int recomputing;
@@ -83,6 +94,8 @@ struct Executor {
     PyObject *amp_device;   /* autocast device type (str), or None */
     PyObject *amp_dtype;    /* autocast dtype, or None */
     PyObject *amp_stack;    /* per root call: the entered autocast, or None */
+    PyObject *open_seg;     /* a segment Frame between two of its units */
+    int *segments;          /* per unit, from the plan: segment or -1 */
     PyObject *store;        /* SpillStore (disk tier) or None */
     PyObject *host;         /* host tier for device tensors, or None */
     unsigned *masks;
@@ -175,6 +188,8 @@ frame_traverse(Frame *self, visitproc visit, void *arg)
     Py_VISIT(self->offloaded);
     Py_VISIT(self->tile_rng);
     Py_VISIT(self->tile_rng_cuda);
+    Py_VISIT(self->seg_units);
+    Py_VISIT(self->seg_out);
     return 0;
 }
 
@@ -196,6 +211,8 @@ frame_clear(Frame *self)
     Py_CLEAR(self->offloaded);
     Py_CLEAR(self->tile_rng);
     Py_CLEAR(self->tile_rng_cuda);
+    Py_CLEAR(self->seg_units);
+    Py_CLEAR(self->seg_out);
     return 0;
 }
 
@@ -247,6 +264,10 @@ frame_new(Executor *ex, Py_ssize_t index, PyObject *unit, PyObject *args,
     f->extent = 0;
     f->tile_end = NULL;
     f->tile_rng = f->tile_rng_cuda = NULL;
+    f->seg_units = f->seg_out = NULL;
+    f->cur_unit = unit;
+    f->seg_id = -1;
+    f->seg_next = -1;
     f->cpu_autocast = f->cuda_autocast = 0;
     f->recomputing = 0;
     PyObject_GC_Track(f);
@@ -805,6 +826,78 @@ error:
 
 static int pop_entry(Executor *ex);
 
+/* The first tensor of a unit's output (borrowed), or NULL. */
+static PyObject *
+first_tensor(ms_state *st, PyObject *out)
+{
+    if (ms_is_tensor(st, out)) {
+        return out;
+    }
+    if (PyTuple_Check(out) && PyTuple_GET_SIZE(out) > 0
+        && ms_is_tensor(st, PyTuple_GET_ITEM(out, 0)))
+    {
+        return PyTuple_GET_ITEM(out, 0);
+    }
+    if (PyList_Check(out) && PyList_GET_SIZE(out) > 0
+        && ms_is_tensor(st, PyList_GET_ITEM(out, 0)))
+    {
+        return PyList_GET_ITEM(out, 0);
+    }
+    return NULL;
+}
+
+/* Recompute a segment's later units, each on the previous one's output,
+   under the RNG state it ran with; steals `out` (the first unit's output)
+   and returns the last output, or NULL (the stop exception included). */
+static PyObject *
+replay_segment(Frame *self, PyObject *out)
+{
+    ms_state *st = self->ex->st;
+    for (Py_ssize_t u = 0; u < PyList_GET_SIZE(self->seg_units); u++) {
+        PyObject *rec = PyList_GET_ITEM(self->seg_units, u);
+        PyObject *unit = PyTuple_GET_ITEM(rec, 0);
+        Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(rec, 1));
+        PyObject *args = PyTuple_GET_ITEM(rec, 2);
+        PyObject *kwargs = PyTuple_GET_ITEM(rec, 3);
+        PyObject *x = first_tensor(st, out);
+        if (x == NULL || pos < 0 || pos >= PyTuple_GET_SIZE(args)) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "memscale: internal error: cannot chain the "
+                         "recompute of checkpoint segment %R",
+                         unit_name(self->ex, self->index));
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *call = PyTuple_New(PyTuple_GET_SIZE(args));
+        if (call == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(args); k++) {
+            PyTuple_SET_ITEM(call, k, Py_NewRef(k == pos ? x
+                                                : PyTuple_GET_ITEM(args, k)));
+        }
+        Py_DECREF(out);
+        PyObject *r = PyObject_CallOneArg(st->set_rng_state,
+                                          PyTuple_GET_ITEM(rec, 4));
+        if (r != NULL && PyTuple_GET_ITEM(rec, 5) != Py_None) {
+            Py_SETREF(r, PyObject_CallOneArg(st->cuda_set_rng_state_all,
+                                             PyTuple_GET_ITEM(rec, 5)));
+        }
+        if (r == NULL) {
+            Py_DECREF(call);
+            return NULL;
+        }
+        Py_DECREF(r);
+        out = PyObject_Call(unit, call, kwargs);
+        Py_DECREF(call);
+        if (out == NULL) {
+            return NULL;
+        }
+    }
+    return out;
+}
+
 /* Run the layer again under the state its forward ran in: all of it
    (tile < 0), or one tile of a tiled forward. */
 static int
@@ -916,10 +1009,27 @@ frame_recompute(Frame *self, Py_ssize_t tile)
         Py_DECREF(r);
     }
 
-    if (ex->buffers == NULL || ex->buffers[self->index] != BUF_STATIC) {
+    if (ex->buffers == NULL || ex->buffers[self->index] != BUF_STATIC
+        || self->seg_units != NULL)
+    {
         snap = snapshot_buffers(st, self->unit);
         if (snap == NULL) {
             goto restore;
+        }
+        /* A segment's later units may update buffers too. */
+        for (Py_ssize_t u = 0;
+             self->seg_units != NULL && u < PyList_GET_SIZE(self->seg_units);
+             u++)
+        {
+            PyObject *more = snapshot_buffers(
+                st, PyTuple_GET_ITEM(PyList_GET_ITEM(self->seg_units, u), 0));
+            int rc2 = more ? PyList_SetSlice(snap, PyList_GET_SIZE(snap),
+                                             PyList_GET_SIZE(snap), more)
+                           : -1;
+            Py_XDECREF(more);
+            if (rc2 < 0) {
+                goto restore;
+            }
         }
     }
     rpack = PyObject_GetAttr((PyObject *)self, st->s_rpack);
@@ -945,6 +1055,9 @@ frame_recompute(Frame *self, Py_ssize_t tile)
     Py_ssize_t depth = PyList_GET_SIZE(ex->stack);
     long long t0 = monotonic_ns();
     out = PyObject_Call(self->unit, call_args, call_kwargs);
+    if (out != NULL && tile < 0 && self->seg_units != NULL) {
+        out = replay_segment(self, out);
+    }
     ex->recompute_ns += monotonic_ns() - t0;
     ex->recompute_depth--;
     self->recomputing = 0;
@@ -1189,6 +1302,8 @@ open_frame(Executor *ex, PyObject *unit, PyObject *args, PyObject *kwargs)
     if ((ex->masks[i] & MS_TECH_TILING) && ex->tiles != NULL) {
         f->tiles = ex->tiles[i]; /* carried out by the layer's _Tiled */
     }
+    f->seg_id = ex->segments != NULL ? ex->segments[i] : (int)i;
+    f->seg_next = i + 1;
     PyObject *pack = PyObject_GetAttr((PyObject *)f, st->s_pack);
     PyObject *unpack = PyObject_GetAttr((PyObject *)f, st->s_unpack);
     PyObject *ctx = (pack && unpack)
@@ -1207,6 +1322,139 @@ open_frame(Executor *ex, PyObject *unit, PyObject *args, PyObject *kwargs)
     return (PyObject *)f;
 }
 
+/* The segment waiting for its next unit is done: its stored inputs may
+   go to their offload tier now. */
+static int
+finish_segment(Executor *ex)
+{
+    Frame *f = (Frame *)ex->open_seg;
+    ex->open_seg = NULL;
+    if (f == NULL) {
+        return 0;
+    }
+    Py_CLEAR(f->seg_out);
+    int rc = 0;
+    if (ex->masks != NULL && (ex->masks[f->index] & MS_TECH_OFFLOAD)
+        && (HAS(ex->store) || HAS(ex->host)))
+    {
+        rc = offload_inputs(ex, f);
+    }
+    Py_DECREF(f);
+    return rc;
+}
+
+/* Unit `unit` starts: if it is the next unit of the open segment and takes
+   the previous unit's output, the segment's frame takes it in (1: pushed);
+   else the segment is finished (0). */
+static int
+continue_segment(Executor *ex, PyObject *unit, PyObject *args,
+                 PyObject *kwargs)
+{
+    ms_state *st = ex->st;
+    Frame *f = (Frame *)ex->open_seg;
+    if (ex->recompute_depth > 0 || ex->paused > 0 || ex->active_frames > 0) {
+        return 0; /* not a unit of this forward's chain */
+    }
+    PyObject *idx = PyDict_GetItemWithError(ex->index_of, unit);
+    if (idx == NULL) {
+        return PyErr_Occurred() ? -1 : finish_segment(ex);
+    }
+    Py_ssize_t k = PyLong_AsSsize_t(idx);
+    Py_ssize_t pos = -1;
+    for (Py_ssize_t a = 0; a < PyTuple_GET_SIZE(args); a++) {
+        if (ms_is_tensor(st, PyTuple_GET_ITEM(args, a))) {
+            pos = a;
+            break;
+        }
+    }
+    if (k != f->seg_next || ex->segments == NULL || ex->segments[k] != f->seg_id
+        || pos < 0 || PyTuple_GET_ITEM(args, pos) != f->seg_out)
+    {
+        /* Something else runs between the two units (or the chain is not
+           output-to-input): the segment ends here. */
+        return finish_segment(ex) < 0 ? -1 : 0;
+    }
+    PyObject *held = PyTuple_New(PyTuple_GET_SIZE(args));
+    PyObject *kw = (kwargs != NULL && kwargs != Py_None) ? PyDict_Copy(kwargs)
+                                                         : PyDict_New();
+    PyObject *rng = PyObject_CallNoArgs(st->get_rng_state);
+    PyObject *rng_cuda = NULL, *rec = NULL, *pack = NULL, *unpack = NULL;
+    PyObject *ctx = NULL, *where = PyLong_FromSsize_t(pos);
+    int rc = -1;
+    if (held == NULL || kw == NULL || rng == NULL || where == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t a = 0; a < PyTuple_GET_SIZE(args); a++) {
+        PyTuple_SET_ITEM(held, a, Py_NewRef(a == pos ? Py_None
+                                                     : PyTuple_GET_ITEM(args, a)));
+    }
+    rng_cuda = f->rng_cuda != NULL
+                   ? PyObject_CallNoArgs(st->cuda_get_rng_state_all)
+                   : Py_NewRef(Py_None);
+    if (rng_cuda == NULL) {
+        goto done;
+    }
+    rec = PyTuple_Pack(6, unit, where, held, kw, rng, rng_cuda);
+    if (rec == NULL) {
+        goto done;
+    }
+    if (f->seg_units == NULL && (f->seg_units = PyList_New(0)) == NULL) {
+        goto done;
+    }
+    Py_ssize_t nv = PyList_GET_SIZE(f->versions);
+    if (ms_collect_versions(st, held, f->versions) < 0
+        || ms_collect_versions(st, kw, f->versions) < 0
+        || PyList_Append(f->seg_units, rec) < 0)
+    {
+        /* Leave the frame as it was. */
+        (void)PyList_SetSlice(f->versions, nv, PyList_GET_SIZE(f->versions),
+                              NULL);
+        goto done;
+    }
+    pack = PyObject_GetAttr((PyObject *)f, st->s_pack);
+    unpack = PyObject_GetAttr((PyObject *)f, st->s_unpack);
+    ctx = (pack && unpack) ? PyObject_CallFunctionObjArgs(st->saved_tensors_hooks,
+                                                         pack, unpack, NULL)
+                           : NULL;
+    if (ctx == NULL || ms_call_enter(st, ctx) < 0) {
+        Py_ssize_t n = PyList_GET_SIZE(f->seg_units);
+        (void)PyList_SetSlice(f->seg_units, n - 1, n, NULL);
+        (void)PyList_SetSlice(f->versions, nv, PyList_GET_SIZE(f->versions),
+                              NULL);
+        goto done;
+    }
+    if (push_entry(ex, (PyObject *)f) < 0) {
+        (void)ms_call_exit(st, ctx);
+        goto done;
+    }
+    f->ctx = Py_NewRef(ctx);
+    f->cur_unit = unit;
+    f->seg_next = k + 1;
+    Py_CLEAR(f->seg_out);
+    Py_CLEAR(ex->open_seg); /* the stack holds the frame now */
+    rc = 1;
+done:
+    Py_XDECREF(held);
+    Py_XDECREF(kw);
+    Py_XDECREF(rng);
+    Py_XDECREF(rng_cuda);
+    Py_XDECREF(rec);
+    Py_XDECREF(pack);
+    Py_XDECREF(unpack);
+    Py_XDECREF(ctx);
+    Py_XDECREF(where);
+    if (rc < 0) {
+        /* Keep going without the segment rather than half in it. */
+        ms_exc_state saved;
+        ms_exc_save(&saved);
+        if (finish_segment(ex) < 0) {
+            PyErr_WriteUnraisable((PyObject *)ex);
+        }
+        ms_exc_restore(&saved);
+    }
+    return rc;
+}
+
 static PyObject *
 ex_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1217,6 +1465,19 @@ ex_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     if (!PyTuple_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "_pre: args must be a tuple");
         return NULL;
+    }
+    if (ex->open_seg != NULL) {
+        int cont = continue_segment(ex, args[0], args[1], args[2]);
+        if (cont > 0) {
+            Py_RETURN_NONE;
+        }
+        if (cont < 0) {
+            /* The paired forward hook pops one entry. */
+            if (push_entry(ex, args[0]) < 0) {
+                PyErr_WriteUnraisable((PyObject *)ex);
+            }
+            return NULL;
+        }
     }
     PyObject *entry = open_frame(ex, args[0], args[1], args[2]);
     /* Push even on error: the paired forward hook pops one entry. */
@@ -1254,7 +1515,7 @@ ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *top = PyList_GET_ITEM(ex->stack, n - 1);
     PyObject *owner = PyObject_TypeCheck(top, ex->st->frame_type)
-                          ? ((Frame *)top)->unit
+                          ? ((Frame *)top)->cur_unit
                           : top;
     if (owner != args[0]) {
         /* Not ours: a hook that runs before ours raised, so our pre-hook
@@ -1269,6 +1530,22 @@ ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     int rc = 0;
     if (frame != NULL) {
         Frame *f = (Frame *)frame;
+        PyObject *x = first_tensor(ex->st, args[2]);
+        if (ex->segments != NULL && f->seg_next < ex->n && f->tile_end == NULL
+            && ex->segments[f->seg_next] == f->seg_id && f->seg_id >= 0
+            && x != NULL && ex->recompute_depth == 0)
+        {
+            /* The segment goes on with the next unit: keep the frame (its
+               saved-tensor hooks are left, so whatever runs in between is
+               not packed into it). */
+            if (finish_segment(ex) < 0) {
+                Py_DECREF(frame);
+                return NULL;
+            }
+            Py_XSETREF(f->seg_out, Py_NewRef(x));
+            ex->open_seg = frame; /* the reference is handed over */
+            Py_RETURN_NONE;
+        }
         if ((ex->masks != NULL && (ex->masks[f->index] & MS_TECH_OFFLOAD))
             && (HAS(ex->store) || HAS(ex->host)))
         {
@@ -1599,6 +1876,7 @@ static int ex_apply_plan(Executor *ex, PyObject *plan);
 static int
 drop_stale(Executor *ex, int warn)
 {
+    Py_CLEAR(ex->open_seg); /* a forward that never reached its end */
     if (ex->stack == NULL || PyList_GET_SIZE(ex->stack) == 0) {
         return 0; /* (NULL: cleared by the garbage collector) */
     }
@@ -1689,6 +1967,11 @@ root_pre_body(Executor *ex, PyObject *const *args)
 static PyObject *
 root_post_body(Executor *ex)
 {
+    if (ex->recompute_depth == 0 && ex->open_seg != NULL
+        && finish_segment(ex) < 0)
+    {
+        return NULL;
+    }
     /* End of the forward: writes still in flight finish now, so that their
        tensors are gone before backward (the step's peak) starts. */
     if (HAS(ex->store) && ex->recompute_depth == 0 && ex->paused == 0
@@ -1882,7 +2165,7 @@ ex_apply_plan(Executor *ex, PyObject *plan)
     ms_state *st = ex->st;
     PyObject *chosen = NULL, *pre = NULL, *post = NULL;
     unsigned *masks = NULL;
-    int *tiles = NULL;
+    int *tiles = NULL, *segments = NULL;
     int rc = -1;
 
     if (!PyObject_TypeCheck(plan, st->plan_type)) {
@@ -1906,17 +2189,24 @@ ex_apply_plan(Executor *ex, PyObject *plan)
     }
     masks = PyMem_Calloc(ex->n ? (size_t)ex->n : 1, sizeof(unsigned));
     tiles = PyMem_Calloc(ex->n ? (size_t)ex->n : 1, sizeof(int));
+    segments = PyMem_Calloc(ex->n ? (size_t)ex->n : 1, sizeof(int));
     chosen = PyList_New(0);
-    if (masks == NULL || tiles == NULL || chosen == NULL) {
-        if (masks == NULL || tiles == NULL) {
+    if (masks == NULL || tiles == NULL || segments == NULL || chosen == NULL) {
+        if (masks == NULL || tiles == NULL || segments == NULL) {
             PyErr_NoMemory();
         }
         goto done;
     }
     for (Py_ssize_t i = 0; i < ex->n; i++) {
         if (ms_plan_layer_mask(plan, i, &masks[i]) < 0
-            || ms_plan_layer_tiles(plan, i, &tiles[i]) < 0)
+            || ms_plan_layer_tiles(plan, i, &tiles[i]) < 0
+            || ms_plan_layer_segment(plan, i, &segments[i]) < 0)
         {
+            goto done;
+        }
+        if (segments[i] < -1 || segments[i] > i) {
+            PyErr_Format(PyExc_ValueError, "plan layer %zd has segment %d",
+                         i, segments[i]);
             goto done;
         }
         if (masks[i] != 0
@@ -1939,6 +2229,9 @@ ex_apply_plan(Executor *ex, PyObject *plan)
     ex->masks = NULL;
     PyMem_Free(ex->tiles);
     ex->tiles = NULL;
+    PyMem_Free(ex->segments);
+    ex->segments = NULL;
+    Py_CLEAR(ex->open_seg);
     Py_XSETREF(ex->plan, Py_NewRef(Py_None));  /* its hooks are gone */
     pre = PyUnicode_InternFromString("_pre");
     post = PyUnicode_InternFromString("_post");
@@ -1952,11 +2245,14 @@ ex_apply_plan(Executor *ex, PyObject *plan)
     masks = NULL;
     ex->tiles = tiles;
     tiles = NULL;
+    ex->segments = segments;
+    segments = NULL;
     Py_XSETREF(ex->plan, Py_NewRef(plan));
     rc = 0;
 done:
     PyMem_Free(masks);
     PyMem_Free(tiles);
+    PyMem_Free(segments);
     Py_XDECREF(chosen);
     Py_XDECREF(pre);
     Py_XDECREF(post);
@@ -2124,6 +2420,9 @@ ex_detach(Executor *ex, PyObject *Py_UNUSED(ignored))
     ex->masks = NULL;
     PyMem_Free(ex->tiles);
     ex->tiles = NULL;
+    PyMem_Free(ex->segments);
+    ex->segments = NULL;
+    Py_CLEAR(ex->open_seg);
     Py_XSETREF(ex->tile_verifier, Py_NewRef(Py_None));
     Py_XSETREF(ex->amp_device, Py_NewRef(Py_None));
     Py_XSETREF(ex->amp_dtype, Py_NewRef(Py_None));
@@ -2296,6 +2595,7 @@ ex_traverse(Executor *ex, visitproc visit, void *arg)
     Py_VISIT(ex->amp_device);
     Py_VISIT(ex->amp_dtype);
     Py_VISIT(ex->amp_stack);
+    Py_VISIT(ex->open_seg);
     return 0;
 }
 
@@ -2319,6 +2619,7 @@ ex_clear(Executor *ex)
     Py_CLEAR(ex->amp_device);
     Py_CLEAR(ex->amp_dtype);
     Py_CLEAR(ex->amp_stack);
+    Py_CLEAR(ex->open_seg);
     Py_CLEAR(ex->module);
     return 0;
 }
@@ -2331,6 +2632,7 @@ ex_dealloc(Executor *ex)
     (void)ex_clear(ex);
     PyMem_Free(ex->masks);
     PyMem_Free(ex->tiles);
+    PyMem_Free(ex->segments);
     PyMem_Free(ex->buffers);
     tp->tp_free((PyObject *)ex);
     Py_DECREF(tp);

@@ -223,6 +223,8 @@ PyObject *ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs);
 int ms_plan_layer_mask(PyObject *plan, Py_ssize_t i, unsigned *mask);
 /* Tile count of layer i (1: not tiled), or -1 with an exception set. */
 int ms_plan_layer_tiles(PyObject *plan, Py_ssize_t i, int *tiles);
+/* Checkpoint segment of layer i (its first layer's index, or -1). */
+int ms_plan_layer_segment(PyObject *plan, Py_ssize_t i, int *segment);
 
 /* profiler.c: module-level functions and hook helpers. */
 int ms_register_unit_hooks(ms_state *st, PyObject *owner, PyObject *units,

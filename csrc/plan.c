@@ -30,6 +30,7 @@ typedef struct {
     double flops;
     unsigned mask;
     int tiles;
+    int segment;
 } LayerPlan;
 
 typedef struct {
@@ -49,6 +50,8 @@ typedef struct {
     long long peak_projected_bytes;
     double pressure;
     double recompute_ratio;
+    double predicted_slowdown;
+    long long min_budget_bytes;
     double total_flops;
     char skipped;  /* Py_T_BOOL members are a char */
     char fits;
@@ -129,6 +132,10 @@ static PyMemberDef layer_members[] = {
      "Forward FLOPs of the layer."},
     {"tiles", Py_T_INT, offsetof(LayerPlan, tiles), Py_READONLY,
      "Tiles the layer's input is split into (1: not tiled)."},
+    {"segment", Py_T_INT, offsetof(LayerPlan, segment), Py_READONLY,
+     "Checkpointed: the index of the first layer of its checkpoint\n"
+     "segment (its own index when recomputed alone); -1 otherwise.  A\n"
+     "segment's layers are recomputed together from its first input."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -299,10 +306,14 @@ plan_to_json_str(Plan *p)
         || sb_double(&b, p->total_flops) < 0
         || sb_key(&b, "recompute_ratio", 0) < 0
         || sb_double(&b, p->recompute_ratio) < 0
+        || sb_key(&b, "predicted_slowdown", 0) < 0
+        || sb_double(&b, p->predicted_slowdown) < 0
         || sb_key(&b, "skipped", 0) < 0
         || sb_cstr(&b, p->skipped ? "true" : "false") < 0
         || sb_key(&b, "fits", 0) < 0
         || sb_cstr(&b, p->fits ? "true" : "false") < 0
+        || sb_key(&b, "min_budget_bytes", 0) < 0
+        || sb_ll(&b, p->min_budget_bytes) < 0
         || sb_key(&b, "layers", 0) < 0 || sb_cstr(&b, "[") < 0)
     {
         goto done;
@@ -317,6 +328,8 @@ plan_to_json_str(Plan *p)
             || sb_key(&b, "rule", 0) < 0 || sb_jstr(&b, l->rule) < 0
             || sb_key(&b, "tier", 0) < 0 || sb_jstr(&b, l->tier) < 0
             || sb_key(&b, "tiles", 0) < 0 || sb_ll(&b, (long long)l->tiles) < 0
+            || sb_key(&b, "segment", 0) < 0
+            || sb_ll(&b, (long long)l->segment) < 0
             || sb_key(&b, "bytes_saved", 0) < 0
             || sb_ll(&b, l->bytes_saved) < 0
             || sb_key(&b, "param_bytes", 0) < 0
@@ -492,6 +505,14 @@ static PyMemberDef plan_members[] = {
      "True when smart-skip left the model alone."},
     {"fits", Py_T_BOOL, offsetof(Plan, fits), Py_READONLY,
      "True when the projected peak fits the budget."},
+    {"predicted_slowdown", Py_T_DOUBLE, offsetof(Plan, predicted_slowdown),
+     Py_READONLY,
+     "Predicted step time with the plan over without it (a step costs\n"
+     "three forwards; recompute, offload transfers and tile calls add)."},
+    {"min_budget_bytes", Py_T_LONGLONG, offsetof(Plan, min_budget_bytes),
+     Py_READONLY,
+     "When the budget planner found no plan that fits: the smallest\n"
+     "budget it can reach with the allowed techniques; else -1."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -525,6 +546,18 @@ ms_plan_layer_mask(PyObject *plan, Py_ssize_t i, unsigned *mask)
         return -1;
     }
     *mask = ((LayerPlan *)PyTuple_GET_ITEM(p->layers, i))->mask;
+    return 0;
+}
+
+int
+ms_plan_layer_segment(PyObject *plan, Py_ssize_t i, int *segment)
+{
+    Plan *p = (Plan *)plan;
+    if (i < 0 || i >= PyTuple_GET_SIZE(p->layers)) {
+        PyErr_SetString(PyExc_IndexError, "plan layer index out of range");
+        return -1;
+    }
+    *segment = ((LayerPlan *)PyTuple_GET_ITEM(p->layers, i))->segment;
     return 0;
 }
 
@@ -586,6 +619,7 @@ make_layer(ms_state *st, Py_ssize_t index, PyObject *name, PyObject *kind,
     l->flops = in->flops;
     l->mask = c->techniques;
     l->tiles = c->tiles;
+    l->segment = c->segment;
     PyObject_GC_Track(l);
 
     Py_ssize_t nt = 0;
@@ -697,6 +731,27 @@ pop_ll(PyObject *kw, const char *name, long long *out)
 }
 
 static int
+pop_double(PyObject *kw, const char *name, double *out)
+{
+    PyObject *v = PyDict_GetItemString(kw, name); /* borrowed */
+    if (v == NULL) {
+        return 0;
+    }
+    double x = PyFloat_AsDouble(v);
+    if (x == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (!(x >= 0.0) || !isfinite(x)) {
+        PyErr_Format(PyExc_ValueError,
+                     "build_plan: %s must be a finite float >= 0, got %R",
+                     name, v);
+        return -1;
+    }
+    *out = x;
+    return PyDict_DelItemString(kw, name);
+}
+
+static int
 pop_bool(PyObject *kw, const char *name, int *out)
 {
     PyObject *v = PyDict_GetItemString(kw, name); /* borrowed */
@@ -726,6 +781,9 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     long long budget, fixed, act, dcount, capacity;
     long long min_offload = 0, host_cap = -1, peak_offset = 0;
     int host_tier = 0, disk_tier = 1;
+    int solver = 0, async_offload = 0;
+    double flop_rate = 0.0, offload_bw = 0.0, tile_overhead = 0.0;
+    long long max_segment = 64, resolution = 512;
     double total_flops;
     PyObject *seq = NULL, *tuple = NULL;
     ms_layer *in = NULL;
@@ -742,7 +800,14 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
         || pop_ll(rest, "host_cap_bytes", &host_cap) < 0
         || pop_ll(rest, "peak_offset_bytes", &peak_offset) < 0
         || pop_bool(rest, "host_tier", &host_tier) < 0
-        || pop_bool(rest, "disk_tier", &disk_tier) < 0)
+        || pop_bool(rest, "disk_tier", &disk_tier) < 0
+        || pop_bool(rest, "solver", &solver) < 0
+        || pop_bool(rest, "async_offload", &async_offload) < 0
+        || pop_double(rest, "flop_rate", &flop_rate) < 0
+        || pop_double(rest, "offload_bandwidth", &offload_bw) < 0
+        || pop_double(rest, "tile_overhead", &tile_overhead) < 0
+        || pop_ll(rest, "max_segment", &max_segment) < 0
+        || pop_ll(rest, "resolution", &resolution) < 0)
     {
         Py_DECREF(rest);
         return NULL;
@@ -763,6 +828,20 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
                      "peak_offset_bytes must be between -2**50 and 2**50, "
                      "got %lld",
                      peak_offset);
+        return NULL;
+    }
+    if (solver && !(flop_rate > 0.0)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "build_plan: solver=True needs flop_rate > 0");
+        return NULL;
+    }
+    if (max_segment < 1 || max_segment > 255 || resolution < 1
+        || resolution > 65535)
+    {
+        PyErr_Format(PyExc_ValueError,
+                     "build_plan: max_segment must be in [1, 255] and "
+                     "resolution in [1, 65535], got %lld and %lld",
+                     max_segment, resolution);
         return NULL;
     }
     if (host_cap < -1 || host_cap > MS_MAX_BYTES) {
@@ -810,6 +889,13 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     prob.host_cap_bytes = host_cap;
     prob.disk_tier = disk_tier;
     prob.peak_offset_bytes = peak_offset;
+    prob.solver = solver;
+    prob.flop_rate = flop_rate;
+    prob.offload_bw = offload_bw;
+    prob.async_offload = async_offload;
+    prob.tile_overhead = tile_overhead;
+    prob.max_segment = (int)max_segment;
+    prob.resolution = (int)resolution;
 
     seq = PySequence_Fast(layers_arg, "layers must be a sequence");
     if (seq == NULL) {
@@ -891,6 +977,8 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     plan->peak_projected_bytes = res.peak_projected;
     plan->pressure = res.pressure;
     plan->recompute_ratio = res.recompute_ratio;
+    plan->predicted_slowdown = res.predicted_slowdown;
+    plan->min_budget_bytes = res.min_budget;
     plan->skipped = (char)(res.skipped != 0);
     plan->fits = (char)(res.fits != 0);
     plan->allowed = (unsigned)allowed;

@@ -8,6 +8,7 @@ takes it all off again.
 
 import logging
 
+from ._budget import MemoryBudgetError
 from .api import apply_all_optimizations, detach, optimize, wrap
 from .config import AsyncOffloadConfig, Config, OptimizationMode
 from .predictor import estimate_savings, predict_peak
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncOffloadConfig",
     "Config",
+    "MemoryBudgetError",
     "OptimizationMode",
     "__version__",
     "apply_all_optimizations",

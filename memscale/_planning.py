@@ -300,10 +300,43 @@ def make_plan(profile: Profile, config: Config, hardware: dict[str, Any],
                                           peak_offset))
 
 
+# The budget planner's cost model (csrc/solver.c), per device type: forward
+# FLOP/s, offload bandwidth each way (host RAM of a GPU; disk), and the cost
+# of one more call of a tiled layer.  Fixed constants, not measurements:
+# the same inputs must give the same plan, and timings vary run to run.
+# They only need the right ratios (what one recomputed FLOP costs against
+# one offloaded byte).  The CPU row is this project's 2-core test machine
+# in float32; the CUDA row an Ampere-class GPU on PCIe 4 (unverified here).
+SOLVER_COSTS: dict[str, dict[str, float]] = {
+    "cpu": {"flop_rate": 5e10, "host_bw": 0.0, "disk_bw": 7e8, "tile_overhead": 3e-5},
+    "cuda": {"flop_rate": 3e13, "host_bw": 1.2e10, "disk_bw": 2e9,
+             "tile_overhead": 1e-4},
+}
+MAX_SEGMENT = 64  # longest checkpoint segment the planner considers
+RESOLUTION = 512  # memory buckets of the planner's DP
+
+
+def solver_inputs(config: Config, hardware: dict[str, Any],
+                  offload_in: dict[str, Any]) -> dict[str, Any]:
+    """The budget planner's keywords of ``_core.build_plan``."""
+    costs = SOLVER_COSTS.get(hardware["device"], SOLVER_COSTS["cuda"])
+    bandwidth = costs["host_bw"] if offload_in["host_tier"] else costs["disk_bw"]
+    return {
+        "solver": True,
+        "flop_rate": costs["flop_rate"],
+        "offload_bandwidth": bandwidth,
+        "async_offload": bool(config.async_offload),
+        "tile_overhead": costs["tile_overhead"],
+        "max_segment": MAX_SEGMENT,
+        "resolution": RESOLUTION,
+    }
+
+
 def plan_inputs(profile: Profile, config: Config, hardware: dict[str, Any],
                 fixed: int, peak_offset: int = 0) -> dict[str, Any]:
     """Every input of the engine (``_core.build_plan`` keywords): plain
     data, so that one rank can send them to the others."""
+    offload_in = offload.plan_inputs(config, hardware)
     return dict(
         layers=[tuple(layer) for layer in profile.layers],
         mode=config.mode.value,
@@ -317,7 +350,8 @@ def plan_inputs(profile: Profile, config: Config, hardware: dict[str, Any],
         device_count=int(hardware["count"]),
         capacity_bytes=int(hardware["capacity_bytes"]),
         peak_offset_bytes=int(peak_offset),
-        **offload.plan_inputs(config, hardware),
+        **offload_in,
+        **solver_inputs(config, hardware, offload_in),
     )
 
 

@@ -16,8 +16,8 @@ from typing import Any, Iterator
 
 import torch
 
-from . import (_core, _planning, _telemetry, amp, distributed, observability, offload,
-               optim, policy, tiling)
+from . import (_budget, _core, _planning, _telemetry, amp, distributed, observability,
+               offload, optim, policy, tiling)
 from .config import AsyncOffloadConfig, Config, OptimizationMode
 from .executor import Executor
 
@@ -278,9 +278,12 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
         if profile is not None:
             executor.profile = profile
             plan_config = _stage1(executor, config, hardware, profile, fixed)
-            plan = distributed.shared_plan(_planning.plan_inputs(
-                profile, plan_config, hardware, fixed, peak_offset=offset))
+            inputs = _planning.plan_inputs(profile, plan_config, hardware, fixed,
+                                           peak_offset=offset)
+            plan = distributed.shared_plan(inputs)
             _log_plan(config, hardware, plan)
+            _budget.check(plan, inputs, plan_config,
+                          _planning.optimizer_state_bytes(model, optimizer))
             offload.attach(executor, plan_config, hardware, plan)
             tiling.install(executor, units, plan)
             executor.apply(plan)
@@ -297,9 +300,11 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
                 executor.profile = warm
                 plan_config = (executor.config if executor.decision is not None
                                else _stage1(executor, config, hardware, warm, fixed))
-                plan = distributed.shared_plan(_planning.plan_inputs(
-                    warm, plan_config, hardware, fixed))
+                inputs = _planning.plan_inputs(warm, plan_config, hardware, fixed)
+                plan = distributed.shared_plan(inputs)
                 _log_plan(config, hardware, plan)
+                _budget.check(plan, inputs, plan_config,
+                              _planning.optimizer_state_bytes(model, optimizer))
                 offload.attach(executor, plan_config, hardware, plan)
                 tiling.install(executor, units, plan)
                 _after_plan(model, executor, plan)

@@ -1,5 +1,6 @@
-"""The decision engine in plain C: compile tests/c/test_engine.c with
-csrc/engine.c (no Python, no torch) and run it.
+"""The decision engine and the budget planner in plain C: compile
+tests/c/test_engine.c and tests/c/test_solver.c with csrc/engine.c and
+csrc/solver.c (no Python, no torch) and run them.
 
 The program is built with ``-std=c11 -Wall -Wextra -Werror`` and, when the
 compiler and the host support them, ``-fsanitize=address,undefined``; it
@@ -17,13 +18,16 @@ import subprocess
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "tests" / "c" / "test_engine.c", ROOT / "csrc" / "engine.c"]
+SOURCES = [ROOT / "tests" / "c" / "test_engine.c", ROOT / "csrc" / "engine.c",
+           ROOT / "csrc" / "solver.c"]
 BASE_FLAGS = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-g"]
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
                   "-fno-sanitize-recover=undefined"]
 GROUPS = ["names", "smart-skip", "force-all", "ineligible", "greedy",
           "nothing-fits", "disabled", "empty", "determinism", "exhaustive",
           "fuzz"]
+SOLVER_SOURCES = [ROOT / "tests" / "c" / "test_solver.c", ROOT / "csrc" / "solver.c"]
+SOLVER_GROUPS = ["model", "known", "exhaustive", "fuzz", "min-budget", "timing"]
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed$")
 
 PROBE = r"""
@@ -75,16 +79,15 @@ def _try_sanitizer(cc: str, tmp: pathlib.Path) -> tuple[bool, bool]:
     return False, False
 
 
-@pytest.fixture(scope="module")
-def engine_run(tmp_path_factory):
+def _build_and_run(tmp_path_factory, name, sources):
     cc = _compiler()
     if cc is None:
         pytest.skip("no C compiler found")
-    tmp = tmp_path_factory.mktemp("engine_c")
+    tmp = tmp_path_factory.mktemp(name)
     sanitized, leaks = _try_sanitizer(cc, tmp)
-    exe = tmp / "test_engine"
+    exe = tmp / name
     flags = BASE_FLAGS + (SANITIZE_FLAGS if sanitized else [])
-    built = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(exe),
+    built = subprocess.run([cc, *flags, *map(str, sources), "-o", str(exe),
                             "-lm"], capture_output=True, text=True)
     assert built.returncode == 0, (
         f"compiling the engine test failed ({cc} {' '.join(flags)}):\n"
@@ -94,6 +97,16 @@ def engine_run(tmp_path_factory):
                          env=_run_env(sanitized, leaks), timeout=120)
     return {"rc": ran.returncode, "stdout": ran.stdout, "stderr": ran.stderr,
             "sanitized": sanitized}
+
+
+@pytest.fixture(scope="module")
+def engine_run(tmp_path_factory):
+    return _build_and_run(tmp_path_factory, "test_engine", SOURCES)
+
+
+@pytest.fixture(scope="module")
+def solver_run(tmp_path_factory):
+    return _build_and_run(tmp_path_factory, "test_solver", SOLVER_SOURCES)
 
 
 def _explain(run) -> str:
@@ -127,3 +140,17 @@ def test_engine_group(engine_run, group):
     status, checks, failed = found[0].groups()
     assert status == "ok  " and failed == "0", _explain(engine_run)
     assert int(checks) > 0
+
+
+def test_solver_program(solver_run):
+    """The budget planner: hand-checked cases, an exhaustive reference
+    search on every chain of up to 6 layers drawn, a fuzz, the smallest
+    feasible budget, and 1,000 and 10,000-layer chains (their times are
+    printed, not asserted: see scripts/solver_bench.py)."""
+    assert solver_run["rc"] == 0, _explain(solver_run)
+    lines = solver_run["stdout"].strip().splitlines()
+    m = SUMMARY.match(lines[-1])
+    assert m and int(m.group(2)) == 0, _explain(solver_run)
+    for group in SOLVER_GROUPS:
+        pattern = re.compile(rf"^ok   {re.escape(group)}\s+(\d+) checks, 0 failed$")
+        assert any(pattern.match(line) for line in lines), (group, _explain(solver_run))

@@ -95,6 +95,13 @@ def test_the_plan_is_the_plan_wrap_applies(name):
     with PredictionSession(model, x) as session:
         predictions = [session.predict(config) for config in configs]
     for config, prediction in zip(configs, predictions):
+        if config.memory_budget_gb is not None:
+            # No plan fits: predict_peak reports the plan it would make;
+            # wrap() refuses, saying the smallest budget it reaches.
+            with pytest.raises(memscale.MemoryBudgetError):
+                memscale.wrap(model, config, sample_input=x)
+            assert "_memscale_executor" not in model.__dict__
+            continue
         memscale.wrap(model, config, sample_input=x)
         try:
             plan = model._memscale_executor.plan

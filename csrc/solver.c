@@ -1,0 +1,552 @@
+/*
+ * solver.c: the budget planner.  The least predicted overhead (recompute,
+ * offload transfers, tile calls) whose predicted peak fits a memory budget,
+ * by dynamic programming over the layer chain.  Plain C over plain structs:
+ * no Python object crosses this file, so it is tested on its own
+ * (tests/c/test_solver.c, with an exhaustive reference search).
+ *
+ * The memory model is the engine's (engine.c).  The chain is cut into
+ * units: a kept layer, or a checkpoint segment [a..b] (one layer, or a run
+ * of layers recomputed together from the one stored input of layer a, as
+ * in checkpoint_sequential and the rotor dynamic program's segments).
+ * During the forward, a kept layer holds its saved tensors until backward,
+ * a segment holds input_a (nothing when that input is offloaded).  When
+ * backward reaches a segment, everything held before it is still held and
+ * the recompute adds the segment's saved tensors (one tile's share of them
+ * for a tiled single layer):
+ *
+ *     peak = max(sum of held, max over segments (held before it + transient))
+ *
+ * Overhead, in seconds: each checkpointed layer is recomputed once (its
+ * forward FLOPs / flop_rate); an offloaded input is written and read once
+ * at offload_bw (asynchronously, the write hides behind the layer's
+ * forward and the read behind its backward, about twice the forward); a
+ * layer in t tiles makes t - 1 more calls of tile_overhead each.
+ *
+ * The DP runs over (layer i, bytes held by the layers before i) with the
+ * held bytes counted in buckets of ceil(budget / resolution) bytes, rounded
+ * up: a plan it returns fits the exact budget, and it is optimal among the
+ * plans that fit at that granularity (exactly optimal when the bucket is
+ * one byte).  Work: O(n x (resolution + 1) x log max_segment); memory: 4
+ * bytes of back-pointer per state, two rows of costs, and one tournament
+ * tree of max_segment + 1 leaves per bucket (see below).
+ */
+#include "engine.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_RESOLUTION 65535
+#define MAX_SEGMENT 255
+
+/* Back-pointer of a state: prev_h (16 bits) | length (8; 0 = kept) |
+   code (8: bit 0 offloaded, bits 1-3 log2 of the tiles). */
+typedef uint32_t back_t;
+#define BACK_NONE UINT32_MAX
+
+static back_t
+back_pack(size_t prev_h, int len, int offload, int tiles_log2)
+{
+    return (back_t)prev_h << 16 | (back_t)len << 8
+           | (back_t)(offload | tiles_log2 << 1);
+}
+
+static int64_t
+add_sat(int64_t a, int64_t b)
+{
+    return a > INT64_MAX - b ? INT64_MAX : a + b;
+}
+
+static int64_t
+ceil_div(int64_t a, int64_t b)
+{
+    return a / b + (a % b != 0);
+}
+
+static int64_t
+nonneg(int64_t v)
+{
+    return v > 0 ? v : 0;
+}
+
+static int
+eligible(const ms_layer *l)
+{
+    return !(l->flags & (MS_LAYER_NOT_CALLED | MS_LAYER_INPLACE_INPUT));
+}
+
+static int
+can_offload(const ms_solver_problem *p, const ms_layer *l)
+{
+    return (p->allowed & MS_TECH_OFFLOAD) && p->offload_bw > 0.0
+           && l->input_bytes > 0 && l->input_bytes >= p->min_offload_bytes;
+}
+
+static int
+can_tile(const ms_solver_problem *p, const ms_layer *l)
+{
+    return (p->allowed & MS_TECH_TILING) && (l->flags & MS_LAYER_TILEABLE)
+           && l->saved_bytes > 1;
+}
+
+static double
+seconds(const ms_solver_problem *p, const ms_layer *l)
+{
+    double f = l->flops > 0.0 && isfinite(l->flops) ? l->flops : 0.0;
+    return f / p->flop_rate;
+}
+
+double
+ms_solver_offload_seconds(const ms_solver_problem *p, const ms_layer *l)
+{
+    double t = (double)nonneg(l->input_bytes) / p->offload_bw;
+    if (!p->async_offload) {
+        return 2.0 * t;
+    }
+    double c = seconds(p, l);
+    return (t > c ? t - c : 0.0) + (t > 2.0 * c ? t - 2.0 * c : 0.0);
+}
+
+int
+ms_solver_check(const ms_solver_problem *p, const ms_layer *L, size_t n,
+                const ms_solver_choice *c)
+{
+    for (size_t i = 0; i < n; i++) {
+        int s = c[i].seg_start;
+        if (s < 0) {
+            if (c[i].offload || c[i].tiles != 1) {
+                return -1;
+            }
+            continue;
+        }
+        if ((size_t)s > i || !eligible(&L[i])
+            || !(p->allowed & MS_TECH_CHECKPOINT))
+        {
+            return -1;
+        }
+        if ((size_t)s < i
+            && (c[i - 1].seg_start != s || c[i].offload || c[i].tiles != 1))
+        {
+            return -1;
+        }
+        if ((size_t)s == i) {
+            if (c[i].offload && !can_offload(p, &L[i])) {
+                return -1;
+            }
+            int t = c[i].tiles;
+            if (t != 1) {
+                int single = i + 1 == n || c[i + 1].seg_start != (int)i;
+                if (!single || !can_tile(p, &L[i]) || t < 2
+                    || t > MS_MAX_TILES || (t & (t - 1)) != 0)
+                {
+                    return -1;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+int64_t
+ms_solver_peak(const ms_layer *L, size_t n, const ms_solver_choice *c)
+{
+    int64_t held = 0, worst = 0;
+    for (size_t i = 0; i < n;) {
+        if (c[i].seg_start < 0) {
+            held = add_sat(held, nonneg(L[i].saved_bytes));
+            i++;
+            continue;
+        }
+        size_t j = i;
+        int64_t transient = 0;
+        while (j < n && c[j].seg_start == (int)i) {
+            transient = add_sat(transient, nonneg(L[j].saved_bytes));
+            j++;
+        }
+        if (c[i].tiles > 1) {
+            transient = ceil_div(nonneg(L[i].saved_bytes), c[i].tiles);
+        }
+        int64_t at = add_sat(held, transient);
+        if (at > worst) {
+            worst = at;
+        }
+        if (!c[i].offload) {
+            held = add_sat(held, nonneg(L[i].input_bytes));
+        }
+        i = j;
+    }
+    return held > worst ? held : worst;
+}
+
+double
+ms_solver_overhead(const ms_solver_problem *p, const ms_layer *L, size_t n,
+                   const ms_solver_choice *c, double *recompute_flops)
+{
+    double total = 0.0, flops = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        if (c[i].seg_start < 0) {
+            continue;
+        }
+        total += seconds(p, &L[i]);
+        flops += L[i].flops > 0.0 && isfinite(L[i].flops) ? L[i].flops : 0.0;
+        if (c[i].seg_start == (int)i) {
+            if (c[i].offload) {
+                total += ms_solver_offload_seconds(p, &L[i]);
+            }
+            if (c[i].tiles > 1) {
+                total += (double)(c[i].tiles - 1) * p->tile_overhead;
+            }
+        }
+    }
+    if (recompute_flops != NULL) {
+        *recompute_flops = flops;
+    }
+    return total;
+}
+
+/* All kept: always a plan, the unoptimized one. */
+static void
+keep_all(ms_solver_choice *out, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        out[i].seg_start = -1;
+        out[i].offload = 0;
+        out[i].tiles = 1;
+    }
+}
+
+static int
+problem_ok(const ms_solver_problem *p)
+{
+    return p->flop_rate > 0.0 && isfinite(p->flop_rate)
+           && !(p->offload_bw < 0.0) && !isnan(p->offload_bw)
+           && p->tile_overhead >= 0.0 && isfinite(p->tile_overhead)
+           && p->max_segment >= 1 && p->resolution >= 1;
+}
+
+/*
+ * A segment [i..j] costs the prefix-sum difference P[j+1] - P[i], so the
+ * candidates it offers row j+1 are G + P[j+1] with G = f(i, h) - P[i]
+ * (plus the offload cost), for every j up to the last one whose recompute
+ * fits (its "expiry").  Each target column keeps its live candidates in a
+ * small tournament tree over a ring of expiry slots: live expiries lie in
+ * [k, k + max_segment] at row k, so the tree has max_segment + 1 leaves,
+ * an insertion or an expiry costs O(log max_segment) and the row's best
+ * candidate is the root.  The whole DP is O(n x buckets x log max_segment).
+ */
+typedef struct {
+    double g;
+    uint32_t src_i;
+    uint16_t src_h;
+    uint8_t offload;
+} cand;
+
+typedef struct {
+    size_t leaves;   /* a power of two >= max_segment + 1 */
+    cand *leaf;      /* columns x leaves */
+    uint32_t *node;  /* columns x leaves: index of the best leaf below */
+} forest;
+
+static void
+tree_fix(forest *t, size_t col, size_t slot)
+{
+    cand *leaf = t->leaf + col * t->leaves;
+    uint32_t *node = t->node + col * t->leaves;
+    size_t k = (slot + t->leaves) / 2;
+    while (k >= 1) {
+        uint32_t a, b;
+        a = 2 * k >= t->leaves ? (uint32_t)(2 * k - t->leaves) : node[2 * k];
+        b = 2 * k + 1 >= t->leaves ? (uint32_t)(2 * k + 1 - t->leaves)
+                                   : node[2 * k + 1];
+        node[k] = leaf[b].g < leaf[a].g ? b : a;
+        k /= 2;
+    }
+}
+
+static void
+tree_offer(forest *t, size_t col, size_t slot, double g, size_t src_i,
+           size_t src_h, int offload)
+{
+    cand *c = &t->leaf[col * t->leaves + slot];
+    if (g < c->g) {
+        c->g = g;
+        c->src_i = (uint32_t)src_i;
+        c->src_h = (uint16_t)src_h;
+        c->offload = (uint8_t)offload;
+        tree_fix(t, col, slot);
+    }
+}
+
+static void
+tree_expire(forest *t, size_t col, size_t slot)
+{
+    cand *c = &t->leaf[col * t->leaves + slot];
+    if (c->g != INFINITY) {
+        c->g = INFINITY;
+        tree_fix(t, col, slot);
+    }
+}
+
+static const cand *
+tree_best(const forest *t, size_t col)
+{
+    const uint32_t *node = t->node + col * t->leaves;
+    return &t->leaf[col * t->leaves + (t->leaves > 1 ? node[1] : 0)];
+}
+
+int
+ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
+         ms_solver_choice *out, ms_solver_result *res)
+{
+    memset(res, 0, sizeof(*res));
+    keep_all(out, n);
+    if (!problem_ok(p)) {
+        return -2;
+    }
+    int64_t B = p->budget_bytes;
+    if (B < 0 || n > UINT32_MAX - 1) {
+        res->peak_bytes = ms_solver_peak(L, n, out);
+        return B < 0 ? 0 : -2;
+    }
+    int64_t R = p->resolution < MAX_RESOLUTION ? p->resolution : MAX_RESOLUTION;
+    int64_t bucket = B > R ? ceil_div(B, R) : 1;
+    size_t M = (size_t)(B / bucket); /* capacity, in buckets */
+    size_t W = (size_t)(p->max_segment < MAX_SEGMENT ? p->max_segment
+                                                      : MAX_SEGMENT);
+    size_t width = M + 1;
+    forest t = {1, NULL, NULL};
+    while (t.leaves < W + 1) {
+        t.leaves *= 2;
+    }
+
+    double *cur = malloc(width * sizeof(double));
+    double *next = malloc(width * sizeof(double));
+    back_t *back = malloc((n + 1) * width * sizeof(back_t));
+    int64_t *qs = malloc((n ? n : 1) * sizeof(int64_t));
+    int64_t *qi = malloc((n ? n : 1) * sizeof(int64_t));
+    int64_t *SP = malloc((n + 1) * sizeof(int64_t));     /* saved prefix */
+    double *P = malloc((n + 1) * sizeof(double));        /* cost prefix */
+    size_t *run_end = malloc((n ? n : 1) * sizeof(size_t));
+    t.leaf = malloc(width * t.leaves * sizeof(cand));
+    t.node = calloc(width * t.leaves, sizeof(uint32_t));
+    if (cur == NULL || next == NULL || back == NULL || qs == NULL || qi == NULL
+        || SP == NULL || P == NULL || run_end == NULL || t.leaf == NULL
+        || t.node == NULL)
+    {
+        free(cur);
+        free(next);
+        free(back);
+        free(qs);
+        free(qi);
+        free(SP);
+        free(P);
+        free(run_end);
+        free(t.leaf);
+        free(t.node);
+        return -1;
+    }
+    for (size_t k = 0; k < width * t.leaves; k++) {
+        t.leaf[k].g = INFINITY;
+    }
+    for (size_t k = 0; k < (n + 1) * width; k++) {
+        back[k] = BACK_NONE;
+    }
+    SP[0] = 0;
+    P[0] = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        qs[i] = ceil_div(nonneg(L[i].saved_bytes), bucket);
+        qi[i] = ceil_div(nonneg(L[i].input_bytes), bucket);
+        SP[i + 1] = add_sat(SP[i], nonneg(L[i].saved_bytes));
+        P[i + 1] = P[i] + seconds(p, &L[i]);
+    }
+    /* run_end[i]: one past the last layer a segment starting at i may
+       reach (eligible layers only). */
+    for (size_t i = n; i-- > 0;) {
+        run_end[i] = (i + 1 < n && eligible(&L[i + 1])) ? run_end[i + 1] : i + 1;
+    }
+    for (size_t h = 0; h < width; h++) {
+        cur[h] = next[h] = INFINITY;
+    }
+    cur[0] = 0.0;
+    int ckpt = (p->allowed & MS_TECH_CHECKPOINT) != 0;
+
+    for (size_t i = 0; i <= n; i++) {
+        /* Row i is complete: direct arrivals are in cur; segment arrivals
+           are the trees' roots (after dropping what expired at i - 1). */
+        if (ckpt && i > 0) {
+            size_t slot = (i - 1) % t.leaves;
+            for (size_t h = 0; h < width; h++) {
+                tree_expire(&t, h, slot);
+                const cand *c = tree_best(&t, h);
+                double v = c->g + P[i];
+                if (c->g < INFINITY && v < cur[h]) {
+                    cur[h] = v;
+                    back[i * width + h] =
+                        back_pack(c->src_h, (int)(i - c->src_i), c->offload, 0);
+                }
+            }
+        }
+        if (i == n) {
+            break;
+        }
+        int ok_ckpt = ckpt && eligible(&L[i]);
+        int ok_off = ok_ckpt && can_offload(p, &L[i]);
+        int ok_tile = ok_ckpt && can_tile(p, &L[i]);
+        double off_cost = ok_off ? ms_solver_offload_seconds(p, &L[i]) : 0.0;
+        size_t last = run_end[i] < i + W ? run_end[i] : i + W; /* exclusive */
+        for (size_t h = 0; h < width; h++) {
+            double v = cur[h];
+            if (v == INFINITY) {
+                continue;
+            }
+            int64_t held = (int64_t)h * bucket; /* >= the exact bytes held */
+            /* Kept. */
+            if ((int64_t)h + qs[i] <= (int64_t)M) {
+                size_t hk = h + (size_t)qs[i];
+                if (v < next[hk]) {
+                    next[hk] = v;
+                    back[(i + 1) * width + hk] = back_pack(h, 0, 0, 0);
+                }
+            }
+            if (!ok_ckpt) {
+                continue;
+            }
+            size_t hin = h + (size_t)qi[i];
+            int in_fits = (int64_t)h + qi[i] <= (int64_t)M;
+            int64_t room = B - held;
+            if (SP[i + 1] - SP[i] <= room) {
+                /* The longest segment whose recompute fits: binary search
+                   on the saved-bytes prefix (it only grows). */
+                size_t lo = i + 1, hi = last;
+                while (lo < hi) {
+                    size_t mid = lo + (hi - lo + 1) / 2;
+                    if (SP[mid] - SP[i] <= room) {
+                        lo = mid;
+                    }
+                    else {
+                        hi = mid - 1;
+                    }
+                }
+                size_t slot = lo % t.leaves; /* expires after row lo */
+                double g = v - P[i];
+                if (in_fits) {
+                    tree_offer(&t, hin, slot, g, i, h, 0);
+                }
+                if (ok_off) {
+                    tree_offer(&t, h, slot, g + off_cost, i, h, 1);
+                }
+            }
+            /* One layer in tiles, when it does not fit whole: the fewest
+               tiles whose share fits. */
+            int64_t saved = nonneg(L[i].saved_bytes);
+            if (ok_tile && saved > room) {
+                int lg = 1;
+                for (int tl = 2; tl <= MS_MAX_TILES; tl *= 2, lg++) {
+                    if (ceil_div(saved, tl) > room) {
+                        continue;
+                    }
+                    double c = v + (P[i + 1] - P[i]) + (tl - 1) * p->tile_overhead;
+                    if (in_fits && c < next[hin]) {
+                        next[hin] = c;
+                        back[(i + 1) * width + hin] = back_pack(h, 1, 0, lg);
+                    }
+                    if (ok_off && c + off_cost < next[h]) {
+                        next[h] = c + off_cost;
+                        back[(i + 1) * width + h] = back_pack(h, 1, 1, lg);
+                    }
+                    break;
+                }
+            }
+        }
+        double *tmp = cur;
+        cur = next;
+        next = tmp;
+        for (size_t h = 0; h < width; h++) {
+            next[h] = INFINITY;
+        }
+    }
+
+    double best = INFINITY;
+    size_t best_h = 0;
+    for (size_t h = 0; h <= M; h++) {
+        if (cur[h] < best) {
+            best = cur[h];
+            best_h = h;
+        }
+    }
+    if (best < INFINITY) {
+        /* Walk the back-pointers from (n, best_h). */
+        size_t i = n, h = best_h;
+        while (i > 0) {
+            back_t b = back[i * width + h];
+            size_t prev_h = b >> 16;
+            int len = (int)(b >> 8 & 0xff);
+            int code = (int)(b & 0xff);
+            if (len == 0) {
+                i -= 1; /* kept: out[i] already says so */
+            }
+            else {
+                size_t start = i - (size_t)len;
+                for (size_t k = start; k < i; k++) {
+                    out[k].seg_start = (int)start;
+                }
+                out[start].offload = code & 1;
+                out[start].tiles = 1 << (code >> 1);
+                i = start;
+            }
+            h = prev_h;
+        }
+        res->feasible = 1;
+        res->peak_bytes = ms_solver_peak(L, n, out);
+        res->overhead_seconds =
+            ms_solver_overhead(p, L, n, out, &res->recompute_flops);
+    }
+    else {
+        res->peak_bytes = ms_solver_peak(L, n, out); /* all kept */
+    }
+    free(cur);
+    free(next);
+    free(back);
+    free(qs);
+    free(qi);
+    free(SP);
+    free(P);
+    free(run_end);
+    free(t.leaf);
+    free(t.node);
+    return 0;
+}
+
+int
+ms_solver_min_budget(const ms_solver_problem *p, const ms_layer *L, size_t n,
+                     int64_t *min_budget)
+{
+    ms_solver_choice *c = malloc((n ? n : 1) * sizeof(ms_solver_choice));
+    if (c == NULL) {
+        return -1;
+    }
+    keep_all(c, n);
+    int64_t hi = ms_solver_peak(L, n, c); /* all kept always fits this */
+    int64_t lo = -1;                      /* nothing fits below 0 */
+    ms_solver_problem q = *p;
+    ms_solver_result r;
+    int rc = 0;
+    while (hi - lo > 1) {
+        int64_t mid = lo + (hi - lo) / 2;
+        q.budget_bytes = mid;
+        rc = ms_solve(&q, L, n, c, &r);
+        if (rc != 0) {
+            break;
+        }
+        if (r.feasible) {
+            hi = mid;
+        }
+        else {
+            lo = mid;
+        }
+    }
+    free(c);
+    *min_budget = hi;
+    return rc;
+}

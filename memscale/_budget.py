@@ -1,0 +1,111 @@
+"""The error ``wrap`` raises when no plan fits the memory budget.
+
+The budget planner (``csrc/solver.c``) reports the smallest budget it can
+reach with the techniques the Config allows (``Plan.min_budget_bytes``).
+This module turns that into an error that says what the budget is, what
+memscale can reach, and which Config changes would lower that, each with
+the smallest budget the planner finds with the change made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _core
+from .config import Config
+
+GIB = 1 << 30
+
+
+class MemoryBudgetError(ValueError):
+    """No plan fits the memory budget.  ``budget_bytes`` is the budget,
+    ``min_budget_bytes`` the smallest one memscale can reach for this model
+    and batch with the Config as given, ``suggestions`` a list of
+    (change, smallest budget with it) pairs."""
+
+    def __init__(self, message: str, budget_bytes: int, min_budget_bytes: int,
+                 suggestions: list[tuple[str, int]]) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_budget_bytes = min_budget_bytes
+        self.suggestions = suggestions
+
+
+def _gib(n: float) -> str:
+    from ._planning import format_bytes
+
+    return format_bytes(n)
+
+
+def _min_budget(inputs: dict[str, Any]) -> int:
+    """The planner's smallest feasible budget for these engine inputs (a
+    budget of 1 byte makes every plan infeasible, so the planner reports
+    its minimum)."""
+    probe = dict(inputs, budget_bytes=1, force=False)
+    plan = _core.build_plan(**probe)
+    if plan.min_budget_bytes >= 0:
+        return int(plan.min_budget_bytes)
+    return int(plan.peak_projected_bytes)
+
+
+def _scaled_activations(inputs: dict[str, Any], factor: float) -> dict[str, Any]:
+    layers = [(n, k, p, int(s * factor), int(i * factor), f, fl)
+              for (n, k, p, s, i, f, fl) in inputs["layers"]]
+    return dict(inputs, layers=layers,
+                activation_bytes=int(inputs["activation_bytes"] * factor))
+
+
+def suggestions(inputs: dict[str, Any], config: Config,
+                optimizer_state_bytes: int) -> list[tuple[str, int]]:
+    """Config changes that lower the smallest reachable budget, with it."""
+    out: list[tuple[str, int]] = []
+    allowed = inputs["allowed"]
+    if not allowed & _core.TECH_OFFLOAD and (inputs.get("host_tier")
+                                            or inputs.get("disk_tier")):
+        what = ("mode=OptimizationMode.BALANCED (offload)"
+                if config.enable_offloading else "enable_offloading=True")
+        mode = "balanced" if inputs["mode"] == "conservative" else inputs["mode"]
+        out.append((what, _min_budget(dict(
+            inputs, mode=mode, allowed=allowed | _core.TECH_OFFLOAD
+            | (_core.TECH_CHECKPOINT if config.enable_checkpointing else 0)))))
+    if not allowed & _core.TECH_TILING:
+        out.append(("enable_tiling=True", _min_budget(dict(
+            inputs, allowed=allowed | _core.TECH_TILING))))
+    if not config.use_mixed_precision:
+        out.append(("use_mixed_precision=True (activations in 16 bits, about half)",
+                    _min_budget(_scaled_activations(inputs, 0.5))))
+    if not config.use_8bit_optimizer and optimizer_state_bytes > 0:
+        saved = int(optimizer_state_bytes * (1 - 2.125 / 8))
+        out.append(("the 8-bit optimizer (use_8bit_optimizer=True with your "
+                    "optimizer, or memscale.apply_all_optimizations)",
+                    _min_budget(dict(inputs, fixed_bytes=max(
+                        0, inputs["fixed_bytes"] - saved)))))
+    out.append(("half the batch size (activations scale with it)",
+                _min_budget(_scaled_activations(inputs, 0.5))))
+    return out
+
+
+def check(plan: Any, inputs: dict[str, Any], config: Config,
+          optimizer_state_bytes: int) -> None:
+    """Raise :class:`MemoryBudgetError` when the planner found no plan."""
+    if plan.fits or plan.skipped or plan.min_budget_bytes < 0:
+        return
+    budget = int(plan.budget_bytes)
+    least = int(plan.min_budget_bytes)
+    tips = suggestions(inputs, config, optimizer_state_bytes)
+    lines = [f"  - {what}: {_gib(b)}" for what, b in tips if b < least]
+    source = ("Config.memory_budget_gb" if config.memory_budget_gb is not None
+              else f"the device's capacity x target_gpu_utilization "
+                   f"({config.target_gpu_utilization})")
+    message = (
+        f"memscale: no plan fits the memory budget of {_gib(budget)} ({source}). "
+        f"The smallest budget memscale can reach for this model and batch is "
+        f"{_gib(least)} (unoptimized: {_gib(plan.peak_unoptimized_bytes)}), "
+        f"with mode {plan.mode} and the techniques your Config allows.")
+    if lines:
+        message += " Config changes that lower it (smallest budget with each):\n" \
+            + "\n".join(lines)
+    else:
+        message += (" No Config change lowers it further: raise the budget or "
+                    "make the model or the batch smaller.")
+    raise MemoryBudgetError(message, budget, least, tips)

@@ -1,0 +1,497 @@
+/*
+ * test_solver.c: the budget planner (csrc/solver.c), tested on its own.
+ *
+ * Built by tests/test_engine_c.py like test_engine.c (C11, -Werror, ASan
+ * and UBSan where available).  Groups:
+ *   model       the memory model and overhead on hand-computed cases
+ *   known       small chains with a known optimum
+ *   exhaustive  every plan of random chains of up to 7 layers enumerated:
+ *               the solver's overhead equals the best plan's that fits
+ *   fuzz        random large chains: no crash, a plan it returns is valid
+ *               and fits, overheads agree with the model
+ *   min-budget  the smallest feasible budget is feasible and one byte less
+ *               is not (exact granularity)
+ *   timing      1,000 and 10,000 layers: a plan that fits (the times are
+ *               printed; scripts/solver_bench.py measures them)
+ * The last line is "N passed, M failed"; exit status 0 only if none failed.
+ */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#include "../../csrc/engine.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static long n_passed, n_failed, group_failed, group_checks;
+static char ctx[160];
+
+static void
+check_at(int ok, int line, const char *what)
+{
+    group_checks++;
+    if (ok) {
+        n_passed++;
+        return;
+    }
+    n_failed++;
+    group_failed++;
+    if (n_failed <= 30) {
+        printf("FAIL test_solver.c:%d: %s -- %s\n", line, what, ctx);
+    }
+}
+#define CHECK(c) check_at(!!(c), __LINE__, #c)
+
+static void
+group_begin(void)
+{
+    group_failed = group_checks = 0;
+    ctx[0] = 0;
+}
+
+static void
+group_end(const char *name)
+{
+    printf("%s %-12s %ld checks, %ld failed\n", group_failed ? "FAIL" : "ok  ",
+           name, group_checks, group_failed);
+}
+
+static uint64_t lcg;
+
+static uint32_t
+rnd(void)
+{
+    lcg = lcg * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (uint32_t)(lcg >> 32);
+}
+
+static int64_t
+rnd_range(int64_t lo, int64_t hi)
+{
+    return lo + (int64_t)(rnd() % (uint32_t)(hi - lo + 1));
+}
+
+static ms_layer
+layer(int64_t saved, int64_t input, double flops, unsigned flags)
+{
+    ms_layer l;
+    memset(&l, 0, sizeof(l));
+    l.saved_bytes = saved;
+    l.input_bytes = input;
+    l.flops = flops;
+    l.flags = flags;
+    return l;
+}
+
+static ms_solver_problem
+problem(int64_t budget, unsigned allowed)
+{
+    ms_solver_problem p;
+    memset(&p, 0, sizeof(p));
+    p.budget_bytes = budget;
+    p.allowed = allowed;
+    p.flop_rate = 1.0;
+    p.offload_bw = 0.0;
+    p.async_offload = 0;
+    p.min_offload_bytes = 0;
+    p.tile_overhead = 0.5;
+    p.max_segment = 255;
+    p.resolution = 65535;
+    return p;
+}
+
+#define ALL (MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING)
+
+/* ---- model ------------------------------------------------------------ */
+
+static void
+test_model(void)
+{
+    group_begin();
+    ms_layer L[3] = {layer(10, 2, 1, 0), layer(20, 3, 2, 0), layer(30, 4, 4, 0)};
+    ms_solver_choice c[3] = {{-1, 0, 1}, {-1, 0, 1}, {-1, 0, 1}};
+    ms_solver_problem p = problem(1000, ALL);
+    CHECK(ms_solver_peak(L, 3, c) == 60);
+    CHECK(ms_solver_overhead(&p, L, 3, c, NULL) == 0.0);
+    /* Layer 1 alone: held 10, recompute 10 + 20 = 30; held 10+3+30 = 43. */
+    c[1].seg_start = 1;
+    CHECK(ms_solver_peak(L, 3, c) == 43);
+    CHECK(ms_solver_overhead(&p, L, 3, c, NULL) == 2.0);
+    /* Segment [1..2]: held 10 + 3; recompute 10 + 50 = 60. */
+    c[2].seg_start = 1;
+    CHECK(ms_solver_peak(L, 3, c) == 60);
+    CHECK(ms_solver_check(&p, L, 3, c) == 0);
+    /* Segment [0..2]: held 2; recompute 60. */
+    c[0].seg_start = c[1].seg_start = c[2].seg_start = 0;
+    CHECK(ms_solver_peak(L, 3, c) == 60);
+    double flops = 0;
+    CHECK(ms_solver_overhead(&p, L, 3, c, &flops) == 7.0 && flops == 7.0);
+    /* Singles, layer 2 in 4 tiles: 5 held + ceil(30 / 4) = 13 at its recompute. */
+    ms_solver_choice d[3] = {{0, 0, 1}, {1, 0, 1}, {2, 0, 4}};
+    CHECK(ms_solver_check(&p, L, 3, d) == -1); /* not tileable */
+    L[2].flags = MS_LAYER_TILEABLE;
+    CHECK(ms_solver_check(&p, L, 3, d) == 0);
+    CHECK(ms_solver_peak(L, 3, d) == 22); /* layer 1: 2 + 20 */
+    CHECK(ms_solver_overhead(&p, L, 3, d, NULL) == 7.0 + 3 * 0.5);
+    /* Offload of layer 1's input: not allowed without bandwidth. */
+    d[1].offload = 1;
+    CHECK(ms_solver_check(&p, L, 3, d) == -1);
+    p.offload_bw = 1.0;
+    CHECK(ms_solver_check(&p, L, 3, d) == 0);
+    CHECK(ms_solver_offload_seconds(&p, &L[1]) == 6.0); /* 3 bytes x 2 */
+    p.async_offload = 1; /* write 3 - 2 hidden, read 3 - 4: hidden */
+    CHECK(ms_solver_offload_seconds(&p, &L[1]) == 1.0);
+    /* Invalid shapes. */
+    ms_solver_choice e[3] = {{-1, 0, 1}, {0, 0, 1}, {-1, 0, 1}};
+    CHECK(ms_solver_check(&p, L, 3, e) == -1); /* segment not a run */
+    ms_solver_choice g[3] = {{0, 0, 2}, {0, 0, 1}, {-1, 0, 1}};
+    CHECK(ms_solver_check(&p, L, 3, g) == -1); /* tiles on a 2-layer segment */
+    group_end("model");
+}
+
+/* ---- known ------------------------------------------------------------ */
+
+static void
+test_known(void)
+{
+    group_begin();
+    /* Four equal layers, saved 10, input 1, cost 1.  All kept: 40. */
+    ms_layer L[4];
+    for (int i = 0; i < 4; i++) {
+        L[i] = layer(10, 1, 1, 0);
+    }
+    ms_solver_choice c[4];
+    ms_solver_result r;
+    ms_solver_problem p = problem(40, MS_TECH_CHECKPOINT);
+    CHECK(ms_solve(&p, L, 4, c, &r) == 0);
+    CHECK(r.feasible && r.overhead_seconds == 0.0 && r.peak_bytes == 40);
+    /* 39: one layer must be checkpointed, the cheapest is any; cost 1. */
+    p.budget_bytes = 39;
+    CHECK(ms_solve(&p, L, 4, c, &r) == 0);
+    CHECK(r.feasible && r.overhead_seconds == 1.0 && r.peak_bytes <= 39);
+    /* 13: singles hold 1 each and recompute 10; the last layer kept:
+       held 3 + 10 = 13 at the end of the forward (segments of two would
+       recompute 20). */
+    p.budget_bytes = 13;
+    CHECK(ms_solve(&p, L, 4, c, &r) == 0);
+    CHECK(r.feasible && r.overhead_seconds == 3.0 && r.peak_bytes == 13);
+    CHECK(c[3].seg_start == -1);
+    /* 12: no plan (singles need 13, longer segments more). */
+    p.budget_bytes = 12;
+    CHECK(ms_solve(&p, L, 4, c, &r) == 0);
+    CHECK(!r.feasible);
+    int64_t mb = 0;
+    CHECK(ms_solver_min_budget(&p, L, 4, &mb) == 0 && mb == 13);
+    /* Segments win where inputs are large: saved 10, input 8.  Singles
+       need 8 x 3 + 10 = 34 (the fourth recompute, or the fourth kept); at
+       26, [0..1] as one segment (held 8, recompute 20), then [2] and [3]
+       alone (16 + 10) fit, and no plan without a segment does. */
+    for (int i = 0; i < 4; i++) {
+        L[i] = layer(10, 8, 1, 0);
+    }
+    p.budget_bytes = 26;
+    CHECK(ms_solve(&p, L, 4, c, &r) == 0);
+    CHECK(r.feasible && r.peak_bytes <= 26);
+    int longest = 0;
+    for (int i = 0, run = 0; i < 4; i++) {
+        run = (c[i].seg_start >= 0 && i > 0 && c[i].seg_start == c[i - 1].seg_start)
+                  ? run + 1 : 1;
+        longest = run > longest ? run : longest;
+    }
+    CHECK(longest >= 2);
+    /* An in-place layer is never checkpointed; it is kept. */
+    L[1].flags = MS_LAYER_INPLACE_INPUT;
+    p.budget_bytes = 1000;
+    p.allowed = MS_TECH_CHECKPOINT;
+    CHECK(ms_solve(&p, L, 4, c, &r) == 0 && r.feasible && c[1].seg_start == -1);
+    /* Without CHECKPOINT nothing is checkpointed. */
+    L[1].flags = 0;
+    p.allowed = 0;
+    p.budget_bytes = 39;
+    CHECK(ms_solve(&p, L, 4, c, &r) == 0 && !r.feasible);
+    /* Tiling: one layer of 100 saved; budget 30 fits 4 tiles (25). */
+    ms_layer T[1] = {layer(100, 5, 3, MS_LAYER_TILEABLE)};
+    ms_solver_choice tc[1];
+    p = problem(30, ALL);
+    CHECK(ms_solve(&p, T, 1, tc, &r) == 0);
+    CHECK(r.feasible && tc[0].tiles == 4 && r.peak_bytes == 25);
+    CHECK(r.overhead_seconds == 3.0 + 3 * 0.5);
+    /* Offload when the input is what does not fit: saved 10, input 9, two
+       layers, budget 19: singles hold 9 + recompute 10 = 19 fits. 18: the
+       first input must go. */
+    ms_layer O[2] = {layer(10, 9, 1, 0), layer(10, 9, 1, 0)};
+    ms_solver_choice oc[2];
+    p = problem(18, ALL);
+    p.offload_bw = 9.0; /* 1 s each way */
+    CHECK(ms_solve(&p, O, 2, oc, &r) == 0);
+    CHECK(r.feasible && r.peak_bytes <= 18);
+    CHECK(oc[0].offload == 1 || oc[1].offload == 1);
+    /* Invalid problems. */
+    p.flop_rate = 0.0;
+    CHECK(ms_solve(&p, O, 2, oc, &r) == -2);
+    p = problem(-1, ALL);
+    CHECK(ms_solve(&p, O, 2, oc, &r) == 0 && !r.feasible);
+    /* Empty chain: always feasible at 0. */
+    p = problem(0, ALL);
+    CHECK(ms_solve(&p, O, 0, oc, &r) == 0 && r.feasible && r.peak_bytes == 0);
+    group_end("known");
+}
+
+/* ---- exhaustive --------------------------------------------------------- */
+
+static double best_cost;
+static int64_t best_peak;
+
+static void
+enumerate(const ms_solver_problem *p, const ms_layer *L, size_t n, size_t i,
+          ms_solver_choice *c)
+{
+    if (i == n) {
+        if (ms_solver_check(p, L, n, c) != 0) {
+            return;
+        }
+        int64_t peak = ms_solver_peak(L, n, c);
+        if (peak <= p->budget_bytes) {
+            double cost = ms_solver_overhead(p, L, n, c, NULL);
+            if (cost < best_cost) {
+                best_cost = cost;
+                best_peak = peak;
+            }
+        }
+        return;
+    }
+    c[i].seg_start = -1;
+    c[i].offload = 0;
+    c[i].tiles = 1;
+    enumerate(p, L, n, i + 1, c);
+    for (size_t j = i; j < n; j++) {
+        for (size_t k = i; k <= j; k++) {
+            c[k].seg_start = (int)i;
+            c[k].offload = 0;
+            c[k].tiles = 1;
+        }
+        for (int off = 0; off < 2; off++) {
+            for (int t = 1; t <= MS_MAX_TILES; t *= 2) {
+                if (t > 1 && j != i) {
+                    break;
+                }
+                c[i].offload = off;
+                c[i].tiles = t;
+                enumerate(p, L, n, j + 1, c);
+            }
+        }
+    }
+}
+
+static void
+random_chain(ms_layer *L, size_t n, int64_t scale)
+{
+    for (size_t i = 0; i < n; i++) {
+        unsigned flags = 0;
+        if (rnd() % 6 == 0) {
+            flags |= MS_LAYER_INPLACE_INPUT;
+        }
+        if (rnd() % 3 == 0) {
+            flags |= MS_LAYER_TILEABLE;
+        }
+        L[i] = layer(rnd_range(0, scale), rnd_range(0, scale / 2),
+                     (double)rnd_range(0, 20), flags);
+    }
+}
+
+static void
+test_exhaustive(void)
+{
+    enum { CASES = 1500, MAXN = 6 };
+    ms_layer L[MAXN];
+    ms_solver_choice c[MAXN], e[MAXN];
+    ms_solver_result r;
+    long feasible = 0;
+    lcg = 0x501feULL;
+    group_begin();
+    for (int k = 0; k < CASES; k++) {
+        size_t n = (size_t)rnd_range(1, MAXN);
+        random_chain(L, n, 60);
+        int64_t total = 0;
+        for (size_t i = 0; i < n; i++) {
+            total += L[i].saved_bytes;
+        }
+        ms_solver_problem p = problem(rnd_range(0, total + 5),
+                                      (unsigned)rnd_range(0, 7));
+        p.tile_overhead = (double)rnd_range(0, 4) / 2.0;
+        if (rnd() % 2) {
+            p.offload_bw = (double)rnd_range(1, 30);
+            p.async_offload = (int)(rnd() % 2);
+            p.min_offload_bytes = rnd_range(0, 20);
+        }
+        snprintf(ctx, sizeof(ctx), "case %d (n=%zu, budget %lld, allowed %u)",
+                 k, n, (long long)p.budget_bytes, p.allowed);
+        best_cost = INFINITY;
+        best_peak = -1;
+        enumerate(&p, L, n, 0, e);
+        CHECK(ms_solve(&p, L, n, c, &r) == 0);
+        CHECK(r.feasible == (best_cost < INFINITY));
+        if (r.feasible) {
+            feasible++;
+            CHECK(ms_solver_check(&p, L, n, c) == 0);
+            CHECK(r.peak_bytes == ms_solver_peak(L, n, c));
+            CHECK(r.peak_bytes <= p.budget_bytes);
+            CHECK(fabs(r.overhead_seconds - best_cost) <= 1e-9);
+        }
+    }
+    printf("exhaustive: %ld of %d cases feasible\n", feasible, (int)CASES);
+    CHECK(feasible > CASES / 4 && feasible < CASES);
+    group_end("exhaustive");
+}
+
+/* ---- fuzz ---------------------------------------------------------------- */
+
+static void
+test_fuzz(void)
+{
+    enum { ROUNDS = 300, MAXN = 400 };
+    ms_layer *L = malloc(MAXN * sizeof(ms_layer));
+    ms_solver_choice *c = malloc(MAXN * sizeof(ms_solver_choice));
+    ms_solver_result r;
+    lcg = 0xf022ULL;
+    group_begin();
+    if (L == NULL || c == NULL) {
+        CHECK(0);
+        free(L);
+        free(c);
+        group_end("fuzz");
+        return;
+    }
+    for (int k = 0; k < ROUNDS; k++) {
+        size_t n = (size_t)rnd_range(0, MAXN);
+        int64_t scale = (int64_t)1 << rnd_range(4, 40);
+        random_chain(L, n, scale);
+        for (size_t i = 0; i < n; i++) {
+            if (rnd() % 50 == 0) {
+                L[i].flops = rnd() % 2 ? INFINITY : NAN;
+            }
+            if (rnd() % 50 == 0) {
+                L[i].saved_bytes = -L[i].saved_bytes; /* nonsense in */
+            }
+        }
+        int64_t total = 0;
+        for (size_t i = 0; i < n; i++) {
+            total += L[i].saved_bytes > 0 ? L[i].saved_bytes : 0;
+        }
+        ms_solver_problem p = problem(rnd() % 10 == 0 ? INT64_MAX / 4
+                                                      : rnd_range(0, 1 << 30) * (total / (1 << 30) + 1),
+                                      (unsigned)rnd_range(0, 7));
+        p.resolution = (int)rnd_range(1, 2048);
+        p.max_segment = (int)rnd_range(1, 400);
+        p.offload_bw = rnd() % 2 ? (double)rnd_range(1, 1 << 30) : 0.0;
+        p.async_offload = (int)(rnd() % 2);
+        snprintf(ctx, sizeof(ctx), "round %d (n=%zu)", k, n);
+        CHECK(ms_solve(&p, L, n, c, &r) == 0);
+        if (r.feasible) {
+            CHECK(ms_solver_check(&p, L, n, c) == 0);
+            CHECK(r.peak_bytes == ms_solver_peak(L, n, c));
+            CHECK(r.peak_bytes <= p.budget_bytes);
+            CHECK(r.overhead_seconds == ms_solver_overhead(&p, L, n, c, NULL));
+        }
+    }
+    free(L);
+    free(c);
+    group_end("fuzz");
+}
+
+/* ---- min-budget ----------------------------------------------------------- */
+
+static void
+test_min_budget(void)
+{
+    enum { CASES = 300, MAXN = 6 };
+    ms_layer L[MAXN];
+    ms_solver_choice c[MAXN];
+    ms_solver_result r;
+    lcg = 0xb0dULL;
+    group_begin();
+    for (int k = 0; k < CASES; k++) {
+        size_t n = (size_t)rnd_range(1, MAXN);
+        random_chain(L, n, 60);
+        ms_solver_problem p = problem(0, (unsigned)rnd_range(0, 7));
+        p.offload_bw = rnd() % 2 ? 5.0 : 0.0;
+        int64_t mb = -1;
+        snprintf(ctx, sizeof(ctx), "case %d", k);
+        CHECK(ms_solver_min_budget(&p, L, n, &mb) == 0);
+        p.budget_bytes = mb;
+        CHECK(ms_solve(&p, L, n, c, &r) == 0 && r.feasible);
+        if (mb > 0) {
+            p.budget_bytes = mb - 1;
+            CHECK(ms_solve(&p, L, n, c, &r) == 0 && !r.feasible);
+        }
+    }
+    group_end("min-budget");
+}
+
+/* ---- timing ---------------------------------------------------------------- */
+
+static double
+now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void
+test_timing(void)
+{
+    static const size_t sizes[] = {1000, 10000};
+    group_begin();
+    for (size_t s = 0; s < 2; s++) {
+        size_t n = sizes[s];
+        ms_layer *L = malloc(n * sizeof(ms_layer));
+        ms_solver_choice *c = malloc(n * sizeof(ms_solver_choice));
+        if (L == NULL || c == NULL) {
+            CHECK(0);
+            free(L);
+            free(c);
+            continue;
+        }
+        lcg = 0x7173ULL + s;
+        int64_t total = 0;
+        for (size_t i = 0; i < n; i++) {
+            /* Transformer-like: blocks of ~24 MiB saved, 2 MiB input. */
+            L[i] = layer(rnd_range(20, 28) << 20, 2 << 20,
+                         (double)rnd_range(8, 12) * 1e9, MS_LAYER_TILEABLE);
+            total += L[i].saved_bytes;
+        }
+        ms_solver_problem p = problem(total / 5, ALL); /* 20% */
+        p.flop_rate = 1e11;
+        p.offload_bw = 2e9;
+        p.async_offload = 1;
+        p.tile_overhead = 2e-5;
+        p.max_segment = 64;
+        p.resolution = 512;
+        ms_solver_result r;
+        double t0 = now();
+        int rc = ms_solve(&p, L, n, c, &r);
+        double dt = now() - t0;
+        snprintf(ctx, sizeof(ctx), "n=%zu", n);
+        CHECK(rc == 0 && r.feasible && r.peak_bytes <= p.budget_bytes);
+        printf("time %zu layers: %.6f s\n", n, dt);
+        free(L);
+        free(c);
+    }
+    group_end("timing");
+}
+
+int
+main(void)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    test_model();
+    test_known();
+    test_exhaustive();
+    test_fuzz();
+    test_min_budget();
+    test_timing();
+    printf("%ld passed, %ld failed\n", n_passed, n_failed);
+    return n_failed == 0 ? 0 : 1;
+}
