@@ -1528,6 +1528,20 @@ ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     int rc = 0;
+    if (frame != NULL && ((Frame *)frame)->tile_end != NULL) {
+        Frame *f = (Frame *)frame;
+        if (PyList_GET_SIZE(f->shapes) != f->tile_end[f->tiles - 1]) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "memscale: a hook around tiled layer %R saved tensors "
+                         "for backward outside the layer's tiles, which "
+                         "cannot be recomputed tile by tile. Remove the hook, "
+                         "or turn tiling off (enable_tiling=False, or a mode "
+                         "other than AGGRESSIVE)",
+                         unit_name(ex, f->index));
+            Py_DECREF(frame);
+            return NULL;
+        }
+    }
     if (frame != NULL) {
         Frame *f = (Frame *)frame;
         PyObject *x = first_tensor(ex->st, args[2]);
@@ -1576,6 +1590,7 @@ typedef struct {
     PyObject *unit;
     PyObject *orig;   /* the forward it stands in for */
     int dim;          /* >= 0, or DIM_UNVERIFIED / DIM_DEMOTED */
+    Py_ssize_t ndim;  /* dimensions of the lead tensor it was verified on */
 } Tiled;
 
 static int
@@ -1643,6 +1658,9 @@ run_tiles(Tiled *self, Frame *f, PyObject *args, PyObject *kwargs,
     ms_state *st = self->ex->st;
     PyObject *outs = PyList_New(0);
     f->tile_end = PyMem_Calloc((size_t)tiles, sizeof(Py_ssize_t));
+    if (f->tile_end != NULL) {
+        f->tiles = tiles; /* tile_end has this many entries */
+    }
     f->tile_rng = PyList_New(0);
     if (f->rng_cuda != NULL) {
         f->tile_rng_cuda = PyList_New(0);
@@ -1699,9 +1717,79 @@ run_tiles(Tiled *self, Frame *f, PyObject *args, PyObject *kwargs,
     }
     return res;
 error:
-    /* The forward raises: the frame is discarded with its graph. */
+    /* The forward raises: the frame is discarded with its graph.  Leave
+       it consistent anyway. */
     Py_XDECREF(outs);
+    PyMem_Free(f->tile_end);
+    f->tile_end = NULL;
+    f->tiles = 1;
     return NULL;
+}
+
+/* Dimensions of the lead tensor of a call (0 without one), or -1. */
+static Py_ssize_t
+lead_ndim(ms_state *st, PyObject *args, PyObject *kwargs)
+{
+    Py_ssize_t extent;
+    PyObject *shape;
+    if (ms_tile_extent(st, args, kwargs, 0, &extent, &shape) < 0) {
+        return -1;
+    }
+    Py_ssize_t n = shape != NULL ? PyTuple_GET_SIZE(shape) : 0;
+    Py_XDECREF(shape);
+    return n;
+}
+
+/* Ask the verifier: 0 with self->dim set (or left unverified, when it
+   cannot tell on this input), -1 with an exception. */
+static int
+verify_tiling(Tiled *self, Frame *f, PyObject *args, PyObject *kwargs)
+{
+    Executor *ex = self->ex;
+    PyObject *verifier = Py_XNewRef(ex->tile_verifier);
+    if (verifier == NULL || verifier == Py_None) {
+        Py_XDECREF(verifier);
+        self->dim = DIM_DEMOTED;
+        return 0;
+    }
+    PyObject *kw = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
+    PyObject *n = PyLong_FromLong(f->tiles);
+    PyObject *r = (kw != NULL && n != NULL)
+                      ? PyObject_CallFunctionObjArgs(verifier, self->unit,
+                                                     self->orig, args, kw, n,
+                                                     NULL)
+                      : NULL;
+    Py_XDECREF(kw);
+    Py_XDECREF(n);
+    Py_DECREF(verifier);
+    if (r == NULL) {
+        return -1;
+    }
+    if (r == Py_None) {
+        Py_DECREF(r);
+        self->dim = DIM_DEMOTED;
+        return 0;
+    }
+    long d = PyLong_AsLong(r);
+    Py_DECREF(r);
+    if (d == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (d < -1 || d > 64) {
+        PyErr_Format(PyExc_ValueError,
+                     "memscale: the tiling verifier returned dim %ld", d);
+        return -1;
+    }
+    if (d >= 0) {
+        Py_ssize_t nd = lead_ndim(ex->st, args, kwargs);
+        if (nd < 0) {
+            return -1;
+        }
+        self->dim = (int)d;
+        self->ndim = nd;
+    }
+    /* d == -1: undecided on this input; ask again next time. */
+    return 0;
 }
 
 static PyObject *
@@ -1715,46 +1803,31 @@ tiled_call(Tiled *self, PyObject *args, PyObject *kwargs)
     Py_INCREF(f);
     PyObject *res = NULL, *lead_shape = NULL;
     if (self->dim == DIM_UNVERIFIED) {
-        PyObject *kw = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
-        PyObject *n = PyLong_FromLong(f->tiles);
-        PyObject *r = (kw != NULL && n != NULL && ex->tile_verifier != NULL
-                       && ex->tile_verifier != Py_None)
-                          ? PyObject_CallFunctionObjArgs(ex->tile_verifier,
-                                                         self->unit, self->orig,
-                                                         args, kw, n, NULL)
-                          : (kw != NULL && n != NULL ? Py_NewRef(Py_None)
-                                                     : NULL);
-        Py_XDECREF(kw);
-        Py_XDECREF(n);
-        if (r == NULL) {
+        if (verify_tiling(self, f, args, kwargs) < 0) {
             goto done;
         }
-        if (r == Py_None) {
-            self->dim = DIM_DEMOTED;
+        if (tiled_frame(self) != f) {
+            /* The verifier changed what the frame holds (it saved tensors
+               into it): not tiled this time. */
+            f->tiles = 1;
+            res = PyObject_Call(self->orig, args, kwargs);
+            goto done;
         }
-        else {
-            long d = PyLong_AsLong(r);
-            if (d == -1 && PyErr_Occurred()) {
-                Py_DECREF(r);
-                goto done;
-            }
-            if (d < 0 || d > 64) {
-                Py_DECREF(r);
-                PyErr_Format(PyExc_ValueError,
-                             "memscale: the tiling verifier returned dim %ld",
-                             d);
-                goto done;
-            }
-            self->dim = (int)d;
-        }
-        Py_DECREF(r);
     }
     Py_ssize_t extent = 0;
-    if (self->dim >= 0
-        && ms_tile_extent(ex->st, args, kwargs, self->dim, &extent,
-                          &lead_shape) < 0)
-    {
-        goto done;
+    if (self->dim >= 0) {
+        Py_ssize_t nd = lead_ndim(ex->st, args, kwargs);
+        if (nd < 0) {
+            goto done;
+        }
+        /* Verified on inputs of another rank: the dimension means
+           something else here, so this call runs whole. */
+        if (nd == self->ndim
+            && ms_tile_extent(ex->st, args, kwargs, self->dim, &extent,
+                              &lead_shape) < 0)
+        {
+            goto done;
+        }
     }
     int tiles = extent < f->tiles ? (int)extent : f->tiles;
     if (self->dim < 0 || lead_shape == NULL || tiles < 2) {
@@ -1848,6 +1921,7 @@ ex_tiled_forward(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     t->unit = Py_NewRef(PyList_GET_ITEM(ex->units, i));
     t->orig = Py_NewRef(args[1]);
     t->dim = DIM_UNVERIFIED;
+    t->ndim = -1;
     PyObject_GC_Track(t);
     return (PyObject *)t;
 }
@@ -2078,11 +2152,46 @@ amp_leave(Executor *ex)
     return rc;
 }
 
+/* Leave every autocast still entered: those of forwards interrupted by a
+   BaseException (KeyboardInterrupt), whose always_call hook never ran.
+   Left entered, autocast would stay on for good, and its cache of casted
+   weights would never be cleared. */
+static int
+amp_drop_stale(Executor *ex, int warn)
+{
+    Py_ssize_t n = ex->amp_stack ? PyList_GET_SIZE(ex->amp_stack) : 0;
+    if (n == 0) {
+        return 0;
+    }
+    int rc = 0;
+    while (PyList_GET_SIZE(ex->amp_stack) > 0) {
+        if (amp_leave(ex) < 0) {
+            rc = -1;
+        }
+    }
+    if (rc == 0 && warn
+        && PyErr_WarnEx(PyExc_RuntimeWarning,
+                        "memscale: a previous forward was interrupted; the "
+                        "mixed-precision autocast it entered was left",
+                        1) < 0)
+    {
+        rc = -1;
+    }
+    return rc;
+}
+
 static PyObject *
 ex_root_pre(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "_root_pre(module, args, kwargs)");
+        return NULL;
+    }
+    /* A root forward starts outside any other: what is still entered is
+       stale (the same assumption as drop_stale's). */
+    if (ex->recompute_depth == 0
+        && (drop_stale(ex, 1) < 0 || amp_drop_stale(ex, 1) < 0))
+    {
         return NULL;
     }
     PyObject *r = root_pre_body(ex, args);
@@ -2426,6 +2535,9 @@ ex_detach(Executor *ex, PyObject *Py_UNUSED(ignored))
     Py_XSETREF(ex->tile_verifier, Py_NewRef(Py_None));
     Py_XSETREF(ex->amp_device, Py_NewRef(Py_None));
     Py_XSETREF(ex->amp_dtype, Py_NewRef(Py_None));
+    if (amp_drop_stale(ex, 0) < 0) {
+        rc = -1;
+    }
     Py_XSETREF(ex->profiler, Py_NewRef(Py_None));
     Py_XSETREF(ex->on_profiled, Py_NewRef(Py_None));
     Py_XSETREF(ex->store, Py_NewRef(Py_None));

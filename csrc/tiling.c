@@ -105,12 +105,12 @@ follows_lead(ms_state *st, PyObject *t, int dim, PyObject *lead_shape)
         return -1;
     }
     int same = PyTuple_GET_SIZE(shape) > dim;
-    for (int d = 0; same && d <= dim; d++) {
+    for (int d = 0; same > 0 && d <= dim; d++) {
         same = PyObject_RichCompareBool(PyTuple_GET_ITEM(shape, d),
                                         PyTuple_GET_ITEM(lead_shape, d), Py_EQ);
     }
     Py_DECREF(shape);
-    return same;
+    return same; /* -1 with an exception, 0 or 1 */
 }
 
 static PyObject *
@@ -220,21 +220,35 @@ merge(ms_state *st, PyObject *outs, int dim, int depth)
                 goto mismatch;
             }
         }
+        /* Tuples of our own: a list could change under the calls below. */
+        PyObject *frozen = PyList_New(n);
+        if (frozen == NULL) {
+            return NULL;
+        }
+        for (Py_ssize_t j = 0; j < n; j++) {
+            PyObject *t = PySequence_Tuple(PyList_GET_ITEM(outs, j));
+            if (t == NULL) {
+                Py_DECREF(frozen);
+                return NULL;
+            }
+            PyList_SET_ITEM(frozen, j, t);
+        }
         PyObject *res = is_tuple ? PyTuple_New(m) : PyList_New(m);
         PyObject *column = PyList_New(n);
         if (res == NULL || column == NULL) {
             Py_XDECREF(res);
             Py_XDECREF(column);
+            Py_DECREF(frozen);
             return NULL;
         }
         for (Py_ssize_t i = 0; i < m; i++) {
             for (Py_ssize_t j = 0; j < n; j++) {
-                PyObject *o = PyList_GET_ITEM(outs, j);
-                PyObject *item = is_tuple ? PyTuple_GET_ITEM(o, i)
-                                          : PyList_GET_ITEM(o, i);
+                PyObject *o = PyList_GET_ITEM(frozen, j);
+                PyObject *item = PyTuple_GET_ITEM(o, i);
                 if (PyList_SetItem(column, j, Py_NewRef(item)) < 0) {
                     Py_DECREF(res);
                     Py_DECREF(column);
+                    Py_DECREF(frozen);
                     return NULL;
                 }
             }
@@ -242,6 +256,7 @@ merge(ms_state *st, PyObject *outs, int dim, int depth)
             if (v == NULL) {
                 Py_DECREF(res);
                 Py_DECREF(column);
+                Py_DECREF(frozen);
                 return NULL;
             }
             if (is_tuple) {
@@ -252,6 +267,7 @@ merge(ms_state *st, PyObject *outs, int dim, int depth)
             }
         }
         Py_DECREF(column);
+        Py_DECREF(frozen);
         return res;
     }
     /* Anything else (None, a flag) must be the same object in every tile. */

@@ -103,6 +103,9 @@ def is_candidate(unit: nn.Module) -> bool:
     row-independent)."""
     if _declared(unit)[0]:
         return True
+    if unit._forward_hooks or unit._forward_pre_hooks:
+        # A hook around it may save tensors outside the tiles.
+        return False
     for m in unit.modules():
         if isinstance(m, _BATCH_COUPLED):
             return False
@@ -170,8 +173,10 @@ def _disagreement(unit: nn.Module, forward: Any, args: tuple, kwargs: dict,
 
 def verify(unit: nn.Module, forward: Any, args: tuple, kwargs: dict,
            tiles: int) -> int | None:
-    """The executor's tile verifier: the dimension to tile ``unit`` along
-    on its first tiled call, or None to checkpoint it whole."""
+    """The executor's tile verifier, called at a tiled layer's first tiled
+    call: the dimension to tile ``unit`` along, None to checkpoint it whole
+    from now on, or -1 when this input cannot tell (no dimension with two
+    or more rows): the call runs whole and the next one asks again."""
     x = _lead(args, kwargs)
     if x is None:
         logger.info("memscale: %s is not tiled: it has no tensor input",
@@ -180,11 +185,14 @@ def verify(unit: nn.Module, forward: Any, args: tuple, kwargs: dict,
     declared, dim = _declared(unit)
     if declared or _structural(unit):
         return dim if dim is not None else _default_dim(x)
+    candidates = [d for d in ((1, 0) if x.dim() >= 3 else (0,)) if x.shape[d] >= 2]
+    if not candidates:
+        return -1
     reasons = []
-    for dim in ((1, 0) if x.dim() >= 3 else (0,)):
-        if x.shape[dim] < 2:
-            continue
-        why = _disagreement(unit, forward, args, kwargs, dim, tiles)
+    for dim in candidates:
+        # As many tiles as the call will make (no more than rows).
+        why = _disagreement(unit, forward, args, kwargs, dim,
+                            min(tiles, int(x.shape[dim])))
         if why is None:
             logger.info("memscale: %s verified row-independent along dim %d; "
                         "tiled in %d", type(unit).__name__, dim, tiles)
@@ -193,8 +201,7 @@ def verify(unit: nn.Module, forward: Any, args: tuple, kwargs: dict,
     logger.warning("memscale: %s is not tiled (checkpointed whole instead): "
                    "%s. If it is row-independent, say so with "
                    "memscale.tiling.declare_row_independent().",
-                   type(unit).__name__, "; ".join(reasons) or "no dimension "
-                   "of its input has 2 or more rows")
+                   type(unit).__name__, "; ".join(reasons))
     return None
 
 

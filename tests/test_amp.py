@@ -204,3 +204,47 @@ def test_set_autocast_checks_its_arguments():
         ex.set_autocast("nosuchdevice", torch.bfloat16)
     assert ex.autocast is None
     memscale.detach(model)
+
+
+def test_an_interrupted_forward_does_not_leave_autocast_on():
+    """KeyboardInterrupt skips torch's always-called hooks: the autocast the
+    interrupted forward entered is left at the next forward, and at detach
+    (left on, autocast would also keep serving stale bf16 weight copies)."""
+    class Interrupting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.interrupt = False
+
+        def forward(self, x):
+            y = self.fc(x)
+            if self.interrupt:
+                raise KeyboardInterrupt
+            return y
+
+    model = Interrupting()
+    memscale.wrap(model, MP, sample_input=torch.randn(2, 4))
+    model.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(2, 4))
+    assert torch.is_autocast_enabled("cpu")  # torch ran no hook
+    model.interrupt = False
+    with pytest.warns(RuntimeWarning, match="autocast it entered was left"):
+        model(torch.randn(2, 4))
+    assert not torch.is_autocast_enabled("cpu")
+    # Training still learns (weights are not served from a stale cache).
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(8, 4)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[2] < losses[1] < losses[0]
+    model.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(2, 4))
+    memscale.detach(model)
+    assert not torch.is_autocast_enabled("cpu")

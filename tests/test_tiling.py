@@ -386,3 +386,35 @@ def test_warmup_path_tiles_too():
     assert model._memscale_executor.stats["tiled_calls"] == 4
     memscale.detach(model)
     assert all("forward" not in m.__dict__ for m in model)
+
+
+def test_the_verifier_sees_the_tiles_the_call_makes():
+    """A batch of 4 planned at 16 tiles runs in 4: verification runs with 4
+    (it used to ask for 16 and refuse the layer for good)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(RowMixer(), RowMixer())  # tiled along the batch
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 10, 8)
+    memscale.wrap(model, FORCE_TILE.replace(memory_budget_gb=1e-9, force_optimize=True),
+                  sample_input=x)
+    assert max(l.tiles for l in model._memscale_executor.plan.layers) > 4
+    assert_agrees(model, ref, x)
+    assert [m.forward.dim for m in model] == [0, 0]
+    assert model._memscale_executor.stats["tiled_calls"] == 2
+    memscale.detach(model)
+
+
+def test_an_input_of_another_rank_runs_whole():
+    model, ref = mlp(width=8, depth=2), mlp(width=8, depth=2)
+    memscale.wrap(model, FORCE_TILE, sample_input=torch.randn(3, 40, 8))
+    assert_agrees(model, ref, torch.randn(3, 40, 8))  # verified along dim 1
+    flat = torch.randn(120, 8)  # 2-D: dim 1 is the features
+    assert_agrees(model, ref, flat)
+    assert model._memscale_executor.stats["tiled_calls"] == 2  # the 3-D step only
+    memscale.detach(model)
+
+
+def test_layers_with_hooks_are_not_tiling_candidates():
+    block = Block(8)
+    block.register_forward_hook(lambda m, a, out: out * 2)
+    assert not tiling.is_candidate(block)
