@@ -25,9 +25,11 @@
  * disk (if allowed); on a host whose device is its RAM, disk only.
  *
  * When the OOM predictor has simulated the step, peak_offset_bytes is its
- * unoptimized peak minus the model's: every peak above (unoptimized and
- * projected) carries it, so the engine decides from the predicted peak
- * (transient workspace, the loss, allocator detail the model leaves out).
+ * unoptimized peak minus the model's, and the unoptimized peak (pressure,
+ * smart-skip) carries it; plan_offset_bytes is the same correction for the
+ * peaks of plans (from simulating optimized steps; peak_offset_bytes when
+ * not given), so the engine decides from the predicted peaks (transient
+ * workspace, the loss, allocator detail the model leaves out).
  */
 #include "engine.h"
 
@@ -151,7 +153,7 @@ peak_at(const ms_problem *p, const ms_layer *layers, size_t n,
         *at = who;
     }
     return offset_peak(add_sat(add_sat(p->fixed_bytes, rest), worst),
-                       p->peak_offset_bytes);
+                       p->plan_offset_bytes);
 }
 
 static int64_t
@@ -267,7 +269,7 @@ solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
 {
     /* peak = fixed + rest + worst + offset must be <= budget. */
     int64_t avail = p->budget_bytes - add_sat(p->fixed_bytes, rest)
-                    - p->peak_offset_bytes;
+                    - p->plan_offset_bytes;
     ms_solver_problem sp = solver_problem(p, base, avail);
     ms_solver_choice *c = malloc((n ? n : 1) * sizeof(ms_solver_choice));
     if (c == NULL) {
@@ -287,7 +289,7 @@ solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
         }
         res->min_budget = offset_peak(add_sat(add_sat(p->fixed_bytes, rest),
                                               worst),
-                                      p->peak_offset_bytes);
+                                      p->plan_offset_bytes);
         free(c);
         return 0;
     }
@@ -329,7 +331,7 @@ solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
     }
     res->peak_projected = offset_peak(add_sat(add_sat(p->fixed_bytes, rest),
                                               r.peak_bytes),
-                                      p->peak_offset_bytes);
+                                      p->plan_offset_bytes);
     res->fits = res->peak_projected <= p->budget_bytes;
     res->recompute_ratio =
         p->total_flops > 0.0 ? r.recompute_flops / p->total_flops : 0.0;

@@ -80,6 +80,8 @@ typedef struct {
     int64_t peak_offset_bytes; /* signed correction of every peak estimate:
                                   the OOM predictor's unoptimized peak minus
                                   this model's (0 without a prediction) */
+    int64_t plan_offset_bytes; /* the same for the peaks of plans (from a
+                                  simulated optimized step) */
     /* The budget planner (solver.c): used when solver is set, the model
        does not fit and force is off.  Costs: */
     int solver;

@@ -9,6 +9,7 @@
  */
 #include "ms.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -46,6 +47,7 @@ typedef struct {
     long long fixed_bytes;
     long long activation_bytes;
     long long peak_offset_bytes;
+    long long plan_offset_bytes;
     long long peak_unoptimized_bytes;
     long long peak_projected_bytes;
     double pressure;
@@ -297,6 +299,8 @@ plan_to_json_str(Plan *p)
         || sb_ll(&b, p->activation_bytes) < 0
         || sb_key(&b, "peak_offset_bytes", 0) < 0
         || sb_ll(&b, p->peak_offset_bytes) < 0
+        || sb_key(&b, "plan_offset_bytes", 0) < 0
+        || sb_ll(&b, p->plan_offset_bytes) < 0
         || sb_key(&b, "peak_unoptimized_bytes", 0) < 0
         || sb_ll(&b, p->peak_unoptimized_bytes) < 0
         || sb_key(&b, "peak_projected_bytes", 0) < 0
@@ -493,6 +497,8 @@ static PyMemberDef plan_members[] = {
     PLAN_LL(peak_offset_bytes, "Correction the OOM predictor gave the engine's peaks\n"
             "(predicted unoptimized peak minus the engine's model; 0 without\n"
             "a prediction)."),
+    PLAN_LL(plan_offset_bytes, "The same correction for the peaks of plans (from a\n"
+            "simulated optimized step; peak_offset_bytes when not given)."),
     PLAN_LL(peak_unoptimized_bytes, "Estimated peak without memscale."),
     PLAN_LL(peak_projected_bytes, "Estimated peak with this plan."),
     {"pressure", Py_T_DOUBLE, offsetof(Plan, pressure), Py_READONLY,
@@ -780,6 +786,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     int force;
     long long budget, fixed, act, dcount, capacity;
     long long min_offload = 0, host_cap = -1, peak_offset = 0;
+    long long plan_offset = LLONG_MIN;
     int host_tier = 0, disk_tier = 1;
     int solver = 0, async_offload = 0;
     double flop_rate = 0.0, offload_bw = 0.0, tile_overhead = 0.0;
@@ -799,6 +806,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     if (pop_ll(rest, "min_offload_bytes", &min_offload) < 0
         || pop_ll(rest, "host_cap_bytes", &host_cap) < 0
         || pop_ll(rest, "peak_offset_bytes", &peak_offset) < 0
+        || pop_ll(rest, "plan_offset_bytes", &plan_offset) < 0
         || pop_bool(rest, "host_tier", &host_tier) < 0
         || pop_bool(rest, "disk_tier", &disk_tier) < 0
         || pop_bool(rest, "solver", &solver) < 0
@@ -821,6 +829,16 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     if (check_bytes("min_offload_bytes", min_offload) < 0) {
+        return NULL;
+    }
+    if (plan_offset == LLONG_MIN) {
+        plan_offset = peak_offset;
+    }
+    if (plan_offset < -MS_MAX_BYTES || plan_offset > MS_MAX_BYTES) {
+        PyErr_Format(PyExc_ValueError,
+                     "plan_offset_bytes must be between -2**50 and 2**50, "
+                     "got %lld",
+                     plan_offset);
         return NULL;
     }
     if (peak_offset < -MS_MAX_BYTES || peak_offset > MS_MAX_BYTES) {
@@ -889,6 +907,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     prob.host_cap_bytes = host_cap;
     prob.disk_tier = disk_tier;
     prob.peak_offset_bytes = peak_offset;
+    prob.plan_offset_bytes = plan_offset;
     prob.solver = solver;
     prob.flop_rate = flop_rate;
     prob.offload_bw = offload_bw;
@@ -973,6 +992,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     plan->fixed_bytes = fixed;
     plan->activation_bytes = act;
     plan->peak_offset_bytes = peak_offset;
+    plan->plan_offset_bytes = plan_offset;
     plan->peak_unoptimized_bytes = res.peak_unoptimized;
     plan->peak_projected_bytes = res.peak_projected;
     plan->pressure = res.pressure;

@@ -293,11 +293,12 @@ def budget_bytes(config: Config, hardware: dict[str, Any]) -> int:
 
 
 def make_plan(profile: Profile, config: Config, hardware: dict[str, Any],
-              fixed: int, peak_offset: int = 0) -> Any:
-    """The engine's plan.  ``peak_offset`` is the OOM predictor's
-    correction of the engine's peaks (see :func:`predicted_offset`)."""
+              fixed: int, peak_offset: int = 0, plan_offset: int | None = None) -> Any:
+    """The engine's plan.  ``peak_offset`` and ``plan_offset`` are the OOM
+    predictor's corrections of the engine's unoptimized peak and of its
+    plans' peaks (see :func:`predicted_offsets`)."""
     return _core.build_plan(**plan_inputs(profile, config, hardware, fixed,
-                                          peak_offset))
+                                          peak_offset, plan_offset))
 
 
 # The budget planner's cost model (csrc/solver.c), per device type: forward
@@ -333,7 +334,8 @@ def solver_inputs(config: Config, hardware: dict[str, Any],
 
 
 def plan_inputs(profile: Profile, config: Config, hardware: dict[str, Any],
-                fixed: int, peak_offset: int = 0) -> dict[str, Any]:
+                fixed: int, peak_offset: int = 0,
+                plan_offset: int | None = None) -> dict[str, Any]:
     """Every input of the engine (``_core.build_plan`` keywords): plain
     data, so that one rank can send them to the others."""
     offload_in = offload.plan_inputs(config, hardware)
@@ -350,6 +352,7 @@ def plan_inputs(profile: Profile, config: Config, hardware: dict[str, Any],
         device_count=int(hardware["count"]),
         capacity_bytes=int(hardware["capacity_bytes"]),
         peak_offset_bytes=int(peak_offset),
+        plan_offset_bytes=int(peak_offset if plan_offset is None else plan_offset),
         **offload_in,
         **solver_inputs(config, hardware, offload_in),
     )
@@ -368,30 +371,30 @@ def static_profiling_supported(model: torch.nn.Module) -> str | None:
     return None
 
 
-def predicted_offset(model: torch.nn.Module, sample_input: Any,
-                     optimizer: torch.optim.Optimizer | None, profile: Profile,
-                     config: Config, hardware: dict[str, Any], fixed: int) -> int:
-    """The OOM predictor's unoptimized peak minus the engine's own estimate
-    of it, for ``wrap``: the engine then plans from the predicted peak, so
-    that a plan and ``memscale.predict_peak`` cannot disagree about whether
-    the step fits.  0 (logged) when the step cannot be simulated."""
+def predicted_offsets(model: torch.nn.Module, sample_input: Any,
+                      optimizer: torch.optim.Optimizer | None, profile: Profile,
+                      config: Config, hardware: dict[str, Any],
+                      fixed: int) -> tuple[int, int]:
+    """The OOM predictor's corrections of the engine, for ``wrap``: of its
+    unoptimized peak, and of its plans' peaks (see
+    ``PredictionSession.plan_offsets``), so that a plan and
+    ``memscale.predict_peak`` cannot disagree about whether the step fits.
+    (0, 0) (logged) when the step cannot be simulated."""
     from . import predictor  # imports this module
 
     why_not = static_profiling_supported(model)
     if why_not is not None:
         logger.info("memscale: no OOM prediction for the engine: %s", why_not)
-        return 0
+        return 0, 0
     try:
         with predictor.PredictionSession(model, sample_input, optimizer,
                                          config=config) as session:
-            predicted = session.unoptimized_peak()
+            return session.plan_offsets(config, profile, fixed)
     except Exception as exc:  # noqa: BLE001 - the engine's estimate stands
         logger.info("memscale: the OOM predictor could not simulate a "
                     "training step (%s: %s); the engine plans from its own "
                     "estimate", type(exc).__name__, exc)
-        return 0
-    base = make_plan(profile, config, hardware, fixed)
-    return predicted - base.peak_unoptimized_bytes
+        return 0, 0
 
 
 def format_bytes(n: float) -> str:

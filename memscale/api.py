@@ -260,10 +260,16 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
     if sample_input is not None:
         with amp.profiling_context(config, hardware):
             profile = _planning.profile_upfront(model, units, sample_input, config)
-            # Plan from the OOM predictor's peak (a simulated step on fake
-            # tensors), so that the plan and predict_peak() agree.
-            offset = _planning.predicted_offset(model, sample_input, optimizer,
-                                                profile, config, hardware, fixed)
+            # Plan from the OOM predictor's peaks (simulated steps on fake
+            # tensors), so that the plan and predict_peak() agree.  Stage 1
+            # first (it is recorded on the executor below): the plan the
+            # corrections are calibrated on is the one wrap() makes.
+            _, early_config = _select_strategy(config, policy.StrategyContext.build(
+                config, hardware,
+                profile if policy.needs_profile(config, hardware) else None, fixed))
+            offsets = _planning.predicted_offsets(model, sample_input, optimizer,
+                                                  profile, early_config, hardware,
+                                                  fixed)
     executor = Executor(model, units, warmup_steps=config.warmup_steps)
     try:
         method = profile.method if profile is not None else "warmup"
@@ -279,7 +285,8 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
             executor.profile = profile
             plan_config = _stage1(executor, config, hardware, profile, fixed)
             inputs = _planning.plan_inputs(profile, plan_config, hardware, fixed,
-                                           peak_offset=offset)
+                                           peak_offset=offsets[0],
+                                           plan_offset=offsets[1])
             plan = distributed.shared_plan(inputs)
             _log_plan(config, hardware, plan)
             _budget.check(plan, inputs, plan_config,

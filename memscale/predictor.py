@@ -65,7 +65,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import _core, _planning, _torch_compat, _verify
-from .config import Config
+from .config import Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
 
@@ -1461,12 +1461,74 @@ class PredictionSession:
                 profile if policy.needs_profile(config, self.hardware) else None,
                 fixed)
             _, config = api._select_strategy(config, context)
-        base = _planning.make_plan(profile, config, self.hardware, fixed)
-        # The engine plans from the predicted unoptimized peak (as wrap()
-        # does with sample_input): the same offset, the same plan.
-        offset = self.unoptimized_peak() - base.peak_unoptimized_bytes
+        # The engine plans from the predicted peaks (as wrap() does with
+        # sample_input): the same corrections, the same plan.
+        offset, plan_offset = self.plan_offsets(config, profile, fixed)
         return _planning.make_plan(profile, config, self.hardware, fixed,
-                                   peak_offset=offset)
+                                   peak_offset=offset, plan_offset=plan_offset)
+
+    # Rounds of "simulate the plan, correct, plan again" at most.
+    CALIBRATION_ROUNDS = 3
+
+    def _simulated_peak(self, plan: Any, config: Config) -> int:
+        key = plan.hash
+        if plan.technique_counts["offload"] and config.async_offload:
+            from .offload import async_settings
+
+            key += f"/prefetch{async_settings(config).prefetch_depth}"
+        if key not in self._traces:
+            self._traces[key] = self._guard(
+                lambda: self._sim.under(plan, config, self.hardware))
+            self._probe(self._traces[key], key)
+        return int(self._traces[key].breakdown(self._workspace).peak_bytes)
+
+    def plan_offsets(self, config: Config, profile: Any = None,
+                     fixed: int | None = None) -> tuple[int, int]:
+        """The engine's two corrections for ``config`` (its effective,
+        post-Stage-1 form): of the unoptimized peak (predicted minus the
+        engine's), and of its plans' peaks.
+
+        The second is calibrated on simulated optimized steps: first the
+        step with every layer checkpointed, then (up to three rounds) the
+        step under the plan the budget planner makes, corrected by what the
+        simulation says it really needs.  The unoptimized step's correction
+        can be far off for plans (a temporary proportional to the
+        activations, present at the unoptimized peak only), which would
+        make the planner refuse budgets that fit or choose plans that do
+        not.  Smart-skipped and forced plans keep the one correction."""
+        if profile is None:
+            profile = self._sim.profile
+        if fixed is None:
+            fixed = _planning.fixed_bytes(self.model, self.optimizer)
+        hw = self.hardware
+        base = _planning.make_plan(profile, config, hw, fixed)
+        offset = self.unoptimized_peak() - base.peak_unoptimized_bytes
+        plan = _planning.make_plan(profile, config, hw, fixed, peak_offset=offset)
+        if (plan.skipped or config.force_optimize
+                or not plan.technique_counts["checkpoint"] and plan.fits):
+            return offset, offset
+        # Calibrate on every layer checkpointed (what the least budgets
+        # are made of).
+        forced = _planning.make_plan(
+            profile, config.replace(force_optimize=True, mode=OptimizationMode.CONSERVATIVE,
+                                    enable_tiling=False),
+            hw, fixed, peak_offset=offset)
+        plan_offset = offset
+        if forced.technique_counts["checkpoint"]:
+            plan_offset = offset + (self._simulated_peak(forced, config)
+                                    - forced.peak_projected_bytes)
+        for _ in range(self.CALIBRATION_ROUNDS):
+            plan = _planning.make_plan(profile, config, hw, fixed, peak_offset=offset,
+                                       plan_offset=plan_offset)
+            if (not plan.fits or not plan.technique_counts["checkpoint"]
+                    or plan.technique_counts["tiling"]):
+                break  # (the simulation runs tiled layers whole: it would
+                # overstate what a tiled plan needs)
+            miss = self._simulated_peak(plan, config) - plan.peak_projected_bytes
+            if miss <= 0 or plan.peak_projected_bytes + miss <= plan.budget_bytes:
+                break
+            plan_offset += miss
+        return offset, plan_offset
 
     def unoptimized_peak(self) -> int:
         """The predicted peak bytes of the unoptimized step."""

@@ -24,6 +24,7 @@ GIB = 1 << 30
 PLAN_KEYS = [
     "format", "mode", "allowed", "device", "device_count", "capacity_bytes",
     "budget_bytes", "fixed_bytes", "activation_bytes", "peak_offset_bytes",
+    "plan_offset_bytes",
     "peak_unoptimized_bytes", "peak_projected_bytes", "pressure",
     "total_flops", "recompute_ratio", "predicted_slowdown", "skipped", "fits",
     "min_budget_bytes", "layers",
@@ -318,12 +319,18 @@ def test_tiny_budget_raises_with_the_least_budget_and_what_lowers_it():
 
 
 def test_budget_between_peaks_checkpoints_some_layers():
-    forced, _ = wrapped_plan(quiet(force_optimize=True))
-    all_ckpt = forced.peak_projected_bytes
-    unopt = forced.peak_unoptimized_bytes
+    # A batch whose activations matter (at SAMPLE's 8 rows the simulated
+    # step's temporaries outweigh them and no plan lowers the peak).
+    big = torch.randn(512, 16, generator=torch.Generator().manual_seed(3))
+    prediction = memscale.predict_peak(mlp_stack(), big, config=quiet(force_optimize=True))
+    all_ckpt = prediction.optimized.peak_bytes
+    unopt = prediction.unoptimized.peak_bytes
     assert all_ckpt < unopt
     budget = (all_ckpt + unopt) // 2
-    plan, stats = wrapped_plan(quiet(memory_budget_gb=budget / GIB))
+    model = mlp_stack()
+    memscale.wrap(model, quiet(memory_budget_gb=budget / GIB), sample_input=big)
+    plan, stats = model._memscale_executor.plan, model._memscale_executor.stats
+    memscale.detach(model)
     assert plan.budget_bytes == budget
     assert plan.skipped is False
     assert plan.fits is True

@@ -130,12 +130,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write every raw figure here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of memory "
                         "against time ratio here")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the budget sweep instead: budgets at 20/40/60/80%% of "
+                        "the unoptimized activation memory, memscale's budget "
+                        "planner against checkpointing every block and "
+                        "sqrt(n) segments (default models: "
+                        "gpt2-12l and llama-12l)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
 
     warnings.filterwarnings("ignore", module="transformers")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.sweep:
+        return _sweep_main(args, parser)
     try:
         entries = select(args.models, args.full)
     except ValueError as exc:
@@ -208,6 +216,38 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(payload, f, indent=1)
     if args.plot:
         plot(results, args.plot)
+    return 0
+
+
+def _sweep_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import sweep
+
+    names = args.models or list(sweep.SWEEP_MODELS)
+    try:
+        entries = select(names, False)
+    except ValueError as exc:
+        parser.error(str(exc))
+    from tqdm import tqdm
+
+    bar = tqdm(entries, unit="model", disable=not sys.stderr.isatty(), file=sys.stderr)
+    results = [sweep.run_sweep(e, repeats=min(args.repeats, 3),
+                               progress=lambda m: bar.set_description(m))
+               for e in bar]
+    print(sweep.table(results))
+    print("\n" + sweep.ROCKMATE)
+    print("\nbudget: start bytes (parameters, gradients, AdamW state, batch) + the "
+          "fraction of the unoptimized step's activation memory (its exact peak "
+          "above the start). peak: measured, exact (allocator events) over a whole "
+          "training step; time ratio: median step time over the unoptimized median, "
+          "interleaved. predicted: the plan's own figures (Plan.peak_projected_bytes, "
+          "Plan.predicted_slowdown). memscale runs CONSERVATIVE (checkpointing "
+          "only), as the peers.")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"schema": "memscale-sweep/1", "machine": machine(),
+                       "rockmate": sweep.ROCKMATE, "results": results}, f, indent=1)
+    if args.plot:
+        sweep.plot(results, args.plot)
     return 0
 
 

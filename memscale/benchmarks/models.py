@@ -202,6 +202,10 @@ BENCHMARK_MODELS: dict[str, BenchmarkModel] = {m.name: m for m in [
     _entry("llama", "llama", "quick", "Llama-shaped, 4 layers, hidden 256, 8 heads "
            "(4 KV), vocab 8192, 4x128", hf=True, layers=4, hidden=256, heads=8,
            vocab=8192, seq=128, batch=4),
+    # The budget sweep's Llama-shaped model (--sweep), beside gpt2-12l.
+    _entry("llama-12l", "llama", "extra", "Llama-shaped, 12 layers, hidden 256, "
+           "8 heads (4 KV), vocab 8192, 8x256", hf=True, layers=12, hidden=256,
+           heads=8, vocab=8192, seq=256, batch=8),
     # The foundation's reference shape: run it by name (--models gpt2-12l).
     _entry("gpt2-12l", "gpt2", "extra", "GPT-2-shaped, 12 layers, hidden 256, "
            "4 heads, vocab 8192, 8x256", hf=True, layers=12, hidden=256, heads=4,

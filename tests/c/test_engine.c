@@ -1175,7 +1175,7 @@ test_peak_offset(void)
     CHECK(r0.skipped && r0.peak_unoptimized == 350);
     /* The simulated step needs 700 more than the model says: over budget,
        so the engine checkpoints until the corrected peak fits. */
-    p.peak_offset_bytes = 700;
+    p.peak_offset_bytes = p.plan_offset_bytes = 700;
     CHECK(ms_engine_plan(&p, L, 3, out, &r) == 0);
     CHECK(r.peak_unoptimized == 1050 && !r.skipped);
     CHECK(r.pressure == 1050.0 / 1000.0);
@@ -1183,18 +1183,30 @@ test_peak_offset(void)
     CHECK(r.fits && r.peak_projected <= 1000);
     /* Negative: the model overestimates; the plan may skip. */
     p.budget_bytes = 300;
-    p.peak_offset_bytes = -60;
+    p.peak_offset_bytes = p.plan_offset_bytes = -60;
     CHECK(ms_engine_plan(&p, L, 3, out, &r) == 0);
     CHECK(r.peak_unoptimized == 290 && r.skipped);
     /* Never below 0. */
-    p.peak_offset_bytes = -100000;
+    p.peak_offset_bytes = p.plan_offset_bytes = -100000;
     p.force = 1;
     CHECK(ms_engine_plan(&p, L, 3, out, &r) == 0);
     CHECK(r.peak_unoptimized == 0 && r.peak_projected == 0);
     /* Saturates instead of overflowing. */
-    p.peak_offset_bytes = INT64_MAX;
+    p.peak_offset_bytes = p.plan_offset_bytes = INT64_MAX;
     CHECK(ms_engine_plan(&p, L, 3, out, &r) == 0);
     CHECK(r.peak_unoptimized == INT64_MAX);
+    /* The two corrections apart: the unoptimized peak carries one, the
+       plans' peaks the other. */
+    p = problem(1000, 50, 300, 30.0);
+    p.peak_offset_bytes = 700;
+    p.plan_offset_bytes = 100;
+    CHECK(ms_engine_plan(&p, L, 3, out, &r) == 0);
+    CHECK(r.peak_unoptimized == 1050 && !r.skipped);
+    CHECK(r.fits && r.peak_projected <= 1000);
+    int64_t with_100 = r.peak_projected;
+    p.plan_offset_bytes = 0;
+    CHECK(ms_engine_plan(&p, L, 3, out, &r) == 0);
+    CHECK(r.peak_projected + 100 == with_100);
     group_end("peak-offset");
 }
 
