@@ -61,6 +61,7 @@ typedef struct {
                                 segment waits for its next unit */
     PyObject *cur_unit;      /* the unit running in this frame (borrowed
                                 from ex->units) */
+    PyObject *seg_out_version; /* seg_out._version when it was stored */
     int seg_id;              /* the plan's segment (first unit index) */
     Py_ssize_t seg_next;     /* the unit index expected next */
     int cpu_autocast;
@@ -190,6 +191,7 @@ frame_traverse(Frame *self, visitproc visit, void *arg)
     Py_VISIT(self->tile_rng_cuda);
     Py_VISIT(self->seg_units);
     Py_VISIT(self->seg_out);
+    Py_VISIT(self->seg_out_version);
     return 0;
 }
 
@@ -213,6 +215,7 @@ frame_clear(Frame *self)
     Py_CLEAR(self->tile_rng_cuda);
     Py_CLEAR(self->seg_units);
     Py_CLEAR(self->seg_out);
+    Py_CLEAR(self->seg_out_version);
     return 0;
 }
 
@@ -264,7 +267,7 @@ frame_new(Executor *ex, Py_ssize_t index, PyObject *unit, PyObject *args,
     f->extent = 0;
     f->tile_end = NULL;
     f->tile_rng = f->tile_rng_cuda = NULL;
-    f->seg_units = f->seg_out = NULL;
+    f->seg_units = f->seg_out = f->seg_out_version = NULL;
     f->cur_unit = unit;
     f->seg_id = -1;
     f->seg_next = -1;
@@ -1333,6 +1336,7 @@ finish_segment(Executor *ex)
         return 0;
     }
     Py_CLEAR(f->seg_out);
+    Py_CLEAR(f->seg_out_version);
     int rc = 0;
     if (ex->masks != NULL && (ex->masks[f->index] & MS_TECH_OFFLOAD)
         && (HAS(ex->store) || HAS(ex->host)))
@@ -1367,9 +1371,20 @@ continue_segment(Executor *ex, PyObject *unit, PyObject *args,
             break;
         }
     }
-    if (k != f->seg_next || ex->segments == NULL || ex->segments[k] != f->seg_id
-        || pos < 0 || PyTuple_GET_ITEM(args, pos) != f->seg_out)
+    int same = 0;
+    if (k == f->seg_next && ex->segments != NULL && ex->segments[k] == f->seg_id
+        && pos >= 0 && PyTuple_GET_ITEM(args, pos) == f->seg_out)
     {
+        /* The same tensor, not changed in place since (x.add_(...) between
+           the units would be lost on replay). */
+        PyObject *v = PyObject_GetAttr(f->seg_out, st->s_version);
+        same = v ? PyObject_RichCompareBool(v, f->seg_out_version, Py_EQ) : -1;
+        Py_XDECREF(v);
+        if (same < 0) {
+            return -1;
+        }
+    }
+    if (!same) {
         /* Something else runs between the two units (or the chain is not
            output-to-input): the segment ends here. */
         return finish_segment(ex) < 0 ? -1 : 0;
@@ -1431,6 +1446,7 @@ continue_segment(Executor *ex, PyObject *unit, PyObject *args,
     f->cur_unit = unit;
     f->seg_next = k + 1;
     Py_CLEAR(f->seg_out);
+    Py_CLEAR(f->seg_out_version);
     Py_CLEAR(ex->open_seg); /* the stack holds the frame now */
     rc = 1;
 done:
@@ -1556,6 +1572,12 @@ ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
                 Py_DECREF(frame);
                 return NULL;
             }
+            PyObject *v = PyObject_GetAttr(x, ex->st->s_version);
+            if (v == NULL) {
+                Py_DECREF(frame);
+                return NULL;
+            }
+            Py_XSETREF(f->seg_out_version, v);
             Py_XSETREF(f->seg_out, Py_NewRef(x));
             ex->open_seg = frame; /* the reference is handed over */
             Py_RETURN_NONE;

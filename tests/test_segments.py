@@ -1,0 +1,322 @@
+"""Checkpoint segments: several consecutive units in one checkpoint frame,
+recomputed together from the first unit's inputs (executor.c:
+continue_segment / finish_segment / replay_segment)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import memscale
+from memscale import _core, _planning
+
+from conftest import (CNN, Block, assert_same_grads, hook_count, mlp,
+                      token_batch, tiny_gpt2)
+
+W = 32
+
+
+class MBlock(Block):
+    """A Block with a keyword mask (multiplied in) and a switch to fail."""
+
+    def __init__(self, p: float = 0.1) -> None:
+        super().__init__(W, p)
+        self.boom = False
+
+    @staticmethod
+    def boom_glue(x):
+        raise ValueError("boom")
+
+    def forward(self, x, mask=None):
+        if self.boom:
+            raise ValueError("boom")
+        out = super().forward(x)
+        return out if mask is None else out * mask
+
+
+class Chain(nn.Module):
+    """stem -> blocks (the units, each with its own mask) -> head, with
+    optional glue code between the blocks."""
+
+    def __init__(self, depth: int = 4, glue=None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(W, W)
+        self.blocks = nn.ModuleList([MBlock() for _ in range(depth)])
+        self.head = nn.Linear(W, W)
+        self.glue = glue
+
+    def forward(self, x, masks=None):
+        x = self.stem(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, mask=None if masks is None else masks[i])
+            if self.glue is not None:
+                x = self.glue(x)
+        return self.head(x)
+
+
+def segment_plan(model, sample, frac=0.9, inflate=9, config=None, layers=None,
+                 **extra):
+    """Wrap ``model``; return its executor and a plan (not yet applied)
+    made from its profile with inflated input sizes, so that the budget
+    planner makes segments."""
+    memscale.wrap(model, config or memscale.Config(enable_logging=False),
+                  sample_input=sample)
+    ex = model.__dict__["_memscale_executor"]
+    inputs = _planning.plan_inputs(ex.profile, ex.config, ex.hardware, 0)
+    rows = [(n, k, pb, sb, sb * inflate // 10, fl, fg)
+            for (n, k, pb, sb, ib, fl, fg) in inputs["layers"]]
+    inputs["layers"] = layers(rows) if layers is not None else rows
+    tot = sum(row[3] for row in inputs["layers"])
+    inputs.update(fixed_bytes=0, activation_bytes=tot, peak_offset_bytes=0,
+                  budget_bytes=int(tot * frac), **extra)
+    plan = _core.build_plan(**inputs)
+    assert plan.fits
+    return ex, plan
+
+
+def segments(plan):
+    return [layer.segment for layer in plan.layers]
+
+
+def counters(ex, before=(0, 0)):
+    """(frames opened, recomputes run) since ``before``."""
+    return (ex.stats["checkpoint_frames"] - before[0],
+            ex.stats["recomputes"] - before[1])
+
+
+def step(model, loss_fn, seed=0, retain=False):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = loss_fn(model)
+    loss.backward(retain_graph=retain)
+    if retain:
+        loss.backward()
+    return loss.detach()
+
+
+def check_step(model, ref, loss_fn, seed=0, retain=False):
+    a = step(model, loss_fn, seed, retain)
+    b = step(ref, loss_fn, seed, retain)
+    assert torch.equal(a, b)
+    assert_same_grads(model, ref)
+
+
+def same_buffers(a, b):
+    for (name, x), (_, y) in zip(a.named_buffers(), b.named_buffers()):
+        assert torch.equal(x, y), name
+
+
+def chain_loss(x, masks=None):
+    return lambda m: m(x, masks).square().mean()
+
+
+X = torch.randn(8, W, generator=torch.Generator().manual_seed(3))
+IMG = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+
+
+def test_gpt2_segment_two_steps():
+    model = tiny_gpt2(dropout=0.1).train()
+    ref = copy.deepcopy(model)
+    ids = token_batch()
+    ex, plan = segment_plan(model, ids, frac=0.7)
+    assert segments(plan) == [0, 0, -1]
+    ex.apply(plan)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    before = counters(ex)
+
+    for seed in (1, 2):
+        check_step(model, ref, lambda m: m(ids, labels=ids).loss, seed)
+        for opt in opts:
+            opt.step()
+    assert counters(ex, before) == (2, 2)  # one frame, one recompute per step
+    assert ex.stats["active_frames"] == 0
+
+
+def test_segment_covers_every_block_of_mlp():
+    # The planner never puts the last unit in a segment (it cannot lower the
+    # peak), so a head unit follows the four blocks; it claims large saved
+    # bytes so that the planner keeps it and checkpoints 0..3 as one.
+    model = nn.Sequential(*mlp(depth=4, p=0.1), nn.Linear(W, W)).train()
+    ref = copy.deepcopy(model)
+
+    def layers(rows):
+        s = rows[0][3]
+        rows = [(n, k, pb, s, 2 * s, fl, fg) for (n, k, pb, _, _, fl, fg) in rows]
+        n, k, pb, _, ib, fl, fg = rows[-1]
+        return rows[:-1] + [(n, k, pb, 6 * s, ib, fl, fg)]
+
+    ex, plan = segment_plan(model, X, frac=0.85, layers=layers)
+    assert segments(plan) == [0, 0, 0, 0, -1]
+    ex.apply(plan)
+    before = counters(ex)
+    check_step(model, ref, lambda m: m(X).square().mean())
+    assert counters(ex, before) == (1, 1)
+
+
+@pytest.mark.parametrize("glue, frac, inflate, expected, frames", [
+    (None, 0.9, 20, [0, 0, 0, -1], 1),  # the chain holds: one frame
+    (None, 0.6, 5, [0, 0, 2, -1], 2),   # two segments back to back
+    (lambda x: x * 1.0, 0.9, 20, [0, 0, 0, -1], 3),  # a new tensor: split
+    (lambda x: x + 0.5, 0.9, 20, [0, 0, 0, -1], 3),
+])
+def test_glue_between_units_splits_segment(glue, frac, inflate, expected, frames):
+    model = Chain(glue=glue).train()
+    ref = copy.deepcopy(model)
+    ex, plan = segment_plan(model, X, frac=frac, inflate=inflate)
+    assert segments(plan) == expected
+    ex.apply(plan)
+    before = counters(ex)
+    check_step(model, ref, chain_loss(X))
+    assert counters(ex, before) == (frames, frames)
+
+
+def test_inplace_glue_between_units():
+    """An in-place change of a unit's output between two units keeps the
+    tensor object: the segment ends there (its version changed), since the
+    replay would feed the next unit the unchanged output (found by review:
+    silently wrong gradients before the version check)."""
+    def glue(x):
+        return x.add_(0.5)
+
+    model = Chain(glue=glue).train()
+    ref = copy.deepcopy(model)
+    ex, plan = segment_plan(model, X, frac=0.9, inflate=20)
+    assert segments(plan) == [0, 0, 0, -1]
+    ex.apply(plan)
+    try:
+        check_step(model, ref, chain_loss(X))
+    except RuntimeError as exc:  # refusing is fine too
+        assert "in place" in str(exc)
+
+
+@pytest.mark.parametrize("retain", [False, True])
+@pytest.mark.parametrize("factory, x, inflate", [(CNN, IMG, 9), (Chain, X, 20)])
+def test_batchnorm_stats_and_retain_graph(factory, x, inflate, retain):
+    # CNN: BatchNorm in every unit; the recompute must not count a batch
+    # twice.  retain: a second backward recomputes the segment again.
+    model = factory().train()
+    ref = copy.deepcopy(model)
+    ex, plan = segment_plan(model, x, frac=0.9, inflate=inflate)
+    assert segments(plan)[:3] == [0, 0, -1 if factory is CNN else 0]
+    ex.apply(plan)
+    before = counters(ex)
+    for seed in (0, 1):
+        check_step(model, ref, lambda m: m(x).square().mean(), seed, retain)
+    assert counters(ex, before) == (2, 4 if retain else 2)
+    same_buffers(model, ref)
+
+
+@pytest.mark.parametrize("where", ["unit", "glue"])
+def test_exception_in_second_unit(where):
+    model = Chain().train()
+    ref = copy.deepcopy(model)
+    ex, plan = segment_plan(model, X, frac=0.9, inflate=20)
+    ex.apply(plan)
+    if where == "unit":
+        model.blocks[1].boom = True
+    else:
+        model.glue = MBlock.boom_glue  # after unit 0, the segment open
+    with pytest.raises(ValueError, match="boom"):
+        torch.manual_seed(0)
+        model(X)
+    assert ex.stats["active_frames"] == 0
+    model.blocks[1].boom = False
+    model.glue = None
+    before = counters(ex)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "interrupted forward" clean-up
+        check_step(model, ref, chain_loss(X), seed=5)
+    assert counters(ex, before) == (1, 1)
+    assert ex.stats["active_frames"] == 0
+
+
+@pytest.mark.parametrize("how", ["eval", "no_grad"])
+def test_eval_and_no_grad_open_no_frames(how):
+    model = Chain().train()
+    ref = copy.deepcopy(model)
+    ex, plan = segment_plan(model, X, frac=0.9, inflate=20)
+    ex.apply(plan)
+    before, outs = counters(ex), []
+    for m in (model, ref):
+        if how == "eval":
+            m.eval()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            outs.append(m(X))
+    assert torch.equal(*outs)
+    assert counters(ex, before) == (0, 0)
+    assert ex.stats["active_frames"] == 0
+
+
+def test_detach_after_segmented_step():
+    model = tiny_gpt2(dropout=0.1).train()
+    ref = copy.deepcopy(model)
+    ids = token_batch()
+    ex, plan = segment_plan(model, ids, frac=0.7)
+    ex.apply(plan)
+
+    loss_fn = lambda m: m(ids, labels=ids).loss  # noqa: E731
+    check_step(model, ref, loss_fn)
+    memscale.detach(model)
+    assert "_memscale_executor" not in model.__dict__
+    assert hook_count(model) == 0
+    for block in model.transformer.h:
+        assert not block._forward_hooks and not block._forward_pre_hooks
+    check_step(model, ref, loss_fn, seed=3)
+
+
+@pytest.mark.parametrize("changed", [0, 1, "shared"])
+def test_masks_stored_and_checked(changed):
+    # Masks are stored inputs that are not chained: the first unit's by its
+    # frame, later units' by continue_segment; "shared": one mask to the
+    # segment's units (unit 3, not checkpointed, would make autograd fail).
+    model = Chain().train()
+    ref = copy.deepcopy(model)
+    ex, plan = segment_plan(model, X, frac=0.9, inflate=20)
+    ex.apply(plan)
+    if changed == "shared":
+        masks = [torch.full((W,), 0.5)] * 3 + [None]  # units 0..2 only
+    else:
+        masks = [torch.full((W,), 0.5 + i / 8) for i in range(4)]
+    before = counters(ex)
+    check_step(model, ref, chain_loss(X, masks))
+    assert counters(ex, before) == (1, 1)
+    torch.manual_seed(0)
+    loss = model(X, masks).square().mean()
+    masks[0 if changed == "shared" else changed].mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("async_io", [False, True])
+def test_segment_input_offloaded_to_disk(tmp_path, async_io):
+    model = Chain().train()
+    ref = copy.deepcopy(model)
+    config = memscale.Config(
+        enable_logging=False, mode="balanced", async_offload=async_io,
+        async_config=memscale.AsyncOffloadConfig(min_offload_bytes=0,
+                                                 spill_dir=str(tmp_path)))
+    ex, plan = segment_plan(
+        model, X, frac=0.7, config=config, mode="balanced", disk_tier=True,
+        min_offload_bytes=0,
+        allowed=_core.TECH_CHECKPOINT | _core.TECH_OFFLOAD)
+    assert [(lay.segment, lay.tier) for lay in plan.layers][:3] == [
+        (0, "disk"), (0, "device"), (-1, "device")]
+    memscale.offload.attach(ex, ex.config, ex.hardware, plan)
+    ex.apply(plan)
+    store = ex.offload_store
+    assert store is not None
+    before = counters(ex)
+    for seed in (0, 1):
+        check_step(model, ref, chain_loss(X), seed)
+    assert counters(ex, before) == (2, 2)
+    # Only the segment's first input (8 x 32 float32) went to disk, per step.
+    assert store.stats["tensors_written"] == 2
+    assert store.stats["tensors_read"] == 2
+    assert store.stats["bytes_written"] == 2 * X.numel() * 4
+    memscale.detach(model)
