@@ -23,11 +23,13 @@
  * forward and the read behind its backward, about twice the forward); a
  * layer in t tiles makes t - 1 more calls of tile_overhead each.
  *
- * The DP runs over (layer i, bytes held by the layers before i) with the
- * held bytes counted in buckets of ceil(budget / resolution) bytes, rounded
- * up: a plan it returns fits the exact budget, and it is optimal among the
- * plans that fit at that granularity (exactly optimal when the bucket is
- * one byte).  Work: O(n x (resolution + 1) x log max_segment); memory: 4
+ * The DP runs over (layer i, bytes held by the layers before i), the held
+ * bytes grouped in buckets of ceil(budget / resolution) bytes.  Each state
+ * keeps the exact bytes held on the path that reached it, so every memory
+ * check is exact and a plan it returns fits the exact budget; within a
+ * bucket only the cheapest path survives (ties: the one holding less), so
+ * the plan is optimal when the bucket is one byte and close to it
+ * otherwise.  Work: O(n x (resolution + 1) x log max_segment); memory: 4
  * bytes of back-pointer per state, two rows of costs, and one tournament
  * tree of max_segment + 1 leaves per bucket (see below).
  */
@@ -237,6 +239,7 @@ problem_ok(const ms_solver_problem *p)
  */
 typedef struct {
     double g;
+    int64_t held;    /* exact bytes held at the target state */
     uint32_t src_i;
     uint16_t src_h;
     uint8_t offload;
@@ -248,6 +251,8 @@ typedef struct {
     uint32_t *node;  /* columns x leaves: index of the best leaf below */
 } forest;
 
+/* Leaf `slot` changed: recompute the winners on its path to the root.
+   Once a node keeps a winner other than `slot`, nothing above it changes. */
 static void
 tree_fix(forest *t, size_t col, size_t slot)
 {
@@ -259,18 +264,23 @@ tree_fix(forest *t, size_t col, size_t slot)
         a = 2 * k >= t->leaves ? (uint32_t)(2 * k - t->leaves) : node[2 * k];
         b = 2 * k + 1 >= t->leaves ? (uint32_t)(2 * k + 1 - t->leaves)
                                    : node[2 * k + 1];
-        node[k] = leaf[b].g < leaf[a].g ? b : a;
+        uint32_t win = leaf[b].g < leaf[a].g ? b : a;
+        if (win == node[k] && win != (uint32_t)slot) {
+            break;
+        }
+        node[k] = win;
         k /= 2;
     }
 }
 
 static void
-tree_offer(forest *t, size_t col, size_t slot, double g, size_t src_i,
-           size_t src_h, int offload)
+tree_offer(forest *t, size_t col, size_t slot, double g, int64_t held,
+           size_t src_i, size_t src_h, int offload)
 {
     cand *c = &t->leaf[col * t->leaves + slot];
-    if (g < c->g) {
+    if (g < c->g || (g == c->g && held < c->held)) {
         c->g = g;
+        c->held = held;
         c->src_i = (uint32_t)src_i;
         c->src_h = (uint16_t)src_h;
         c->offload = (uint8_t)offload;
@@ -322,23 +332,23 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
 
     double *cur = malloc(width * sizeof(double));
     double *next = malloc(width * sizeof(double));
+    int64_t *cur_held = malloc(width * sizeof(int64_t));
+    int64_t *next_held = malloc(width * sizeof(int64_t));
     back_t *back = malloc((n + 1) * width * sizeof(back_t));
-    int64_t *qs = malloc((n ? n : 1) * sizeof(int64_t));
-    int64_t *qi = malloc((n ? n : 1) * sizeof(int64_t));
     int64_t *SP = malloc((n + 1) * sizeof(int64_t));     /* saved prefix */
     double *P = malloc((n + 1) * sizeof(double));        /* cost prefix */
     size_t *run_end = malloc((n ? n : 1) * sizeof(size_t));
     t.leaf = malloc(width * t.leaves * sizeof(cand));
     t.node = calloc(width * t.leaves, sizeof(uint32_t));
-    if (cur == NULL || next == NULL || back == NULL || qs == NULL || qi == NULL
+    if (cur == NULL || next == NULL || back == NULL
         || SP == NULL || P == NULL || run_end == NULL || t.leaf == NULL
-        || t.node == NULL)
+        || t.node == NULL || cur_held == NULL || next_held == NULL)
     {
         free(cur);
         free(next);
+        free(cur_held);
+        free(next_held);
         free(back);
-        free(qs);
-        free(qi);
         free(SP);
         free(P);
         free(run_end);
@@ -355,8 +365,6 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
     SP[0] = 0;
     P[0] = 0.0;
     for (size_t i = 0; i < n; i++) {
-        qs[i] = ceil_div(nonneg(L[i].saved_bytes), bucket);
-        qi[i] = ceil_div(nonneg(L[i].input_bytes), bucket);
         SP[i + 1] = add_sat(SP[i], nonneg(L[i].saved_bytes));
         P[i + 1] = P[i] + seconds(p, &L[i]);
     }
@@ -367,6 +375,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
     }
     for (size_t h = 0; h < width; h++) {
         cur[h] = next[h] = INFINITY;
+        cur_held[h] = next_held[h] = 0;
     }
     cur[0] = 0.0;
     int ckpt = (p->allowed & MS_TECH_CHECKPOINT) != 0;
@@ -380,8 +389,11 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                 tree_expire(&t, h, slot);
                 const cand *c = tree_best(&t, h);
                 double v = c->g + P[i];
-                if (c->g < INFINITY && v < cur[h]) {
+                if (c->g < INFINITY
+                    && (v < cur[h] || (v == cur[h] && c->held < cur_held[h])))
+                {
                     cur[h] = v;
+                    cur_held[h] = c->held;
                     back[i * width + h] =
                         back_pack(c->src_h, (int)(i - c->src_i), c->offload, 0);
                 }
@@ -400,21 +412,27 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             if (v == INFINITY) {
                 continue;
             }
-            int64_t held = (int64_t)h * bucket; /* >= the exact bytes held */
+            /* The exact bytes held on the path that reached this state:
+               every check below is exact; only states whose held bytes
+               fall in the same bucket compete (the cheaper one stays). */
+            int64_t held = cur_held[h];
+            int64_t room = B - held;
             /* Kept. */
-            if ((int64_t)h + qs[i] <= (int64_t)M) {
-                size_t hk = h + (size_t)qs[i];
-                if (v < next[hk]) {
+            int64_t hk_bytes = add_sat(held, nonneg(L[i].saved_bytes));
+            if (hk_bytes <= B) {
+                size_t hk = (size_t)(hk_bytes / bucket);
+                if (v < next[hk] || (v == next[hk] && hk_bytes < next_held[hk])) {
                     next[hk] = v;
+                    next_held[hk] = hk_bytes;
                     back[(i + 1) * width + hk] = back_pack(h, 0, 0, 0);
                 }
             }
             if (!ok_ckpt) {
                 continue;
             }
-            size_t hin = h + (size_t)qi[i];
-            int in_fits = (int64_t)h + qi[i] <= (int64_t)M;
-            int64_t room = B - held;
+            int64_t in_bytes = add_sat(held, nonneg(L[i].input_bytes));
+            int in_fits = in_bytes <= B;
+            size_t hin = in_fits ? (size_t)(in_bytes / bucket) : 0;
             if (SP[i + 1] - SP[i] <= room) {
                 /* The longest segment whose recompute fits: binary search
                    on the saved-bytes prefix (it only grows). */
@@ -431,10 +449,10 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                 size_t slot = lo % t.leaves; /* expires after row lo */
                 double g = v - P[i];
                 if (in_fits) {
-                    tree_offer(&t, hin, slot, g, i, h, 0);
+                    tree_offer(&t, hin, slot, g, in_bytes, i, h, 0);
                 }
                 if (ok_off) {
-                    tree_offer(&t, h, slot, g + off_cost, i, h, 1);
+                    tree_offer(&t, h, slot, g + off_cost, held, i, h, 1);
                 }
             }
             /* One layer in tiles, when it does not fit whole: the fewest
@@ -447,12 +465,18 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                         continue;
                     }
                     double c = v + (P[i + 1] - P[i]) + (tl - 1) * p->tile_overhead;
-                    if (in_fits && c < next[hin]) {
+                    if (in_fits && (c < next[hin]
+                                    || (c == next[hin] && in_bytes < next_held[hin])))
+                    {
                         next[hin] = c;
+                        next_held[hin] = in_bytes;
                         back[(i + 1) * width + hin] = back_pack(h, 1, 0, lg);
                     }
-                    if (ok_off && c + off_cost < next[h]) {
+                    if (ok_off && (c + off_cost < next[h]
+                                   || (c + off_cost == next[h] && held < next_held[h])))
+                    {
                         next[h] = c + off_cost;
+                        next_held[h] = held;
                         back[(i + 1) * width + h] = back_pack(h, 1, 1, lg);
                     }
                     break;
@@ -462,8 +486,12 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
         double *tmp = cur;
         cur = next;
         next = tmp;
+        int64_t *tmph = cur_held;
+        cur_held = next_held;
+        next_held = tmph;
         for (size_t h = 0; h < width; h++) {
             next[h] = INFINITY;
+            next_held[h] = 0;
         }
     }
 
@@ -507,9 +535,9 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
     }
     free(cur);
     free(next);
+    free(cur_held);
+    free(next_held);
     free(back);
-    free(qs);
-    free(qi);
     free(SP);
     free(P);
     free(run_end);
