@@ -145,15 +145,16 @@ peak_at(const ms_problem *p, const ms_layer *layers, size_t n,
             prefix = add_sat(prefix, layers[i].saved_bytes);
         }
     }
-    if (prefix >= worst) {
-        worst = prefix;
-        who = n;
-    }
+    /* The end of the forward carries the unoptimized step's correction
+       (the backward of what follows the layers starts there); recomputes
+       carry the plans' correction. */
+    int64_t base = add_sat(p->fixed_bytes, rest);
+    int64_t end = offset_peak(add_sat(base, prefix), p->peak_offset_bytes);
+    int64_t rec = offset_peak(add_sat(base, worst), p->plan_offset_bytes);
     if (at != NULL) {
-        *at = who;
+        *at = end >= rec ? n : who;
     }
-    return offset_peak(add_sat(add_sat(p->fixed_bytes, rest), worst),
-                       p->plan_offset_bytes);
+    return end >= rec ? end : rec;
 }
 
 static int64_t
@@ -267,10 +268,12 @@ static int
 solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
       ms_result *res, unsigned base, int64_t rest)
 {
-    /* peak = fixed + rest + worst + offset must be <= budget. */
+    /* fixed + rest + recompute term + plan_offset <= budget, and
+       fixed + rest + end term + peak_offset <= budget. */
     int64_t avail = p->budget_bytes - add_sat(p->fixed_bytes, rest)
                     - p->plan_offset_bytes;
     ms_solver_problem sp = solver_problem(p, base, avail);
+    sp.end_extra = p->plan_offset_bytes - p->peak_offset_bytes;
     ms_solver_choice *c = malloc((n ? n : 1) * sizeof(ms_solver_choice));
     if (c == NULL) {
         return -1;
@@ -329,9 +332,10 @@ solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
             out[i].tiles = c[i].tiles;
         }
     }
-    res->peak_projected = offset_peak(add_sat(add_sat(p->fixed_bytes, rest),
-                                              r.peak_bytes),
-                                      p->plan_offset_bytes);
+    int64_t b = add_sat(p->fixed_bytes, rest);
+    int64_t pe = offset_peak(add_sat(b, r.end_bytes), p->peak_offset_bytes);
+    int64_t pr = offset_peak(add_sat(b, r.recompute_bytes), p->plan_offset_bytes);
+    res->peak_projected = pe > pr ? pe : pr;
     res->fits = res->peak_projected <= p->budget_bytes;
     res->recompute_ratio =
         p->total_flops > 0.0 ? r.recompute_flops / p->total_flops : 0.0;

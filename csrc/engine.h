@@ -134,7 +134,10 @@ int ms_engine_plan(const ms_problem *problem, const ms_layer *layers,
 /* ---- The budget planner (solver.c) ---------------------------------- */
 
 typedef struct {
-    int64_t budget_bytes;      /* what the activation term of the peak may hold */
+    int64_t budget_bytes;      /* what a recompute term of the peak may hold:
+                                  held before a segment + its recompute */
+    int64_t end_extra;         /* the end-of-forward term (everything held)
+                                  may hold budget_bytes + end_extra */
     unsigned allowed;          /* MS_TECH_* the solver may use */
     double flop_rate;          /* FLOP/s: forward FLOPs to seconds (> 0) */
     double offload_bw;         /* bytes/s each way to the offload tier; 0: none */
@@ -154,7 +157,10 @@ typedef struct {
 
 typedef struct {
     int feasible;
-    int64_t peak_bytes;       /* activation term of the plan's peak, exact */
+    int64_t peak_bytes;       /* max(end - end_extra, worst recompute): the
+                                 plan fits when this is <= budget_bytes */
+    int64_t end_bytes;        /* held at the end of the forward, exact */
+    int64_t recompute_bytes;  /* the worst recompute term, exact */
     double overhead_seconds;  /* recompute + offload + tile calls */
     double recompute_flops;
 } ms_solver_result;
@@ -167,7 +173,11 @@ typedef struct {
  */
 int ms_solve(const ms_solver_problem *p, const ms_layer *layers, size_t n,
              ms_solver_choice *out, ms_solver_result *res);
-/* The memory model and the overhead of any valid choice vector. */
+/* The memory model of any valid choice vector: its end-of-forward and
+   worst recompute terms, and max(end, recompute). */
+void ms_solver_terms(const ms_layer *layers, size_t n,
+                     const ms_solver_choice *c, int64_t *end,
+                     int64_t *recompute);
 int64_t ms_solver_peak(const ms_layer *layers, size_t n,
                        const ms_solver_choice *c);
 double ms_solver_overhead(const ms_solver_problem *p, const ms_layer *layers,

@@ -153,6 +153,15 @@ ms_solver_check(const ms_solver_problem *p, const ms_layer *L, size_t n,
 int64_t
 ms_solver_peak(const ms_layer *L, size_t n, const ms_solver_choice *c)
 {
+    int64_t end, rec;
+    ms_solver_terms(L, n, c, &end, &rec);
+    return end > rec ? end : rec;
+}
+
+void
+ms_solver_terms(const ms_layer *L, size_t n, const ms_solver_choice *c,
+                int64_t *end, int64_t *recompute)
+{
     int64_t held = 0, worst = 0;
     for (size_t i = 0; i < n;) {
         if (c[i].seg_start < 0) {
@@ -178,7 +187,16 @@ ms_solver_peak(const ms_layer *L, size_t n, const ms_solver_choice *c)
         }
         i = j;
     }
-    return held > worst ? held : worst;
+    *end = held;
+    *recompute = worst;
+}
+
+/* The plan's peak in the units of budget_bytes (see ms_solver_result). */
+static int64_t
+budget_peak(const ms_solver_problem *p, int64_t end, int64_t rec)
+{
+    int64_t e = end - p->end_extra;
+    return e > rec ? e : rec;
 }
 
 double
@@ -315,13 +333,17 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
         return -2;
     }
     int64_t B = p->budget_bytes;
-    if (B < 0 || n > UINT32_MAX - 1) {
-        res->peak_bytes = ms_solver_peak(L, n, out);
-        return B < 0 ? 0 : -2;
+    /* What everything held at the end of the forward may reach. */
+    int64_t BE = p->end_extra >= 0 ? add_sat(B, p->end_extra)
+                                   : B + p->end_extra;
+    if (B < 0 || BE < 0 || n > UINT32_MAX - 1) {
+        ms_solver_terms(L, n, out, &res->end_bytes, &res->recompute_bytes);
+        res->peak_bytes = budget_peak(p, res->end_bytes, res->recompute_bytes);
+        return (B < 0 || BE < 0) ? 0 : -2;
     }
     int64_t R = p->resolution < MAX_RESOLUTION ? p->resolution : MAX_RESOLUTION;
-    int64_t bucket = B > R ? ceil_div(B, R) : 1;
-    size_t M = (size_t)(B / bucket); /* capacity, in buckets */
+    int64_t bucket = BE > R ? ceil_div(BE, R) : 1;
+    size_t M = (size_t)(BE / bucket); /* capacity, in buckets */
     size_t W = (size_t)(p->max_segment < MAX_SEGMENT ? p->max_segment
                                                       : MAX_SEGMENT);
     size_t width = M + 1;
@@ -419,7 +441,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             int64_t room = B - held;
             /* Kept. */
             int64_t hk_bytes = add_sat(held, nonneg(L[i].saved_bytes));
-            if (hk_bytes <= B) {
+            if (hk_bytes <= BE) {
                 size_t hk = (size_t)(hk_bytes / bucket);
                 if (v < next[hk] || (v == next[hk] && hk_bytes < next_held[hk])) {
                     next[hk] = v;
@@ -431,7 +453,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                 continue;
             }
             int64_t in_bytes = add_sat(held, nonneg(L[i].input_bytes));
-            int in_fits = in_bytes <= B;
+            int in_fits = in_bytes <= BE;
             size_t hin = in_fits ? (size_t)(in_bytes / bucket) : 0;
             if (SP[i + 1] - SP[i] <= room) {
                 /* The longest segment whose recompute fits: binary search
@@ -526,12 +548,14 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             h = prev_h;
         }
         res->feasible = 1;
-        res->peak_bytes = ms_solver_peak(L, n, out);
+        ms_solver_terms(L, n, out, &res->end_bytes, &res->recompute_bytes);
+        res->peak_bytes = budget_peak(p, res->end_bytes, res->recompute_bytes);
         res->overhead_seconds =
             ms_solver_overhead(p, L, n, out, &res->recompute_flops);
     }
     else {
-        res->peak_bytes = ms_solver_peak(L, n, out); /* all kept */
+        ms_solver_terms(L, n, out, &res->end_bytes, &res->recompute_bytes);
+        res->peak_bytes = budget_peak(p, res->end_bytes, res->recompute_bytes);
     }
     free(cur);
     free(next);
@@ -555,8 +579,13 @@ ms_solver_min_budget(const ms_solver_problem *p, const ms_layer *L, size_t n,
         return -1;
     }
     keep_all(c, n);
-    int64_t hi = ms_solver_peak(L, n, c); /* all kept always fits this */
-    int64_t lo = -1;                      /* nothing fits below 0 */
+    int64_t end, rec;
+    ms_solver_terms(L, n, c, &end, &rec);
+    int64_t hi = budget_peak(p, end, rec); /* all kept always fits this */
+    if (hi < 0) {
+        hi = 0;
+    }
+    int64_t lo = -1;                       /* nothing fits below 0 */
     ms_solver_problem q = *p;
     ms_solver_result r;
     int rc = 0;

@@ -86,12 +86,14 @@ def suggestions(inputs: dict[str, Any], config: Config,
 
 
 def check(plan: Any, inputs: dict[str, Any], config: Config,
-          optimizer_state_bytes: int) -> None:
-    """Raise :class:`MemoryBudgetError` when the planner found no plan."""
+          optimizer_state_bytes: int, least: int | None = None) -> None:
+    """Raise :class:`MemoryBudgetError` when the planner found no plan.
+    ``least``: the least budget as checked by simulation (wrap with a
+    sample_input), else the planner's own figure is reported."""
     if plan.fits or plan.skipped or plan.min_budget_bytes < 0:
         return
     budget = int(plan.budget_bytes)
-    least = int(plan.min_budget_bytes)
+    least = int(plan.min_budget_bytes) if least is None else max(int(least), budget + 1)
     tips = suggestions(inputs, config, optimizer_state_bytes)
     lines = [f"  - {what}: {_gib(b)}" for what, b in tips if b < least]
     source = ("Config.memory_budget_gb" if config.memory_budget_gb is not None

@@ -397,6 +397,31 @@ def predicted_offsets(model: torch.nn.Module, sample_input: Any,
         return 0, 0
 
 
+def verified_least_budget(model: torch.nn.Module, sample_input: Any,
+                          optimizer: torch.optim.Optimizer | None, profile: Profile,
+                          config: Config, hardware: dict[str, Any], fixed: int,
+                          offsets: tuple[int, int], rounds: int = 3) -> int | None:
+    """When no plan fits ``config``'s budget: the smallest budget the planner
+    reaches, checked by planning at it with the corrections calibrated
+    there (the calibration depends on the plan, so the least budget found
+    under one budget's corrections can be short of another's).  None when a
+    plan fits."""
+    plan = make_plan(profile, config, hardware, fixed, *offsets)
+    if plan.fits or plan.skipped or plan.min_budget_bytes < 0:
+        return None
+    least = int(plan.min_budget_bytes)
+    for _ in range(rounds):
+        at = config.replace(memory_budget_gb=(least + 1) / GIB)
+        there = predicted_offsets(model, sample_input, optimizer, profile, at,
+                                  hardware, fixed)
+        plan = make_plan(profile, at, hardware, fixed, *there)
+        if plan.fits:
+            return least
+        least = max(least + 1, int(plan.min_budget_bytes)
+                    if plan.min_budget_bytes >= 0 else int(plan.peak_projected_bytes))
+    return least
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -270,6 +270,10 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
             offsets = _planning.predicted_offsets(model, sample_input, optimizer,
                                                   profile, early_config, hardware,
                                                   fixed)
+            # No plan fits: the least budget, checked by simulating there.
+            least = _planning.verified_least_budget(
+                model, sample_input, optimizer, profile, early_config, hardware,
+                fixed, offsets)
     executor = Executor(model, units, warmup_steps=config.warmup_steps)
     try:
         method = profile.method if profile is not None else "warmup"
@@ -290,7 +294,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
             plan = distributed.shared_plan(inputs)
             _log_plan(config, hardware, plan)
             _budget.check(plan, inputs, plan_config,
-                          _planning.optimizer_state_bytes(model, optimizer))
+                          _planning.optimizer_state_bytes(model, optimizer), least)
             offload.attach(executor, plan_config, hardware, plan)
             tiling.install(executor, units, plan)
             executor.apply(plan)

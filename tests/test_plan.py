@@ -309,7 +309,7 @@ def test_tiny_budget_raises_with_the_least_budget_and_what_lowers_it():
     # Nothing is left behind.
     assert "_memscale_executor" not in model.__dict__
     assert not model._forward_hooks and not model._forward_pre_hooks
-    fits = memscale.wrap(model, quiet(memory_budget_gb=least / GIB),
+    fits = memscale.wrap(model, quiet(memory_budget_gb=(least + 1) / GIB),
                          sample_input=SAMPLE)._memscale_executor.plan
     assert fits.fits and fits.peak_projected_bytes <= least
     memscale.detach(model)

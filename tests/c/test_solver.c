@@ -103,6 +103,17 @@ problem(int64_t budget, unsigned allowed)
 
 #define ALL (MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING)
 
+/* A plan's peak in the units of budget_bytes: the end-of-forward term may
+   hold end_extra more than a recompute term. */
+static int64_t
+bpeak(const ms_solver_problem *p, const ms_layer *L, size_t n,
+      const ms_solver_choice *c)
+{
+    int64_t end, rec;
+    ms_solver_terms(L, n, c, &end, &rec);
+    return end - p->end_extra > rec ? end - p->end_extra : rec;
+}
+
 /* ---- model ------------------------------------------------------------ */
 
 static void
@@ -251,7 +262,7 @@ enumerate(const ms_solver_problem *p, const ms_layer *L, size_t n, size_t i,
         if (ms_solver_check(p, L, n, c) != 0) {
             return;
         }
-        int64_t peak = ms_solver_peak(L, n, c);
+        int64_t peak = bpeak(p, L, n, c);
         if (peak <= p->budget_bytes) {
             double cost = ms_solver_overhead(p, L, n, c, NULL);
             if (cost < best_cost) {
@@ -320,6 +331,9 @@ test_exhaustive(void)
         ms_solver_problem p = problem(rnd_range(0, total + 5),
                                       (unsigned)rnd_range(0, 7));
         p.tile_overhead = (double)rnd_range(0, 4) / 2.0;
+        if (rnd() % 3 == 0) {
+            p.end_extra = rnd_range(-30, 30);
+        }
         if (rnd() % 2) {
             p.offload_bw = (double)rnd_range(1, 30);
             p.async_offload = (int)(rnd() % 2);
@@ -335,13 +349,13 @@ test_exhaustive(void)
         if (r.feasible) {
             feasible++;
             CHECK(ms_solver_check(&p, L, n, c) == 0);
-            CHECK(r.peak_bytes == ms_solver_peak(L, n, c));
+            CHECK(r.peak_bytes == bpeak(&p, L, n, c));
             CHECK(r.peak_bytes <= p.budget_bytes);
             CHECK(fabs(r.overhead_seconds - best_cost) <= 1e-9);
         }
     }
     printf("exhaustive: %ld of %d cases feasible\n", feasible, (int)CASES);
-    CHECK(feasible > CASES / 4 && feasible < CASES);
+    CHECK(feasible > CASES / 5 && feasible < CASES);
     group_end("exhaustive");
 }
 
@@ -386,11 +400,14 @@ test_fuzz(void)
         p.max_segment = (int)rnd_range(1, 400);
         p.offload_bw = rnd() % 2 ? (double)rnd_range(1, 1 << 30) : 0.0;
         p.async_offload = (int)(rnd() % 2);
+        if (rnd() % 3 == 0) {
+            p.end_extra = rnd_range(-(1 << 30), 1 << 30);
+        }
         snprintf(ctx, sizeof(ctx), "round %d (n=%zu)", k, n);
         CHECK(ms_solve(&p, L, n, c, &r) == 0);
         if (r.feasible) {
             CHECK(ms_solver_check(&p, L, n, c) == 0);
-            CHECK(r.peak_bytes == ms_solver_peak(L, n, c));
+            CHECK(r.peak_bytes == bpeak(&p, L, n, c));
             CHECK(r.peak_bytes <= p.budget_bytes);
             CHECK(r.overhead_seconds == ms_solver_overhead(&p, L, n, c, NULL));
         }
