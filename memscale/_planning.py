@@ -374,39 +374,58 @@ def static_profiling_supported(model: torch.nn.Module) -> str | None:
 def predicted_offsets(model: torch.nn.Module, sample_input: Any,
                       optimizer: torch.optim.Optimizer | None, profile: Profile,
                       config: Config, hardware: dict[str, Any],
-                      fixed: int) -> tuple[int, int]:
+                      fixed: int) -> tuple[int, int, bool]:
     """The OOM predictor's corrections of the engine, for ``wrap``: of its
     unoptimized peak, and of its plans' peaks (see
     ``PredictionSession.plan_offsets``), so that a plan and
-    ``memscale.predict_peak`` cannot disagree about whether the step fits.
-    (0, 0) (logged) when the step cannot be simulated."""
+    ``memscale.predict_peak`` cannot disagree about whether the step fits;
+    and whether to fall back to every layer checkpointed alone (see
+    ``PredictionSession.plan_offsets``).  (0, 0, False) (logged) when the
+    step cannot be simulated."""
     from . import predictor  # imports this module
 
     why_not = static_profiling_supported(model)
     if why_not is not None:
         logger.info("memscale: no OOM prediction for the engine: %s", why_not)
-        return 0, 0
+        return 0, 0, False
     try:
         with predictor.PredictionSession(model, sample_input, optimizer,
                                          config=config) as session:
-            return session.plan_offsets(config, profile, fixed)
+            offsets = session.plan_offsets(config, profile, fixed)
+            if session._fallback.get(config):
+                logger.info("memscale: the budget planner's plans need more than "
+                            "the budget when simulated; every layer is "
+                            "checkpointed alone instead (that step fits)")
+                return offsets[0], offsets[1], True
+            return offsets[0], offsets[1], False
     except Exception as exc:  # noqa: BLE001 - the engine's estimate stands
         logger.info("memscale: the OOM predictor could not simulate a "
                     "training step (%s: %s); the engine plans from its own "
                     "estimate", type(exc).__name__, exc)
-        return 0, 0
+        return 0, 0, False
+
+
+def fallback_config(config: Config, fallback: bool | None) -> Config:
+    """The Config the plan is made with: ``config``, or, when the planner's
+    plans did not fit when simulated, every layer checkpointed alone."""
+    if not fallback:
+        return config
+    return config.replace(force_optimize=True, mode=OptimizationMode.CONSERVATIVE,
+                          enable_tiling=False)
 
 
 def verified_least_budget(model: torch.nn.Module, sample_input: Any,
                           optimizer: torch.optim.Optimizer | None, profile: Profile,
                           config: Config, hardware: dict[str, Any], fixed: int,
-                          offsets: tuple[int, int], rounds: int = 3) -> int | None:
+                          offsets: tuple[int, int, bool], rounds: int = 3) -> int | None:
     """When no plan fits ``config``'s budget: the smallest budget the planner
     reaches, checked by planning at it with the corrections calibrated
     there (the calibration depends on the plan, so the least budget found
     under one budget's corrections can be short of another's).  None when a
     plan fits."""
-    plan = make_plan(profile, config, hardware, fixed, *offsets)
+    if offsets[2]:
+        return None  # the fallback plan fits
+    plan = make_plan(profile, config, hardware, fixed, *offsets[:2])
     if plan.fits or plan.skipped or plan.min_budget_bytes < 0:
         return None
     least = int(plan.min_budget_bytes)
@@ -414,7 +433,8 @@ def verified_least_budget(model: torch.nn.Module, sample_input: Any,
         at = config.replace(memory_budget_gb=(least + 1) / GIB)
         there = predicted_offsets(model, sample_input, optimizer, profile, at,
                                   hardware, fixed)
-        plan = make_plan(profile, at, hardware, fixed, *there)
+        plan = make_plan(profile, fallback_config(at, there[2]), hardware, fixed,
+                         *there[:2])
         if plan.fits:
             return least
         least = max(least + 1, int(plan.min_budget_bytes)

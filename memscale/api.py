@@ -288,9 +288,9 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
         if profile is not None:
             executor.profile = profile
             plan_config = _stage1(executor, config, hardware, profile, fixed)
-            inputs = _planning.plan_inputs(profile, plan_config, hardware, fixed,
-                                           peak_offset=offsets[0],
-                                           plan_offset=offsets[1])
+            inputs = _planning.plan_inputs(
+                profile, _planning.fallback_config(plan_config, offsets[2]),
+                hardware, fixed, peak_offset=offsets[0], plan_offset=offsets[1])
             plan = distributed.shared_plan(inputs)
             _log_plan(config, hardware, plan)
             _budget.check(plan, inputs, plan_config,

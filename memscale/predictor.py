@@ -1406,6 +1406,9 @@ class PredictionSession:
         self._sim = _Simulation(model, sample_input, optimizer, loss_fn,
                                 self.sim_device, self.hardware["device"])
         self._traces: dict[str, _Trace] = {}
+        # Configs whose plan is every layer checkpointed alone, because the
+        # planner's did not fit when simulated (see plan_offsets).
+        self._fallback: dict[Config, bool] = {}
         self._workspace: dict[Any, _Kernel] = {}
         self._unprobed: dict[str, int] = {}
         self._open = False
@@ -1464,11 +1467,12 @@ class PredictionSession:
         # The engine plans from the predicted peaks (as wrap() does with
         # sample_input): the same corrections, the same plan.
         offset, plan_offset = self.plan_offsets(config, profile, fixed)
-        return _planning.make_plan(profile, config, self.hardware, fixed,
-                                   peak_offset=offset, plan_offset=plan_offset)
+        return _planning.make_plan(profile, _planning.fallback_config(
+            config, self._fallback.get(config)), self.hardware, fixed,
+            peak_offset=offset, plan_offset=plan_offset)
 
     # Rounds of "simulate the plan, correct, plan again" at most.
-    CALIBRATION_ROUNDS = 3
+    CALIBRATION_ROUNDS = 5
 
     def _simulated_peak(self, plan: Any, config: Config) -> int:
         key = plan.hash
@@ -1504,6 +1508,7 @@ class PredictionSession:
         base = _planning.make_plan(profile, config, hw, fixed)
         offset = self.unoptimized_peak() - base.peak_unoptimized_bytes
         plan = _planning.make_plan(profile, config, hw, fixed, peak_offset=offset)
+        self._fallback.pop(config, None)
         if (plan.skipped or config.force_optimize
                 or not plan.technique_counts["checkpoint"] and plan.fits):
             return offset, offset
@@ -1513,21 +1518,34 @@ class PredictionSession:
             profile, config.replace(force_optimize=True, mode=OptimizationMode.CONSERVATIVE,
                                     enable_tiling=False),
             hw, fixed, peak_offset=offset)
-        plan_offset = offset
+        plan_offset = forced_offset = offset
+        forced_peak = None
         if forced.technique_counts["checkpoint"]:
-            plan_offset = offset + (self._simulated_peak(forced, config)
-                                    - forced.peak_projected_bytes)
+            forced_peak = self._simulated_peak(forced, config)
+            plan_offset = forced_offset = offset + (forced_peak
+                                                    - forced.peak_projected_bytes)
+        verified = untestable = False
         for _ in range(self.CALIBRATION_ROUNDS):
             plan = _planning.make_plan(profile, config, hw, fixed, peak_offset=offset,
                                        plan_offset=plan_offset)
-            if (not plan.fits or not plan.technique_counts["checkpoint"]
-                    or plan.technique_counts["tiling"]):
-                break  # (the simulation runs tiled layers whole: it would
-                # overstate what a tiled plan needs)
-            miss = self._simulated_peak(plan, config) - plan.peak_projected_bytes
-            if miss <= 0 or plan.peak_projected_bytes + miss <= plan.budget_bytes:
+            if not plan.fits or not plan.technique_counts["checkpoint"]:
                 break
-            plan_offset += miss
+            if plan.technique_counts["tiling"]:
+                # The simulation runs tiled layers whole: it would overstate
+                # what a tiled plan needs.
+                untestable = True
+                break
+            miss = self._simulated_peak(plan, config) - plan.peak_projected_bytes
+            if plan.peak_projected_bytes + miss <= plan.budget_bytes:
+                verified = True
+                break
+            plan_offset += max(miss, 1)
+        if (not verified and not untestable and forced_peak is not None
+                and forced_peak <= _planning.budget_bytes(config, hw)):
+            # The planner's plans did not fit when simulated, but every
+            # layer checkpointed alone does: that plan, then.
+            self._fallback[config] = True
+            return offset, forced_offset
         return offset, plan_offset
 
     def unoptimized_peak(self) -> int:
