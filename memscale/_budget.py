@@ -105,7 +105,7 @@ def check(plan: Any, inputs: dict[str, Any], config: Config,
         f"{_gib(least)} (unoptimized: {_gib(plan.peak_unoptimized_bytes)}), "
         f"with mode {plan.mode} and the techniques your Config allows.")
     if lines:
-        message += " Config changes that lower it (smallest budget with each):\n" \
+        message += " Config changes that lower it (the planner's estimate with each):\n" \
             + "\n".join(lines)
     else:
         message += (" No Config change lowers it further: raise the budget or "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -371,10 +371,19 @@ def static_profiling_supported(model: torch.nn.Module) -> str | None:
     return None
 
 
+class Offsets(NamedTuple):
+    """What the OOM predictor tells the engine (see predicted_offsets)."""
+
+    peak: int            # correction of the unoptimized peak
+    plan: int            # correction of the plans' peaks
+    fallback: bool       # plan every layer checkpointed alone instead
+    forced_peak: int | None  # simulated peak of that plan, if simulated
+
+
 def predicted_offsets(model: torch.nn.Module, sample_input: Any,
                       optimizer: torch.optim.Optimizer | None, profile: Profile,
                       config: Config, hardware: dict[str, Any],
-                      fixed: int) -> tuple[int, int, bool]:
+                      fixed: int) -> Offsets:
     """The OOM predictor's corrections of the engine, for ``wrap``: of its
     unoptimized peak, and of its plans' peaks (see
     ``PredictionSession.plan_offsets``), so that a plan and
@@ -387,22 +396,22 @@ def predicted_offsets(model: torch.nn.Module, sample_input: Any,
     why_not = static_profiling_supported(model)
     if why_not is not None:
         logger.info("memscale: no OOM prediction for the engine: %s", why_not)
-        return 0, 0, False
+        return Offsets(0, 0, False, None)
     try:
         with predictor.PredictionSession(model, sample_input, optimizer,
                                          config=config) as session:
             offsets = session.plan_offsets(config, profile, fixed)
-            if session._fallback.get(config):
+            fallback = bool(session._fallback.get(config))
+            if fallback:
                 logger.info("memscale: the budget planner's plans need more than "
                             "the budget when simulated; every layer is "
                             "checkpointed alone instead (that step fits)")
-                return offsets[0], offsets[1], True
-            return offsets[0], offsets[1], False
+            return Offsets(offsets[0], offsets[1], fallback, session.forced_peak)
     except Exception as exc:  # noqa: BLE001 - the engine's estimate stands
         logger.info("memscale: the OOM predictor could not simulate a "
                     "training step (%s: %s); the engine plans from its own "
                     "estimate", type(exc).__name__, exc)
-        return 0, 0, False
+        return Offsets(0, 0, False, None)
 
 
 def fallback_config(config: Config, fallback: bool | None) -> Config:
@@ -417,7 +426,7 @@ def fallback_config(config: Config, fallback: bool | None) -> Config:
 def verified_least_budget(model: torch.nn.Module, sample_input: Any,
                           optimizer: torch.optim.Optimizer | None, profile: Profile,
                           config: Config, hardware: dict[str, Any], fixed: int,
-                          offsets: tuple[int, int, bool], rounds: int = 3) -> int | None:
+                          offsets: Offsets, rounds: int = 3) -> int | None:
     """When no plan fits ``config``'s budget: the smallest budget the planner
     reaches, checked by planning at it with the corrections calibrated
     there (the calibration depends on the plan, so the least budget found
@@ -429,7 +438,11 @@ def verified_least_budget(model: torch.nn.Module, sample_input: Any,
     if plan.fits or plan.skipped or plan.min_budget_bytes < 0:
         return None
     least = int(plan.min_budget_bytes)
+    # Every layer checkpointed alone was simulated: that budget is reached.
+    known = offsets.forced_peak
     for _ in range(rounds):
+        if known is not None and least >= known:
+            return known
         at = config.replace(memory_budget_gb=(least + 1) / GIB)
         there = predicted_offsets(model, sample_input, optimizer, profile, at,
                                   hardware, fixed)
@@ -439,7 +452,7 @@ def verified_least_budget(model: torch.nn.Module, sample_input: Any,
             return least
         least = max(least + 1, int(plan.min_budget_bytes)
                     if plan.min_budget_bytes >= 0 else int(plan.peak_projected_bytes))
-    return least
+    return least if known is None else min(least, known)
 
 
 def format_bytes(n: float) -> str:

@@ -1409,6 +1409,9 @@ class PredictionSession:
         # Configs whose plan is every layer checkpointed alone, because the
         # planner's did not fit when simulated (see plan_offsets).
         self._fallback: dict[Config, bool] = {}
+        # The simulated peak of every layer checkpointed alone (the last
+        # plan_offsets computed it), or None.
+        self.forced_peak: int | None = None
         self._workspace: dict[Any, _Kernel] = {}
         self._unprobed: dict[str, int] = {}
         self._open = False
@@ -1522,6 +1525,7 @@ class PredictionSession:
         forced_peak = None
         if forced.technique_counts["checkpoint"]:
             forced_peak = self._simulated_peak(forced, config)
+            self.forced_peak = forced_peak
             plan_offset = forced_offset = offset + (forced_peak
                                                     - forced.peak_projected_bytes)
         verified = untestable = False
