@@ -214,6 +214,12 @@ def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> Non
     tiled = [i for i, layer in enumerate(plan.layers) if layer.tiles > 1]
     if not tiled:
         return
+    model = executor.model
+    if model is not None:
+        # Inside the tiled blocks, attention over query tiles too.
+        from . import attention
+
+        attention.attach(executor, model, max(plan.layers[i].tiles for i in tiled))
     executor.set_tile_verifier(verify)
     for i in tiled:
         unit = units[i][1]

@@ -418,3 +418,76 @@ def test_layers_with_hooks_are_not_tiling_candidates():
     block = Block(8)
     block.register_forward_hook(lambda m, a, out: out * 2)
     assert not tiling.is_candidate(block)
+
+
+# ---- attention over query tiles (Hugging Face attention interface) ---------
+
+def _gpt2(impl: str, seq: int = 64, heads: int = 4):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=heads, vocab_size=128,
+                     n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, use_cache=False)
+    model = GPT2LMHeadModel(cfg)
+    model.config._attn_implementation = impl
+    return model
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_attention_is_tiled_over_queries_and_agrees(impl, monkeypatch):
+    from memscale import attention
+
+    model, ref = _gpt2(impl), _gpt2(impl)
+    ids = torch.randint(0, 128, (2, 64))
+    calls = []
+    real_inner = attention._inner
+    monkeypatch.setattr(attention, "_inner",
+                        lambda m, o: calls.append(o) or real_inner(m, o))
+    memscale.wrap(model, FORCE_TILE, sample_input={"input_ids": ids})
+    assert model.config._attn_implementation == attention.NAME
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    ref_out = ref(input_ids=ids, labels=ids)
+    ref_out.loss.backward()
+    assert calls and set(calls) == {impl}  # each tile computed by the original
+    assert abs(out.loss.item() - ref_out.loss.item()) <= 1e-5 * ref_out.loss.item()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert rel(p.grad, q.grad) <= 1e-5, name
+    memscale.detach(model)
+    assert model.config._attn_implementation == impl
+    assert not hasattr(model.config, attention._STATE)
+
+
+def test_query_tiles_lower_the_attention_peak(monkeypatch):
+    from memscale import attention
+
+    ids = torch.randint(0, 128, (1, 256))
+    peaks = {}
+    for tiled in (False, True):
+        model = _gpt2("eager", seq=256, heads=8)
+        if not tiled:
+            monkeypatch.setattr(attention, "attach", lambda *a, **k: False)
+        memscale.wrap(model, FORCE_TILE, sample_input={"input_ids": ids})
+        # Batch 1: the blocks cannot be tiled along the batch.
+        assert model.config._attn_implementation == (attention.NAME if tiled else "eager")
+
+        def step(model=model):
+            model(input_ids=ids, labels=ids).loss.backward()
+
+        model.zero_grad(set_to_none=True)
+        peaks[tiled] = measure_peak(step, model=model, inputs=(ids,),
+                                    warmup=1).peak_delta_bytes
+        memscale.detach(model)
+        monkeypatch.undo()
+    # The scores (1 x 8 x 256 x 256 float32, 2 MiB a layer, and their
+    # softmax and gradient) shrink with the query tiles.
+    assert peaks[True] < 0.8 * peaks[False], peaks
+
+
+def test_attention_dropout_is_not_tiled_over_queries():
+    from memscale import attention
+
+    model = tiny_gpt2(dropout=0.1)
+    assert attention.attach(object(), model, 4) is False
+    assert model.config._attn_implementation != attention.NAME
