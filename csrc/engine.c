@@ -210,6 +210,22 @@ ineligible_reason(const ms_layer *layer)
     return MS_RULE_COUNT; /* eligible */
 }
 
+/* Where `bytes` of offloaded input go: a GPU's host RAM while the cap
+   allows (counted in *host_used), else disk if allowed, else nowhere
+   (MS_TIER_DEVICE). */
+static ms_tier
+pick_tier(const ms_problem *p, int64_t *host_used, int64_t bytes)
+{
+    if (p->host_tier
+        && (p->host_cap_bytes < 0
+            || add_sat(*host_used, bytes) <= p->host_cap_bytes))
+    {
+        *host_used = add_sat(*host_used, bytes);
+        return MS_TIER_HOST;
+    }
+    return p->disk_tier ? MS_TIER_DISK : MS_TIER_DEVICE;
+}
+
 /* The solver's view of the problem, for the activation budget `avail`. */
 static ms_solver_problem
 solver_problem(const ms_problem *p, unsigned base, int64_t avail)
@@ -309,17 +325,10 @@ solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
             continue;
         }
         if (c[i].offload) {
-            ms_tier tier = MS_TIER_DISK;
-            if (p->host_tier
-                && (p->host_cap_bytes < 0
-                    || add_sat(host_used, layers[i].input_bytes)
-                           <= p->host_cap_bytes))
-            {
-                tier = MS_TIER_HOST;
-                host_used = add_sat(host_used, layers[i].input_bytes);
-            }
+            ms_tier tier = pick_tier(p, &host_used, layers[i].input_bytes);
             out[i].techniques |= MS_TECH_OFFLOAD;
-            out[i].tier = tier;
+            /* The solver offloads only where a tier exists. */
+            out[i].tier = tier != MS_TIER_DEVICE ? tier : MS_TIER_DISK;
         }
         else {
             int64_t keep = layers[i].input_bytes;
@@ -451,18 +460,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
             {
                 continue;
             }
-            ms_tier tier = MS_TIER_DEVICE;
-            if (p->host_tier
-                && (p->host_cap_bytes < 0
-                    || add_sat(host_used, layers[i].input_bytes)
-                           <= p->host_cap_bytes))
-            {
-                tier = MS_TIER_HOST;
-                host_used = add_sat(host_used, layers[i].input_bytes);
-            }
-            else if (p->disk_tier) {
-                tier = MS_TIER_DISK;
-            }
+            ms_tier tier = pick_tier(p, &host_used, layers[i].input_bytes);
             if (tier == MS_TIER_DEVICE) {
                 continue; /* nowhere to put it */
             }

@@ -2329,10 +2329,7 @@ ex_apply_plan(Executor *ex, PyObject *plan)
         goto done;
     }
     for (Py_ssize_t i = 0; i < ex->n; i++) {
-        if (ms_plan_layer_mask(plan, i, &masks[i]) < 0
-            || ms_plan_layer_tiles(plan, i, &tiles[i]) < 0
-            || ms_plan_layer_segment(plan, i, &segments[i]) < 0)
-        {
+        if (ms_plan_layer(plan, i, &masks[i], &tiles[i], &segments[i]) < 0) {
             goto done;
         }
         if (segments[i] < -1 || segments[i] > i) {

@@ -219,12 +219,11 @@ PyObject *ms_adamw8bit_step(PyObject *module, PyObject *args,
 
 /* plan.c: the Plan and LayerPlan types. */
 PyObject *ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs);
-/* Technique mask of layer i of a plan, or -1 with an exception set. */
-int ms_plan_layer_mask(PyObject *plan, Py_ssize_t i, unsigned *mask);
-/* Tile count of layer i (1: not tiled), or -1 with an exception set. */
-int ms_plan_layer_tiles(PyObject *plan, Py_ssize_t i, int *tiles);
-/* Checkpoint segment of layer i (its first layer's index, or -1). */
-int ms_plan_layer_segment(PyObject *plan, Py_ssize_t i, int *segment);
+/* Layer i of a plan: its technique mask, tile count (1: not tiled) and
+   checkpoint segment (first layer's index, or -1); -1 with an exception
+   set. */
+int ms_plan_layer(PyObject *plan, Py_ssize_t i, unsigned *mask, int *tiles,
+                  int *segment);
 
 /* profiler.c: module-level functions and hook helpers. */
 int ms_register_unit_hooks(ms_state *st, PyObject *owner, PyObject *units,

@@ -544,38 +544,18 @@ static PyType_Spec plan_spec = {
 };
 
 int
-ms_plan_layer_mask(PyObject *plan, Py_ssize_t i, unsigned *mask)
+ms_plan_layer(PyObject *plan, Py_ssize_t i, unsigned *mask, int *tiles,
+              int *segment)
 {
     Plan *p = (Plan *)plan;
     if (i < 0 || i >= PyTuple_GET_SIZE(p->layers)) {
         PyErr_SetString(PyExc_IndexError, "plan layer index out of range");
         return -1;
     }
-    *mask = ((LayerPlan *)PyTuple_GET_ITEM(p->layers, i))->mask;
-    return 0;
-}
-
-int
-ms_plan_layer_segment(PyObject *plan, Py_ssize_t i, int *segment)
-{
-    Plan *p = (Plan *)plan;
-    if (i < 0 || i >= PyTuple_GET_SIZE(p->layers)) {
-        PyErr_SetString(PyExc_IndexError, "plan layer index out of range");
-        return -1;
-    }
-    *segment = ((LayerPlan *)PyTuple_GET_ITEM(p->layers, i))->segment;
-    return 0;
-}
-
-int
-ms_plan_layer_tiles(PyObject *plan, Py_ssize_t i, int *tiles)
-{
-    Plan *p = (Plan *)plan;
-    if (i < 0 || i >= PyTuple_GET_SIZE(p->layers)) {
-        PyErr_SetString(PyExc_IndexError, "plan layer index out of range");
-        return -1;
-    }
-    *tiles = ((LayerPlan *)PyTuple_GET_ITEM(p->layers, i))->tiles;
+    LayerPlan *l = (LayerPlan *)PyTuple_GET_ITEM(p->layers, i);
+    *mask = l->mask;
+    *tiles = l->tiles;
+    *segment = l->segment;
     return 0;
 }
 

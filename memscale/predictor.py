@@ -1477,9 +1477,11 @@ class PredictionSession:
     # Rounds of "simulate the plan, correct, plan again" at most.
     CALIBRATION_ROUNDS = 5
 
-    def _simulated_peak(self, plan: Any, config: Config) -> int:
+    def _trace(self, plan: Any, config: Config) -> tuple[str, _Trace]:
+        """The step simulated under ``plan`` (once per plan), and its key."""
         key = plan.hash
         if plan.technique_counts["offload"] and config.async_offload:
+            # Same plan, another step: async prefetch reads ahead.
             from .offload import async_settings
 
             key += f"/prefetch{async_settings(config).prefetch_depth}"
@@ -1487,7 +1489,10 @@ class PredictionSession:
             self._traces[key] = self._guard(
                 lambda: self._sim.under(plan, config, self.hardware))
             self._probe(self._traces[key], key)
-        return int(self._traces[key].breakdown(self._workspace).peak_bytes)
+        return key, self._traces[key]
+
+    def _simulated_peak(self, plan: Any, config: Config) -> int:
+        return int(self._trace(plan, config)[1].breakdown(self._workspace).peak_bytes)
 
     def plan_offsets(self, config: Config, profile: Any = None,
                      fixed: int | None = None) -> tuple[int, int]:
@@ -1570,19 +1575,9 @@ class PredictionSession:
             raise TypeError("config must be a memscale.Config or None, got "
                             f"{type(config).__name__}")
         plan = self.plan(config)
-        key = ""
+        key, trace = "", self._unoptimized
         if plan.technique_counts["checkpoint"]:
-            key = plan.hash
-            if plan.technique_counts["offload"] and config.async_offload:
-                # Same plan, another step: async prefetch reads ahead.
-                from .offload import async_settings
-
-                key += f"/prefetch{async_settings(config).prefetch_depth}"
-            if key not in self._traces:
-                self._traces[key] = self._guard(
-                    lambda: self._sim.under(plan, config, self.hardware))
-                self._probe(self._traces[key], key)
-        trace = self._traces[key] if key else self._unoptimized
+            key, trace = self._trace(plan, config)
         sim = self._sim
         chosen = tuple(layer.name for layer in plan.layers if layer.techniques)
         result = PeakPrediction(

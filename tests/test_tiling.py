@@ -491,3 +491,16 @@ def test_attention_dropout_is_not_tiled_over_queries():
     model = tiny_gpt2(dropout=0.1)
     assert attention.attach(object(), model, 4) is False
     assert model.config._attn_implementation != attention.NAME
+
+
+def test_two_dimensional_inputs_are_checkpointed_whole():
+    """Known issue (see tiling.verify): a layer tiled on a 2-D input saved
+    fewer tensors when a tile was recomputed; such layers run whole."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(16), Block(16))
+    ref = copy.deepcopy(model)
+    x = torch.randn(64, 16)
+    memscale.wrap(model, FORCE_TILE, sample_input=x)
+    assert_agrees(model, ref, x)
+    assert [m.forward.dim for m in model] == ["demoted", "demoted"]
+    memscale.detach(model)
