@@ -911,6 +911,7 @@ frame_recompute(Frame *self, Py_ssize_t tile)
     PyObject *entered = NULL, *cur_rng = NULL, *cur_cuda = NULL, *out = NULL;
     PyObject *rpack = NULL, *runpack = NULL, *snap = NULL;
     PyObject *call_args = NULL, *call_kwargs = NULL, *lead_shape = NULL;
+    Py_ssize_t tile_start = 0, tile_len = 0;
     PyObject *rng = self->rng_cpu, *rng_cuda = self->rng_cuda;
     Py_ssize_t nshapes = PyList_GET_SIZE(self->shapes);
     Py_ssize_t start = 0, end = nshapes;
@@ -941,7 +942,7 @@ frame_recompute(Frame *self, Py_ssize_t tile)
     }
     if (tile >= 0) {
         /* The tile's slice of the (reloaded) inputs, as in the forward. */
-        Py_ssize_t extent, tstart, tlen;
+        Py_ssize_t extent;
         start = tile > 0 ? self->tile_end[tile - 1] : 0;
         end = self->tile_end[tile];
         rng = PyList_GET_ITEM(self->tile_rng, tile);
@@ -961,14 +962,10 @@ frame_recompute(Frame *self, Py_ssize_t tile)
                          unit_name(ex, self->index), extent, self->extent);
             return -1;
         }
-        ms_tile_range(extent, self->tiles, (int)tile, &tstart, &tlen);
-        int sliced = ms_tile_slice(st, self->args, self->kwargs, self->dim,
-                                   lead_shape, tstart, tlen, &call_args,
-                                   &call_kwargs);
-        Py_DECREF(lead_shape);
-        if (sliced < 0) {
-            return -1;
-        }
+        ms_tile_range(extent, self->tiles, (int)tile, &tile_start, &tile_len);
+        /* Sliced below, once grad mode is on: a slice made in backward's
+           no-grad mode would not require grad, and the recompute would
+           save less than the forward did. */
     }
     else {
         call_args = Py_NewRef(self->args);
@@ -1050,6 +1047,12 @@ frame_recompute(Frame *self, Py_ssize_t tile)
                       PyObject_CallFunctionObjArgs(st->saved_tensors_hooks,
                                                    rpack, runpack, NULL),
                       entered) < 0)
+    {
+        goto leave;
+    }
+    if (tile >= 0
+        && ms_tile_slice(st, self->args, self->kwargs, self->dim, lead_shape,
+                         tile_start, tile_len, &call_args, &call_kwargs) < 0)
     {
         goto leave;
     }
@@ -1156,6 +1159,7 @@ done:
     Py_XDECREF(entered);
     Py_XDECREF(call_args);
     Py_XDECREF(call_kwargs);
+    Py_XDECREF(lead_shape);
     return rc;
 }
 

@@ -182,16 +182,6 @@ def verify(unit: nn.Module, forward: Any, args: tuple, kwargs: dict,
         logger.info("memscale: %s is not tiled: it has no tensor input",
                     type(unit).__name__)
         return None
-    if x.dim() < 3:
-        # Known issue: a layer tiled on a 2-D input (rows x features),
-        # whose first op is then addmm, saves fewer tensors when a tile is
-        # recomputed in backward than when it ran (the recompute check
-        # stops backward with an error).  Not yet understood; such layers
-        # are checkpointed whole.
-        logger.info("memscale: %s is not tiled: its input has 2 dimensions "
-                    "(only batch x sequence x ... inputs are tiled)",
-                    type(unit).__name__)
-        return None
     declared, dim = _declared(unit)
     if declared or _structural(unit):
         return dim if dim is not None else _default_dim(x)

@@ -493,14 +493,17 @@ def test_attention_dropout_is_not_tiled_over_queries():
     assert model.config._attn_implementation != attention.NAME
 
 
-def test_two_dimensional_inputs_are_checkpointed_whole():
-    """Known issue (see tiling.verify): a layer tiled on a 2-D input saved
-    fewer tensors when a tile was recomputed; such layers run whole."""
+def test_two_dimensional_inputs_and_the_last_layer():
+    """Regression (found by the main job): a tile is sliced in backward, in
+    no-grad mode; sliced there, it did not require grad, and its recompute
+    saved fewer tensors than the forward (addmm's weight), failing the
+    recompute check.  Slices are now made under grad mode."""
     torch.manual_seed(0)
     model = nn.Sequential(Block(16), Block(16))
     ref = copy.deepcopy(model)
     x = torch.randn(64, 16)
     memscale.wrap(model, FORCE_TILE, sample_input=x)
     assert_agrees(model, ref, x)
-    assert [m.forward.dim for m in model] == ["demoted", "demoted"]
+    assert [m.forward.dim for m in model] == [0, 0]
+    assert model._memscale_executor.stats["tiled_calls"] == 2
     memscale.detach(model)
