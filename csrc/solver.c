@@ -362,21 +362,12 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
     size_t *run_end = malloc((n ? n : 1) * sizeof(size_t));
     t.leaf = malloc(width * t.leaves * sizeof(cand));
     t.node = calloc(width * t.leaves, sizeof(uint32_t));
+    int rc = -1;
     if (cur == NULL || next == NULL || back == NULL
         || SP == NULL || P == NULL || run_end == NULL || t.leaf == NULL
         || t.node == NULL || cur_held == NULL || next_held == NULL)
     {
-        free(cur);
-        free(next);
-        free(cur_held);
-        free(next_held);
-        free(back);
-        free(SP);
-        free(P);
-        free(run_end);
-        free(t.leaf);
-        free(t.node);
-        return -1;
+        goto done;
     }
     for (size_t k = 0; k < width * t.leaves; k++) {
         t.leaf[k].g = INFINITY;
@@ -548,15 +539,14 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             h = prev_h;
         }
         res->feasible = 1;
-        ms_solver_terms(L, n, out, &res->end_bytes, &res->recompute_bytes);
-        res->peak_bytes = budget_peak(p, res->end_bytes, res->recompute_bytes);
         res->overhead_seconds =
             ms_solver_overhead(p, L, n, out, &res->recompute_flops);
     }
-    else {
-        ms_solver_terms(L, n, out, &res->end_bytes, &res->recompute_bytes);
-        res->peak_bytes = budget_peak(p, res->end_bytes, res->recompute_bytes);
-    }
+    /* The plan found, or all kept. */
+    ms_solver_terms(L, n, out, &res->end_bytes, &res->recompute_bytes);
+    res->peak_bytes = budget_peak(p, res->end_bytes, res->recompute_bytes);
+    rc = 0;
+done:
     free(cur);
     free(next);
     free(cur_held);
@@ -567,7 +557,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
     free(run_end);
     free(t.leaf);
     free(t.node);
-    return 0;
+    return rc;
 }
 
 int
