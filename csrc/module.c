@@ -149,10 +149,13 @@ PyDoc_STRVAR(build_plan_doc,
 "           fixed_bytes, activation_bytes, total_flops, device,\n"
 "           device_count, capacity_bytes, min_offload_bytes=0,\n"
 "           host_tier=False, host_cap_bytes=-1, disk_tier=True,\n"
-"           peak_offset_bytes=0)\n--\n\n"
+"           peak_offset_bytes=0, plan_offset_bytes=None, solver=False,\n"
+"           async_offload=False, flop_rate=0.0, offload_bandwidth=0.0,\n"
+"           tile_overhead=0.0, max_segment=64, resolution=512)\n--\n\n"
 "Run the decision engine and return an immutable Plan.\n\n"
 "layers is a sequence of (name, kind, param_bytes, saved_bytes,\n"
-"input_bytes, flops, flags) tuples as the profiler reports them.");
+"input_bytes, flops, flags) tuples as the profiler reports them.\n"
+"plan_offset_bytes=None (or absent) uses peak_offset_bytes for plans too.");
 
 PyDoc_STRVAR(adamw8bit_doc,
 "adamw8bit_step($module, /, param, grad, exp_avg, exp_avg_scale,\n"

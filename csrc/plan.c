@@ -708,6 +708,9 @@ pop_ll(PyObject *kw, const char *name, long long *out)
     if (v == NULL) {
         return 0;
     }
+    if (v == Py_None) { /* None: the default */
+        return PyDict_DelItemString(kw, name);
+    }
     long long x = PyLong_AsLongLong(v);
     if (x == -1 && PyErr_Occurred()) {
         return -1;

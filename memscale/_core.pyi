@@ -1,6 +1,12 @@
-"""Type stubs for memscale._core, the C extension (internal API)."""
+"""Type stubs for memscale._core, the C extension (internal API).
 
-from typing import Any, Callable, Sequence
+Checked against the built module in CI by ``python -m mypy.stubtest
+memscale._core`` (scripts/lint.sh).
+"""
+
+from typing import Any, Callable, Protocol, Sequence, final
+
+from typing_extensions import disjoint_base
 
 import torch
 
@@ -8,11 +14,16 @@ ABI: str
 TECH_CHECKPOINT: int
 TECH_OFFLOAD: int
 TECH_TILING: int
+LAYER_TILEABLE: int
+MAX_TILES: int
+
+# (name, kind, param_bytes, saved_bytes, input_bytes, flops, flags)
+_LayerRow = tuple[str, str, int, int, int, float, int]
 
 def find_units(model: torch.nn.Module, /) -> list[tuple[str, torch.nn.Module]]: ...
 def detect_hardware(device_type: str, index: int = 0) -> dict[str, Any]: ...
 def build_plan(
-    layers: Sequence[tuple[str, str, int, int, int, float, int]],
+    layers: Sequence[_LayerRow],
     *,
     mode: str,
     allowed: int,
@@ -24,70 +35,205 @@ def build_plan(
     device: str,
     device_count: int,
     capacity_bytes: int,
+    min_offload_bytes: int = 0,
+    host_tier: bool = False,
+    host_cap_bytes: int = -1,
+    disk_tier: bool = True,
+    peak_offset_bytes: int = 0,
+    plan_offset_bytes: int | None = None,
+    solver: bool = False,
+    async_offload: bool = False,
+    flop_rate: float = 0.0,
+    offload_bandwidth: float = 0.0,
+    tile_overhead: float = 0.0,
+    max_segment: int = 64,
+    resolution: int = 512,
 ) -> Plan: ...
+def tile_call(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dim: int,
+    tiles: int,
+    /,
+) -> Any: ...
+def adamw8bit_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_scale: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_scale: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    block: int,
+    threads: int,
+) -> None: ...
 
+@final
 class LayerPlan:
-    index: int
-    name: str
-    kind: str
-    techniques: tuple[str, ...]
-    rule: str
-    bytes_saved: int
-    param_bytes: int
-    saved_bytes: int
-    input_bytes: int
-    flops: float
+    @property
+    def index(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def techniques(self) -> tuple[str, ...]: ...
+    @property
+    def rule(self) -> str: ...
+    @property
+    def tier(self) -> str: ...
+    @property
+    def bytes_saved(self) -> int: ...
+    @property
+    def param_bytes(self) -> int: ...
+    @property
+    def saved_bytes(self) -> int: ...
+    @property
+    def input_bytes(self) -> int: ...
+    @property
+    def flops(self) -> float: ...
+    @property
+    def tiles(self) -> int: ...
+    @property
+    def segment(self) -> int: ...
 
+@final
 class Plan:
-    layers: tuple[LayerPlan, ...]
-    mode: str
-    device: str
-    hash: str
-    device_count: int
-    capacity_bytes: int
-    budget_bytes: int
-    fixed_bytes: int
-    activation_bytes: int
-    peak_unoptimized_bytes: int
-    peak_projected_bytes: int
-    pressure: float
-    total_flops: float
-    recompute_ratio: float
-    skipped: bool
-    fits: bool
+    @property
+    def layers(self) -> tuple[LayerPlan, ...]: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def hash(self) -> str: ...
+    @property
+    def device_count(self) -> int: ...
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def budget_bytes(self) -> int: ...
+    @property
+    def fixed_bytes(self) -> int: ...
+    @property
+    def activation_bytes(self) -> int: ...
+    @property
+    def peak_offset_bytes(self) -> int: ...
+    @property
+    def plan_offset_bytes(self) -> int: ...
+    @property
+    def peak_unoptimized_bytes(self) -> int: ...
+    @property
+    def peak_projected_bytes(self) -> int: ...
+    @property
+    def pressure(self) -> float: ...
+    @property
+    def total_flops(self) -> float: ...
+    @property
+    def recompute_ratio(self) -> float: ...
+    @property
+    def predicted_slowdown(self) -> float: ...
+    @property
+    def min_budget_bytes(self) -> int: ...
+    @property
+    def skipped(self) -> bool: ...
+    @property
+    def fits(self) -> bool: ...
     @property
     def technique_counts(self) -> dict[str, int]: ...
     def to_json(self) -> str: ...
     def __len__(self) -> int: ...
 
+@final
 class Profiler:
-    total_saved_bytes: int
-    total_flops: float
-    passes: int
-    in_pass: bool
-    def __init__(self, units: Sequence[torch.nn.Module],
-                 param_tensors: Sequence[torch.Tensor],
-                 flop_counter: Any = None) -> None: ...
+    def __new__(
+        cls,
+        units: Sequence[torch.nn.Module],
+        param_tensors: Sequence[torch.Tensor],
+        flop_counter: Any = None,
+    ) -> Profiler: ...
+    @property
+    def total_saved_bytes(self) -> int: ...
+    @property
+    def total_flops(self) -> float: ...
+    @property
+    def passes(self) -> int: ...
+    @property
+    def in_pass(self) -> bool: ...
     def attach(self) -> None: ...
     def detach(self) -> None: ...
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
     def begin_pass(self) -> None: ...
     def end_pass(self, ok: bool = True) -> None: ...
     def results(self) -> list[dict[str, Any]]: ...
 
-class Executor:
-    plan: Plan | None
+class _Spilled(Protocol):
+    nbytes: int
     state: str
-    model: torch.nn.Module | None
-    stats: dict[str, int]
-    layer_names: tuple[str, ...]
-    def __init__(self, model: torch.nn.Module,
-                 units: Sequence[tuple[str, torch.nn.Module]],
-                 *, warmup_steps: int = 2) -> None: ...
+    def get(self) -> torch.Tensor: ...
+
+@final
+class SpillStore:
+    def __new__(
+        cls,
+        path: str,
+        *,
+        async_io: bool = False,
+        min_bytes: int = 0,
+        max_bytes: int = -1,
+        prefetch_depth: int = 0,
+        debug: bool = False,
+        log: Callable[..., Any] | None = None,
+    ) -> SpillStore: ...
+    @property
+    def stats(self) -> dict[str, Any]: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def async_io(self) -> bool: ...
+    @property
+    def closed(self) -> bool: ...
+    def put(self, tensor: torch.Tensor, /) -> _Spilled | None: ...
+    def put_copy(self, tensor: torch.Tensor, /) -> _Spilled | None: ...
+    def flush(self) -> None: ...
+    def new_step(self) -> None: ...
+    def close(self) -> None: ...
+
+@disjoint_base
+class Executor:
+    def __new__(
+        cls,
+        model: torch.nn.Module,
+        units: Sequence[tuple[str, torch.nn.Module]],
+        *,
+        warmup_steps: int = 2,
+    ) -> Executor: ...
+    @property
+    def plan(self) -> Plan | None: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def model(self) -> torch.nn.Module | None: ...
+    @property
+    def stats(self) -> dict[str, Any]: ...
+    @property
+    def layer_names(self) -> tuple[str, ...]: ...
+    @property
+    def autocast(self) -> tuple[str, torch.dtype] | None: ...
     def apply(self, plan: Plan, /) -> None: ...
-    def start_profiling(self, profiler: Profiler,
-                        on_profiled: Callable[[Profiler], Plan], /) -> None: ...
+    def start_profiling(
+        self, profiler: Profiler, on_profiled: Callable[[Profiler], Plan], /
+    ) -> None: ...
+    def set_autocast(self, device_type: str | None, dtype: torch.dtype | None, /) -> None: ...
+    def set_offload(self, store: SpillStore | None, host: Any, /) -> None: ...
+    def set_tile_verifier(self, verifier: Callable[..., int | None] | None, /) -> None: ...
+    def tiled_forward(self, index: int, forward: Callable[..., Any], /) -> Callable[..., Any]: ...
     def detach(self) -> None: ...
     def pause(self) -> None: ...
     def resume(self) -> None: ...

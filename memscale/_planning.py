@@ -76,7 +76,7 @@ def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     total = 0
     for t in tensors:
         if callable(getattr(t, "to_local", None)):
-            t = t.to_local()  # a DTensor (FSDP2): this rank's shard
+            t = t.to_local()  # type: ignore[attr-defined]  # a DTensor (FSDP2): this rank's shard
         key = _torch_compat.storage_key(t)
         if key not in seen:
             seen.add(key)

@@ -368,7 +368,8 @@ def plan_built(executor: Any, plan: Any, model: Any = None) -> None:
             if model is None:
                 return
             facts = _model_facts(model)
-        emit(_event("plan_built", executor, *facts, plan=plan))
+        arch, params = facts
+        emit(_event("plan_built", executor, arch, params, plan=plan))
     except Exception as exc:  # noqa: BLE001
         _warn_once("emit", "memscale telemetry: an event was dropped (%s: %s)",
                    type(exc).__name__, exc)

@@ -39,7 +39,7 @@ import random
 import sys
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -284,7 +284,7 @@ class Verifier:
 
     # ---- after backward: the replay --------------------------------------
 
-    def _on_grads(self, pending: _Pending, params: list[torch.Tensor],
+    def _on_grads(self, pending: _Pending, params: Sequence[torch.Tensor],
                   grads: Any) -> None:
         if pending is not self._pending or self.done:
             return
@@ -304,7 +304,7 @@ class Verifier:
         """memscale's hooks off for the replay (and nothing else)."""
         return self.executor.paused()
 
-    def _verify(self, pending: _Pending, params: list[torch.Tensor],
+    def _verify(self, pending: _Pending, params: Sequence[torch.Tensor],
                 grads: list[torch.Tensor | None]) -> None:
         model = self._model_ref()
         if model is None:
@@ -349,7 +349,7 @@ class Verifier:
         self._compare(model, pending, outputs, params, grads, list(ref))
 
     def _compare(self, model: nn.Module, pending: _Pending,
-                 outputs: list[tuple[str, torch.Tensor]], params: list[torch.Tensor],
+                 outputs: list[tuple[str, torch.Tensor]], params: Sequence[torch.Tensor],
                  grads: list[torch.Tensor | None], ref: list[torch.Tensor | None]) -> None:
         names = {id(p): n for n, p in model.named_parameters()}
         worst_out = ("", 0.0, 0.0)
@@ -358,13 +358,13 @@ class Verifier:
             if (a, r) > worst_out[1:]:
                 worst_out = (name, a, r)
         worst_grad = ("", 0.0, 0.0)
-        for p, got, want in zip(params, grads, ref):
-            if got is None and want is None:
+        for p, got_grad, want_grad in zip(params, grads, ref):
+            if got_grad is None and want_grad is None:
                 continue
-            if (got is None) != (want is None):
+            if got_grad is None or want_grad is None:
                 a = r = math.inf
             else:
-                a, r = _diff(got, want)
+                a, r = _diff(got_grad, want_grad)
             if (a, r) > worst_grad[1:]:
                 worst_grad = (names.get(id(p), "?"), a, r)
         techniques = self._applied_techniques() or ["checkpoint"]

@@ -415,7 +415,7 @@ def apply_all_optimizations(model: torch.nn.Module,
         raise TypeError(f"config must be a memscale.Config or None, got "
                         f"{type(config).__name__}")
     replace = optimizer is not None and not optim.is_8bit(optimizer)
-    if replace:
+    if optimizer is not None and replace:
         why = optim.unsupported_reason(optimizer)
         if why is not None:
             logger.warning("memscale: apply_all_optimizations keeps the given "

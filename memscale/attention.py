@@ -88,7 +88,7 @@ def _query_tiled(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             mask.masked_fill_(cols[None, :] > rows[:, None], torch.finfo(query.dtype).min)
             mask = mask[None, None]
         else:
-            mask = attention_mask
+            mask = attention_mask  # type: ignore[assignment]
 
         def run(q: torch.Tensor, mask: Any = mask) -> torch.Tensor:
             return inner(module, q, key, value, mask, **kwargs)[0]

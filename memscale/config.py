@@ -62,7 +62,7 @@ class OptimizationMode(str, enum.Enum):
 def _strict_init(cls: type[_T]) -> type[_T]:
     """Wrap a dataclass ``__init__`` so bad arguments get a helpful TypeError."""
     init = cls.__init__
-    names = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    names = tuple(f.name for f in dataclasses.fields(cls) if f.init)  # type: ignore[arg-type]
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -83,7 +83,7 @@ def _strict_init(cls: type[_T]) -> type[_T]:
             )
         init(self, *args, **kwargs)
 
-    cls.__init__ = __init__  # type: ignore[assignment]
+    cls.__init__ = __init__  # type: ignore[method-assign]
     return cls
 
 

@@ -135,7 +135,9 @@ def shared_plan(inputs: dict[str, Any], *, timeout: float | None = None,
     smallest = min(int(b) for b in budgets)
     payload = [dict(inputs, budget_bytes=smallest) if rank == 0 else None]
     dist.broadcast_object_list(payload, src=0)
-    plan = build(**payload[0])
+    chosen = payload[0]
+    assert chosen is not None  # broadcast_object_list filled it
+    plan = build(**chosen)
     logger.info("memscale: rank %d of %d: plan %s, decided on rank 0 with the "
                 "smallest budget of all ranks (%d bytes; this rank's: %d)",
                 rank, world, plan.hash[:12], smallest, int(inputs["budget_bytes"]))

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import _core
 from .config import Config
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ class Executor(_core.Executor):
         self.metrics_server = None
         self.offload_store = None  # the disk tier (a _core.SpillStore), if any
         self.offload_host = None  # the host tier (memscale.offload.HostTier), if any
-        self.optimizer = None  # the optimizer to train with (replaced when 8-bit)
+        self.optimizer: torch.optim.Optimizer | None = None  # the optimizer to train with (replaced when 8-bit)
         self._restore: list[Callable[[], None]] = []
 
     @contextlib.contextmanager

@@ -567,7 +567,7 @@ def _probe_workspace(signatures: Mapping[Any, int], limit: int
 
     tools = _torch_compat.fake_tensor_tools()
     real = tools[1]() if tools is not None else contextlib.nullcontext()
-    calls = []
+    calls: list[tuple[int, tuple[int, ...]]] = []
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with measure._quiet("probe start"):
         prof.start()
@@ -603,8 +603,8 @@ def _probe_workspace(signatures: Mapping[Any, int], limit: int
     for i, sig in enumerate(todo):
         begin, end = windows[i]
         peak, _ = measure._running_peak(e for e in memory if begin <= e[0] <= end)
-        returned, per_output = calls[i]
-        kernel = _Kernel(max(0, peak - returned), per_output)
+        returned, returned_each = calls[i]
+        kernel = _Kernel(max(0, peak - returned), returned_each)
         _PROBED[(sig, threads)] = out[sig] = kernel
     return out, skipped
 
@@ -1358,7 +1358,7 @@ class _Simulation:
         ``config.use_cache=False`` under checkpointing)."""
         from .executor import Executor
 
-        hf_config = getattr(self.model, "config", None)
+        hf_config: Any = getattr(self.model, "config", None)
         use_cache = getattr(hf_config, "use_cache", None) is True
         executor = Executor(self.model, self.units, warmup_steps=config.warmup_steps)
         try:

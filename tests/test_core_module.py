@@ -140,13 +140,20 @@ def test_signatures():
     assert params[0].kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
     keyword = {p.name for p in params[1:]}
     optional = {"min_offload_bytes": 0, "host_tier": False, "host_cap_bytes": -1,
-                "disk_tier": True, "peak_offset_bytes": 0}
+                "disk_tier": True, "peak_offset_bytes": 0, "plan_offset_bytes": None,
+                "solver": False, "async_offload": False, "flop_rate": 0.0,
+                "offload_bandwidth": 0.0, "tile_overhead": 0.0, "max_segment": 64,
+                "resolution": 512}
     assert keyword == set(PLAN_ARGS) | set(optional)
     assert all(p.kind is P.KEYWORD_ONLY for p in params[1:])
     assert {p.name: p.default for p in params[1:] if p.name in optional} == optional
     # The signature says what the function accepts.
     sig.bind(PLAN_LAYERS, **PLAN_ARGS)
     _core.build_plan(PLAN_LAYERS, **PLAN_ARGS)
+    # Every documented default is the one the parser applies.
+    defaults = {p.name: p.default for p in params[1:] if p.name in optional}
+    assert (_core.build_plan(PLAN_LAYERS, **PLAN_ARGS, **defaults).to_json()
+            == _core.build_plan(PLAN_LAYERS, **PLAN_ARGS).to_json())
 
     assert str(inspect.signature(_core.Plan.to_json)) == "(self, /)"
 

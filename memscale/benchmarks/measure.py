@@ -105,7 +105,7 @@ try:  # Weak storage references, used only to warn about unseen frees.
         StorageWeakRef as _StorageWeakRef,
     )
 except ImportError:  # pragma: no cover - every supported torch has it
-    _StorageWeakRef = None
+    _StorageWeakRef = None  # type: ignore[misc, assignment]
 
 __all__ = [
     "MemoryReport",
@@ -392,7 +392,7 @@ def _profiled_step(
         with _quiet("profiler stop"):
             prof.stop()
     try:
-        raw = prof.profiler.kineto_results.events()
+        raw = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
     except AttributeError as exc:
         raise RuntimeError(
             "measure_peak reads the raw kineto events "
@@ -412,7 +412,7 @@ def _profiled_step(
         )
     begin, finish = windows[0]
     events = [
-        (event.start_ns(), event.nbytes())
+        (event.start_ns(), event.nbytes())  # type: ignore[union-attr]
         for event in raw
         if event.name() == _MEMORY_EVENT_NAME
         and begin <= event.start_ns() <= finish

@@ -36,8 +36,10 @@ from memscale import _core
 from .measure import measure_peak, peak_rss_subprocess
 from .models import BENCHMARK_MODELS, Batch, BenchmarkModel
 
-MODES = {"conservative": "conservative", "balanced": "balanced",
-         "balanced-async": "balanced", "aggressive": "aggressive"}
+MODES = {"conservative": memscale.OptimizationMode.CONSERVATIVE,
+         "balanced": memscale.OptimizationMode.BALANCED,
+         "balanced-async": memscale.OptimizationMode.BALANCED,
+         "aggressive": memscale.OptimizationMode.AGGRESSIVE}
 
 # Untimed steps before timing: the first steps fault in fresh memory pages
 # and build optimizer state, and are slower by a varying amount.
@@ -91,7 +93,9 @@ def _checkpoint_every_unit(model: nn.Module) -> None:
     for name, _ in _core.find_units(model):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        parent._modules[child] = CheckpointEach(parent._modules[child])
+        child_module = parent._modules[child]
+        assert child_module is not None
+        parent._modules[child] = CheckpointEach(child_module)
 
 
 @dataclass
@@ -125,17 +129,19 @@ class Prepared:
 def prepare(entry: BenchmarkModel, variant: str) -> Prepared:
     """Build ``entry`` (seed 0: identical weights and batch) as ``variant``."""
     model, batch = entry.build(seed=0)
-    plan_hash = techniques = plan = None
+    plan_hash: str | None = None
+    techniques: dict[str, int] | None = None
+    plan: Any = None
     if variant in MODES:
         config = memscale.Config(mode=MODES[variant], force_optimize=True,
                                  enable_logging=False)
         memscale.wrap(model, config, sample_input=batch.sample_input,
                       async_offload=variant == "balanced-async")
-        plan = model._memscale_executor.plan
+        plan = getattr(model, "_memscale_executor").plan
         plan_hash, techniques = plan.hash, plan.technique_counts
     elif variant == "torch-checkpoint":
         if entry.hf:
-            model.gradient_checkpointing_enable(
+            model.gradient_checkpointing_enable(  # type: ignore[operator]
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             _checkpoint_every_unit(model)
@@ -190,7 +196,7 @@ def _max_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> flo
         if (x is None) != (y is None):
             return math.inf
         if x is not None:
-            worst = max(worst, (x - y).abs().max().item())
+            worst = max(worst, (x - y).abs().max().item())  # type: ignore[operator]
     return worst
 
 
@@ -251,7 +257,8 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
     # Agreement and memory, one variant alive at a time.  Agreement: one
     # forward/backward from the identical initial state and RNG seed.
     # Memory: the exact allocator peak of a steady-state training step.
-    reference_loss = reference_grads = None
+    reference_loss = 0.0
+    reference_grads: list[torch.Tensor | None] | None = None
     agreement: dict[str, tuple[float, float, float]] = {}
     memory: dict[str, Any] = {}
     meta: dict[str, tuple[str | None, dict[str, int] | None]] = {}

@@ -175,7 +175,7 @@ def run_sweep(entry: BenchmarkModel, repeats: int = 3,
     for fraction in FRACTIONS:
         budget = start + int(fraction * activations)
         progress(f"{entry.name}: memscale at {fraction:.0%}")
-        config = memscale.Config(mode="conservative", memory_budget_gb=budget / 2**30,
+        config = memscale.Config(mode=memscale.OptimizationMode.CONSERVATIVE, memory_budget_gb=budget / 2**30,
                                  enable_logging=False)
 
         def setup(m: nn.Module, b: Batch, config: memscale.Config = config) -> Any:
@@ -183,7 +183,7 @@ def run_sweep(entry: BenchmarkModel, repeats: int = 3,
                 memscale.wrap(m, config, sample_input=b.sample_input)
             except memscale.MemoryBudgetError as exc:
                 return exc
-            return m._memscale_executor.plan
+            return m._memscale_executor.plan  # type: ignore[union-attr]
 
         model, batch, step, (plan, opt) = _prepared(entry, setup)
         if isinstance(plan, memscale.MemoryBudgetError):

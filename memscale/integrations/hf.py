@@ -237,7 +237,7 @@ def _take_over_hf_checkpointing(model: torch.nn.Module, config: Config,
         if (input_hook is not None
                 and model.__dict__.get("_require_grads_hook") is None
                 and callable(getattr(model, "enable_input_require_grads", None))):
-            model.enable_input_require_grads()
+            model.enable_input_require_grads()  # type: ignore[operator]
 
     # transformers 5 renamed the API (the old names warn); 4.x has only the
     # old one.  Any flag the call leaves on is cleared directly.
@@ -247,7 +247,7 @@ def _take_over_hf_checkpointing(model: torch.nn.Module, config: Config,
         if callable(disable):
             disable()
         for module, _, _ in saved:
-            module.gradient_checkpointing = False
+            module.gradient_checkpointing = False  # type: ignore[assignment]
     except BaseException:
         restore()
         raise

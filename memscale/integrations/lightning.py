@@ -55,7 +55,7 @@ _STATE_VERSION = 1
 
 
 def _callback_bases() -> tuple[type, ...]:
-    bases = []
+    bases: list[type] = []
     first_error: ImportError | None = None
     for name in ("lightning.pytorch", "pytorch_lightning"):
         try:

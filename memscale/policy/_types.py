@@ -136,7 +136,7 @@ class StrategyContext:
         from .. import _core, _planning
 
         budget = _planning.budget_bytes(config, dict(hardware))
-        base = dict(device_type=str(hardware["device"]),
+        base: dict[str, Any] = dict(device_type=str(hardware["device"]),
                     device_count=int(hardware["count"]),
                     capacity_bytes=int(hardware["capacity_bytes"]),
                     budget_bytes=budget, fixed_bytes=int(fixed_bytes))
