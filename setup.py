@@ -17,6 +17,7 @@ from setuptools import Extension, setup
 SOURCES = [
     "csrc/module.c",
     "csrc/engine.c",
+    "csrc/memory.c",
     "csrc/plan.c",
     "csrc/profiler.c",
     "csrc/executor.c",
@@ -45,7 +46,7 @@ setup(
         Extension(
             "memscale._core",
             sources=SOURCES,
-            depends=["csrc/ms.h", "csrc/engine.h"],
+            depends=["csrc/ms.h", "csrc/engine.h", "csrc/memory.h"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             libraries=["m"],

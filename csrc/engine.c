@@ -1,16 +1,20 @@
 /*
  * engine.c: the rule-based, deterministic decision engine.
  *
- * Memory model of one training step.  F (parameters, gradients, optimizer
- * state) is alive throughout.  Activations outside the planned layers
- * (embeddings, the loss) are alive from their forward to the end of
- * backward.  Layer j holds h_j from its forward until backward reaches it:
- * its saved activations, or, checkpointed, only its inputs.  The peak is the
- * larger of the end of forward and the moment each checkpointed layer i is
+ * Memory model of one training step (memory.h, shared with the budget
+ * planner).  F (parameters, gradients, optimizer state) is alive
+ * throughout.  Activations outside the planned layers (embeddings, the
+ * loss) are alive from their forward to the end of backward.  Layer j
+ * holds h_j from its forward until backward reaches it: its saved
+ * activations, or, checkpointed, only its inputs.  The peak is the larger
+ * of the end of forward and the moment each checkpointed layer i is
  * recomputed, when layers after i are already freed:
  *
  *     peak = F + rest + max(sum_j h_j,
  *                           max_{i checkpointed} sum_{j<i} h_j + saved_i)
+ *
+ * The rules make one-layer segments only; the budget planner (solver.c)
+ * also makes longer ones.
  *
  * Layers are taken most-bytes-freed-per-FLOP first (ties: forward order)
  * until the peak fits the budget.
@@ -32,6 +36,7 @@
  * workspace, the loss, allocator detail the model leaves out).
  */
 #include "engine.h"
+#include "memory.h"
 
 #include <math.h>
 #include <string.h>
@@ -86,14 +91,6 @@ ms_mode_base_techniques(ms_mode mode)
     return 0;
 }
 
-/* a + b for a, b >= 0, saturating at INT64_MAX: sizes come from Python and
-   from fuzzers, and signed overflow is undefined behaviour. */
-static int64_t
-add_sat(int64_t a, int64_t b)
-{
-    return a > INT64_MAX - b ? INT64_MAX : a + b;
-}
-
 static int64_t
 freed_bytes(const ms_layer *layer)
 {
@@ -101,67 +98,33 @@ freed_bytes(const ms_layer *layer)
     return d > 0 ? d : 0;
 }
 
-enum { KEEP = 0, CKPT = 1, CKPT_OFFLOAD = 2 };
-
-/* v + offset (offset may be negative), never below 0. */
-static int64_t
-offset_peak(int64_t v, int64_t offset)
-{
-    if (offset >= 0) {
-        return add_sat(v, offset);
-    }
-    return v + offset < 0 ? 0 : v + offset;
-}
-
-/* Peak of the step for the techniques marked in `ckpt` (KEEP, CKPT,
-   CKPT_OFFLOAD per layer) and the tile counts in `tiles` (NULL: none).  A
-   checkpointed layer's recompute holds its saved tensors on top of what
-   waits for backward; tiled, one tile's share of them.  *at (if not NULL)
-   is the layer whose recompute makes the peak, or n when it is the end of
-   the forward. */
+/* Peak of the step for the plan in `c` (the rules make one-layer
+   segments only), by the one memory model (memory.h).  The end of the
+   forward carries the unoptimized step's correction (the backward of what
+   follows the layers starts there); recomputes carry the plans'
+   correction.  *at (if not NULL) is the layer whose recompute makes the
+   peak, or n when it is the end of the forward. */
 static int64_t
 peak_at(const ms_problem *p, const ms_layer *layers, size_t n,
-        const unsigned char *ckpt, const int *tiles, int64_t rest, size_t *at)
+        const ms_solver_choice *c, int64_t rest, size_t *at)
 {
-    int64_t prefix = 0, worst = 0;
-    size_t who = n;
-    for (size_t i = 0; i < n; i++) {
-        if (ckpt[i]) {
-            int64_t held = layers[i].saved_bytes;
-            if (tiles != NULL && tiles[i] > 1) {
-                held = held / tiles[i] + (held % tiles[i] != 0);
-            }
-            int64_t at_recompute = add_sat(prefix, held);
-            if (at_recompute > worst) {
-                worst = at_recompute;
-                who = i;
-            }
-            if (ckpt[i] == CKPT) {
-                prefix = add_sat(prefix, layers[i].saved_bytes
-                                             - freed_bytes(&layers[i]));
-            }
-        }
-        else {
-            prefix = add_sat(prefix, layers[i].saved_bytes);
-        }
-    }
-    /* The end of the forward carries the unoptimized step's correction
-       (the backward of what follows the layers starts there); recomputes
-       carry the plans' correction. */
-    int64_t base = add_sat(p->fixed_bytes, rest);
-    int64_t end = offset_peak(add_sat(base, prefix), p->peak_offset_bytes);
-    int64_t rec = offset_peak(add_sat(base, worst), p->plan_offset_bytes);
-    if (at != NULL) {
-        *at = end >= rec ? n : who;
-    }
-    return end >= rec ? end : rec;
+    ms_mem_terms terms;
+    ms_mem_terms_of(layers, n, c, &terms);
+    return ms_mem_peak(&terms, n, ms_add_sat(p->fixed_bytes, rest),
+                       p->peak_offset_bytes, p->plan_offset_bytes, at);
 }
 
 static int64_t
 projected_peak(const ms_problem *p, const ms_layer *layers, size_t n,
-               const unsigned char *ckpt, const int *tiles, int64_t rest)
+               const ms_solver_choice *c, int64_t rest)
 {
-    return peak_at(p, layers, n, ckpt, tiles, rest, NULL);
+    return peak_at(p, layers, n, c, rest, NULL);
+}
+
+static int
+is_checkpointed(const ms_solver_choice *c, size_t i)
+{
+    return c[i].seg_start >= 0;
 }
 
 typedef struct {
@@ -218,9 +181,9 @@ pick_tier(const ms_problem *p, int64_t *host_used, int64_t bytes)
 {
     if (p->host_tier
         && (p->host_cap_bytes < 0
-            || add_sat(*host_used, bytes) <= p->host_cap_bytes))
+            || ms_add_sat(*host_used, bytes) <= p->host_cap_bytes))
     {
-        *host_used = add_sat(*host_used, bytes);
+        *host_used = ms_add_sat(*host_used, bytes);
         return MS_TIER_HOST;
     }
     return p->disk_tier ? MS_TIER_DISK : MS_TIER_DEVICE;
@@ -286,7 +249,7 @@ solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
 {
     /* fixed + rest + recompute term + plan_offset <= budget, and
        fixed + rest + end term + peak_offset <= budget. */
-    int64_t avail = p->budget_bytes - add_sat(p->fixed_bytes, rest)
+    int64_t avail = p->budget_bytes - ms_add_sat(p->fixed_bytes, rest)
                     - p->plan_offset_bytes;
     ms_solver_problem sp = solver_problem(p, base, avail);
     sp.end_extra = p->plan_offset_bytes - p->peak_offset_bytes;
@@ -306,9 +269,9 @@ solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
             free(c);
             return -1;
         }
-        res->min_budget = offset_peak(add_sat(add_sat(p->fixed_bytes, rest),
-                                              worst),
-                                      p->plan_offset_bytes);
+        res->min_budget = ms_offset_peak(
+            ms_add_sat(ms_add_sat(p->fixed_bytes, rest), worst),
+            p->plan_offset_bytes);
         free(c);
         return 0;
     }
@@ -341,10 +304,10 @@ solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
             out[i].tiles = c[i].tiles;
         }
     }
-    int64_t b = add_sat(p->fixed_bytes, rest);
-    int64_t pe = offset_peak(add_sat(b, r.end_bytes), p->peak_offset_bytes);
-    int64_t pr = offset_peak(add_sat(b, r.recompute_bytes), p->plan_offset_bytes);
-    res->peak_projected = pe > pr ? pe : pr;
+    ms_mem_terms terms = {r.end_bytes, r.recompute_bytes, n};
+    res->peak_projected =
+        ms_mem_peak(&terms, n, ms_add_sat(p->fixed_bytes, rest),
+                    p->peak_offset_bytes, p->plan_offset_bytes, NULL);
     res->fits = res->peak_projected <= p->budget_bytes;
     res->recompute_ratio =
         p->total_flops > 0.0 ? r.recompute_flops / p->total_flops : 0.0;
@@ -357,22 +320,22 @@ int
 ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
                ms_choice *out, ms_result *res)
 {
-    unsigned char *ckpt = calloc(n ? n : 1, 1);
-    int *tiles = malloc((n ? n : 1) * sizeof(int));
+    ms_solver_choice *c = malloc((n ? n : 1) * sizeof(ms_solver_choice));
     candidate *cands = malloc((n ? n : 1) * sizeof(candidate));
-    if (ckpt == NULL || tiles == NULL || cands == NULL) {
-        free(ckpt);
-        free(tiles);
+    if (c == NULL || cands == NULL) {
+        free(c);
         free(cands);
         return -1;
     }
     for (size_t i = 0; i < n; i++) {
-        tiles[i] = 1;
+        c[i].seg_start = -1; /* kept */
+        c[i].offload = 0;
+        c[i].tiles = 1;
     }
 
     int64_t in_layers = 0;
     for (size_t i = 0; i < n; i++) {
-        in_layers = add_sat(in_layers, layers[i].saved_bytes);
+        in_layers = ms_add_sat(in_layers, layers[i].saved_bytes);
     }
     int64_t rest = p->activation_bytes - in_layers;
     if (rest < 0) {
@@ -384,8 +347,9 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
                      | (p->allowed & MS_TECH_TILING))
                     & p->allowed;
 
-    res->peak_unoptimized = offset_peak(
-        add_sat(add_sat(p->fixed_bytes, rest), in_layers), p->peak_offset_bytes);
+    res->peak_unoptimized = ms_offset_peak(
+        ms_add_sat(ms_add_sat(p->fixed_bytes, rest), in_layers),
+        p->peak_offset_bytes);
     res->pressure = p->budget_bytes > 0
                         ? (double)res->peak_unoptimized / (double)p->budget_bytes
                         : 0.0;
@@ -422,8 +386,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
     if (p->solver && !res->skipped && !p->force && (base & MS_TECH_CHECKPOINT)) {
         int rc = solve(p, layers, n, out, res, base, rest);
         if (rc != 0) {
-            free(ckpt);
-            free(tiles);
+            free(c);
             free(cands);
             return rc < 0 ? -1 : 0; /* > 0: solved, out and res are set */
         }
@@ -439,12 +402,12 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
                 break;
             }
             size_t i = cands[k].index;
-            ckpt[i] = CKPT;
+            c[i].seg_start = (int)i;
             out[i].techniques = MS_TECH_CHECKPOINT;
             out[i].segment = (int)i;
             out[i].rule = p->force ? MS_RULE_FORCE_ALL : MS_RULE_PRESSURE;
             out[i].bytes_saved = freed_bytes(&layers[i]);
-            peak = projected_peak(p, layers, n, ckpt, NULL, rest);
+            peak = projected_peak(p, layers, n, c, rest);
         }
     }
 
@@ -455,7 +418,8 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
             if (!all && peak <= p->budget_bytes) {
                 break;
             }
-            if (ckpt[i] != CKPT || layers[i].input_bytes <= 0
+            if (!is_checkpointed(c, i) || c[i].offload
+                || layers[i].input_bytes <= 0
                 || layers[i].input_bytes < p->min_offload_bytes)
             {
                 continue;
@@ -464,11 +428,11 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
             if (tier == MS_TIER_DEVICE) {
                 continue; /* nowhere to put it */
             }
-            ckpt[i] = CKPT_OFFLOAD;
+            c[i].offload = 1;
             out[i].techniques |= MS_TECH_OFFLOAD;
             out[i].tier = tier;
             out[i].bytes_saved = layers[i].saved_bytes;
-            peak = projected_peak(p, layers, n, ckpt, NULL, rest);
+            peak = projected_peak(p, layers, n, c, rest);
         }
     }
 
@@ -478,10 +442,11 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
             /* Fits already, but asked for the full stack: every candidate
                gets the tiles the memory pressure calls for. */
             for (size_t i = 0; i < n; i++) {
-                if (ckpt[i] && (layers[i].flags & MS_LAYER_TILEABLE)
+                if (is_checkpointed(c, i)
+                    && (layers[i].flags & MS_LAYER_TILEABLE)
                     && layers[i].saved_bytes > 1)
                 {
-                    tiles[i] = pressure_tiles(res->pressure);
+                    c[i].tiles = pressure_tiles(res->pressure);
                 }
             }
         }
@@ -491,27 +456,27 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
                recompute makes the peak, until another term (or a layer
                that cannot be tiled further) does. */
             size_t at;
-            int64_t cur = peak_at(p, layers, n, ckpt, tiles, rest, &at);
+            int64_t cur = peak_at(p, layers, n, c, rest, &at);
             while (cur > p->budget_bytes && at < n
                    && (layers[at].flags & MS_LAYER_TILEABLE)
-                   && layers[at].saved_bytes > 1 && tiles[at] < MS_MAX_TILES)
+                   && layers[at].saved_bytes > 1 && c[at].tiles < MS_MAX_TILES)
             {
-                tiles[at] *= 2;
-                cur = peak_at(p, layers, n, ckpt, tiles, rest, &at);
+                c[at].tiles *= 2;
+                cur = peak_at(p, layers, n, c, rest, &at);
             }
         }
         for (size_t i = 0; i < n; i++) {
-            if (tiles[i] > 1) {
+            if (c[i].tiles > 1) {
                 out[i].techniques |= MS_TECH_TILING;
-                out[i].tiles = tiles[i];
+                out[i].tiles = c[i].tiles;
             }
         }
-        peak = projected_peak(p, layers, n, ckpt, tiles, rest);
+        peak = projected_peak(p, layers, n, c, rest);
     }
 
     double recomputed = 0.0;
     for (size_t i = 0; i < n; i++) {
-        if (ckpt[i]) {
+        if (is_checkpointed(c, i)) {
             recomputed += layers[i].flops;
         }
     }
@@ -520,8 +485,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
         p->total_flops > 0.0 ? recomputed / p->total_flops : 0.0;
     res->fits = peak <= p->budget_bytes;
     res->predicted_slowdown = slowdown(p, layers, n, out);
-    free(ckpt);
-    free(tiles);
+    free(c);
     free(cands);
     return 0;
 }

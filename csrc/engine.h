@@ -173,13 +173,7 @@ typedef struct {
  */
 int ms_solve(const ms_solver_problem *p, const ms_layer *layers, size_t n,
              ms_solver_choice *out, ms_solver_result *res);
-/* The memory model of any valid choice vector: its end-of-forward and
-   worst recompute terms, and max(end, recompute). */
-void ms_solver_terms(const ms_layer *layers, size_t n,
-                     const ms_solver_choice *c, int64_t *end,
-                     int64_t *recompute);
-int64_t ms_solver_peak(const ms_layer *layers, size_t n,
-                       const ms_solver_choice *c);
+/* The memory model of a choice vector: memory.h (ms_mem_terms_of). */
 double ms_solver_overhead(const ms_solver_problem *p, const ms_layer *layers,
                           size_t n, const ms_solver_choice *c,
                           double *recompute_flops);

@@ -5,17 +5,13 @@
  * no Python object crosses this file, so it is tested on its own
  * (tests/c/test_solver.c, with an exhaustive reference search).
  *
- * The memory model is the engine's (engine.c).  The chain is cut into
- * units: a kept layer, or a checkpoint segment [a..b] (one layer, or a run
- * of layers recomputed together from the one stored input of layer a, as
- * in checkpoint_sequential and the rotor dynamic program's segments).
- * During the forward, a kept layer holds its saved tensors until backward,
- * a segment holds input_a (nothing when that input is offloaded).  When
- * backward reaches a segment, everything held before it is still held and
- * the recompute adds the segment's saved tensors (one tile's share of them
- * for a tiled single layer):
- *
- *     peak = max(sum of held, max over segments (held before it + transient))
+ * The memory model is memory.h's, the one the engine's rules use too.
+ * The chain is cut into units: a kept layer, or a checkpoint segment
+ * [a..b] (one layer, or a run of layers recomputed together from the one
+ * stored input of layer a, as in checkpoint_sequential and the rotor
+ * dynamic program's segments).  The DP below adds the same terms
+ * (ms_mem_saved, ms_mem_stored, ms_mem_tile_share) one unit at a time;
+ * every plan it returns is measured again whole by ms_mem_terms_of.
  *
  * Overhead, in seconds: each checkpointed layer is recomputed once (its
  * forward FLOPs / flop_rate); an offloaded input is written and read once
@@ -34,13 +30,16 @@
  * tree of max_segment + 1 leaves per bucket (see below).
  */
 #include "engine.h"
+#include "memory.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define MAX_RESOLUTION 65535
-#define MAX_SEGMENT 255
+/* The back-pointer stores a segment's length in 8 bits: max_segment is
+   capped at this many layers. */
+#define SEGMENT_LEN_LIMIT 255
 
 /* Back-pointer of a state: prev_h (16 bits) | length (8; 0 = kept) |
    code (8: bit 0 offloaded, bits 1-3 log2 of the tiles). */
@@ -52,24 +51,6 @@ back_pack(size_t prev_h, int len, int offload, int tiles_log2)
 {
     return (back_t)prev_h << 16 | (back_t)len << 8
            | (back_t)(offload | tiles_log2 << 1);
-}
-
-static int64_t
-add_sat(int64_t a, int64_t b)
-{
-    return a > INT64_MAX - b ? INT64_MAX : a + b;
-}
-
-static int64_t
-ceil_div(int64_t a, int64_t b)
-{
-    return a / b + (a % b != 0);
-}
-
-static int64_t
-nonneg(int64_t v)
-{
-    return v > 0 ? v : 0;
 }
 
 static int
@@ -102,7 +83,7 @@ seconds(const ms_solver_problem *p, const ms_layer *l)
 double
 ms_solver_offload_seconds(const ms_solver_problem *p, const ms_layer *l)
 {
-    double t = (double)nonneg(l->input_bytes) / p->offload_bw;
+    double t = (double)ms_nonneg(l->input_bytes) / p->offload_bw;
     if (!p->async_offload) {
         return 2.0 * t;
     }
@@ -150,53 +131,24 @@ ms_solver_check(const ms_solver_problem *p, const ms_layer *L, size_t n,
     return 0;
 }
 
-int64_t
-ms_solver_peak(const ms_layer *L, size_t n, const ms_solver_choice *c)
-{
-    int64_t end, rec;
-    ms_solver_terms(L, n, c, &end, &rec);
-    return end > rec ? end : rec;
-}
-
-void
-ms_solver_terms(const ms_layer *L, size_t n, const ms_solver_choice *c,
-                int64_t *end, int64_t *recompute)
-{
-    int64_t held = 0, worst = 0;
-    for (size_t i = 0; i < n;) {
-        if (c[i].seg_start < 0) {
-            held = add_sat(held, nonneg(L[i].saved_bytes));
-            i++;
-            continue;
-        }
-        size_t j = i;
-        int64_t transient = 0;
-        while (j < n && c[j].seg_start == (int)i) {
-            transient = add_sat(transient, nonneg(L[j].saved_bytes));
-            j++;
-        }
-        if (c[i].tiles > 1) {
-            transient = ceil_div(nonneg(L[i].saved_bytes), c[i].tiles);
-        }
-        int64_t at = add_sat(held, transient);
-        if (at > worst) {
-            worst = at;
-        }
-        if (!c[i].offload) {
-            held = add_sat(held, nonneg(L[i].input_bytes));
-        }
-        i = j;
-    }
-    *end = held;
-    *recompute = worst;
-}
-
 /* The plan's peak in the units of budget_bytes (see ms_solver_result). */
 static int64_t
 budget_peak(const ms_solver_problem *p, int64_t end, int64_t rec)
 {
     int64_t e = end - p->end_extra;
     return e > rec ? e : rec;
+}
+
+/* res's memory terms for the plan c, by the memory model (memory.h). */
+static void
+plan_terms(const ms_solver_problem *p, const ms_layer *L, size_t n,
+           const ms_solver_choice *c, ms_solver_result *res)
+{
+    ms_mem_terms terms;
+    ms_mem_terms_of(L, n, c, &terms);
+    res->end_bytes = terms.end;
+    res->recompute_bytes = terms.recompute;
+    res->peak_bytes = budget_peak(p, terms.end, terms.recompute);
 }
 
 double
@@ -334,18 +286,17 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
     }
     int64_t B = p->budget_bytes;
     /* What everything held at the end of the forward may reach. */
-    int64_t BE = p->end_extra >= 0 ? add_sat(B, p->end_extra)
+    int64_t BE = p->end_extra >= 0 ? ms_add_sat(B, p->end_extra)
                                    : B + p->end_extra;
     if (B < 0 || BE < 0 || n > UINT32_MAX - 1) {
-        ms_solver_terms(L, n, out, &res->end_bytes, &res->recompute_bytes);
-        res->peak_bytes = budget_peak(p, res->end_bytes, res->recompute_bytes);
+        plan_terms(p, L, n, out, res);
         return (B < 0 || BE < 0) ? 0 : -2;
     }
     int64_t R = p->resolution < MAX_RESOLUTION ? p->resolution : MAX_RESOLUTION;
-    int64_t bucket = BE > R ? ceil_div(BE, R) : 1;
+    int64_t bucket = BE > R ? ms_ceil_div(BE, R) : 1;
     size_t M = (size_t)(BE / bucket); /* capacity, in buckets */
-    size_t W = (size_t)(p->max_segment < MAX_SEGMENT ? p->max_segment
-                                                      : MAX_SEGMENT);
+    size_t W = (size_t)(p->max_segment < SEGMENT_LEN_LIMIT ? p->max_segment
+                                                            : SEGMENT_LEN_LIMIT);
     size_t width = M + 1;
     forest t = {1, NULL, NULL};
     while (t.leaves < W + 1) {
@@ -378,7 +329,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
     SP[0] = 0;
     P[0] = 0.0;
     for (size_t i = 0; i < n; i++) {
-        SP[i + 1] = add_sat(SP[i], nonneg(L[i].saved_bytes));
+        SP[i + 1] = ms_add_sat(SP[i], ms_mem_saved(&L[i]));
         P[i + 1] = P[i] + seconds(p, &L[i]);
     }
     /* run_end[i]: one past the last layer a segment starting at i may
@@ -431,7 +382,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             int64_t held = cur_held[h];
             int64_t room = B - held;
             /* Kept. */
-            int64_t hk_bytes = add_sat(held, nonneg(L[i].saved_bytes));
+            int64_t hk_bytes = ms_add_sat(held, ms_mem_saved(&L[i]));
             if (hk_bytes <= BE) {
                 size_t hk = (size_t)(hk_bytes / bucket);
                 if (v < next[hk] || (v == next[hk] && hk_bytes < next_held[hk])) {
@@ -443,7 +394,9 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             if (!ok_ckpt) {
                 continue;
             }
-            int64_t in_bytes = add_sat(held, nonneg(L[i].input_bytes));
+            /* A segment starting here holds its input, or (offloaded)
+               nothing: held stays. */
+            int64_t in_bytes = ms_add_sat(held, ms_mem_stored(&L[i], 0));
             int in_fits = in_bytes <= BE;
             size_t hin = in_fits ? (size_t)(in_bytes / bucket) : 0;
             if (SP[i + 1] - SP[i] <= room) {
@@ -470,11 +423,10 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             }
             /* One layer in tiles, when it does not fit whole: the fewest
                tiles whose share fits. */
-            int64_t saved = nonneg(L[i].saved_bytes);
-            if (ok_tile && saved > room) {
+            if (ok_tile && ms_mem_saved(&L[i]) > room) {
                 int lg = 1;
                 for (int tl = 2; tl <= MS_MAX_TILES; tl *= 2, lg++) {
-                    if (ceil_div(saved, tl) > room) {
+                    if (ms_mem_tile_share(&L[i], tl) > room) {
                         continue;
                     }
                     double c = v + (P[i + 1] - P[i]) + (tl - 1) * p->tile_overhead;
@@ -543,8 +495,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             ms_solver_overhead(p, L, n, out, &res->recompute_flops);
     }
     /* The plan found, or all kept. */
-    ms_solver_terms(L, n, out, &res->end_bytes, &res->recompute_bytes);
-    res->peak_bytes = budget_peak(p, res->end_bytes, res->recompute_bytes);
+    plan_terms(p, L, n, out, res);
     rc = 0;
 done:
     free(cur);
@@ -569,9 +520,10 @@ ms_solver_min_budget(const ms_solver_problem *p, const ms_layer *L, size_t n,
         return -1;
     }
     keep_all(c, n);
-    int64_t end, rec;
-    ms_solver_terms(L, n, c, &end, &rec);
-    int64_t hi = budget_peak(p, end, rec); /* all kept always fits this */
+    ms_mem_terms terms;
+    ms_mem_terms_of(L, n, c, &terms);
+    /* All kept always fits this. */
+    int64_t hi = budget_peak(p, terms.end, terms.recompute);
     if (hi < 0) {
         hi = 0;
     }

@@ -19,14 +19,15 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "tests" / "c" / "test_engine.c", ROOT / "csrc" / "engine.c",
-           ROOT / "csrc" / "solver.c"]
+           ROOT / "csrc" / "solver.c", ROOT / "csrc" / "memory.c"]
 BASE_FLAGS = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-g"]
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
                   "-fno-sanitize-recover=undefined"]
 GROUPS = ["names", "smart-skip", "force-all", "ineligible", "greedy",
           "nothing-fits", "disabled", "empty", "determinism", "exhaustive",
           "fuzz"]
-SOLVER_SOURCES = [ROOT / "tests" / "c" / "test_solver.c", ROOT / "csrc" / "solver.c"]
+SOLVER_SOURCES = [ROOT / "tests" / "c" / "test_solver.c", ROOT / "csrc" / "solver.c",
+                  ROOT / "csrc" / "memory.c"]
 SOLVER_GROUPS = ["model", "known", "exhaustive", "fuzz", "min-budget", "timing"]
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed$")
 

@@ -17,6 +17,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include "../../csrc/engine.h"
+#include "../../csrc/memory.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -109,9 +110,19 @@ static int64_t
 bpeak(const ms_solver_problem *p, const ms_layer *L, size_t n,
       const ms_solver_choice *c)
 {
-    int64_t end, rec;
-    ms_solver_terms(L, n, c, &end, &rec);
-    return end - p->end_extra > rec ? end - p->end_extra : rec;
+    ms_mem_terms t;
+    ms_mem_terms_of(L, n, c, &t);
+    return t.end - p->end_extra > t.recompute ? t.end - p->end_extra
+                                              : t.recompute;
+}
+
+/* max(end, recompute) of a plan, by the shared memory model. */
+static int64_t
+model_peak(const ms_layer *L, size_t n, const ms_solver_choice *c)
+{
+    ms_mem_terms t;
+    ms_mem_terms_of(L, n, c, &t);
+    return t.end > t.recompute ? t.end : t.recompute;
 }
 
 /* ---- model ------------------------------------------------------------ */
@@ -123,19 +134,30 @@ test_model(void)
     ms_layer L[3] = {layer(10, 2, 1, 0), layer(20, 3, 2, 0), layer(30, 4, 4, 0)};
     ms_solver_choice c[3] = {{-1, 0, 1}, {-1, 0, 1}, {-1, 0, 1}};
     ms_solver_problem p = problem(1000, ALL);
-    CHECK(ms_solver_peak(L, 3, c) == 60);
+    CHECK(model_peak(L, 3, c) == 60);
     CHECK(ms_solver_overhead(&p, L, 3, c, NULL) == 0.0);
     /* Layer 1 alone: held 10, recompute 10 + 20 = 30; held 10+3+30 = 43. */
     c[1].seg_start = 1;
-    CHECK(ms_solver_peak(L, 3, c) == 43);
+    CHECK(model_peak(L, 3, c) == 43);
+    {
+        /* The terms, where the worst recompute is, and the corrected peak. */
+        ms_mem_terms t;
+        size_t at = 99;
+        ms_mem_terms_of(L, 3, c, &t);
+        CHECK(t.end == 43 && t.recompute == 30 && t.recompute_at == 1);
+        CHECK(ms_mem_peak(&t, 3, 100, 0, 0, &at) == 143 && at == 3);
+        CHECK(ms_mem_peak(&t, 3, 100, -20, 0, &at) == 130 && at == 1);
+        CHECK(ms_mem_peak(&t, 3, 0, -50, -40, &at) == 0 && at == 3);
+        CHECK(ms_mem_peak(&t, 3, INT64_MAX - 5, 0, 0, NULL) == INT64_MAX);
+    }
     CHECK(ms_solver_overhead(&p, L, 3, c, NULL) == 2.0);
     /* Segment [1..2]: held 10 + 3; recompute 10 + 50 = 60. */
     c[2].seg_start = 1;
-    CHECK(ms_solver_peak(L, 3, c) == 60);
+    CHECK(model_peak(L, 3, c) == 60);
     CHECK(ms_solver_check(&p, L, 3, c) == 0);
     /* Segment [0..2]: held 2; recompute 60. */
     c[0].seg_start = c[1].seg_start = c[2].seg_start = 0;
-    CHECK(ms_solver_peak(L, 3, c) == 60);
+    CHECK(model_peak(L, 3, c) == 60);
     double flops = 0;
     CHECK(ms_solver_overhead(&p, L, 3, c, &flops) == 7.0 && flops == 7.0);
     /* Singles, layer 2 in 4 tiles: 5 held + ceil(30 / 4) = 13 at its recompute. */
@@ -143,7 +165,7 @@ test_model(void)
     CHECK(ms_solver_check(&p, L, 3, d) == -1); /* not tileable */
     L[2].flags = MS_LAYER_TILEABLE;
     CHECK(ms_solver_check(&p, L, 3, d) == 0);
-    CHECK(ms_solver_peak(L, 3, d) == 22); /* layer 1: 2 + 20 */
+    CHECK(model_peak(L, 3, d) == 22); /* layer 1: 2 + 20 */
     CHECK(ms_solver_overhead(&p, L, 3, d, NULL) == 7.0 + 3 * 0.5);
     /* Offload of layer 1's input: not allowed without bandwidth. */
     d[1].offload = 1;

@@ -1,0 +1,103 @@
+/*
+ * memory.h: the memory model of a plan, in one place.
+ *
+ * The engine's rules (engine.c) and the budget planner (solver.c) judge a
+ * plan by these terms and nothing else.  A kept layer holds its saved
+ * tensors from its forward until backward reaches it; a checkpoint segment
+ * [a..b] (one layer, or a run recomputed together from the input of layer
+ * a) holds that input, or nothing when it is offloaded.  When backward
+ * reaches a segment, everything held before it is still held and the
+ * recompute adds the saved tensors of the segment's layers (one tile's
+ * share of them for a tiled single layer):
+ *
+ *     end       = sum over units of what they hold
+ *     recompute = max over segments (held before it + its transient)
+ *
+ * The step's peak adds what is alive throughout (parameters, gradients,
+ * optimizer state, activations outside the planned layers) and the OOM
+ * predictor's corrections: ms_mem_peak().
+ *
+ * Sizes are bytes; a negative size counts as 0 and sums saturate at
+ * INT64_MAX (sizes come from Python and from fuzzers, and signed overflow
+ * is undefined behaviour).
+ */
+#ifndef MEMSCALE_MEMORY_H
+#define MEMSCALE_MEMORY_H
+
+#include "engine.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* a + b for a, b >= 0, saturating at INT64_MAX. */
+static inline int64_t
+ms_add_sat(int64_t a, int64_t b)
+{
+    return a > INT64_MAX - b ? INT64_MAX : a + b;
+}
+
+static inline int64_t
+ms_nonneg(int64_t v)
+{
+    return v > 0 ? v : 0;
+}
+
+/* ceil(a / b) for a >= 0, b > 0. */
+static inline int64_t
+ms_ceil_div(int64_t a, int64_t b)
+{
+    return a / b + (a % b != 0);
+}
+
+/* v + offset (the offset may be negative), never below 0. */
+static inline int64_t
+ms_offset_peak(int64_t v, int64_t offset)
+{
+    if (offset >= 0) {
+        return ms_add_sat(v, offset);
+    }
+    return v + offset < 0 ? 0 : v + offset;
+}
+
+/* What a layer saves for backward: held until then when the layer is kept,
+   added again while it is recomputed. */
+static inline int64_t
+ms_mem_saved(const ms_layer *layer)
+{
+    return ms_nonneg(layer->saved_bytes);
+}
+
+/* What a segment that starts at `layer` holds until backward. */
+static inline int64_t
+ms_mem_stored(const ms_layer *layer, int offloaded)
+{
+    return offloaded ? 0 : ms_nonneg(layer->input_bytes);
+}
+
+/* What the recompute of a single layer in `tiles` tiles adds. */
+static inline int64_t
+ms_mem_tile_share(const ms_layer *layer, int tiles)
+{
+    return ms_ceil_div(ms_nonneg(layer->saved_bytes), tiles);
+}
+
+/* The terms of a plan given as a choice vector (ms_solver_choice: kept,
+   or the first layer of its segment, offloaded, tiles). */
+typedef struct {
+    int64_t end;         /* held at the end of the forward */
+    int64_t recompute;   /* the worst recompute term (0: none) */
+    size_t recompute_at; /* first layer of that segment; n when none */
+} ms_mem_terms;
+
+void ms_mem_terms_of(const ms_layer *layers, size_t n,
+                     const ms_solver_choice *choices, ms_mem_terms *terms);
+
+/* The step's peak: base (alive throughout) plus the larger of the end term
+   with peak_offset and the recompute term with plan_offset (the OOM
+   predictor's corrections of the unoptimized step and of plans).  *at (if
+   not NULL): n when the end of the forward makes the peak, else the layer
+   whose recompute does. */
+int64_t ms_mem_peak(const ms_mem_terms *terms, size_t n, int64_t base,
+                    int64_t peak_offset, int64_t plan_offset, size_t *at);
+
+#endif /* MEMSCALE_MEMORY_H */
