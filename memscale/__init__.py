@@ -10,10 +10,10 @@ import logging
 
 from ._budget import MemoryBudgetError
 from .api import apply_all_optimizations, detach, optimize, wrap
+from ._version import __version__
 from .config import AsyncOffloadConfig, Config, OptimizationMode
 from .predictor import estimate_savings, predict_peak
 
-__version__ = "0.1.0"
 
 __all__ = [
     "AsyncOffloadConfig",

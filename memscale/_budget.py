@@ -12,9 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _core
-from .config import Config
-
-GIB = 1 << 30
+from .config import GIB, Config
 
 
 class MemoryBudgetError(ValueError):

@@ -17,11 +17,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import _core, _torch_compat, offload
-from .config import Config, OptimizationMode
+from .config import GIB, Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
 
-GIB = 1 << 30
 
 # Techniques the executor can carry out in this release.  A technique a mode
 # or Config asks for beyond these is reported (never silently dropped).

@@ -255,7 +255,7 @@ def _event(name: str, executor: Any, arch: str, params: int,
            plan: Any = None) -> dict[str, Any]:
     import torch
 
-    from . import __version__
+    from ._version import __version__
 
     config = executor.config
     hardware = executor.hardware

@@ -152,7 +152,7 @@ def profiler_memory_events(prof: Any) -> list[tuple[str, int, int, int]] | None:
     """``(name, start_ns, end_ns, nbytes)`` of every raw event of a stopped
     ``torch.profiler.profile(profile_memory=True)`` session; allocator
     events are named ``"[memory]"``.  This reads the kineto results as
-    ``memscale.benchmarks.measure`` does (``prof.profiler.kineto_results``,
+    ``memscale._measure`` does (``prof.profiler.kineto_results``,
     not a public API).  None when this torch does not provide them."""
     try:
         raw = prof.profiler.kineto_results.events()

@@ -18,18 +18,13 @@ import torch
 
 from . import (_budget, _core, _planning, _telemetry, amp, distributed, observability,
                offload, optim, policy, tiling)
-from .config import AsyncOffloadConfig, Config, OptimizationMode
+from .config import GIB, AsyncOffloadConfig, Config, OptimizationMode
 from .executor import Executor
 
 logger = logging.getLogger(__name__)
 
 ATTR = "_memscale_executor"
 
-# Config fields whose technique is not part of this release: accepted,
-# validated, and reported when set, never silently ignored.
-_NOT_YET = {
-    "use_8bit_optimizer": "the 8-bit optimizer",
-}
 
 
 def _is_trainer(obj: Any) -> bool:
@@ -69,21 +64,16 @@ def _effective_config(config: Config | None, async_offload: bool | None,
     return config.replace(**changes) if changes else config
 
 
-def _report_unavailable(config: Config, optimizer: Any) -> None:
-    for field, what in _NOT_YET.items():
-        if getattr(config, field) not in (False, None):
-            if field == "use_8bit_optimizer":
-                if optimizer is not None:
-                    continue  # replaced: see wrap()
-                logger.warning(
-                    "memscale: Config.use_8bit_optimizer is set, but wrap() is "
-                    "given no optimizer to replace; build yours with "
-                    "memscale.optim.make_8bit_adamw(model.parameters(), lr=...), "
-                    "or let memscale.apply_all_optimizations(model, optimizer) "
-                    "replace it")
-                continue
-            logger.warning("memscale: Config.%s is set, but %s is not part of "
-                           "this release yet; it is not applied", field, what)
+def _warn_8bit_without_optimizer(config: Config, optimizer: Any) -> None:
+    """use_8bit_optimizer replaces the optimizer wrap() is given (see wrap());
+    without one there is nothing to replace: say so."""
+    if config.use_8bit_optimizer and optimizer is None:
+        logger.warning(
+            "memscale: Config.use_8bit_optimizer is set, but wrap() is "
+            "given no optimizer to replace; build yours with "
+            "memscale.optim.make_8bit_adamw(model.parameters(), lr=...), "
+            "or let memscale.apply_all_optimizations(model, optimizer) "
+            "replace it")
 
 
 def _select_strategy(config: Config, context: policy.StrategyContext
@@ -233,7 +223,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
         raise TypeError("optimizer must be a torch.optim.Optimizer or None, "
                         f"got {type(optimizer).__name__}")
     config = _effective_config(config, async_offload, async_config)
-    _report_unavailable(config, optimizer)
+    _warn_8bit_without_optimizer(config, optimizer)
     given_optimizer = optimizer
     if optimizer is not None and config.use_8bit_optimizer and not optim.is_8bit(optimizer):
         optimizer = optim.to_8bit(optimizer)  # ValueError says why not
@@ -245,7 +235,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
     device = _planning.model_device(model)
     if config.memory_budget_gb is not None and device.type not in ("cpu", "cuda"):
         hardware = {"device": device.type, "index": 0, "count": 1,
-                    "capacity_bytes": int(config.memory_budget_gb * _planning.GIB),
+                    "capacity_bytes": int(config.memory_budget_gb * GIB),
                     "bf16": False, "name": device.type}
     else:
         hardware = _core.detect_hardware(device.type, device.index or 0)

@@ -27,6 +27,9 @@ __all__ = ["Config", "OptimizationMode", "AsyncOffloadConfig"]
 
 _T = TypeVar("_T")
 
+# The unit of every *_gb field: GiB (2**30 bytes).
+GIB = 1 << 30
+
 
 class OptimizationMode(str, enum.Enum):
     """How aggressively the decision engine trades speed for memory."""

@@ -36,11 +36,10 @@ from typing import Any
 import torch
 
 from . import _core
-from .config import AsyncOffloadConfig, Config
+from .config import GIB, AsyncOffloadConfig, Config
 
 logger = logging.getLogger(__name__)
 
-GIB = 1 << 30
 
 
 def async_settings(config: Config) -> AsyncOffloadConfig:

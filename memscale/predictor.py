@@ -40,7 +40,7 @@ Three things a pure fake step would get wrong are handled:
 * Python's garbage collector is off during a tracked step, so frees happen
   at refcount zero only and the figure is the same every run.
 
-What the prediction counts is what ``memscale.benchmarks.measure``
+What the prediction counts is what ``memscale._measure``
 measures: the bytes of live tensor storages.  Not counted: memory that is
 not a tensor, scratch memory of kernels outside ``_WORKSPACE_OPS``, and on
 CUDA the caching allocator's rounding and reserve.
@@ -65,7 +65,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import _core, _planning, _torch_compat, _verify
-from .config import Config, OptimizationMode
+from .config import GIB, Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def _resolve_device(model: nn.Module, device: Any,
                 f"cannot detect the {dev} device here ({exc}); pass its size: "
                 f"device=DeviceSpec({dev.type!r}, capacity_bytes=...) or "
                 "Config(memory_budget_gb=...)") from None
-        cap = int(config.memory_budget_gb * _planning.GIB)
+        cap = int(config.memory_budget_gb * GIB)
         hardware = {"device": dev.type, "index": dev.index or 0, "count": 1,
                     "capacity_bytes": cap, "bf16": False, "name": dev.type}
     return hardware, _simulation_device(dev.type)
@@ -538,12 +538,12 @@ def _probe_workspace(signatures: Mapping[Any, int], limit: int
                      ) -> tuple[dict[Any, _Kernel], int]:
     """Scratch bytes of each kernel call, measured by running it once on
     real zero-filled CPU tensors under the memory profiler (as
-    memscale.benchmarks.measure does): the allocator's peak inside the
+    memscale._measure does): the allocator's peak inside the
     call minus the bytes it returns.  Returns the figures and the number of
     calls not probed (inputs and outputs above ``limit`` bytes, or a
     profiler is already running).  ``signatures`` maps each call to the
     bytes its fake twin returned."""
-    from .benchmarks import measure  # torch and the standard library only
+    from . import _measure as measure  # torch and the standard library only
 
     threads = torch.get_num_threads()
     out: dict[Any, _Kernel] = {}

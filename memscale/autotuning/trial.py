@@ -2,7 +2,7 @@
 
 The AutoTuner confirms its predictions with :func:`measure_step`, and the
 prediction-error table of the README compares against it.  The figure is
-``memscale.benchmarks.measure.measure_peak``'s: the live tensor bytes at
+``memscale._measure.measure_peak``'s: the live tensor bytes at
 the highest point of ``zero_grad(set_to_none=True)``, forward, loss,
 backward and the optimizer step, after one warm-up step.
 """
@@ -82,7 +82,7 @@ def measure_step(model: nn.Module, sample_input: Any, config: Config | None = No
     ``loss_fn`` (default :func:`memscale.predictor.default_loss`), in
     training mode.  ``warmup`` steps run first (1: gradients and optimizer
     state exist, as in steady state).  Returns the
-    :class:`memscale.benchmarks.measure.MemoryReport` of the measured step.
+    :class:`memscale._measure.MemoryReport` of the measured step.
 
     The model is left as it was: parameter values, buffers, gradients, RNG
     streams and training flags are restored, and memscale is detached, also
@@ -90,7 +90,7 @@ def measure_step(model: nn.Module, sample_input: Any, config: Config | None = No
     real thing) plus a CPU copy of the parameters.
     """
     from .. import api
-    from ..benchmarks.measure import measure_peak
+    from .._measure import measure_peak
     from ..predictor import default_loss
 
     if not isinstance(model, nn.Module):

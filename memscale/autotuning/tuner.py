@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .. import _planning
-from ..config import Config, OptimizationMode
+from ..config import GIB, Config, OptimizationMode
 from ..predictor import PeakPrediction, PredictionSession, _resolve_device
 from .trial import measure_step
 
@@ -249,7 +249,7 @@ class AutoTuner:
 
     def _config(self, mode: OptimizationMode, force: bool, engine_budget: int) -> Config:
         return self.base_config.replace(mode=mode, force_optimize=force,
-                                        memory_budget_gb=engine_budget / _planning.GIB)
+                                        memory_budget_gb=engine_budget / GIB)
 
     def _candidates(self, session: PredictionSession) -> list[tuple[Config, PeakPrediction]]:
         """Every candidate, in a fixed order, with its prediction; one per
@@ -396,7 +396,7 @@ class AutoTuner:
             raise ValueError(f"high ({high}) must be >= low ({low})")
         if config is None:
             config = self.base_config.replace(
-                memory_budget_gb=self.budget_bytes / _planning.GIB)
+                memory_budget_gb=self.budget_bytes / GIB)
         elif not isinstance(config, Config):
             raise TypeError("config must be a memscale.Config or None, got "
                             f"{type(config).__name__}")

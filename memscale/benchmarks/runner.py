@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import memscale
 from memscale import _core
 
-from .measure import measure_peak, peak_rss_subprocess
+from .._measure import measure_peak, peak_rss_subprocess
 from .models import BENCHMARK_MODELS, Batch, BenchmarkModel
 
 MODES = {"conservative": memscale.OptimizationMode.CONSERVATIVE,

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 import memscale
 
-from .measure import format_bytes, measure_peak, time_ratio
+from .._measure import format_bytes, measure_peak, time_ratio
 from .models import BenchmarkModel, Batch
 
 FRACTIONS = (0.2, 0.4, 0.6, 0.8)

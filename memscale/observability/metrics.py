@@ -124,7 +124,8 @@ class _ExecutorCollector:
 
         import torch
 
-        from .. import __version__, _core
+        from .. import _core
+        from .._version import __version__
 
         yield InfoMetricFamily("memscale_build", "memscale build information", value={
             "version": __version__, "core_abi": str(_core.ABI),
