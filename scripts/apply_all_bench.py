@@ -7,7 +7,7 @@ The peak is exact (allocator events, ``memscale.benchmarks.measure``), in
 a steady-state step (the optimizer state exists).  Each variant is built
 from the same seed and trains on the same batch.
 
-    PYTHONPATH=. python scripts/apply_all_bench.py [--model gpt2-12l]
+    .venv/bin/python scripts/apply_all_bench.py [--model gpt2-12l]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ small GPT-2 (2 layers, hidden 32, 8 heads, eager attention) at batch 1 x
 to tile along the batch), with attention untiled and in 2, 4 and 8 query
 tiles.
 
-    PYTHONPATH=. python scripts/attention_tiles_bench.py
+    .venv/bin/python scripts/attention_tiles_bench.py
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ AdamW steps on the benchmark batch; the peak of those steps is reported
 (the high-water mark is reset after set-up: /proc/self/clear_refs), and
 the set-up's own peak beside it.
 
-    PYTHONPATH=. python scripts/dist_memory.py [--model gpt2-12l]
+    .venv/bin/python scripts/dist_memory.py [--model gpt2-12l]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 Only optimizer.step() is timed: the same fixed random gradients, 3 warm-up
 steps, then the median of 20.
 
-    PYTHONPATH=. python scripts/optim_bench.py [--model gpt2-12l]
+    .venv/bin/python scripts/optim_bench.py [--model gpt2-12l]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Plan hashes and exact peaks of the benchmark models: a fingerprint of
 memscale's behaviour, for refactors that must not change it.
 
-    PYTHONPATH=. .venv/bin/python scripts/plan_fingerprint.py > before.txt
+    .venv/bin/python scripts/plan_fingerprint.py > before.txt
     ... change the code ...
-    PYTHONPATH=. .venv/bin/python scripts/plan_fingerprint.py > after.txt
+    .venv/bin/python scripts/plan_fingerprint.py > after.txt
     diff before.txt after.txt     # empty: same plans, same bytes
 
 For every quick benchmark model (and, with --budget, the 12-layer GPT-2 and

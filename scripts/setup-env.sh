@@ -12,6 +12,8 @@ fi
 VPY="$ROOT/.venv/bin/python"
 "$VPY" -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 # The extension builds against the CPython C API only (no torch headers);
-# --no-build-isolation uses the setuptools just installed.
+# --no-build-isolation uses the setuptools just installed.  MEMSCALE_DEV=1:
+# a development build, warnings are errors (setup.py).
+export MEMSCALE_DEV=1
 "$VPY" -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 export VPY

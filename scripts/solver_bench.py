@@ -7,7 +7,7 @@ Transformer-like chains: layers of 20 to 28 MiB saved and 2 MiB input,
 is the fixed bytes plus 20, 40, 60 or 80% of the activations; all
 techniques allowed (AGGRESSIVE), CPU cost constants.  Median of 5 runs.
 
-    PYTHONPATH=. python scripts/solver_bench.py
+    .venv/bin/python scripts/solver_bench.py
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ unoptimized, checkpointing alone (CONSERVATIVE, forced), and tiling at
 memory budgets that leave the engine to choose 2, 4, 8 and 16 tiles.  The
 peak is exact (allocator events, ``memscale.benchmarks.measure``).
 
-    PYTHONPATH=. python scripts/tiling_bench.py
+    .venv/bin/python scripts/tiling_bench.py
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ import sys
 import textwrap
 import warnings
 
-import pytest
 import torch
 from torch import nn
+
+import memscale
 
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -107,14 +108,43 @@ def hook_count(model: nn.Module) -> int:
                + len(m._backward_hooks) for m in model.modules())
 
 
-FORCE = None
+# Checkpointing on every eligible layer, whatever the memory pressure.
+FORCE = memscale.Config(mode="conservative", force_optimize=True)
 
 
-@pytest.fixture
-def force_config():
-    import memscale
+# ------------------------------------------------------- training steps
 
-    return memscale.Config(mode="conservative", force_optimize=True)
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The tests' training loss: a language model's own loss on token ids
+    (the inputs as labels), else the mean square of the output, in float32."""
+    if x.dtype == torch.long:
+        return model(input_ids=x, labels=x).loss
+    return model(x).float().pow(2).mean()
+
+
+def train_step(model: nn.Module, x: torch.Tensor, seed: int = 0, loss_fn=loss_of,
+               retain_graph: bool = False) -> torch.Tensor:
+    """One forward and backward from cleared gradients and RNG seed ``seed``
+    (dropout draws the same masks in twins); with ``retain_graph`` backward
+    runs twice through the same graph.  Returns the loss, detached."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = loss_fn(model, x)
+    loss.backward(retain_graph=retain_graph)
+    if retain_graph:
+        loss.backward()
+    return loss.detach()
+
+
+def assert_same_step(model: nn.Module, ref: nn.Module, x: torch.Tensor, seed: int = 0,
+                     loss_fn=loss_of, retain_graph: bool = False) -> None:
+    """The same training step on a wrapped model and its unwrapped twin
+    gives the same loss and the same gradients, bit for bit."""
+    a = train_step(model, x, seed, loss_fn, retain_graph)
+    b = train_step(ref, x, seed, loss_fn, retain_graph)
+    assert torch.equal(a, b), f"loss {a.item()} != {b.item()}"
+    assert_same_grads(model, ref)
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,32 +12,16 @@ import torch
 from torch import nn
 
 import memscale
-from conftest import (CNN, Block, assert_same_grads, mlp, tiny_bert, tiny_gpt2,
-                      token_batch, twins)
-
-FORCE = memscale.Config(mode="conservative", force_optimize=True)
-
-
-def _lm_step(model, ids, seed):
-    torch.manual_seed(seed)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.loss.detach()
-
-
-def _tensor_step(model, x, seed):
-    torch.manual_seed(seed)
-    loss = model(x).pow(2).mean()
-    loss.backward()
-    return loss.detach()
+from conftest import (CNN, FORCE, Block, assert_same_grads, assert_same_step, mlp,
+                      tiny_bert, tiny_gpt2, token_batch, twins)
 
 
 CASES = {
-    "mlp": (lambda: mlp(p=0.0), lambda: torch.randn(8, 32), _tensor_step),
-    "mlp-dropout": (lambda: mlp(p=0.3), lambda: torch.randn(8, 32), _tensor_step),
-    "cnn-batchnorm": (CNN, lambda: torch.randn(4, 3, 8, 8), _tensor_step),
-    "gpt2": (tiny_gpt2, token_batch, _lm_step),
-    "bert": (tiny_bert, token_batch, _lm_step),
+    "mlp": (lambda: mlp(p=0.0), lambda: torch.randn(8, 32)),
+    "mlp-dropout": (lambda: mlp(p=0.3), lambda: torch.randn(8, 32)),
+    "cnn-batchnorm": (CNN, lambda: torch.randn(4, 3, 8, 8)),
+    "gpt2": (tiny_gpt2, token_batch),
+    "bert": (tiny_bert, token_batch),
 }
 
 
@@ -48,7 +32,7 @@ def _sample(x):
 @pytest.mark.parametrize("profiling", ["static", "empirical", "warmup"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gradient_parity(case, profiling):
-    factory, make_input, step = CASES[case]
+    factory, make_input = CASES[case]
     model, ref = twins(factory)
     x = make_input()
     config = FORCE
@@ -60,10 +44,7 @@ def test_gradient_parity(case, profiling):
     memscale.wrap(model, config, sample_input=sample)
     executor = model._memscale_executor
     for seed in range(3):  # with warm-up, the plan applies from step 3
-        a = step(model, x, seed)
-        b = step(ref, x, seed)
-        assert torch.equal(a, b)
-        assert_same_grads(model, ref)
+        assert_same_step(model, ref, x, seed)
     assert executor.state == "applied"
     assert executor.plan.technique_counts["checkpoint"] > 0
     assert executor.stats["recomputes"] > 0
@@ -183,9 +164,7 @@ def test_layer_called_twice_in_one_forward():
     x = torch.randn(4, 16)
     memscale.wrap(model, FORCE, sample_input=x)
     for seed in range(2):
-        _tensor_step(model, x, seed)
-        _tensor_step(ref, x, seed)
-        assert_same_grads(model, ref)
+        assert_same_step(model, ref, x, seed)
     assert model._memscale_executor.stats["checkpoint_frames"] == 6
     memscale.detach(model)
 
@@ -219,9 +198,7 @@ def test_nested_layers():
     model, ref = twins(Nested)
     x = torch.randn(4, 16)
     memscale.wrap(model, FORCE, sample_input=x)
-    _tensor_step(model, x, 0)
-    _tensor_step(ref, x, 0)
-    assert_same_grads(model, ref)
+    assert_same_step(model, ref, x)
     assert model._memscale_executor.stats["recomputes"] == 2  # outer units only
     memscale.detach(model)
 
@@ -234,8 +211,7 @@ def test_frozen_embeddings_inputs_without_grad():
     ids = token_batch()
     memscale.wrap(model, FORCE, sample_input={"input_ids": ids})
     for seed in range(2):
-        assert torch.equal(_lm_step(model, ids, seed), _lm_step(ref, ids, seed))
-        assert_same_grads(model, ref)
+        assert_same_step(model, ref, ids, seed)
     assert model.transformer.wte.weight.grad is None
     memscale.detach(model)
 

@@ -18,10 +18,9 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import memscale
-from conftest import hook_count, run_blocked, tiny_bert, tiny_gpt2
+from conftest import FORCE, hook_count, run_blocked, tiny_bert, tiny_gpt2
 from memscale.integrations.hf import MemScaleCallback
 
-FORCE = memscale.Config(mode="conservative", force_optimize=True)
 STEPS = 4  # warm-up profiles steps 1-2, the plan applies from step 3
 LAYERS = 3  # transformer blocks of the tiny models
 

@@ -21,10 +21,9 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import memscale
-from conftest import Block, hook_count, run_blocked
+from conftest import FORCE, Block, hook_count, run_blocked
 from memscale.integrations.lightning import MemScaleCallback
 
-FORCE = memscale.Config(mode="conservative", force_optimize=True)
 STEPS = 4
 BLOCKS = 4
 

@@ -11,10 +11,8 @@ import torch
 from torch import nn
 
 import memscale
-from conftest import (Block, assert_same_grads, hook_count, mlp, tiny_gpt2,
+from conftest import (FORCE, Block, assert_same_grads, hook_count, mlp, tiny_gpt2,
                       token_batch, twins)
-
-FORCE = memscale.Config(mode="conservative", force_optimize=True)
 
 
 @pytest.mark.parametrize("with_sample", [True, False])

@@ -22,8 +22,8 @@ import memscale
 from memscale import _core
 from memscale.offload import HostTier
 
-from conftest import (CNN, assert_same_grads, hook_count, mlp, tiny_bert,
-                      tiny_gpt2, token_batch, twins)
+from conftest import (CNN, assert_same_grads, assert_same_step, hook_count, loss_of, mlp,
+                      tiny_bert, tiny_gpt2, token_batch, twins)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,11 +49,6 @@ def spill_fds(path: str) -> list[int]:
     return fds
 
 
-def loss_of(model, inp):
-    out = model(inp, labels=inp) if hasattr(model, "config") else model(inp)
-    return out.loss if hasattr(out, "loss") else out.float().pow(2).mean()
-
-
 MODELS = {
     "mlp": (lambda: mlp(depth=4, width=32, p=0.1), lambda: torch.randn(4, 8, 32)),
     "gpt2": (tiny_gpt2, token_batch),
@@ -74,11 +69,7 @@ def test_gradients_bitwise_with_offload(name, async_offload):
     tiers = [layer.tier for layer in ex.plan.layers]
     assert "disk" in tiers and set(tiers) <= {"disk", "device"}
     for step in range(2):  # dropout: the recompute replays the same masks
-        for model in (a, b):
-            torch.manual_seed(step)
-            model.zero_grad(set_to_none=True)
-            loss_of(model, inp).backward()
-        assert_same_grads(a, b)
+        assert_same_step(a, b, inp, seed=step)
     stats = ex.offload_store.stats
     assert stats["tensors_written"] > 0
     assert stats["write_failures"] == 0
@@ -96,9 +87,7 @@ def test_async_prefetches_in_backward():
     a, b = twins(lambda: mlp(depth=6, width=32))
     inp = torch.randn(4, 8, 32)
     memscale.wrap(a, offload_config(True, prefetch_depth=2), sample_input=inp)
-    loss_of(a, inp).backward()
-    loss_of(b, inp).backward()
-    assert_same_grads(a, b)
+    assert_same_step(a, b, inp)
     stats = a._memscale_executor.offload_store.stats
     assert stats["prefetched"] > 0
     memscale.detach(a)

@@ -12,9 +12,7 @@ from torch import nn
 
 import memscale
 from memscale import _core
-from conftest import assert_same_grads, mlp, twins
-
-FORCE = memscale.Config(mode="conservative", force_optimize=True)
+from conftest import FORCE, assert_same_grads, mlp, twins
 
 
 def _top_hooks():

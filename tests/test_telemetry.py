@@ -16,9 +16,7 @@ from torch import nn
 
 import memscale
 from memscale import _telemetry
-from conftest import CNN, hook_count, mlp, tiny_gpt2, token_batch
-
-FORCE = memscale.Config(mode="conservative", force_optimize=True)
+from conftest import CNN, FORCE, hook_count, mlp, tiny_gpt2, token_batch
 
 
 @pytest.fixture(autouse=True)

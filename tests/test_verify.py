@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import memscale
-from conftest import CNN, hook_count, mlp, tiny_bert, tiny_gpt2, token_batch, twins
+from conftest import CNN, hook_count, loss_of, mlp, tiny_bert, tiny_gpt2, token_batch, twins
 from memscale import _verify
 
 VERIFY = memscale.Config(mode="conservative", force_optimize=True,
@@ -40,10 +40,6 @@ def broken_model() -> nn.Module:
     return nn.Sequential(*[PythonDropout() for _ in range(3)])
 
 
-def _hf_step(model, ids):
-    return model(input_ids=ids, labels=ids).loss
-
-
 def _noisy_step(m, x):
     """Draws from every RNG between forward and backward: the replay, which
     runs inside backward, must leave the streams where they were."""
@@ -64,7 +60,7 @@ def _bn_step(m, x):
 CASES = {
     "mlp-dropout": (lambda: mlp(p=0.1), lambda: torch.randn(8, 32), _noisy_step),
     "cnn-batchnorm": (CNN, lambda: torch.randn(4, 3, 8, 8), _bn_step),
-    "gpt2-dropout": (tiny_gpt2, token_batch, _hf_step),
+    "gpt2-dropout": (tiny_gpt2, token_batch, loss_of),
     # The loss uses both outputs: the model's own loss and its logits.
     "bert-two-outputs": (tiny_bert, token_batch,
                          lambda m, x: (lambda o: o.loss + o.logits.pow(2).mean())(
