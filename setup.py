@@ -14,6 +14,7 @@ Environment switches:
                        runtime preloaded; see tests/README or .ci/sanitize)
 """
 
+import glob
 import os
 
 from setuptools import Extension, setup
@@ -30,6 +31,9 @@ SOURCES = [
     "csrc/tiling.c",
     "csrc/solver.c",
 ]
+
+# Every header: a change to one rebuilds the extension.
+DEPENDS = sorted(glob.glob("csrc/*.h"))
 
 # POSIX 2008 for openat/pread/pwrite under -std=c11; -pthread for the
 # offload I/O thread.
@@ -53,7 +57,7 @@ setup(
         Extension(
             "memscale._core",
             sources=SOURCES,
-            depends=["csrc/ms.h", "csrc/engine.h", "csrc/memory.h"],
+            depends=DEPENDS,
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             libraries=["m"],

@@ -18,7 +18,7 @@
  * are checked; the loop runs with the GIL released, its blocks split over
  * `threads` POSIX threads (they share nothing but read-only arguments).
  */
-#include "ms.h"
+#include "adam8bit.h"
 
 #include <math.h>
 #include <pthread.h>

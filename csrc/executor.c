@@ -16,7 +16,13 @@
  * (a Frame, or None when nothing is done) and its forward hook pops one, so
  * pre- and post-hooks stay paired whatever raises in between.
  */
-#include "ms.h"
+#include "executor.h"
+
+#include "engine.h"
+#include "plan.h"
+#include "profiler.h"
+#include "spill.h"
+#include "tiling.h"
 
 #include <string.h>
 #include <time.h>

@@ -6,7 +6,15 @@
  * object, so the module can be re-imported (and used from sub-interpreters
  * that support it) without globals.
  */
-#include "ms.h"
+#include "state.h"
+
+#include "adam8bit.h"
+#include "engine.h"
+#include "executor.h"
+#include "plan.h"
+#include "profiler.h"
+#include "spill.h"
+#include "tiling.h"
 
 #include <string.h>
 

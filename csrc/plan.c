@@ -7,7 +7,9 @@
  * the same model, hardware and Config give the same bytes and the same
  * SHA-256 hash.
  */
-#include "ms.h"
+#include "plan.h"
+
+#include "engine.h"
 
 #include <limits.h>
 #include <math.h>

@@ -9,7 +9,9 @@
  * repeatable where timings are not.  The same code measures a real pass, a
  * pass on fake tensors (static profiling) and the user's first steps.
  */
-#include "ms.h"
+#include "profiler.h"
+
+#include "engine.h"
 
 #include <stdio.h>
 #include <stdlib.h>

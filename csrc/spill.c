@@ -27,7 +27,7 @@
  * it once through its log callback; a read that fails or (debug) whose
  * checksum differs raises.
  */
-#include "ms.h"
+#include "spill.h"
 
 #include <errno.h>
 #include <fcntl.h>

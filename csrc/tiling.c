@@ -14,7 +14,9 @@
  * frame, each recomputed on its own in backward) and by tile_call(), which
  * the profile-time verification uses to compare tiled with untiled.
  */
-#include "ms.h"
+#include "tiling.h"
+
+#include "engine.h"
 
 /* Nested tuples/lists deeper than this are passed whole. */
 #define MAX_DEPTH 2

@@ -1,0 +1,30 @@
+/*
+ * profiler.h: the Profiler type, the planning units and the hook helpers
+ * (profiler.c).
+ */
+#ifndef MEMSCALE_PROFILER_H
+#define MEMSCALE_PROFILER_H
+
+#include "state.h"
+
+/* Create the Profiler type into the module state. */
+int ms_profiler_init_types(PyObject *module, ms_state *st);
+
+/* Register owner.<pre_name> / owner.<post_name> as forward pre-hook (with
+   kwargs) and always-called forward hook of every module of `units`,
+   appending the removable handles to the list `handles`. */
+int ms_register_unit_hooks(ms_state *st, PyObject *owner, PyObject *units,
+                           PyObject *handles, PyObject *pre_name,
+                           PyObject *post_name);
+/* Remove every handle of the list and empty it; the first error wins. */
+int ms_remove_handles(ms_state *st, PyObject *handles);
+/* Module function find_units(model). */
+PyObject *ms_find_units(PyObject *module, PyObject *model);
+/* Append (tensor, tensor._version) for every tensor in obj (nested in
+   tuples, lists and dict values) to the list out. */
+int ms_collect_versions(ms_state *st, PyObject *obj, PyObject *out);
+/* Module function detect_hardware(device_type, index=0). */
+PyObject *ms_detect_hardware(PyObject *module, PyObject *args,
+                             PyObject *kwargs);
+
+#endif /* MEMSCALE_PROFILER_H */
