@@ -36,8 +36,8 @@ typedef struct {
     int64_t n;
     int64_t block;
     float lr, beta1, beta2, eps, wd, bc1, bc2_sqrt;
-    int64_t first_block, end_block;  /* the blocks this worker updates */
-    uint64_t seed;                   /* stochastic rounding: from step */
+    int64_t first_block, end_block; /* the blocks this worker updates */
+    uint64_t seed;                  /* stochastic rounding: from step */
 } step_args;
 
 /* SplitMix64's finalizer: a well-mixed 64-bit hash. */
@@ -84,7 +84,8 @@ run_step(const step_args *a)
             float mk = b1 * ((float)qm[k] * dm) + c1 * g[k];
             float rk0 = (float)qv[k] * dv;
             float rk = sqrtf(b2 * rk0 * rk0 + c2 * g[k] * g[k]);
-            param[k] = param[k] * decay - step_size * mk / (rk * inv_bc2 + a->eps);
+            param[k] = param[k] * decay
+                       - step_size * mk / (rk * inv_bc2 + a->eps);
             m[k] = mk;
             r[k] = rk;
             amax_m = fmaxf(amax_m, fabsf(mk));
@@ -119,7 +120,9 @@ run_step(const step_args *a)
             if (fv < 1.0f && r[k] > 0.0f) {
                 fv = 1.0f;
             }
-            qm_out[k] = (int8_t)(fm > 127.0f ? 127.0f : fm < -127.0f ? -127.0f : fm);
+            qm_out[k] = (int8_t)(fm > 127.0f    ? 127.0f
+                                 : fm < -127.0f ? -127.0f
+                                                : fm);
             qv_out[k] = (uint8_t)(fv > 255.0f ? 255.0f : fv);
         }
     }
@@ -160,9 +163,9 @@ run_parallel(const step_args *a, int threads)
         part[t] = *a;
         part[t].first_block = nblocks * t / threads;
         part[t].end_block = nblocks * (t + 1) / threads;
-        started[t] = t > 0
-                     && pthread_create(&tid[t], NULL, run_step_thread,
-                                       &part[t]) == 0;
+        started[t] =
+            t > 0
+            && pthread_create(&tid[t], NULL, run_step_thread, &part[t]) == 0;
     }
     for (int t = 0; t < threads; t++) {
         if (!started[t]) {
@@ -252,10 +255,21 @@ checked_ptr(ms_state *st, PyObject *t, const char *what,
 PyObject *
 ms_adamw8bit_step(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_scale",
-                             "exp_avg_sq", "exp_avg_sq_scale", "lr", "beta1",
-                             "beta2", "eps", "weight_decay", "step", "block",
-                             "threads", NULL};
+    static char *kwlist[] = {"param",
+                             "grad",
+                             "exp_avg",
+                             "exp_avg_scale",
+                             "exp_avg_sq",
+                             "exp_avg_sq_scale",
+                             "lr",
+                             "beta1",
+                             "beta2",
+                             "eps",
+                             "weight_decay",
+                             "step",
+                             "block",
+                             "threads",
+                             NULL};
     ms_state *st = ms_get_state(module);
     PyObject *tp, *tg, *tqm, *tsm, *tqv, *tsv;
     double lr, beta1, beta2, eps, wd;

@@ -219,9 +219,8 @@ slowdown(const ms_problem *p, const ms_layer *layers, size_t n,
     if (!(p->total_flops > 0.0) || !(p->flop_rate > 0.0)) {
         return 1.0;
     }
-    ms_solver_problem sp = solver_problem(p, MS_TECH_CHECKPOINT
-                                                 | MS_TECH_OFFLOAD
-                                                 | MS_TECH_TILING, 0);
+    ms_solver_problem sp = solver_problem(
+        p, MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING, 0);
     double extra = 0.0;
     for (size_t i = 0; i < n; i++) {
         if (!(out[i].techniques & MS_TECH_CHECKPOINT)) {
@@ -269,9 +268,9 @@ solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
             free(c);
             return -1;
         }
-        res->min_budget = ms_offset_peak(
-            ms_add_sat(ms_add_sat(p->fixed_bytes, rest), worst),
-            p->plan_offset_bytes);
+        res->min_budget =
+            ms_offset_peak(ms_add_sat(ms_add_sat(p->fixed_bytes, rest), worst),
+                           p->plan_offset_bytes);
         free(c);
         return 0;
     }
@@ -305,12 +304,14 @@ solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
         }
     }
     ms_mem_terms terms = {r.end_bytes, r.recompute_bytes, n};
-    res->peak_projected =
-        ms_mem_peak(&terms, n, ms_add_sat(p->fixed_bytes, rest),
-                    p->peak_offset_bytes, p->plan_offset_bytes, NULL);
+    res->peak_projected = ms_mem_peak(&terms, n,
+                                      ms_add_sat(p->fixed_bytes, rest),
+                                      p->peak_offset_bytes,
+                                      p->plan_offset_bytes, NULL);
     res->fits = res->peak_projected <= p->budget_bytes;
-    res->recompute_ratio =
-        p->total_flops > 0.0 ? r.recompute_flops / p->total_flops : 0.0;
+    res->recompute_ratio = p->total_flops > 0.0
+                               ? r.recompute_flops / p->total_flops
+                               : 0.0;
     res->predicted_slowdown = slowdown(p, layers, n, out);
     free(c);
     return 1;
@@ -347,12 +348,12 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
                      | (p->allowed & MS_TECH_TILING))
                     & p->allowed;
 
-    res->peak_unoptimized = ms_offset_peak(
-        ms_add_sat(ms_add_sat(p->fixed_bytes, rest), in_layers),
-        p->peak_offset_bytes);
-    res->pressure = p->budget_bytes > 0
-                        ? (double)res->peak_unoptimized / (double)p->budget_bytes
-                        : 0.0;
+    res->peak_unoptimized =
+        ms_offset_peak(ms_add_sat(ms_add_sat(p->fixed_bytes, rest), in_layers),
+                       p->peak_offset_bytes);
+    res->pressure = p->budget_bytes > 0 ? (double)res->peak_unoptimized
+                                              / (double)p->budget_bytes
+                                        : 0.0;
     res->skipped = !p->force && res->peak_unoptimized <= p->budget_bytes;
 
     size_t ncand = 0;
@@ -383,7 +384,8 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
 
     res->min_budget = -1;
     res->predicted_slowdown = 1.0;
-    if (p->solver && !res->skipped && !p->force && (base & MS_TECH_CHECKPOINT)) {
+    if (p->solver && !res->skipped && !p->force && (base & MS_TECH_CHECKPOINT))
+    {
         int rc = solve(p, layers, n, out, res, base, rest);
         if (rc != 0) {
             free(c);
@@ -481,8 +483,8 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
         }
     }
     res->peak_projected = peak;
-    res->recompute_ratio =
-        p->total_flops > 0.0 ? recomputed / p->total_flops : 0.0;
+    res->recompute_ratio = p->total_flops > 0.0 ? recomputed / p->total_flops
+                                                : 0.0;
     res->fits = peak <= p->budget_bytes;
     res->predicted_slowdown = slowdown(p, layers, n, out);
     free(c);

@@ -38,15 +38,15 @@ typedef enum {
 
 /* Why a layer got what it got.  Names: ms_rule_name(). */
 typedef enum {
-    MS_RULE_SMART_SKIP = 0,     /* the model fits comfortably: left alone */
-    MS_RULE_FORCE_ALL,          /* force_optimize: base techniques everywhere */
-    MS_RULE_PRESSURE,           /* chosen, in savings order, to fit budget */
-    MS_RULE_FITS,               /* not needed: the budget is met without it */
-    MS_RULE_DISABLED,           /* no technique of the mode is enabled */
-    MS_RULE_INPLACE_INPUT,      /* modifies its input in place: unsafe */
-    MS_RULE_NOT_CALLED,         /* never ran while profiling */
-    MS_RULE_NO_SAVINGS,         /* keeps as much as it would free */
-    MS_RULE_SOLVER,             /* the budget planner's least-overhead plan */
+    MS_RULE_SMART_SKIP = 0, /* the model fits comfortably: left alone */
+    MS_RULE_FORCE_ALL,      /* force_optimize: base techniques everywhere */
+    MS_RULE_PRESSURE,       /* chosen, in savings order, to fit budget */
+    MS_RULE_FITS,           /* not needed: the budget is met without it */
+    MS_RULE_DISABLED,       /* no technique of the mode is enabled */
+    MS_RULE_INPLACE_INPUT,  /* modifies its input in place: unsafe */
+    MS_RULE_NOT_CALLED,     /* never ran while profiling */
+    MS_RULE_NO_SAVINGS,     /* keeps as much as it would free */
+    MS_RULE_SOLVER,         /* the budget planner's least-overhead plan */
     MS_RULE_COUNT
 } ms_rule;
 
@@ -54,15 +54,16 @@ typedef enum {
 enum {
     MS_LAYER_INPLACE_INPUT = 1u << 0,
     MS_LAYER_NOT_CALLED = 1u << 1,
-    MS_LAYER_TILEABLE = 1u << 2, /* may be tiled (verified when it first runs) */
+    /* may be tiled (verified when it first runs) */
+    MS_LAYER_TILEABLE = 1u << 2,
 };
 
 typedef struct {
-    int64_t param_bytes;  /* parameters owned by the layer */
-    int64_t saved_bytes;  /* activations it saves for backward */
-    int64_t input_bytes;  /* inputs checkpointing keeps instead */
-    double flops;         /* forward cost */
-    unsigned flags;       /* MS_LAYER_* */
+    int64_t param_bytes; /* parameters owned by the layer */
+    int64_t saved_bytes; /* activations it saves for backward */
+    int64_t input_bytes; /* inputs checkpointing keeps instead */
+    double flops;        /* forward cost */
+    unsigned flags;      /* MS_LAYER_* */
 } ms_layer;
 
 typedef struct {
@@ -75,8 +76,8 @@ typedef struct {
     double total_flops;        /* forward cost of the whole model */
     int64_t min_offload_bytes; /* inputs smaller than this stay */
     int host_tier;             /* the device has a separate host RAM */
-    int64_t host_cap_bytes;    /* offload bytes host RAM may take; < 0: no cap */
-    int disk_tier;             /* spilling to disk is allowed */
+    int64_t host_cap_bytes; /* offload bytes host RAM may take; < 0: no cap */
+    int disk_tier;          /* spilling to disk is allowed */
     int64_t peak_offset_bytes; /* signed correction of every peak estimate:
                                   the OOM predictor's unoptimized peak minus
                                   this model's (0 without a prediction) */
@@ -85,22 +86,22 @@ typedef struct {
     /* The budget planner (solver.c): used when solver is set, the model
        does not fit and force is off.  Costs: */
     int solver;
-    double flop_rate;          /* FLOP/s (> 0 when solver is set) */
-    double offload_bw;         /* bytes/s to the offload tier */
+    double flop_rate;  /* FLOP/s (> 0 when solver is set) */
+    double offload_bw; /* bytes/s to the offload tier */
     int async_offload;
-    double tile_overhead;      /* seconds per extra tile call */
-    int max_segment;           /* longest checkpoint segment */
-    int resolution;            /* memory buckets of the DP */
+    double tile_overhead; /* seconds per extra tile call */
+    int max_segment;      /* longest checkpoint segment */
+    int resolution;       /* memory buckets of the DP */
 } ms_problem;
 
 typedef struct {
-    unsigned techniques;  /* MS_TECH_* */
+    unsigned techniques; /* MS_TECH_* */
     ms_rule rule;
-    ms_tier tier;         /* MS_TIER_DEVICE unless offloaded */
-    int64_t bytes_saved;  /* predicted, while the layer waits for backward */
-    int tiles;            /* > 1: run in this many tiles (MS_TECH_TILING) */
-    int segment;          /* checkpointed: the first layer of its segment
-                             (itself when alone); -1 otherwise */
+    ms_tier tier;        /* MS_TIER_DEVICE unless offloaded */
+    int64_t bytes_saved; /* predicted, while the layer waits for backward */
+    int tiles;           /* > 1: run in this many tiles (MS_TECH_TILING) */
+    int segment;         /* checkpointed: the first layer of its segment
+                            (itself when alone); -1 otherwise */
 } ms_choice;
 
 typedef struct {
@@ -128,40 +129,40 @@ const char *ms_tier_name(ms_tier tier);
  * Plan n layers.  out has room for n choices.  Returns 0, or -1 when memory
  * for the work arrays cannot be had (nothing is written then).
  */
-int ms_engine_plan(const ms_problem *problem, const ms_layer *layers,
-                   size_t n, ms_choice *out, ms_result *result);
+int ms_engine_plan(const ms_problem *problem, const ms_layer *layers, size_t n,
+                   ms_choice *out, ms_result *result);
 
 /* ---- The budget planner (solver.c) ---------------------------------- */
 
 typedef struct {
-    int64_t budget_bytes;      /* what a recompute term of the peak may hold:
-                                  held before a segment + its recompute */
-    int64_t end_extra;         /* the end-of-forward term (everything held)
-                                  may hold budget_bytes + end_extra */
-    unsigned allowed;          /* MS_TECH_* the solver may use */
-    double flop_rate;          /* FLOP/s: forward FLOPs to seconds (> 0) */
-    double offload_bw;         /* bytes/s each way to the offload tier; 0: none */
-    int async_offload;         /* transfers overlap compute */
+    int64_t budget_bytes; /* what a recompute term of the peak may hold:
+                             held before a segment + its recompute */
+    int64_t end_extra;    /* the end-of-forward term (everything held)
+                             may hold budget_bytes + end_extra */
+    unsigned allowed;     /* MS_TECH_* the solver may use */
+    double flop_rate;     /* FLOP/s: forward FLOPs to seconds (> 0) */
+    double offload_bw;    /* bytes/s each way to the offload tier; 0: none */
+    int async_offload;    /* transfers overlap compute */
     int64_t min_offload_bytes; /* smaller inputs are not offloaded */
     double tile_overhead;      /* seconds per extra call of a tiled layer */
-    int max_segment;           /* longest checkpoint segment, in layers (>= 1) */
-    int resolution;            /* memory buckets of the DP (>= 1) */
+    int max_segment; /* longest checkpoint segment, in layers (>= 1) */
+    int resolution;  /* memory buckets of the DP (>= 1) */
 } ms_solver_problem;
 
 typedef struct {
-    int seg_start;  /* -1: kept; else the first layer of its segment */
-    int offload;    /* the segment's stored input is offloaded (first layer) */
-    int tiles;      /* 1, or a power of two up to MS_MAX_TILES (a one-layer
-                       segment) */
+    int seg_start; /* -1: kept; else the first layer of its segment */
+    int offload;   /* the segment's stored input is offloaded (first layer) */
+    int tiles;     /* 1, or a power of two up to MS_MAX_TILES (a one-layer
+                      segment) */
 } ms_solver_choice;
 
 typedef struct {
     int feasible;
-    int64_t peak_bytes;       /* max(end - end_extra, worst recompute): the
-                                 plan fits when this is <= budget_bytes */
-    int64_t end_bytes;        /* held at the end of the forward, exact */
-    int64_t recompute_bytes;  /* the worst recompute term, exact */
-    double overhead_seconds;  /* recompute + offload + tile calls */
+    int64_t peak_bytes;      /* max(end - end_extra, worst recompute): the
+                                plan fits when this is <= budget_bytes */
+    int64_t end_bytes;       /* held at the end of the forward, exact */
+    int64_t recompute_bytes; /* the worst recompute term, exact */
+    double overhead_seconds; /* recompute + offload + tile calls */
     double recompute_flops;
 } ms_solver_result;
 

@@ -32,23 +32,23 @@ typedef struct Executor Executor;
 typedef struct {
     PyObject_HEAD
     Executor *ex;
-    Py_ssize_t index;      /* unit index, for messages */
-    PyObject *unit;        /* the module */
-    PyObject *args;        /* tuple */
-    PyObject *kwargs;      /* dict */
-    PyObject *versions;    /* list of (tensor, version) of the inputs */
-    PyObject *rng_cpu;     /* ByteTensor */
-    PyObject *rng_cuda;    /* list of ByteTensor, or NULL */
+    Py_ssize_t index;   /* unit index, for messages */
+    PyObject *unit;     /* the module */
+    PyObject *args;     /* tuple */
+    PyObject *kwargs;   /* dict */
+    PyObject *versions; /* list of (tensor, version) of the inputs */
+    PyObject *rng_cpu;  /* ByteTensor */
+    PyObject *rng_cuda; /* list of ByteTensor, or NULL */
     PyObject *cpu_dtype;
-    PyObject *cuda_dtype;  /* NULL unless CUDA was initialized */
-    PyObject *ctx;         /* saved_tensors_hooks while the forward runs */
-    PyObject *shapes;      /* list: shape of each packed tensor */
-    PyObject *recomputed;  /* list, NULL before the first recompute */
-    PyObject *offloaded;   /* list of (0, index) / (1, key): inputs whose
-                              slot in args / kwargs holds an offload record,
-                              or NULL */
+    PyObject *cuda_dtype; /* NULL unless CUDA was initialized */
+    PyObject *ctx;        /* saved_tensors_hooks while the forward runs */
+    PyObject *shapes;     /* list: shape of each packed tensor */
+    PyObject *recomputed; /* list, NULL before the first recompute */
+    PyObject *offloaded;  /* list of (0, index) / (1, key): inputs whose
+                             slot in args / kwargs holds an offload record,
+                             or NULL */
     Py_ssize_t rpos;
-    Py_ssize_t rend;       /* the recompute stops once rpos reaches this */
+    Py_ssize_t rend; /* the recompute stops once rpos reaches this */
     /* Tiling: the forward ran in `tiles` slices along `dim`; tile j packed
        the saved tensors [tile_end[j - 1], tile_end[j]) and recomputes on
        its own, from RNG state tile_rng[j]. tile_end is NULL otherwise. */
@@ -62,14 +62,14 @@ typedef struct {
        first unit's inputs: one (unit, position, args, kwargs, rng_cpu,
        rng_cuda or None) tuple per later unit, whose args hold None at
        `position`, where the previous unit's output goes. */
-    PyObject *seg_units;     /* list, or NULL for a single unit */
-    PyObject *seg_out;       /* the last unit's output tensor while the
-                                segment waits for its next unit */
-    PyObject *cur_unit;      /* the unit running in this frame (borrowed
-                                from ex->units) */
+    PyObject *seg_units;       /* list, or NULL for a single unit */
+    PyObject *seg_out;         /* the last unit's output tensor while the
+                                  segment waits for its next unit */
+    PyObject *cur_unit;        /* the unit running in this frame (borrowed
+                                  from ex->units) */
     PyObject *seg_out_version; /* seg_out._version when it was stored */
-    int seg_id;              /* the plan's segment (first unit index) */
-    Py_ssize_t seg_next;     /* the unit index expected next */
+    int seg_id;                /* the plan's segment (first unit index) */
+    Py_ssize_t seg_next;       /* the unit index expected next */
     int cpu_autocast;
     int cuda_autocast;
     int recomputing;
@@ -83,7 +83,7 @@ typedef struct {
 
 struct Executor {
     PyObject_HEAD
-    PyObject *module;       /* memscale._core */
+    PyObject *module; /* memscale._core */
     ms_state *st;
     PyObject *model_ref;    /* weakref to the root module */
     PyObject *units;        /* list of modules */
@@ -98,16 +98,16 @@ struct Executor {
     PyObject *stack;        /* Frame or None per active planned call */
     PyObject *tile_verifier; /* verifier(unit, forward, args, kwargs, tiles)
                                 -> dim or None, or None */
-    PyObject *amp_device;   /* autocast device type (str), or None */
-    PyObject *amp_dtype;    /* autocast dtype, or None */
-    PyObject *amp_stack;    /* per root call: the entered autocast, or None */
-    PyObject *open_seg;     /* a segment Frame between two of its units */
-    int *segments;          /* per unit, from the plan: segment or -1 */
-    PyObject *store;        /* SpillStore (disk tier) or None */
-    PyObject *host;         /* host tier for device tensors, or None */
+    PyObject *amp_device;    /* autocast device type (str), or None */
+    PyObject *amp_dtype;     /* autocast dtype, or None */
+    PyObject *amp_stack;     /* per root call: the entered autocast, or None */
+    PyObject *open_seg;      /* a segment Frame between two of its units */
+    int *segments;           /* per unit, from the plan: segment or -1 */
+    PyObject *store;         /* SpillStore (disk tier) or None */
+    PyObject *host;          /* host tier for device tensors, or None */
     unsigned *masks;
     int *tiles;             /* per unit, from the plan */
-    unsigned char *buffers;  /* per unit: BUF_UNKNOWN / BUF_MUTATED / ... */
+    unsigned char *buffers; /* per unit: BUF_UNKNOWN / BUF_MUTATED / ... */
     Py_ssize_t n;
     long warmup_steps;
     long steps;             /* forward passes seen with grad, training */
@@ -117,7 +117,7 @@ struct Executor {
     long long recompute_ns; /* wall time spent recomputing */
     long long tiled_calls;  /* forwards run in tiles */
     int recompute_depth;
-    int paused;             /* > 0: hooks do nothing (see pause()) */
+    int paused; /* > 0: hooks do nothing (see pause()) */
     int active_frames;
     int root_in_pass;
     int attached;
@@ -262,7 +262,7 @@ frame_new(Executor *ex, Py_ssize_t index, PyObject *unit, PyObject *args,
     f->unit = Py_NewRef(unit);
     f->args = Py_NewRef(args);
     f->kwargs = (kwargs != NULL && kwargs != Py_None) ? PyDict_Copy(kwargs)
-                                                       : PyDict_New();
+                                                      : PyDict_New();
     f->versions = PyList_New(0);
     f->shapes = PyList_New(0);
     f->rng_cpu = f->rng_cuda = f->cpu_dtype = f->cuda_dtype = NULL;
@@ -374,16 +374,17 @@ frame_rpack(Frame *self, PyObject *tensor)
                                       Py_EQ);
     if (eq <= 0) {
         if (eq == 0) {
-            PyErr_Format(PyExc_RuntimeError,
-                         "memscale: recomputing checkpointed layer %R gave a "
-                         "tensor of shape %R where its forward saved %R (saved "
-                         "tensor #%zd). The layer does not run the same way "
-                         "twice: make its forward deterministic or exclude it "
-                         "from checkpointing. A model compiled with "
-                         "torch.compile (other than backend='eager') does "
-                         "this: wrap it uncompiled.",
-                         unit_name(self->ex, self->index), shape,
-                         PyList_GET_ITEM(self->shapes, k), k);
+            PyErr_Format(
+                PyExc_RuntimeError,
+                "memscale: recomputing checkpointed layer %R gave a "
+                "tensor of shape %R where its forward saved %R (saved "
+                "tensor #%zd). The layer does not run the same way "
+                "twice: make its forward deterministic or exclude it "
+                "from checkpointing. A model compiled with "
+                "torch.compile (other than backend='eager') does "
+                "this: wrap it uncompiled.",
+                unit_name(self->ex, self->index), shape,
+                PyList_GET_ITEM(self->shapes, k), k);
         }
         Py_DECREF(shape);
         return NULL;
@@ -883,7 +884,8 @@ replay_segment(Frame *self, PyObject *out)
             return NULL;
         }
         for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(args); k++) {
-            PyTuple_SET_ITEM(call, k, Py_NewRef(k == pos ? x
+            PyTuple_SET_ITEM(call, k,
+                             Py_NewRef(k == pos ? x
                                                 : PyTuple_GET_ITEM(args, k)));
         }
         Py_DECREF(out);
@@ -956,7 +958,8 @@ frame_recompute(Frame *self, Py_ssize_t tile)
                        ? PyList_GET_ITEM(self->tile_rng_cuda, tile)
                        : NULL;
         if (ms_tile_extent(st, self->args, self->kwargs, self->dim, &extent,
-                           &lead_shape) < 0)
+                           &lead_shape)
+            < 0)
         {
             return -1;
         }
@@ -1006,9 +1009,9 @@ frame_recompute(Frame *self, Py_ssize_t tile)
     Py_DECREF(r);
     if (rng_cuda != NULL) {
         cur_cuda = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
-        r = cur_cuda ? PyObject_CallOneArg(st->cuda_set_rng_state_all,
-                                           rng_cuda)
-                     : NULL;
+        r = cur_cuda
+                ? PyObject_CallOneArg(st->cuda_set_rng_state_all, rng_cuda)
+                : NULL;
         if (r == NULL) {
             goto restore;
         }
@@ -1042,23 +1045,29 @@ frame_recompute(Frame *self, Py_ssize_t tile)
     runpack = PyObject_GetAttr((PyObject *)self, st->s_runpack);
     if (rpack == NULL || runpack == NULL
         || enter_into(st, PyObject_CallNoArgs(st->enable_grad), entered) < 0
-        || enter_into(st, make_autocast(st, st->s_cpu, self->cpu_dtype,
-                                        self->cpu_autocast),
-                      entered) < 0
+        || enter_into(st,
+                      make_autocast(st, st->s_cpu, self->cpu_dtype,
+                                    self->cpu_autocast),
+                      entered)
+               < 0
         || (self->cuda_dtype != NULL
-            && enter_into(st, make_autocast(st, st->s_cuda, self->cuda_dtype,
-                                            self->cuda_autocast),
-                          entered) < 0)
+            && enter_into(st,
+                          make_autocast(st, st->s_cuda, self->cuda_dtype,
+                                        self->cuda_autocast),
+                          entered)
+                   < 0)
         || enter_into(st,
                       PyObject_CallFunctionObjArgs(st->saved_tensors_hooks,
                                                    rpack, runpack, NULL),
-                      entered) < 0)
+                      entered)
+               < 0)
     {
         goto leave;
     }
     if (tile >= 0
         && ms_tile_slice(st, self->args, self->kwargs, self->dim, lead_shape,
-                         tile_start, tile_len, &call_args, &call_kwargs) < 0)
+                         tile_start, tile_len, &call_args, &call_kwargs)
+               < 0)
     {
         goto leave;
     }
@@ -1180,8 +1189,7 @@ frame_unpack(Frame *self, PyObject *obj)
         return NULL;
     }
     Py_ssize_t k = ((Handle *)obj)->index;
-    if (self->recomputed == NULL
-        || k >= PyList_GET_SIZE(self->recomputed)
+    if (self->recomputed == NULL || k >= PyList_GET_SIZE(self->recomputed)
         || PyList_GET_ITEM(self->recomputed, k) == Py_None)
     {
         /* First need in this backward (or again, with retain_graph). */
@@ -1382,8 +1390,9 @@ continue_segment(Executor *ex, PyObject *unit, PyObject *args,
         }
     }
     int same = 0;
-    if (k == f->seg_next && ex->segments != NULL && ex->segments[k] == f->seg_id
-        && pos >= 0 && PyTuple_GET_ITEM(args, pos) == f->seg_out)
+    if (k == f->seg_next && ex->segments != NULL
+        && ex->segments[k] == f->seg_id && pos >= 0
+        && PyTuple_GET_ITEM(args, pos) == f->seg_out)
     {
         /* The same tensor, not changed in place since (x.add_(...) between
            the units would be lost on replay). */
@@ -1410,8 +1419,9 @@ continue_segment(Executor *ex, PyObject *unit, PyObject *args,
         goto done;
     }
     for (Py_ssize_t a = 0; a < PyTuple_GET_SIZE(args); a++) {
-        PyTuple_SET_ITEM(held, a, Py_NewRef(a == pos ? Py_None
-                                                     : PyTuple_GET_ITEM(args, a)));
+        PyTuple_SET_ITEM(held, a,
+                         Py_NewRef(a == pos ? Py_None
+                                            : PyTuple_GET_ITEM(args, a)));
     }
     rng_cuda = f->rng_cuda != NULL
                    ? PyObject_CallNoArgs(st->cuda_get_rng_state_all)
@@ -1438,9 +1448,10 @@ continue_segment(Executor *ex, PyObject *unit, PyObject *args,
     }
     pack = PyObject_GetAttr((PyObject *)f, st->s_pack);
     unpack = PyObject_GetAttr((PyObject *)f, st->s_unpack);
-    ctx = (pack && unpack) ? PyObject_CallFunctionObjArgs(st->saved_tensors_hooks,
-                                                         pack, unpack, NULL)
-                           : NULL;
+    ctx = (pack && unpack)
+              ? PyObject_CallFunctionObjArgs(st->saved_tensors_hooks, pack,
+                                             unpack, NULL)
+              : NULL;
     if (ctx == NULL || ms_call_enter(st, ctx) < 0) {
         Py_ssize_t n = PyList_GET_SIZE(f->seg_units);
         (void)PyList_SetSlice(f->seg_units, n - 1, n, NULL);
@@ -1557,13 +1568,14 @@ ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     if (frame != NULL && ((Frame *)frame)->tile_end != NULL) {
         Frame *f = (Frame *)frame;
         if (PyList_GET_SIZE(f->shapes) != f->tile_end[f->tiles - 1]) {
-            PyErr_Format(PyExc_RuntimeError,
-                         "memscale: a hook around tiled layer %R saved tensors "
-                         "for backward outside the layer's tiles, which "
-                         "cannot be recomputed tile by tile. Remove the hook, "
-                         "or turn tiling off (enable_tiling=False, or a mode "
-                         "other than AGGRESSIVE)",
-                         unit_name(ex, f->index));
+            PyErr_Format(
+                PyExc_RuntimeError,
+                "memscale: a hook around tiled layer %R saved tensors "
+                "for backward outside the layer's tiles, which "
+                "cannot be recomputed tile by tile. Remove the hook, "
+                "or turn tiling off (enable_tiling=False, or a mode "
+                "other than AGGRESSIVE)",
+                unit_name(ex, f->index));
             Py_DECREF(frame);
             return NULL;
         }
@@ -1620,9 +1632,9 @@ typedef struct {
     PyObject_HEAD
     Executor *ex;
     PyObject *unit;
-    PyObject *orig;   /* the forward it stands in for */
-    int dim;          /* >= 0, or DIM_UNVERIFIED / DIM_DEMOTED */
-    Py_ssize_t ndim;  /* dimensions of the lead tensor it was verified on */
+    PyObject *orig;  /* the forward it stands in for */
+    int dim;         /* >= 0, or DIM_UNVERIFIED / DIM_DEMOTED */
+    Py_ssize_t ndim; /* dimensions of the lead tensor it was verified on */
 } Tiled;
 
 static int
@@ -1725,7 +1737,8 @@ run_tiles(Tiled *self, Frame *f, PyObject *args, PyObject *kwargs,
         }
         ms_tile_range(f->extent, tiles, j, &start, &len);
         if (ms_tile_slice(st, args, kwargs, f->dim, lead_shape, start, len,
-                          &targs, &tkwargs) < 0)
+                          &targs, &tkwargs)
+            < 0)
         {
             goto error;
         }
@@ -1856,14 +1869,15 @@ tiled_call(Tiled *self, PyObject *args, PyObject *kwargs)
            something else here, so this call runs whole. */
         if (nd == self->ndim
             && ms_tile_extent(ex->st, args, kwargs, self->dim, &extent,
-                              &lead_shape) < 0)
+                              &lead_shape)
+                   < 0)
         {
             goto done;
         }
     }
     int tiles = extent < f->tiles ? (int)extent : f->tiles;
     if (self->dim < 0 || lead_shape == NULL || tiles < 2) {
-        f->tiles = 1;  /* checkpointed whole, as an untiled layer */
+        f->tiles = 1; /* checkpointed whole, as an untiled layer */
         res = PyObject_Call(self->orig, args, kwargs);
         goto done;
     }
@@ -1897,7 +1911,8 @@ static PyGetSetDef tiled_getset[] = {
      "The layer's own forward.", NULL},
     {"dim", (getter)tiled_get_dim, NULL,
      "The tiled dimension, 'unverified' before the first tiled call, or\n"
-     "'demoted' when verification refused tiling.", NULL},
+     "'demoted' when verification refused tiling.",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1919,10 +1934,12 @@ static PyType_Spec tiled_spec = {
     .slots = tiled_slots,
 };
 
+/* clang-format off */
 PyDoc_STRVAR(ex_tiled_forward_doc,
 "tiled_forward($self, index, forward, /)\n--\n\n"
 "A callable to install as unit *index*'s forward: it runs *forward* in\n"
 "tiles when the plan tiles the layer, and unchanged otherwise.");
+/* clang-format on */
 
 static PyObject *
 ex_tiled_forward(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
@@ -1958,11 +1975,13 @@ ex_tiled_forward(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     return (PyObject *)t;
 }
 
+/* clang-format off */
 PyDoc_STRVAR(ex_set_tile_verifier_doc,
 "set_tile_verifier($self, verifier, /)\n--\n\n"
 "verifier(unit, forward, args, kwargs, tiles) -> dim or None is called at\n"
 "a tiled layer's first tiled forward: the dimension to tile along, or\n"
 "None to run the layer untiled (checkpointed whole).");
+/* clang-format on */
 
 static PyObject *
 ex_set_tile_verifier(Executor *ex, PyObject *verifier)
@@ -1999,7 +2018,8 @@ drop_stale(Executor *ex, int warn)
         && PyErr_WarnEx(PyExc_RuntimeWarning,
                         "memscale: a previous forward was interrupted inside "
                         "a checkpointed layer; its hooks were cleaned up",
-                        1) < 0)
+                        1)
+               < 0)
     {
         rc = -1;
     }
@@ -2025,7 +2045,8 @@ root_pre_body(Executor *ex, PyObject *const *args)
         if (PyErr_WarnEx(PyExc_RuntimeWarning,
                          "memscale: a previous forward was interrupted while "
                          "being profiled; its measurements were dropped",
-                         1) < 0)
+                         1)
+            < 0)
         {
             return NULL;
         }
@@ -2044,7 +2065,8 @@ root_pre_body(Executor *ex, PyObject *const *args)
         return NULL;
     }
     if (!grad || !train) {
-        Py_RETURN_NONE; /* evaluation passes are neither counted nor profiled */
+        Py_RETURN_NONE; /* evaluation passes are neither counted nor profiled
+                         */
     }
     ex->forwards++;
     if (HAS(ex->store) && ex->recompute_depth == 0
@@ -2205,7 +2227,8 @@ amp_drop_stale(Executor *ex, int warn)
         && PyErr_WarnEx(PyExc_RuntimeWarning,
                         "memscale: a previous forward was interrupted; the "
                         "mixed-precision autocast it entered was left",
-                        1) < 0)
+                        1)
+               < 0)
     {
         rc = -1;
     }
@@ -2256,10 +2279,12 @@ ex_root_post(Executor *ex, PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
     return root_post_body(ex);
 }
 
+/* clang-format off */
 PyDoc_STRVAR(ex_set_autocast_doc,
 "set_autocast($self, device_type, dtype, /)\n--\n\n"
 "Run every forward of the model under torch.autocast(device_type, dtype);\n"
 "set_autocast(None, None) stops it.");
+/* clang-format on */
 
 static PyObject *
 ex_set_autocast(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
@@ -2310,8 +2335,7 @@ ex_apply_plan(Executor *ex, PyObject *plan)
     int rc = -1;
 
     if (!PyObject_TypeCheck(plan, st->plan_type)) {
-        PyErr_Format(PyExc_TypeError,
-                     "apply() needs a Plan, got %.200s",
+        PyErr_Format(PyExc_TypeError, "apply() needs a Plan, got %.200s",
                      Py_TYPE(plan)->tp_name);
         return -1;
     }
@@ -2343,8 +2367,8 @@ ex_apply_plan(Executor *ex, PyObject *plan)
             goto done;
         }
         if (segments[i] < -1 || segments[i] > i) {
-            PyErr_Format(PyExc_ValueError, "plan layer %zd has segment %d",
-                         i, segments[i]);
+            PyErr_Format(PyExc_ValueError, "plan layer %zd has segment %d", i,
+                         segments[i]);
             goto done;
         }
         if (masks[i] != 0
@@ -2370,12 +2394,13 @@ ex_apply_plan(Executor *ex, PyObject *plan)
     PyMem_Free(ex->segments);
     ex->segments = NULL;
     Py_CLEAR(ex->open_seg);
-    Py_XSETREF(ex->plan, Py_NewRef(Py_None));  /* its hooks are gone */
+    Py_XSETREF(ex->plan, Py_NewRef(Py_None)); /* its hooks are gone */
     pre = PyUnicode_InternFromString("_pre");
     post = PyUnicode_InternFromString("_post");
     if (pre == NULL || post == NULL
         || ms_register_unit_hooks(st, (PyObject *)ex, chosen, ex->handles, pre,
-                                  post) < 0)
+                                  post)
+               < 0)
     {
         goto done;
     }
@@ -2397,9 +2422,11 @@ done:
     return rc;
 }
 
+/* clang-format off */
 PyDoc_STRVAR(ex_apply_doc,
 "apply($self, plan, /)\n--\n\n"
 "Attach the hooks that carry out *plan* (replacing a previous plan's).");
+/* clang-format on */
 
 static PyObject *
 ex_apply(Executor *ex, PyObject *plan)
@@ -2410,10 +2437,12 @@ ex_apply(Executor *ex, PyObject *plan)
     Py_RETURN_NONE;
 }
 
+/* clang-format off */
 PyDoc_STRVAR(ex_start_profiling_doc,
 "start_profiling($self, profiler, on_profiled, /)\n--\n\n"
 "Measure the next warmup_steps training forwards with *profiler*, then\n"
 "call on_profiled(profiler) for a Plan and apply it.");
+/* clang-format on */
 
 static PyObject *
 ex_start_profiling(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
@@ -2446,12 +2475,14 @@ ex_start_profiling(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* clang-format off */
 PyDoc_STRVAR(ex_set_offload_doc,
 "set_offload($self, store, host, /)\n--\n\n"
 "Where offloaded layers send their inputs: *store*, a SpillStore (the disk\n"
 "tier, for CPU tensors), and *host*, an object whose put(tensor) returns a\n"
 "record with get() or None (the host tier, for device tensors); either may\n"
 "be None.");
+/* clang-format on */
 
 static PyObject *
 ex_set_offload(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
@@ -2479,27 +2510,32 @@ ex_set_offload(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* clang-format off */
 PyDoc_STRVAR(ex_pause_doc,
 "pause($self, /)\n--\n\n"
 "Make every hook of this executor do nothing until resume() (nestable):\n"
 "forwards run as without memscale and are not counted.  Not allowed\n"
 "inside a checkpointed layer's forward or a profiled pass.");
+/* clang-format on */
 
 static PyObject *
 ex_pause(Executor *ex, PyObject *Py_UNUSED(ignored))
 {
     if (ex->root_in_pass || (ex->stack && PyList_GET_SIZE(ex->stack) > 0)) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "memscale: cannot pause the executor inside a forward");
+        PyErr_SetString(
+            PyExc_RuntimeError,
+            "memscale: cannot pause the executor inside a forward");
         return NULL;
     }
     ex->paused++;
     Py_RETURN_NONE;
 }
 
+/* clang-format off */
 PyDoc_STRVAR(ex_resume_doc,
 "resume($self, /)\n--\n\n"
 "Undo one pause().");
+/* clang-format on */
 
 static PyObject *
 ex_resume(Executor *ex, PyObject *Py_UNUSED(ignored))
@@ -2513,16 +2549,17 @@ ex_resume(Executor *ex, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* clang-format off */
 PyDoc_STRVAR(ex_detach_doc,
 "detach($self, /)\n--\n\n"
 "Remove every hook this executor attached and drop its references to the\n"
 "model.  Idempotent.");
+/* clang-format on */
 
 static PyObject *
 ex_detach(Executor *ex, PyObject *Py_UNUSED(ignored))
 {
-    if (ex->handles == NULL || ex->root_handles == NULL || ex->units == NULL)
-    {
+    if (ex->handles == NULL || ex->root_handles == NULL || ex->units == NULL) {
         Py_RETURN_NONE; /* cleared by the garbage collector: nothing left */
     }
     int rc = 0;
@@ -2635,8 +2672,7 @@ ex_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     ex->root_handles = PyList_New(0);
     ex->stack = PyList_New(0);
     if (ex->model_ref == NULL || ex->amp_stack == NULL || ex->units == NULL
-        || ex->names == NULL
-        || ex->index_of == NULL || ex->handles == NULL
+        || ex->names == NULL || ex->index_of == NULL || ex->handles == NULL
         || ex->root_handles == NULL || ex->stack == NULL)
     {
         goto error;
@@ -2788,10 +2824,10 @@ ex_get_plan(Executor *ex, void *Py_UNUSED(c))
 static PyObject *
 ex_get_state(Executor *ex, void *Py_UNUSED(c))
 {
-    const char *s = !ex->attached               ? "detached"
-                    : ex->profiler != Py_None   ? "profiling"
-                    : ex->plan != Py_None       ? "applied"
-                                                : "idle";
+    const char *s = !ex->attached             ? "detached"
+                    : ex->profiler != Py_None ? "profiling"
+                    : ex->plan != Py_None     ? "applied"
+                                              : "idle";
     return PyUnicode_FromString(s);
 }
 
@@ -2817,7 +2853,8 @@ ex_get_stats(Executor *ex, void *Py_UNUSED(c))
 {
     Py_ssize_t hooks = 0;
     if (ex->handles != NULL && ex->root_handles != NULL) {
-        hooks = PyList_GET_SIZE(ex->handles) + PyList_GET_SIZE(ex->root_handles);
+        hooks = PyList_GET_SIZE(ex->handles)
+                + PyList_GET_SIZE(ex->root_handles);
     }
     return Py_BuildValue("{slsLsLsLsdsisnsL}", "steps", ex->steps,
                          "checkpoint_frames", ex->frames, "recomputes",
@@ -2839,8 +2876,8 @@ static PyMethodDef ex_methods[] = {
      METH_FASTCALL, ex_start_profiling_doc},
     {"detach", (PyCFunction)ex_detach, METH_NOARGS, ex_detach_doc},
     {"pause", (PyCFunction)ex_pause, METH_NOARGS, ex_pause_doc},
-    {"set_offload", (PyCFunction)(void (*)(void))ex_set_offload,
-     METH_FASTCALL, ex_set_offload_doc},
+    {"set_offload", (PyCFunction)(void (*)(void))ex_set_offload, METH_FASTCALL,
+     ex_set_offload_doc},
     {"resume", (PyCFunction)ex_resume, METH_NOARGS, ex_resume_doc},
     {"tiled_forward", (PyCFunction)(void (*)(void))ex_tiled_forward,
      METH_FASTCALL, ex_tiled_forward_doc},
@@ -2868,17 +2905,16 @@ static PyGetSetDef ex_getset[] = {
      "checkpoint_frames, recomputes, training_forwards, recompute_seconds,\n"
      "active_frames, hooks, tiled_calls.",
      NULL},
-    {"layer_names", (getter)ex_get_names, NULL,
-     "Names of the planning units.", NULL},
+    {"layer_names", (getter)ex_get_names, NULL, "Names of the planning units.",
+     NULL},
     {"autocast", (getter)ex_get_autocast, NULL,
      "(device_type, dtype) every forward runs under, or None.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyType_Slot ex_slots[] = {
-    {Py_tp_doc,
-     "Executor(model, units, *, warmup_steps=2)\n--\n\n"
-     "Carries out a memscale plan on a model through hooks."},
+    {Py_tp_doc, "Executor(model, units, *, warmup_steps=2)\n--\n\n"
+                "Carries out a memscale plan on a model through hooks."},
     {Py_tp_new, ex_new},
     {Py_tp_dealloc, ex_dealloc},
     {Py_tp_traverse, ex_traverse},

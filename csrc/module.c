@@ -133,6 +133,7 @@ error:
 
 /* ------------------------------------------------------------------ */
 
+/* clang-format off */
 PyDoc_STRVAR(find_units_doc,
 "find_units($module, model, /)\n--\n\n"
 "Return the planning units of *model* as a list of (name, module) pairs.\n\n"
@@ -140,6 +141,7 @@ PyDoc_STRVAR(find_units_doc,
 "blocks of a transformer) are units; without such a container, the\n"
 "top-level children are, split recursively where one holds more than half\n"
 "of the parameters.");
+/* clang-format on */
 
 static PyObject *
 find_units(PyObject *module, PyObject *model)
@@ -147,11 +149,14 @@ find_units(PyObject *module, PyObject *model)
     return ms_find_units(module, model);
 }
 
+/* clang-format off */
 PyDoc_STRVAR(detect_hardware_doc,
 "detect_hardware($module, /, device_type, index=0)\n--\n\n"
 "Describe the device a model trains on: a dict with device, index, count,\n"
 "capacity_bytes, bf16 and name.  CPU capacity is the host's RAM.");
+/* clang-format on */
 
+/* clang-format off */
 PyDoc_STRVAR(build_plan_doc,
 "build_plan($module, /, layers, *, mode, allowed, force, budget_bytes,\n"
 "           fixed_bytes, activation_bytes, total_flops, device,\n"
@@ -164,7 +169,9 @@ PyDoc_STRVAR(build_plan_doc,
 "layers is a sequence of (name, kind, param_bytes, saved_bytes,\n"
 "input_bytes, flops, flags) tuples as the profiler reports them.\n"
 "plan_offset_bytes=None (or absent) uses peak_offset_bytes for plans too.");
+/* clang-format on */
 
+/* clang-format off */
 PyDoc_STRVAR(adamw8bit_doc,
 "adamw8bit_step($module, /, param, grad, exp_avg, exp_avg_scale,\n"
 "               exp_avg_sq, exp_avg_sq_scale, *, lr, beta1, beta2, eps,\n"
@@ -173,12 +180,15 @@ PyDoc_STRVAR(adamw8bit_doc,
 "block-wise 8-bit moments (int8 exp_avg, uint8 sqrt(exp_avg_sq), one\n"
 "float32 scale per block of `block` elements).  Releases the GIL and\n"
 "splits the blocks over `threads` threads.");
+/* clang-format on */
 
+/* clang-format off */
 PyDoc_STRVAR(tile_call_doc,
 "tile_call($module, fn, args, kwargs, dim, tiles, /)\n--\n\n"
 "Call fn on `tiles` consecutive slices of its tensor arguments along\n"
 "`dim` and join the outputs along `dim`: the tiled call the executor makes,\n"
 "without checkpoint frames (for verifying a layer is row-independent).");
+/* clang-format on */
 
 static PyMethodDef module_methods[] = {
     {"tile_call", (PyCFunction)(void (*)(void))ms_tile_call, METH_FASTCALL,
@@ -269,16 +279,17 @@ module_exec(PyObject *module)
         || lookup(&st->is_grad_enabled, st->torch, "is_grad_enabled") < 0
         || lookup(&st->enable_grad, st->torch, "enable_grad") < 0
         || lookup(&st->autocast, st->torch, "autocast") < 0
-        || lookup(&st->is_autocast_enabled, st->torch,
-                  "is_autocast_enabled") < 0
-        || lookup(&st->get_autocast_dtype, st->torch,
-                  "get_autocast_dtype") < 0
-        || lookup(&st->cuda_is_initialized, st->torch,
-                  "cuda.is_initialized") < 0
+        || lookup(&st->is_autocast_enabled, st->torch, "is_autocast_enabled")
+               < 0
+        || lookup(&st->get_autocast_dtype, st->torch, "get_autocast_dtype") < 0
+        || lookup(&st->cuda_is_initialized, st->torch, "cuda.is_initialized")
+               < 0
         || lookup(&st->cuda_get_rng_state_all, st->torch,
-                  "cuda.get_rng_state_all") < 0
+                  "cuda.get_rng_state_all")
+               < 0
         || lookup(&st->cuda_set_rng_state_all, st->torch,
-                  "cuda.set_rng_state_all") < 0
+                  "cuda.set_rng_state_all")
+               < 0
         || lookup(&st->empty_strided, st->torch, "empty_strided") < 0
         || lookup(&st->strided, st->torch, "strided") < 0
         || lookup(&st->cat, st->torch, "cat") < 0)
@@ -286,8 +297,8 @@ module_exec(PyObject *module)
         return -1;
     }
 
-    if (intern(&st->s_register_forward_pre_hook,
-               "register_forward_pre_hook") < 0
+    if (intern(&st->s_register_forward_pre_hook, "register_forward_pre_hook")
+            < 0
         || intern(&st->s_register_forward_hook, "register_forward_hook") < 0
         || intern(&st->s_with_kwargs, "with_kwargs") < 0
         || intern(&st->s_always_call, "always_call") < 0
@@ -306,8 +317,7 @@ module_exec(PyObject *module)
         || intern(&st->s_parameters, "parameters") < 0
         || intern(&st->s_buffers, "buffers") < 0
         || intern(&st->s_get_total_flops, "get_total_flops") < 0
-        || intern(&st->s_cpu, "cpu") < 0
-        || intern(&st->s_cuda, "cuda") < 0
+        || intern(&st->s_cpu, "cpu") < 0 || intern(&st->s_cuda, "cuda") < 0
         || intern(&st->s_pack, "_pack") < 0
         || intern(&st->s_unpack, "_unpack") < 0
         || intern(&st->s_rpack, "_rpack") < 0
@@ -329,8 +339,7 @@ module_exec(PyObject *module)
         || intern(&st->s_stride, "stride") < 0
         || intern(&st->s_requires_grad, "requires_grad") < 0
         || intern(&st->s_requires_grad_, "requires_grad_") < 0
-        || intern(&st->s_get, "get") < 0
-        || intern(&st->s_put, "put") < 0
+        || intern(&st->s_get, "get") < 0 || intern(&st->s_put, "put") < 0
         || intern(&st->s_layout, "layout") < 0
         || intern(&st->s_is_conj, "is_conj") < 0
         || intern(&st->s_is_neg, "is_neg") < 0)
@@ -356,11 +365,12 @@ module_exec(PyObject *module)
     }
     if (PyModule_AddStringConstant(module, "ABI", "cpython-c-api") < 0
         || PyModule_AddIntConstant(module, "TECH_CHECKPOINT",
-                                   MS_TECH_CHECKPOINT) < 0
+                                   MS_TECH_CHECKPOINT)
+               < 0
         || PyModule_AddIntConstant(module, "TECH_OFFLOAD", MS_TECH_OFFLOAD) < 0
         || PyModule_AddIntConstant(module, "TECH_TILING", MS_TECH_TILING) < 0
-        || PyModule_AddIntConstant(module, "LAYER_TILEABLE",
-                                   MS_LAYER_TILEABLE) < 0
+        || PyModule_AddIntConstant(module, "LAYER_TILEABLE", MS_LAYER_TILEABLE)
+               < 0
         || PyModule_AddIntConstant(module, "MAX_TILES", MS_MAX_TILES) < 0)
     {
         return -1;
@@ -368,6 +378,7 @@ module_exec(PyObject *module)
     return 0;
 }
 
+/* clang-format off */
 #define MS_VISIT_ALL(op)                                                      \
     op(plan_type) op(layer_plan_type) op(executor_type) op(frame_type)       \
     op(handle_type) op(tiled_type) op(profiler_type) op(torch)                \
@@ -389,6 +400,7 @@ module_exec(PyObject *module)
     op(s_element_size) op(s_data_ptr) op(s_stride) op(s_requires_grad)      \
     op(s_requires_grad_) op(s_get) op(s_put) op(strided) op(s_layout)        \
     op(s_is_conj) op(s_is_neg) op(cat)
+/* clang-format on */
 
 static int
 module_traverse(PyObject *module, visitproc visit, void *arg)
@@ -431,19 +443,17 @@ static PyModuleDef_Slot module_slots[] = {
     {0, NULL},
 };
 
+/* clang-format off */
 PyDoc_STRVAR(module_doc,
 "memscale._core: the profiler, decision engine, plan and executor.\n\n"
 "Internal: use the memscale package.");
+/* clang-format on */
 
 PyModuleDef ms_module_def = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "memscale._core",
-    .m_doc = module_doc,
-    .m_size = sizeof(ms_state),
-    .m_methods = module_methods,
-    .m_slots = module_slots,
-    .m_traverse = module_traverse,
-    .m_clear = module_clear,
+    PyModuleDef_HEAD_INIT,         .m_name = "memscale._core",
+    .m_doc = module_doc,           .m_size = sizeof(ms_state),
+    .m_methods = module_methods,   .m_slots = module_slots,
+    .m_traverse = module_traverse, .m_clear = module_clear,
     .m_free = module_free,
 };
 

@@ -21,11 +21,11 @@
 typedef struct {
     PyObject_HEAD
     Py_ssize_t index;
-    PyObject *name;        /* str */
-    PyObject *kind;        /* str: class name */
-    PyObject *techniques;  /* tuple of str */
-    PyObject *rule;        /* str */
-    PyObject *tier;        /* str: "device", "host" or "disk" */
+    PyObject *name;       /* str */
+    PyObject *kind;       /* str: class name */
+    PyObject *techniques; /* tuple of str */
+    PyObject *rule;       /* str */
+    PyObject *tier;       /* str: "device", "host" or "disk" */
     long long bytes_saved;
     long long param_bytes;
     long long saved_bytes;
@@ -38,11 +38,11 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *layers;  /* tuple of LayerPlan */
-    PyObject *mode;    /* str */
-    PyObject *device;  /* str */
-    PyObject *json;    /* str */
-    PyObject *hash;    /* str: sha256 hex of json */
+    PyObject *layers; /* tuple of LayerPlan */
+    PyObject *mode;   /* str */
+    PyObject *device; /* str */
+    PyObject *json;   /* str */
+    PyObject *hash;   /* str: sha256 hex of json */
     long long device_count;
     long long capacity_bytes;
     long long budget_bytes;
@@ -57,7 +57,7 @@ typedef struct {
     double predicted_slowdown;
     long long min_budget_bytes;
     double total_flops;
-    char skipped;  /* Py_T_BOOL members are a char */
+    char skipped; /* Py_T_BOOL members are a char */
     char fits;
     unsigned allowed;
 } Plan;
@@ -103,11 +103,11 @@ layer_dealloc(LayerPlan *self)
 static PyObject *
 layer_repr(LayerPlan *self)
 {
-    return PyUnicode_FromFormat("LayerPlan(%zd, %R, kind=%R, techniques=%R, "
-                                "rule=%R, tier=%R, tiles=%d, bytes_saved=%lld)",
-                                self->index, self->name, self->kind,
-                                self->techniques, self->rule, self->tier,
-                                self->tiles, self->bytes_saved);
+    return PyUnicode_FromFormat(
+        "LayerPlan(%zd, %R, kind=%R, techniques=%R, "
+        "rule=%R, tier=%R, tiles=%d, bytes_saved=%lld)",
+        self->index, self->name, self->kind, self->techniques, self->rule,
+        self->tier, self->tiles, self->bytes_saved);
 }
 
 static PyMemberDef layer_members[] = {
@@ -319,8 +319,8 @@ plan_to_json_str(Plan *p)
         || sb_key(&b, "fits", 0) < 0
         || sb_cstr(&b, p->fits ? "true" : "false") < 0
         || sb_key(&b, "min_budget_bytes", 0) < 0
-        || sb_ll(&b, p->min_budget_bytes) < 0
-        || sb_key(&b, "layers", 0) < 0 || sb_cstr(&b, "[") < 0)
+        || sb_ll(&b, p->min_budget_bytes) < 0 || sb_key(&b, "layers", 0) < 0
+        || sb_cstr(&b, "[") < 0)
     {
         goto done;
     }
@@ -427,9 +427,11 @@ plan_repr(Plan *self)
                                 self->hash);
 }
 
+/* clang-format off */
 PyDoc_STRVAR(plan_to_json_doc,
 "to_json($self, /)\n--\n\n"
 "The plan as canonical JSON (fixed key order, exact numbers).");
+/* clang-format on */
 
 static PyObject *
 plan_to_json(Plan *self, PyObject *Py_UNUSED(ignored))
@@ -496,10 +498,12 @@ static PyMemberDef plan_members[] = {
     PLAN_LL(budget_bytes, "Usable memory the plan must fit."),
     PLAN_LL(fixed_bytes, "Parameters, gradients and optimizer state."),
     PLAN_LL(activation_bytes, "Activations saved by an unoptimized step."),
-    PLAN_LL(peak_offset_bytes, "Correction the OOM predictor gave the engine's peaks\n"
+    PLAN_LL(peak_offset_bytes,
+            "Correction the OOM predictor gave the engine's peaks\n"
             "(predicted unoptimized peak minus the engine's model; 0 without\n"
             "a prediction)."),
-    PLAN_LL(plan_offset_bytes, "The same correction for the peaks of plans (from a\n"
+    PLAN_LL(plan_offset_bytes,
+            "The same correction for the peaks of plans (from a\n"
             "simulated optimized step; peak_offset_bytes when not given)."),
     PLAN_LL(peak_unoptimized_bytes, "Estimated peak without memscale."),
     PLAN_LL(peak_projected_bytes, "Estimated peak with this plan."),
@@ -569,8 +573,7 @@ parse_mode(PyObject *mode, ms_mode *out)
     static const char *const names[] = {"conservative", "balanced",
                                         "aggressive"};
     if (!PyUnicode_Check(mode)) {
-        PyErr_Format(PyExc_TypeError,
-                     "mode must be a str, got %.200s",
+        PyErr_Format(PyExc_TypeError, "mode must be a str, got %.200s",
                      Py_TYPE(mode)->tp_name);
         return -1;
     }
@@ -582,7 +585,8 @@ parse_mode(PyObject *mode, ms_mode *out)
     }
     PyErr_Format(PyExc_ValueError,
                  "mode must be 'conservative', 'balanced' or 'aggressive', "
-                 "got %R", mode);
+                 "got %R",
+                 mode);
     return -1;
 }
 
@@ -679,7 +683,8 @@ parse_layer(PyObject *item, PyObject **name, PyObject **kind, ms_layer *out)
                      Py_TYPE(item)->tp_name);
         return -1;
     }
-    if (!PyArg_ParseTuple(item, "UULLLdl;each layer must be (name, kind, "
+    if (!PyArg_ParseTuple(item,
+                          "UULLLdl;each layer must be (name, kind, "
                           "param_bytes, saved_bytes, input_bytes, flops, "
                           "flags)",
                           name, kind, &out->param_bytes, &out->saved_bytes,
@@ -750,8 +755,10 @@ pop_bool(PyObject *kw, const char *name, int *out)
         return 0;
     }
     if (!PyBool_Check(v)) {
-        PyErr_Format(PyExc_TypeError, "build_plan: %s must be a bool, got "
-                     "%.200s", name, Py_TYPE(v)->tp_name);
+        PyErr_Format(PyExc_TypeError,
+                     "build_plan: %s must be a bool, got "
+                     "%.200s",
+                     name, Py_TYPE(v)->tp_name);
         return -1;
     }
     *out = v == Py_True;
@@ -761,10 +768,12 @@ pop_bool(PyObject *kw, const char *name, int *out)
 PyObject *
 ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"layers",       "mode",         "allowed",
-                             "force",        "budget_bytes", "fixed_bytes",
-                             "activation_bytes", "total_flops", "device",
-                             "device_count", "capacity_bytes", NULL};
+    static char *kwlist[] = {"layers",           "mode",
+                             "allowed",          "force",
+                             "budget_bytes",     "fixed_bytes",
+                             "activation_bytes", "total_flops",
+                             "device",           "device_count",
+                             "capacity_bytes",   NULL};
     ms_state *st = ms_get_state(module);
     PyObject *layers_arg, *mode_obj, *device;
     long allowed;
@@ -805,10 +814,12 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
         Py_DECREF(rest);
         return NULL;
     }
-    int parsed = PyArg_ParseTupleAndKeywords(
-        args, rest, "O$OlpLLLdULL:build_plan", kwlist, &layers_arg, &mode_obj,
-        &allowed, &force, &budget, &fixed, &act, &total_flops, &device,
-        &dcount, &capacity);
+    int parsed = PyArg_ParseTupleAndKeywords(args, rest,
+                                             "O$OlpLLLdULL:build_plan", kwlist,
+                                             &layers_arg, &mode_obj, &allowed,
+                                             &force, &budget, &fixed, &act,
+                                             &total_flops, &device, &dcount,
+                                             &capacity);
     Py_DECREF(rest);
     if (!parsed) {
         return NULL;
@@ -920,9 +931,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name, *kind;
-        if (parse_layer(PyTuple_GET_ITEM(seq, i), &name, &kind,
-                        &in[i]) < 0)
-        {
+        if (parse_layer(PyTuple_GET_ITEM(seq, i), &name, &kind, &in[i]) < 0) {
             goto error;
         }
     }
@@ -950,9 +959,7 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
         PyObject *name, *kind;
         ms_layer dummy;
         /* Parsed once already: cannot fail now, but check anyway. */
-        if (parse_layer(PyTuple_GET_ITEM(seq, i), &name, &kind,
-                        &dummy) < 0)
-        {
+        if (parse_layer(PyTuple_GET_ITEM(seq, i), &name, &kind, &dummy) < 0) {
             goto error;
         }
         LayerPlan *l = make_layer(st, i, name, kind, &in[i], &out[i]);
@@ -1020,8 +1027,8 @@ ms_plan_init_types(PyObject *module, ms_state *st)
     if (st->layer_plan_type == NULL) {
         return -1;
     }
-    st->plan_type =
-        (PyTypeObject *)PyType_FromModuleAndSpec(module, &plan_spec, NULL);
+    st->plan_type = (PyTypeObject *)PyType_FromModuleAndSpec(module,
+                                                             &plan_spec, NULL);
     if (st->plan_type == NULL) {
         return -1;
     }

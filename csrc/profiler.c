@@ -19,9 +19,9 @@
 #include <unistd.h>
 
 typedef struct {
-    long long saved;   /* bytes saved for backward, per call, summed */
-    long long input;   /* input bytes (non-parameter storages) */
-    long long output;  /* output bytes */
+    long long saved;  /* bytes saved for backward, per call, summed */
+    long long input;  /* input bytes (non-parameter storages) */
+    long long output; /* output bytes */
     double flops;
     long calls;
     unsigned flags;
@@ -29,16 +29,16 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *module;      /* memscale._core: keeps the state alive */
+    PyObject *module; /* memscale._core: keeps the state alive */
     ms_state *st;
-    PyObject *units;       /* list of modules */
-    PyObject *index_of;    /* {module: index} (modules hash by identity) */
-    PyObject *param_keys;  /* set of storage keys to ignore */
+    PyObject *units;      /* list of modules */
+    PyObject *index_of;   /* {module: index} (modules hash by identity) */
+    PyObject *param_keys; /* set of storage keys to ignore */
     PyObject *flop_counter;
-    PyObject *handles;     /* list of RemovableHandle */
-    PyObject *ctx;         /* saved_tensors_hooks during a pass */
-    PyObject *seen;        /* storage keys counted in this pass */
-    PyObject *stack;       /* list of active unit records */
+    PyObject *handles; /* list of RemovableHandle */
+    PyObject *ctx;     /* saved_tensors_hooks during a pass */
+    PyObject *seen;    /* storage keys counted in this pass */
+    PyObject *stack;   /* list of active unit records */
     Py_ssize_t n;
     unit_stats *cur;
     unit_stats *best;
@@ -144,8 +144,7 @@ tensor_bytes(Profiler *self, PyObject *obj, PyObject *keys, int depth)
 /* Versions of the tensors among args and kwargs: a list of (tensor,
    version) pairs, to tell in-place updates of a unit's inputs. */
 static int collect_versions(ms_state *st, PyObject *obj, PyObject *out);
-static int collect_versions_impl(ms_state *st, PyObject *obj,
-                                 PyObject *out);
+static int collect_versions_impl(ms_state *st, PyObject *obj, PyObject *out);
 
 static int
 collect_versions(ms_state *st, PyObject *obj, PyObject *out)
@@ -182,7 +181,7 @@ collect_versions_impl(ms_state *st, PyObject *obj, PyObject *out)
         return rc;
     }
     if (PyTuple_Check(obj) || PyList_Check(obj)) {
-        PyObject *items = PySequence_Tuple(obj);  /* lists may change */
+        PyObject *items = PySequence_Tuple(obj); /* lists may change */
         if (items == NULL) {
             return -1;
         }
@@ -198,7 +197,7 @@ collect_versions_impl(ms_state *st, PyObject *obj, PyObject *out)
         Py_ssize_t pos = 0;
         PyObject *k, *v;
         while (PyDict_Next(obj, &pos, &k, &v)) {
-            Py_INCREF(v);  /* the call below may run Python code */
+            Py_INCREF(v); /* the call below may run Python code */
             int rc = collect_versions(st, v, out);
             Py_DECREF(v);
             if (rc < 0) {
@@ -405,9 +404,11 @@ prof_ident(Profiler *Py_UNUSED(self), PyObject *obj)
 
 /* ---- passes ------------------------------------------------------- */
 
+/* clang-format off */
 PyDoc_STRVAR(prof_begin_doc,
 "begin_pass($self, /)\n--\n\n"
 "Start measuring one forward pass.");
+/* clang-format on */
 
 static PyObject *
 prof_begin(Profiler *self, PyObject *Py_UNUSED(ignored))
@@ -464,10 +465,12 @@ error:
     return NULL;
 }
 
+/* clang-format off */
 PyDoc_STRVAR(prof_end_doc,
 "end_pass($self, /, ok=True)\n--\n\n"
 "Finish the pass begun by begin_pass(); with ok=False (the forward\n"
 "raised) its figures are dropped.");
+/* clang-format on */
 
 /* Leave the pass's contexts and fold its figures in (ok) or drop them. */
 static int
@@ -531,8 +534,7 @@ prof_end(Profiler *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"ok", NULL};
     int ok = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|p:end_pass", kwlist,
-                                     &ok))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|p:end_pass", kwlist, &ok))
     {
         return NULL;
     }
@@ -547,13 +549,15 @@ prof_end(Profiler *self, PyObject *args, PyObject *kwargs)
     Py_RETURN_NONE;
 }
 
+/* clang-format off */
 PyDoc_STRVAR(prof_attach_doc,
 "attach($self, /)\n--\n\n"
 "Register the measuring hooks on every unit (kept as handles).");
+/* clang-format on */
 
-static int
-register_hooks(ms_state *st, PyObject *owner, PyObject *units,
-               PyObject *handles, PyObject *pre_name, PyObject *post_name);
+static int register_hooks(ms_state *st, PyObject *owner, PyObject *units,
+                          PyObject *handles, PyObject *pre_name,
+                          PyObject *post_name);
 
 static PyObject *
 prof_attach(Profiler *self, PyObject *Py_UNUSED(ignored))
@@ -590,8 +594,9 @@ remove_handles(ms_state *st, PyObject *handles)
                 ms_exc_state saved;
                 ms_exc_save(&saved);
                 for (Py_ssize_t j = i + 1; j < n; j++) {
-                    PyObject *r2 = PyObject_CallMethodNoArgs(
-                        PyList_GET_ITEM(handles, j), st->s_remove);
+                    PyObject *r2 =
+                        PyObject_CallMethodNoArgs(PyList_GET_ITEM(handles, j),
+                                                  st->s_remove);
                     if (r2 == NULL) {
                         PyErr_WriteUnraisable(PyList_GET_ITEM(handles, j));
                     }
@@ -609,9 +614,11 @@ remove_handles(ms_state *st, PyObject *handles)
     return rc;
 }
 
+/* clang-format off */
 PyDoc_STRVAR(prof_detach_doc,
 "detach($self, /)\n--\n\n"
 "Remove the hooks attach() registered; leave any running pass.");
+/* clang-format on */
 
 static PyObject *
 prof_detach(Profiler *self, PyObject *Py_UNUSED(ignored))
@@ -638,11 +645,13 @@ prof_detach(Profiler *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* clang-format off */
 PyDoc_STRVAR(prof_results_doc,
 "results($self, /)\n--\n\n"
 "Per-unit figures, largest over the passes measured: a list of dicts\n"
 "with param_bytes, saved_bytes, input_bytes, output_bytes, flops, calls\n"
 "and flags.");
+/* clang-format on */
 
 static PyObject *
 prof_results(Profiler *self, PyObject *Py_UNUSED(ignored))
@@ -654,10 +663,12 @@ prof_results(Profiler *self, PyObject *Py_UNUSED(ignored))
     for (Py_ssize_t i = 0; i < self->n; i++) {
         unit_stats *b = &self->best[i];
         unsigned flags = b->flags | (b->calls == 0 ? MS_LAYER_NOT_CALLED : 0);
-        PyObject *d = Py_BuildValue(
-            "{sLsLsLsLsdslsI}", "param_bytes", self->param_bytes[i],
-            "saved_bytes", b->saved, "input_bytes", b->input, "output_bytes",
-            b->output, "flops", b->flops, "calls", b->calls, "flags", flags);
+        PyObject *d = Py_BuildValue("{sLsLsLsLsdslsI}", "param_bytes",
+                                    self->param_bytes[i], "saved_bytes",
+                                    b->saved, "input_bytes", b->input,
+                                    "output_bytes", b->output, "flops",
+                                    b->flops, "calls", b->calls, "flags",
+                                    flags);
         if (d == NULL) {
             Py_DECREF(list);
             return NULL;
@@ -804,7 +815,8 @@ prof_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         goto error;
     }
     self->n = PyList_GET_SIZE(self->units);
-    self->cur = PyMem_Calloc(self->n ? (size_t)self->n : 1, sizeof(unit_stats));
+    self->cur = PyMem_Calloc(self->n ? (size_t)self->n : 1,
+                             sizeof(unit_stats));
     self->best = PyMem_Calloc(self->n ? (size_t)self->n : 1,
                               sizeof(unit_stats));
     self->param_bytes = PyMem_Calloc(self->n ? (size_t)self->n : 1,
@@ -901,7 +913,8 @@ static PyMethodDef prof_methods[] = {
 static PyGetSetDef prof_getset[] = {
     {"total_saved_bytes", (getter)prof_get_total, NULL,
      "Activation bytes saved for backward by the whole model (largest "
-     "pass).", NULL},
+     "pass).",
+     NULL},
     {"total_flops", (getter)prof_get_total_flops, NULL,
      "Forward FLOPs of the whole model (largest pass).", NULL},
     {"passes", (getter)prof_get_passes, NULL, "Passes measured.", NULL},
@@ -910,9 +923,8 @@ static PyGetSetDef prof_getset[] = {
 };
 
 static PyType_Slot prof_slots[] = {
-    {Py_tp_doc,
-     "Profiler(units, param_tensors, flop_counter=None)\n--\n\n"
-     "Measures what each planning unit saves for backward."},
+    {Py_tp_doc, "Profiler(units, param_tensors, flop_counter=None)\n--\n\n"
+                "Measures what each planning unit saves for backward."},
     {Py_tp_new, prof_new},
     {Py_tp_dealloc, prof_dealloc},
     {Py_tp_traverse, prof_traverse},
@@ -925,7 +937,8 @@ static PyType_Slot prof_slots[] = {
 static PyType_Spec prof_spec = {
     .name = "memscale._core.Profiler",
     .basicsize = sizeof(Profiler),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC
+             | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = prof_slots,
 };
 
@@ -1075,7 +1088,7 @@ add_unit(PyObject *out, PyObject *seen, PyObject *name, PyObject *mod)
         return -1;
     }
     int rc = (PySet_Add(seen, mod) < 0 || PyList_Append(out, pair) < 0) ? -1
-                                                                         : 0;
+                                                                        : 0;
     Py_DECREF(pair);
     return rc;
 }
@@ -1116,11 +1129,13 @@ walk_repeating(ms_state *st, PyObject *mod, PyObject *prefix, PyObject *out,
             if (blocks == NULL) {
                 rc = -1;
             }
-            for (Py_ssize_t j = 0; rc == 0 && j < PyList_GET_SIZE(blocks); j++) {
+            for (Py_ssize_t j = 0; rc == 0 && j < PyList_GET_SIZE(blocks); j++)
+            {
                 PyObject *bp = PyList_GET_ITEM(blocks, j);
                 PyObject *bname = join_name(full, PyTuple_GET_ITEM(bp, 0));
-                rc = bname ? add_unit(out, seen, bname, PyTuple_GET_ITEM(bp, 1))
-                           : -1;
+                rc = bname
+                         ? add_unit(out, seen, bname, PyTuple_GET_ITEM(bp, 1))
+                         : -1;
                 Py_XDECREF(bname);
             }
             Py_XDECREF(blocks);
@@ -1184,8 +1199,7 @@ walk_fallback(ms_state *st, PyObject *mod, PyObject *prefix, long long total,
         if (grand == NULL) {
             rc = -1;
         }
-        else if (total > 0 && 2 * count > total
-                 && PyList_GET_SIZE(grand) > 0)
+        else if (total > 0 && 2 * count > total && PyList_GET_SIZE(grand) > 0)
         {
             rc = walk_fallback(st, child, full, total, out, seen);
         }
@@ -1340,7 +1354,8 @@ ms_detect_hardware(PyObject *module, PyObject *args, PyObject *kwargs)
     }
     if (index < 0 || index >= n) {
         PyErr_Format(PyExc_RuntimeError,
-                     "CUDA device %d is not available (%ld devices)", index, n);
+                     "CUDA device %d is not available (%ld devices)", index,
+                     n);
         goto done;
     }
     props = PyObject_CallMethod(cuda, "get_device_properties", "i", index);

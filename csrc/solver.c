@@ -120,8 +120,8 @@ ms_solver_check(const ms_solver_problem *p, const ms_layer *L, size_t n,
             int t = c[i].tiles;
             if (t != 1) {
                 int single = i + 1 == n || c[i + 1].seg_start != (int)i;
-                if (!single || !can_tile(p, &L[i]) || t < 2
-                    || t > MS_MAX_TILES || (t & (t - 1)) != 0)
+                if (!single || !can_tile(p, &L[i]) || t < 2 || t > MS_MAX_TILES
+                    || (t & (t - 1)) != 0)
                 {
                     return -1;
                 }
@@ -209,16 +209,16 @@ problem_ok(const ms_solver_problem *p)
  */
 typedef struct {
     double g;
-    int64_t held;    /* exact bytes held at the target state */
+    int64_t held; /* exact bytes held at the target state */
     uint32_t src_i;
     uint16_t src_h;
     uint8_t offload;
 } cand;
 
 typedef struct {
-    size_t leaves;   /* a power of two >= max_segment + 1 */
-    cand *leaf;      /* columns x leaves */
-    uint32_t *node;  /* columns x leaves: index of the best leaf below */
+    size_t leaves;  /* a power of two >= max_segment + 1 */
+    cand *leaf;     /* columns x leaves */
+    uint32_t *node; /* columns x leaves: index of the best leaf below */
 } forest;
 
 /* Leaf `slot` changed: recompute the winners on its path to the root.
@@ -292,11 +292,13 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
         plan_terms(p, L, n, out, res);
         return (B < 0 || BE < 0) ? 0 : -2;
     }
-    int64_t R = p->resolution < MAX_RESOLUTION ? p->resolution : MAX_RESOLUTION;
+    int64_t R = p->resolution < MAX_RESOLUTION ? p->resolution
+                                               : MAX_RESOLUTION;
     int64_t bucket = BE > R ? ms_ceil_div(BE, R) : 1;
     size_t M = (size_t)(BE / bucket); /* capacity, in buckets */
-    size_t W = (size_t)(p->max_segment < SEGMENT_LEN_LIMIT ? p->max_segment
-                                                            : SEGMENT_LEN_LIMIT);
+    size_t W = (size_t)(p->max_segment < SEGMENT_LEN_LIMIT
+                            ? p->max_segment
+                            : SEGMENT_LEN_LIMIT);
     size_t width = M + 1;
     forest t = {1, NULL, NULL};
     while (t.leaves < W + 1) {
@@ -308,15 +310,15 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
     int64_t *cur_held = malloc(width * sizeof(int64_t));
     int64_t *next_held = malloc(width * sizeof(int64_t));
     back_t *back = malloc((n + 1) * width * sizeof(back_t));
-    int64_t *SP = malloc((n + 1) * sizeof(int64_t));     /* saved prefix */
-    double *P = malloc((n + 1) * sizeof(double));        /* cost prefix */
+    int64_t *SP = malloc((n + 1) * sizeof(int64_t)); /* saved prefix */
+    double *P = malloc((n + 1) * sizeof(double));    /* cost prefix */
     size_t *run_end = malloc((n ? n : 1) * sizeof(size_t));
     t.leaf = malloc(width * t.leaves * sizeof(cand));
     t.node = calloc(width * t.leaves, sizeof(uint32_t));
     int rc = -1;
-    if (cur == NULL || next == NULL || back == NULL
-        || SP == NULL || P == NULL || run_end == NULL || t.leaf == NULL
-        || t.node == NULL || cur_held == NULL || next_held == NULL)
+    if (cur == NULL || next == NULL || back == NULL || SP == NULL || P == NULL
+        || run_end == NULL || t.leaf == NULL || t.node == NULL
+        || cur_held == NULL || next_held == NULL)
     {
         goto done;
     }
@@ -335,7 +337,8 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
     /* run_end[i]: one past the last layer a segment starting at i may
        reach (eligible layers only). */
     for (size_t i = n; i-- > 0;) {
-        run_end[i] = (i + 1 < n && eligible(&L[i + 1])) ? run_end[i + 1] : i + 1;
+        run_end[i] = (i + 1 < n && eligible(&L[i + 1])) ? run_end[i + 1]
+                                                        : i + 1;
     }
     for (size_t h = 0; h < width; h++) {
         cur[h] = next[h] = INFINITY;
@@ -358,8 +361,9 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                 {
                     cur[h] = v;
                     cur_held[h] = c->held;
-                    back[i * width + h] =
-                        back_pack(c->src_h, (int)(i - c->src_i), c->offload, 0);
+                    back[i * width + h] = back_pack(c->src_h,
+                                                    (int)(i - c->src_i),
+                                                    c->offload, 0);
                 }
             }
         }
@@ -385,7 +389,9 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             int64_t hk_bytes = ms_add_sat(held, ms_mem_saved(&L[i]));
             if (hk_bytes <= BE) {
                 size_t hk = (size_t)(hk_bytes / bucket);
-                if (v < next[hk] || (v == next[hk] && hk_bytes < next_held[hk])) {
+                if (v < next[hk]
+                    || (v == next[hk] && hk_bytes < next_held[hk]))
+                {
                     next[hk] = v;
                     next_held[hk] = hk_bytes;
                     back[(i + 1) * width + hk] = back_pack(h, 0, 0, 0);
@@ -429,16 +435,20 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                     if (ms_mem_tile_share(&L[i], tl) > room) {
                         continue;
                     }
-                    double c = v + (P[i + 1] - P[i]) + (tl - 1) * p->tile_overhead;
-                    if (in_fits && (c < next[hin]
-                                    || (c == next[hin] && in_bytes < next_held[hin])))
+                    double c = v + (P[i + 1] - P[i])
+                               + (tl - 1) * p->tile_overhead;
+                    if (in_fits
+                        && (c < next[hin]
+                            || (c == next[hin] && in_bytes < next_held[hin])))
                     {
                         next[hin] = c;
                         next_held[hin] = in_bytes;
                         back[(i + 1) * width + hin] = back_pack(h, 1, 0, lg);
                     }
-                    if (ok_off && (c + off_cost < next[h]
-                                   || (c + off_cost == next[h] && held < next_held[h])))
+                    if (ok_off
+                        && (c + off_cost < next[h]
+                            || (c + off_cost == next[h]
+                                && held < next_held[h])))
                     {
                         next[h] = c + off_cost;
                         next_held[h] = held;
@@ -491,8 +501,8 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             h = prev_h;
         }
         res->feasible = 1;
-        res->overhead_seconds =
-            ms_solver_overhead(p, L, n, out, &res->recompute_flops);
+        res->overhead_seconds = ms_solver_overhead(p, L, n, out,
+                                                   &res->recompute_flops);
     }
     /* The plan found, or all kept. */
     plan_terms(p, L, n, out, res);
@@ -527,7 +537,7 @@ ms_solver_min_budget(const ms_solver_problem *p, const ms_layer *L, size_t n,
     if (hi < 0) {
         hi = 0;
     }
-    int64_t lo = -1;                       /* nothing fits below 0 */
+    int64_t lo = -1; /* nothing fits below 0 */
     ms_solver_problem q = *p;
     ms_solver_result r;
     int rc = 0;

@@ -44,11 +44,11 @@ typedef struct Job {
     int fd;
     char *ptr;
     int64_t nbytes;
-    int checksum;       /* compute the checksum of the bytes moved */
-    uint64_t sum;       /* result */
-    int err;            /* errno of a failure, 0 when it worked */
-    int64_t ns;         /* time the I/O took */
-    int busy;           /* queued or running: guarded by the store's mutex */
+    int checksum; /* compute the checksum of the bytes moved */
+    uint64_t sum; /* result */
+    int err;      /* errno of a failure, 0 when it worked */
+    int64_t ns;   /* time the I/O took */
+    int busy;     /* queued or running: guarded by the store's mutex */
 } Job;
 
 /* Record states. */
@@ -69,14 +69,14 @@ typedef struct {
     PyObject *shape;
     PyObject *stride;
     PyObject *dtype;
-    PyObject *version;     /* source's _version at put (async) */
+    PyObject *version; /* source's _version at put (async) */
     PyObject *weakreflist;
     int requires_grad;
     int fd;
     int state;
-    int on_disk;           /* counted in store->used_bytes */
+    int on_disk; /* counted in store->used_bytes */
     int64_t nbytes;
-    uint64_t sum;          /* checksum at write (debug) */
+    uint64_t sum; /* checksum at write (debug) */
     Job job;
 } Spilled;
 
@@ -84,19 +84,19 @@ struct SpillStore {
     PyObject_HEAD
     PyObject *module;
     ms_state *st;
-    PyObject *path;        /* str: the private directory */
-    PyObject *log;         /* callable(kind, message) or None */
-    PyObject *order;       /* list of weakrefs: records of this step */
-    PyObject *pending;     /* list of records with a write in flight */
+    PyObject *path;    /* str: the private directory */
+    PyObject *log;     /* callable(kind, message) or None */
+    PyObject *order;   /* list of weakrefs: records of this step */
+    PyObject *pending; /* list of records with a write in flight */
     int dir_fd;
     int async;
     int debug;
     int closed;
     int prefetch_depth;
     int64_t min_bytes;
-    int64_t max_bytes;     /* < 0: no cap */
-    int64_t used_bytes;    /* bytes in open spill files */
-    unsigned logged;       /* kinds of events already logged */
+    int64_t max_bytes;  /* < 0: no cap */
+    int64_t used_bytes; /* bytes in open spill files */
+    unsigned logged;    /* kinds of events already logged */
     unsigned long long counter;
     /* worker */
     pthread_t thread;
@@ -106,7 +106,7 @@ struct SpillStore {
     Job *head, *tail;
     int stop;
     int thread_started;
-    int sync_ready;        /* mu/cv initialised */
+    int sync_ready; /* mu/cv initialised */
     /* statistics */
     long long n_written, n_read, n_refused, n_failed, n_prefetched;
     long long n_verified, n_reused;
@@ -583,8 +583,8 @@ open_spill_file(SpillStore *s)
     char name[64];
     for (int attempt = 0; attempt < 16; attempt++) {
         snprintf(name, sizeof(name), "spill-%llu", s->counter++);
-        int fd = openat(s->dir_fd, name,
-                        O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        int fd = openat(s->dir_fd, name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC,
+                        0600);
         if (fd >= 0) {
             /* Unlinked at once: the bytes live as long as the descriptor. */
             (void)unlinkat(s->dir_fd, name, 0);
@@ -1140,8 +1140,9 @@ store_dealloc(SpillStore *s)
 static PyObject *
 store_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"path", "async_io", "min_bytes", "max_bytes",
-                             "prefetch_depth", "debug", "log", NULL};
+    static char *kwlist[] = {
+        "path",           "async_io", "min_bytes", "max_bytes",
+        "prefetch_depth", "debug",    "log",       NULL};
     PyObject *path = NULL, *log = Py_None;
     int async_io = 0, debug = 0, depth = 0;
     long long min_bytes = 0, max_bytes = -1;
@@ -1288,17 +1289,17 @@ store_close(SpillStore *s, PyObject *Py_UNUSED(ignored))
 static PyObject *
 store_get_stats(SpillStore *s, void *Py_UNUSED(c))
 {
-    return Py_BuildValue(
-        "{sLsLsLsLsLsLsLsLsLsdsdsLsL}",
-        "tensors_written", s->n_written, "tensors_read", s->n_read,
-        "bytes_written", s->bytes_written, "bytes_read", s->bytes_read,
-        "refused_over_cap", s->n_refused, "write_failures", s->n_failed,
-        "prefetched", s->n_prefetched, "verified", s->n_verified,
-        "reused_in_flight", s->n_reused,
-        "io_seconds", (double)s->io_ns / 1e9,
-        "wait_seconds", (double)s->wait_ns / 1e9,
-        "bytes_on_disk", (long long)s->used_bytes,
-        "peak_bytes_on_disk", (long long)s->peak_used_bytes);
+    return Py_BuildValue("{sLsLsLsLsLsLsLsLsLsdsdsLsL}", "tensors_written",
+                         s->n_written, "tensors_read", s->n_read,
+                         "bytes_written", s->bytes_written, "bytes_read",
+                         s->bytes_read, "refused_over_cap", s->n_refused,
+                         "write_failures", s->n_failed, "prefetched",
+                         s->n_prefetched, "verified", s->n_verified,
+                         "reused_in_flight", s->n_reused, "io_seconds",
+                         (double)s->io_ns / 1e9, "wait_seconds",
+                         (double)s->wait_ns / 1e9, "bytes_on_disk",
+                         (long long)s->used_bytes, "peak_bytes_on_disk",
+                         (long long)s->peak_used_bytes);
 }
 
 static PyObject *
@@ -1364,20 +1365,21 @@ static PyType_Slot store_slots[] = {
 static PyType_Spec store_spec = {
     .name = "memscale._core.SpillStore",
     .basicsize = sizeof(SpillStore),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC
+             | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = store_slots,
 };
 
 int
 ms_spill_init_types(PyObject *module, ms_state *st)
 {
-    st->spilled_type = (PyTypeObject *)PyType_FromModuleAndSpec(
-        module, &spilled_spec, NULL);
+    st->spilled_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(module, &spilled_spec, NULL);
     if (st->spilled_type == NULL) {
         return -1;
     }
-    st->spill_store_type = (PyTypeObject *)PyType_FromModuleAndSpec(
-        module, &store_spec, NULL);
+    st->spill_store_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(module, &store_spec, NULL);
     if (st->spill_store_type == NULL) {
         return -1;
     }

@@ -25,26 +25,26 @@ typedef struct {
 
     /* Torch callables and types, looked up once. */
     PyObject *torch;
-    PyObject *tensor_type;          /* torch.Tensor */
-    PyObject *torch_module_type;    /* torch.nn.Module */
-    PyObject *module_list_type;     /* torch.nn.ModuleList */
-    PyObject *sequential_type;      /* torch.nn.Sequential */
+    PyObject *tensor_type;       /* torch.Tensor */
+    PyObject *torch_module_type; /* torch.nn.Module */
+    PyObject *module_list_type;  /* torch.nn.ModuleList */
+    PyObject *sequential_type;   /* torch.nn.Sequential */
     PyObject *get_rng_state;
     PyObject *set_rng_state;
     PyObject *is_grad_enabled;
-    PyObject *enable_grad;          /* class: a context manager */
-    PyObject *autocast;             /* class: a context manager */
-    PyObject *is_autocast_enabled;  /* (device_type) -> bool */
-    PyObject *get_autocast_dtype;   /* (device_type) -> dtype */
-    PyObject *saved_tensors_hooks;  /* class: a context manager */
+    PyObject *enable_grad;         /* class: a context manager */
+    PyObject *autocast;            /* class: a context manager */
+    PyObject *is_autocast_enabled; /* (device_type) -> bool */
+    PyObject *get_autocast_dtype;  /* (device_type) -> dtype */
+    PyObject *saved_tensors_hooks; /* class: a context manager */
     PyObject *cuda_is_initialized;
     PyObject *cuda_get_rng_state_all;
     PyObject *cuda_set_rng_state_all;
-    PyObject *perf_counter_ns;      /* time.perf_counter_ns */
-    PyObject *stop_recompute;       /* our exception: recompute is done */
-    PyObject *empty_strided;        /* torch.empty_strided */
-    PyObject *strided;              /* torch.strided */
-    PyObject *cat;                  /* torch.cat */
+    PyObject *perf_counter_ns; /* time.perf_counter_ns */
+    PyObject *stop_recompute;  /* our exception: recompute is done */
+    PyObject *empty_strided;   /* torch.empty_strided */
+    PyObject *strided;         /* torch.strided */
+    PyObject *cat;             /* torch.cat */
 
     /* Interned names. */
     PyObject *s_register_forward_pre_hook;

@@ -109,7 +109,8 @@ follows_lead(ms_state *st, PyObject *t, int dim, PyObject *lead_shape)
     int same = PyTuple_GET_SIZE(shape) > dim;
     for (int d = 0; same > 0 && d <= dim; d++) {
         same = PyObject_RichCompareBool(PyTuple_GET_ITEM(shape, d),
-                                        PyTuple_GET_ITEM(lead_shape, d), Py_EQ);
+                                        PyTuple_GET_ITEM(lead_shape, d),
+                                        Py_EQ);
     }
     Py_DECREF(shape);
     return same; /* -1 with an exception, 0 or 1 */
@@ -133,7 +134,7 @@ slice_obj(ms_state *st, PyObject *obj, int dim, PyObject *lead_shape,
     if (depth >= MAX_DEPTH || !(is_tuple || is_list)) {
         return Py_NewRef(obj);
     }
-    PyObject *items = PySequence_Tuple(obj);  /* a list may change */
+    PyObject *items = PySequence_Tuple(obj); /* a list may change */
     if (items == NULL) {
         return NULL;
     }
@@ -213,7 +214,8 @@ merge(ms_state *st, PyObject *outs, int dim, int depth)
         Py_XDECREF(d);
         return res;
     }
-    int is_tuple = PyTuple_CheckExact(first), is_list = PyList_CheckExact(first);
+    int is_tuple = PyTuple_CheckExact(first),
+        is_list = PyList_CheckExact(first);
     if ((is_tuple || is_list) && depth < MAX_DEPTH) {
         Py_ssize_t m = PySequence_Size(first);
         for (Py_ssize_t j = 1; j < n; j++) {
@@ -280,11 +282,12 @@ merge(ms_state *st, PyObject *outs, int dim, int depth)
     }
     return Py_NewRef(first);
 mismatch:
-    PyErr_Format(PyExc_TypeError,
-                 "memscale: the tiles of a tiled layer returned outputs that "
-                 "cannot be joined (a %.200s in the first tile); only tensors, "
-                 "and tuples or lists of them, are concatenated",
-                 Py_TYPE(first)->tp_name);
+    PyErr_Format(
+        PyExc_TypeError,
+        "memscale: the tiles of a tiled layer returned outputs that "
+        "cannot be joined (a %.200s in the first tile); only tensors, "
+        "and tuples or lists of them, are concatenated",
+        Py_TYPE(first)->tp_name);
     return NULL;
 }
 
@@ -308,10 +311,12 @@ ms_tile_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *fn = args[0], *fargs = args[1], *fkwargs = args[2];
-    if (!PyTuple_Check(fargs) || !(fkwargs == Py_None || PyDict_Check(fkwargs)))
+    if (!PyTuple_Check(fargs)
+        || !(fkwargs == Py_None || PyDict_Check(fkwargs)))
     {
-        PyErr_SetString(PyExc_TypeError,
-                        "tile_call: args must be a tuple, kwargs a dict or None");
+        PyErr_SetString(
+            PyExc_TypeError,
+            "tile_call: args must be a tuple, kwargs a dict or None");
         return NULL;
     }
     long ldim = PyLong_AsLong(args[3]);
@@ -322,7 +327,8 @@ ms_tile_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (ldim < 0 || ldim > 64 || ltiles < 1 || ltiles > MS_MAX_TILES) {
         PyErr_Format(PyExc_ValueError,
                      "tile_call: dim must be in [0, 64] and tiles in [1, %d], "
-                     "got %ld and %ld", MS_MAX_TILES, ldim, ltiles);
+                     "got %ld and %ld",
+                     MS_MAX_TILES, ldim, ltiles);
         return NULL;
     }
     int dim = (int)ldim, tiles = (int)ltiles;
@@ -333,9 +339,11 @@ ms_tile_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if (lead_shape == NULL || extent < tiles) {
         Py_XDECREF(lead_shape);
-        PyErr_Format(PyExc_ValueError,
-                     "tile_call: the first tensor argument has no dimension %d "
-                     "of at least %d elements", dim, tiles);
+        PyErr_Format(
+            PyExc_ValueError,
+            "tile_call: the first tensor argument has no dimension %d "
+            "of at least %d elements",
+            dim, tiles);
         return NULL;
     }
     PyObject *outs = PyList_New(0), *res = NULL;
@@ -347,7 +355,8 @@ ms_tile_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *targs, *tkwargs;
         ms_tile_range(extent, tiles, j, &start, &len);
         if (ms_tile_slice(st, fargs, fkwargs, dim, lead_shape, start, len,
-                          &targs, &tkwargs) < 0)
+                          &targs, &tkwargs)
+            < 0)
         {
             goto done;
         }
