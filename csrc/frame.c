@@ -1,0 +1,810 @@
+/*
+ * frame.c: checkpoint frames and the recompute.
+ *
+ * Activation checkpointing follows PyTorch's non-reentrant checkpoint.  The
+ * forward pre-hook of a checkpointed layer (hooks.c) opens a Frame: it
+ * keeps the layer's inputs, records the RNG and autocast state, and pushes
+ * saved-tensor hooks whose pack returns a small Handle instead of the
+ * tensor.  The forward hook (always_call=True, so it also runs when the
+ * forward raises) pops them.  In backward, the first Handle unpacked
+ * recomputes the layer (our own hooks bypassed, everyone else's run again)
+ * under the recorded RNG and autocast state, with saved-tensor hooks that
+ * collect the recomputed tensors in the order they are saved; each unpack
+ * hands one back and drops it.
+ */
+#include "executor_internal.h"
+
+#include "profiler.h"
+#include "tiling.h"
+
+#include <time.h>
+
+typedef struct {
+    PyObject_HEAD
+    Frame *frame;
+    Py_ssize_t index;
+} Handle;
+
+/* ---- Handle ------------------------------------------------------- */
+
+static int
+handle_traverse(Handle *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->frame);
+    return 0;
+}
+
+static int
+handle_clear(Handle *self)
+{
+    Py_CLEAR(self->frame);
+    return 0;
+}
+
+static void
+handle_dealloc(Handle *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    (void)handle_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot handle_slots[] = {
+    {Py_tp_doc, "Stands for a tensor a checkpointed layer saved."},
+    {Py_tp_dealloc, handle_dealloc},
+    {Py_tp_traverse, handle_traverse},
+    {Py_tp_clear, handle_clear},
+    {0, NULL},
+};
+
+static PyType_Spec handle_spec = {
+    .name = "memscale._core._Handle",
+    .basicsize = sizeof(Handle),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE
+             | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = handle_slots,
+};
+
+/* ---- Frame -------------------------------------------------------- */
+
+static int
+frame_traverse(Frame *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->ex);
+    Py_VISIT(self->unit);
+    Py_VISIT(self->args);
+    Py_VISIT(self->kwargs);
+    Py_VISIT(self->versions);
+    Py_VISIT(self->rng_cpu);
+    Py_VISIT(self->rng_cuda);
+    Py_VISIT(self->cpu_dtype);
+    Py_VISIT(self->cuda_dtype);
+    Py_VISIT(self->ctx);
+    Py_VISIT(self->shapes);
+    Py_VISIT(self->recomputed);
+    Py_VISIT(self->offloaded);
+    Py_VISIT(self->tile_rng);
+    Py_VISIT(self->tile_rng_cuda);
+    Py_VISIT(self->seg_units);
+    Py_VISIT(self->seg_out);
+    Py_VISIT(self->seg_out_version);
+    return 0;
+}
+
+static int
+frame_clear(Frame *self)
+{
+    Py_CLEAR(self->ex);
+    Py_CLEAR(self->unit);
+    Py_CLEAR(self->args);
+    Py_CLEAR(self->kwargs);
+    Py_CLEAR(self->versions);
+    Py_CLEAR(self->rng_cpu);
+    Py_CLEAR(self->rng_cuda);
+    Py_CLEAR(self->cpu_dtype);
+    Py_CLEAR(self->cuda_dtype);
+    Py_CLEAR(self->ctx);
+    Py_CLEAR(self->shapes);
+    Py_CLEAR(self->recomputed);
+    Py_CLEAR(self->offloaded);
+    Py_CLEAR(self->tile_rng);
+    Py_CLEAR(self->tile_rng_cuda);
+    Py_CLEAR(self->seg_units);
+    Py_CLEAR(self->seg_out);
+    Py_CLEAR(self->seg_out_version);
+    return 0;
+}
+
+static void
+frame_dealloc(Frame *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    (void)frame_clear(self);
+    PyMem_Free(self->tile_end);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* Record what recompute must replay: RNG and autocast state, inputs. */
+Frame *
+ms_frame_new(Executor *ex, Py_ssize_t index, PyObject *unit, PyObject *args,
+             PyObject *kwargs)
+{
+    ms_state *st = ex->st;
+    PyObject *flag = NULL;
+    Frame *f = PyObject_GC_New(Frame, st->frame_type);
+    if (f == NULL) {
+        return NULL;
+    }
+    f->ex = (Executor *)Py_NewRef(ex);
+    f->index = index;
+    f->unit = Py_NewRef(unit);
+    f->args = Py_NewRef(args);
+    f->kwargs = (kwargs != NULL && kwargs != Py_None) ? PyDict_Copy(kwargs)
+                                                      : PyDict_New();
+    f->versions = PyList_New(0);
+    f->shapes = PyList_New(0);
+    f->rng_cpu = f->rng_cuda = f->cpu_dtype = f->cuda_dtype = NULL;
+    f->ctx = f->recomputed = f->offloaded = NULL;
+    f->rpos = f->rend = 0;
+    f->tiles = 1;
+    f->dim = -1;
+    f->extent = 0;
+    f->tile_end = NULL;
+    f->tile_rng = f->tile_rng_cuda = NULL;
+    f->seg_units = f->seg_out = f->seg_out_version = NULL;
+    f->cur_unit = unit;
+    f->seg_id = -1;
+    f->seg_next = -1;
+    f->cpu_autocast = f->cuda_autocast = 0;
+    f->recomputing = 0;
+    PyObject_GC_Track(f);
+    if (f->kwargs == NULL || f->versions == NULL || f->shapes == NULL) {
+        goto error;
+    }
+    /* Versions of the tensor inputs, nested ones included (a tuple of
+       tensors is a common argument): recompute needs them unchanged. */
+    if (ms_collect_versions(st, f->args, f->versions) < 0
+        || ms_collect_versions(st, f->kwargs, f->versions) < 0)
+    {
+        goto error;
+    }
+    f->rng_cpu = PyObject_CallNoArgs(st->get_rng_state);
+    if (f->rng_cpu == NULL) {
+        goto error;
+    }
+    flag = PyObject_CallOneArg(st->is_autocast_enabled, st->s_cpu);
+    if (flag == NULL || (f->cpu_autocast = PyObject_IsTrue(flag)) < 0) {
+        goto error;
+    }
+    Py_CLEAR(flag);
+    f->cpu_dtype = PyObject_CallOneArg(st->get_autocast_dtype, st->s_cpu);
+    if (f->cpu_dtype == NULL) {
+        goto error;
+    }
+    flag = PyObject_CallNoArgs(st->cuda_is_initialized);
+    int cuda = flag ? PyObject_IsTrue(flag) : -1;
+    Py_CLEAR(flag);
+    if (cuda < 0) {
+        goto error;
+    }
+    if (cuda) {
+        /* CUDA path: unverified on this project's CPU-only machines. */
+        f->rng_cuda = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
+        if (f->rng_cuda == NULL) {
+            goto error;
+        }
+        flag = PyObject_CallOneArg(st->is_autocast_enabled, st->s_cuda);
+        if (flag == NULL || (f->cuda_autocast = PyObject_IsTrue(flag)) < 0) {
+            goto error;
+        }
+        Py_CLEAR(flag);
+        f->cuda_dtype = PyObject_CallOneArg(st->get_autocast_dtype,
+                                            st->s_cuda);
+        if (f->cuda_dtype == NULL) {
+            goto error;
+        }
+    }
+    return f;
+error:
+    Py_XDECREF(flag);
+    Py_DECREF(f);
+    return NULL;
+}
+
+static PyObject *
+frame_pack(Frame *self, PyObject *tensor)
+{
+    ms_state *st = self->ex->st;
+    PyObject *shape = PyObject_GetAttr(tensor, st->s_shape);
+    if (shape == NULL) {
+        return NULL;
+    }
+    int rc = PyList_Append(self->shapes, shape);
+    Py_DECREF(shape);
+    if (rc < 0) {
+        return NULL;
+    }
+    Handle *h = PyObject_GC_New(Handle, st->handle_type);
+    if (h == NULL) {
+        return NULL;
+    }
+    h->frame = (Frame *)Py_NewRef(self);
+    h->index = PyList_GET_SIZE(self->shapes) - 1;
+    PyObject_GC_Track(h);
+    return (PyObject *)h;
+}
+
+static PyObject *
+frame_rpack(Frame *self, PyObject *tensor)
+{
+    ms_state *st = self->ex->st;
+    Py_ssize_t k = self->rpos++;
+    if (self->recomputed == NULL || k >= self->rend
+        || k >= PyList_GET_SIZE(self->recomputed))
+    {
+        Py_RETURN_NONE; /* counted; reported after the recompute */
+    }
+    PyObject *shape = PyObject_GetAttr(tensor, st->s_shape);
+    if (shape == NULL) {
+        return NULL;
+    }
+    int eq = PyObject_RichCompareBool(shape, PyList_GET_ITEM(self->shapes, k),
+                                      Py_EQ);
+    if (eq <= 0) {
+        if (eq == 0) {
+            PyErr_Format(
+                PyExc_RuntimeError,
+                "memscale: recomputing checkpointed layer %R gave a "
+                "tensor of shape %R where its forward saved %R (saved "
+                "tensor #%zd). The layer does not run the same way "
+                "twice: make its forward deterministic or exclude it "
+                "from checkpointing. A model compiled with "
+                "torch.compile (other than backend='eager') does "
+                "this: wrap it uncompiled.",
+                ms_ex_unit_name(self->ex, self->index), shape,
+                PyList_GET_ITEM(self->shapes, k), k);
+        }
+        Py_DECREF(shape);
+        return NULL;
+    }
+    Py_DECREF(shape);
+    PyObject *d = PyObject_CallMethodNoArgs(tensor, st->s_detach);
+    if (d == NULL) {
+        return NULL;
+    }
+    if (PyList_SetItem(self->recomputed, k, d) < 0) {
+        return NULL;
+    }
+    if (k + 1 == self->rend) {
+        /* Everything backward needs exists: stop the layer here. */
+        PyErr_SetNone(st->stop_recompute);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+frame_runpack(Frame *self, PyObject *Py_UNUSED(obj))
+{
+    PyErr_Format(PyExc_RuntimeError,
+                 "memscale: internal error: a tensor saved while recomputing "
+                 "layer %R was unpacked",
+                 ms_ex_unit_name(self->ex, self->index));
+    return NULL;
+}
+
+/* Enter ctx and append it to `entered` (for leaving in reverse). */
+static int
+enter_into(ms_state *st, PyObject *ctx, PyObject *entered)
+{
+    if (ctx == NULL) {
+        return -1;
+    }
+    int rc = ms_call_enter(st, ctx);
+    if (rc == 0) {
+        rc = PyList_Append(entered, ctx);
+        if (rc < 0) {
+            (void)ms_call_exit(st, ctx);
+        }
+    }
+    Py_DECREF(ctx);
+    return rc;
+}
+
+static long long
+monotonic_ns(void)
+{
+    struct timespec ts;
+    if (clock_gettime(CLOCK_MONOTONIC, &ts) != 0) {
+        return 0;
+    }
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Snapshot the unit's buffers: a list of (buffer, copy, version). */
+static PyObject *
+snapshot_buffers(ms_state *st, PyObject *unit)
+{
+    PyObject *snap = PyList_New(0);
+    PyObject *bufs = snap ? PyObject_CallMethodNoArgs(unit, st->s_buffers)
+                          : NULL;
+    PyObject *it = bufs ? PyObject_GetIter(bufs) : NULL;
+    PyObject *b;
+    Py_XDECREF(bufs);
+    if (it == NULL) {
+        Py_XDECREF(snap);
+        return NULL;
+    }
+    while ((b = PyIter_Next(it)) != NULL) {
+        PyObject *copy = PyObject_CallMethodNoArgs(b, st->s_clone);
+        PyObject *ver = copy ? PyObject_GetAttr(b, st->s_version) : NULL;
+        PyObject *entry = ver ? PyTuple_Pack(3, b, copy, ver) : NULL;
+        Py_DECREF(b);
+        Py_XDECREF(copy);
+        Py_XDECREF(ver);
+        if (entry == NULL || PyList_Append(snap, entry) < 0) {
+            Py_XDECREF(entry);
+            Py_DECREF(it);
+            Py_DECREF(snap);
+            return NULL;
+        }
+        Py_DECREF(entry);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) {
+        Py_DECREF(snap);
+        return NULL;
+    }
+    return snap;
+}
+
+/*
+ * Put back buffers the recompute changed; 1 if any was, 0 if none.  Kernels
+ * such as batch_norm update running statistics without bumping the
+ * version counter, so values are compared as well.
+ */
+static int
+restore_buffers(ms_state *st, PyObject *snap)
+{
+    int changed = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(snap); i++) {
+        PyObject *e = PyList_GET_ITEM(snap, i);
+        PyObject *buf = PyTuple_GET_ITEM(e, 0), *copy = PyTuple_GET_ITEM(e, 1);
+        PyObject *ver = PyObject_GetAttr(buf, st->s_version);
+        int same = ver ? PyObject_RichCompareBool(ver, PyTuple_GET_ITEM(e, 2),
+                                                  Py_EQ)
+                       : -1;
+        Py_XDECREF(ver);
+        if (same > 0) {
+            PyObject *eq = PyObject_CallMethod(st->torch, "equal", "OO", buf,
+                                               copy);
+            same = eq ? PyObject_IsTrue(eq) : -1;
+            Py_XDECREF(eq);
+        }
+        if (same < 0) {
+            return -1;
+        }
+        if (!same) {
+            PyObject *r = PyObject_CallMethodOneArg(buf, st->s_copy_, copy);
+            if (r == NULL) {
+                return -1;
+            }
+            Py_DECREF(r);
+            changed = 1;
+        }
+    }
+    return changed;
+}
+
+/* Whether an input recorded as (tensor, version) has changed: 1 yes, 0 no,
+   -1 with an exception set.  An offloaded input is recorded through a weak
+   reference: gone, nobody can have changed it since. */
+static int
+input_changed(ms_state *st, PyObject *pair)
+{
+    PyObject *t = PyTuple_GET_ITEM(pair, 0);
+    if (PyWeakref_CheckRef(t)) {
+#if PY_VERSION_HEX >= 0x030D0000
+        if (PyWeakref_GetRef(t, &t) < 0) {
+            return -1;
+        }
+#else
+        t = PyWeakref_GetObject(t);
+        if (t == NULL) {
+            return -1;
+        }
+        t = t == Py_None ? NULL : Py_NewRef(t);
+#endif
+        if (t == NULL) {
+            return 0;
+        }
+    }
+    else {
+        Py_INCREF(t);
+    }
+    PyObject *now = PyObject_GetAttr(t, st->s_version);
+    Py_DECREF(t);
+    if (now == NULL) {
+        return -1;
+    }
+    int eq = PyObject_RichCompareBool(now, PyTuple_GET_ITEM(pair, 1), Py_EQ);
+    Py_DECREF(now);
+    return eq < 0 ? -1 : !eq;
+}
+
+/* 1 if every recorded input version is unchanged, 0 if not, -1 on error. */
+int
+ms_versions_unchanged(ms_state *st, PyObject *versions)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(versions); i++) {
+        PyObject *pair = Py_NewRef(PyList_GET_ITEM(versions, i));
+        int changed = input_changed(st, pair);
+        Py_DECREF(pair);
+        if (changed != 0) {
+            return changed < 0 ? -1 : 0;
+        }
+    }
+    return 1;
+}
+
+/* Run the layer again under the state its forward ran in: all of it
+   (tile < 0), or one tile of a tiled forward. */
+static int
+frame_recompute(Frame *self, Py_ssize_t tile)
+{
+    Executor *ex = self->ex;
+    ms_state *st = ex->st;
+    PyObject *entered = NULL, *cur_rng = NULL, *cur_cuda = NULL, *out = NULL;
+    PyObject *rpack = NULL, *runpack = NULL, *snap = NULL;
+    PyObject *call_args = NULL, *call_kwargs = NULL, *lead_shape = NULL;
+    Py_ssize_t tile_start = 0, tile_len = 0;
+    PyObject *rng = self->rng_cpu, *rng_cuda = self->rng_cuda;
+    Py_ssize_t nshapes = PyList_GET_SIZE(self->shapes);
+    Py_ssize_t start = 0, end = nshapes;
+    int rc = -1;
+
+    if (self->recomputing) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "memscale: layer %R needed its own saved tensors while "
+                     "being recomputed",
+                     ms_ex_unit_name(ex, self->index));
+        return -1;
+    }
+    int same = ms_versions_unchanged(st, self->versions);
+    if (same <= 0) {
+        if (same == 0) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "memscale: an input of checkpointed layer %R was "
+                         "modified in place after the layer's forward, so it "
+                         "cannot be recomputed. Avoid the in-place update "
+                         "(e.g. x = x + y instead of x += y) or exclude the "
+                         "layer from checkpointing.",
+                         ms_ex_unit_name(ex, self->index));
+        }
+        return -1;
+    }
+    if (self->offloaded != NULL && ms_reload_inputs(self) < 0) {
+        return -1;
+    }
+    if (tile >= 0) {
+        /* The tile's slice of the (reloaded) inputs, as in the forward. */
+        Py_ssize_t extent;
+        start = tile > 0 ? self->tile_end[tile - 1] : 0;
+        end = self->tile_end[tile];
+        rng = PyList_GET_ITEM(self->tile_rng, tile);
+        rng_cuda = self->tile_rng_cuda != NULL
+                       ? PyList_GET_ITEM(self->tile_rng_cuda, tile)
+                       : NULL;
+        if (ms_tile_extent(st, self->args, self->kwargs, self->dim, &extent,
+                           &lead_shape)
+            < 0)
+        {
+            return -1;
+        }
+        if (extent != self->extent) {
+            Py_XDECREF(lead_shape);
+            PyErr_Format(PyExc_RuntimeError,
+                         "memscale: internal error: tiled layer %R has an "
+                         "input of extent %zd where its forward had %zd",
+                         ms_ex_unit_name(ex, self->index), extent,
+                         self->extent);
+            return -1;
+        }
+        ms_tile_range(extent, self->tiles, (int)tile, &tile_start, &tile_len);
+        /* Sliced below, once grad mode is on: a slice made in backward's
+           no-grad mode would not require grad, and the recompute would
+           save less than the forward did. */
+    }
+    else {
+        call_args = Py_NewRef(self->args);
+        call_kwargs = Py_NewRef(self->kwargs);
+    }
+
+    entered = PyList_New(0);
+    if (entered == NULL) {
+        goto done;
+    }
+    if (tile < 0 || self->recomputed == NULL) {
+        Py_XSETREF(self->recomputed, PyList_New(nshapes));
+        if (self->recomputed == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < nshapes; i++) {
+            PyList_SET_ITEM(self->recomputed, i, Py_NewRef(Py_None));
+        }
+    }
+    self->rpos = start;
+    self->rend = end;
+
+    /* RNG: run under the forward's state, then put the current one back. */
+    cur_rng = PyObject_CallNoArgs(st->get_rng_state);
+    if (cur_rng == NULL) {
+        goto done;
+    }
+    PyObject *r = PyObject_CallOneArg(st->set_rng_state, rng);
+    if (r == NULL) {
+        goto done;
+    }
+    Py_DECREF(r);
+    if (rng_cuda != NULL) {
+        cur_cuda = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
+        r = cur_cuda
+                ? PyObject_CallOneArg(st->cuda_set_rng_state_all, rng_cuda)
+                : NULL;
+        if (r == NULL) {
+            goto restore;
+        }
+        Py_DECREF(r);
+    }
+
+    if (ex->buffers == NULL || ex->buffers[self->index] != BUF_STATIC
+        || self->seg_units != NULL)
+    {
+        snap = snapshot_buffers(st, self->unit);
+        if (snap == NULL) {
+            goto restore;
+        }
+        /* A segment's later units may update buffers too. */
+        for (Py_ssize_t u = 0;
+             self->seg_units != NULL && u < PyList_GET_SIZE(self->seg_units);
+             u++)
+        {
+            PyObject *more = snapshot_buffers(
+                st, PyTuple_GET_ITEM(PyList_GET_ITEM(self->seg_units, u), 0));
+            int rc2 = more ? PyList_SetSlice(snap, PyList_GET_SIZE(snap),
+                                             PyList_GET_SIZE(snap), more)
+                           : -1;
+            Py_XDECREF(more);
+            if (rc2 < 0) {
+                goto restore;
+            }
+        }
+    }
+    rpack = PyObject_GetAttr((PyObject *)self, st->s_rpack);
+    runpack = PyObject_GetAttr((PyObject *)self, st->s_runpack);
+    if (rpack == NULL || runpack == NULL
+        || enter_into(st, PyObject_CallNoArgs(st->enable_grad), entered) < 0
+        || enter_into(st,
+                      ms_make_autocast(st, st->s_cpu, self->cpu_dtype,
+                                       self->cpu_autocast),
+                      entered)
+               < 0
+        || (self->cuda_dtype != NULL
+            && enter_into(st,
+                          ms_make_autocast(st, st->s_cuda, self->cuda_dtype,
+                                           self->cuda_autocast),
+                          entered)
+                   < 0)
+        || enter_into(st,
+                      PyObject_CallFunctionObjArgs(st->saved_tensors_hooks,
+                                                   rpack, runpack, NULL),
+                      entered)
+               < 0)
+    {
+        goto leave;
+    }
+    if (tile >= 0
+        && ms_tile_slice(st, self->args, self->kwargs, self->dim, lead_shape,
+                         tile_start, tile_len, &call_args, &call_kwargs)
+               < 0)
+    {
+        goto leave;
+    }
+    self->recomputing = 1;
+    ex->recompute_depth++;
+    Py_ssize_t depth = PyList_GET_SIZE(ex->stack);
+    long long t0 = monotonic_ns();
+    out = PyObject_Call(self->unit, call_args, call_kwargs);
+    if (out != NULL && tile < 0 && self->seg_units != NULL) {
+        out = ms_segment_replay(self, out);
+    }
+    ex->recompute_ns += monotonic_ns() - t0;
+    ex->recompute_depth--;
+    self->recomputing = 0;
+    if (out != NULL) {
+        rc = 0;
+    }
+    else if (PyErr_ExceptionMatches(st->stop_recompute)) {
+        PyErr_Clear();
+        rc = 0;
+    }
+    /* Entries the recompute pushed were popped by always_call hooks; make
+       sure, should a hook have been skipped. */
+    while (PyList_GET_SIZE(ex->stack) > depth) {
+        if (ms_ex_pop_entry(ex) < 0) {
+            rc = -1;
+        }
+    }
+leave:
+    for (Py_ssize_t i = PyList_GET_SIZE(entered) - 1; i >= 0; i--) {
+        if (ms_call_exit(st, PyList_GET_ITEM(entered, i)) < 0) {
+            rc = -1;
+        }
+    }
+restore:
+    if (snap != NULL) {
+        ms_exc_state saved;
+        ms_exc_save(&saved);
+        int had = ms_exc_pending(&saved);
+        int changed = restore_buffers(st, snap);
+        if (changed < 0) {
+            if (had) {
+                PyErr_WriteUnraisable((PyObject *)self);
+            }
+            else {
+                rc = -1;
+            }
+        }
+        else if (ex->buffers != NULL && rc == 0) {
+            ex->buffers[self->index] = changed ? BUF_MUTATED : BUF_STATIC;
+        }
+        if (had) {
+            ms_exc_restore(&saved);
+        }
+    }
+    {
+        /* Put the caller's RNG back on every path. */
+        ms_exc_state saved;
+        ms_exc_save(&saved);
+        int had = ms_exc_pending(&saved);
+        PyObject *r1 = PyObject_CallOneArg(st->set_rng_state, cur_rng);
+        PyObject *r2 = (r1 != NULL && cur_cuda != NULL)
+                           ? PyObject_CallOneArg(st->cuda_set_rng_state_all,
+                                                 cur_cuda)
+                           : Py_NewRef(Py_None);
+        if (r1 == NULL || r2 == NULL) {
+            if (had) {
+                PyErr_WriteUnraisable((PyObject *)self);
+                ms_exc_restore(&saved);
+            }
+            rc = -1; /* else: the new error stays set */
+        }
+        else if (had) {
+            ms_exc_restore(&saved);
+        }
+        Py_XDECREF(r1);
+        Py_XDECREF(r2);
+    }
+    if (rc == 0 && self->rpos != end) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "memscale: recomputing checkpointed layer %R saved %zd "
+                     "tensors for backward where its forward saved %zd. The "
+                     "layer takes a different path when run again (e.g. it "
+                     "depends on global state); exclude it from "
+                     "checkpointing.",
+                     ms_ex_unit_name(ex, self->index), self->rpos - start,
+                     end - start);
+        rc = -1;
+    }
+    if (rc == 0) {
+        ex->recomputes++;
+    }
+done:
+    if (rc < 0) {
+        /* Never leave a half-filled (or NULL-filled) list behind. */
+        Py_CLEAR(self->recomputed);
+    }
+    Py_XDECREF(snap);
+    Py_XDECREF(out);
+    Py_XDECREF(rpack);
+    Py_XDECREF(runpack);
+    Py_XDECREF(cur_rng);
+    Py_XDECREF(cur_cuda);
+    Py_XDECREF(entered);
+    Py_XDECREF(call_args);
+    Py_XDECREF(call_kwargs);
+    Py_XDECREF(lead_shape);
+    return rc;
+}
+
+static PyObject *
+frame_unpack(Frame *self, PyObject *obj)
+{
+    if (!PyObject_TypeCheck(obj, self->ex->st->handle_type)
+        || ((Handle *)obj)->frame != self)
+    {
+        PyErr_Format(PyExc_RuntimeError,
+                     "memscale: internal error: unpack got %R", obj);
+        return NULL;
+    }
+    Py_ssize_t k = ((Handle *)obj)->index;
+    if (self->recomputed == NULL || k >= PyList_GET_SIZE(self->recomputed)
+        || PyList_GET_ITEM(self->recomputed, k) == Py_None)
+    {
+        /* First need in this backward (or again, with retain_graph). */
+        Py_ssize_t tile = -1;
+        if (self->tile_end != NULL) {
+            for (Py_ssize_t j = 0; j < self->tiles; j++) {
+                if (k < self->tile_end[j]) {
+                    tile = j;
+                    break;
+                }
+            }
+            if (tile < 0) {
+                PyErr_Format(PyExc_RuntimeError,
+                             "memscale: tiled layer %R saved a tensor for "
+                             "backward outside its tiles (in a hook around "
+                             "its forward); exclude it from tiling",
+                             ms_ex_unit_name(self->ex, self->index));
+                return NULL;
+            }
+        }
+        if (frame_recompute(self, tile) < 0) {
+            return NULL;
+        }
+    }
+    PyObject *t = Py_NewRef(PyList_GET_ITEM(self->recomputed, k));
+    /* Hand it over and drop ours: memory goes as backward consumes it. */
+    if (PyList_SetItem(self->recomputed, k, Py_NewRef(Py_None)) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return t;
+}
+
+static PyMethodDef frame_methods[] = {
+    {"_pack", (PyCFunction)frame_pack, METH_O, NULL},
+    {"_unpack", (PyCFunction)frame_unpack, METH_O, NULL},
+    {"_rpack", (PyCFunction)frame_rpack, METH_O, NULL},
+    {"_runpack", (PyCFunction)frame_runpack, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot frame_slots[] = {
+    {Py_tp_doc, "One checkpointed call of a layer."},
+    {Py_tp_dealloc, frame_dealloc},
+    {Py_tp_traverse, frame_traverse},
+    {Py_tp_clear, frame_clear},
+    {Py_tp_methods, frame_methods},
+    {0, NULL},
+};
+
+static PyType_Spec frame_spec = {
+    .name = "memscale._core._Frame",
+    .basicsize = sizeof(Frame),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE
+             | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = frame_slots,
+};
+
+int
+ms_frame_init_types(PyObject *module, ms_state *st)
+{
+    st->handle_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(module, &handle_spec, NULL);
+    if (st->handle_type == NULL) {
+        return -1;
+    }
+    st->frame_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(module, &frame_spec, NULL);
+    if (st->frame_type == NULL) {
+        return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,236 @@
+/*
+ * segment.c: checkpoint segments.
+ *
+ * A plan may checkpoint a run of consecutive units as one segment: only the
+ * first unit's inputs are kept, and the recompute in backward replays the
+ * units in turn, each on the previous one's output.  The first unit opens
+ * the frame (hooks.c); at its end the frame waits as the executor's open
+ * segment, and the next unit joins it if it takes that output, unchanged,
+ * as its input.  Anything else ends the segment.
+ */
+#include "executor_internal.h"
+
+#include "engine.h"
+#include "profiler.h"
+
+/* The first tensor of a unit's output (borrowed), or NULL. */
+PyObject *
+ms_first_tensor(ms_state *st, PyObject *out)
+{
+    if (ms_is_tensor(st, out)) {
+        return out;
+    }
+    if (PyTuple_Check(out) && PyTuple_GET_SIZE(out) > 0
+        && ms_is_tensor(st, PyTuple_GET_ITEM(out, 0)))
+    {
+        return PyTuple_GET_ITEM(out, 0);
+    }
+    if (PyList_Check(out) && PyList_GET_SIZE(out) > 0
+        && ms_is_tensor(st, PyList_GET_ITEM(out, 0)))
+    {
+        return PyList_GET_ITEM(out, 0);
+    }
+    return NULL;
+}
+
+/* Recompute a segment's later units, each on the previous one's output,
+   under the RNG state it ran with; steals `out` (the first unit's output)
+   and returns the last output, or NULL (the stop exception included). */
+PyObject *
+ms_segment_replay(Frame *self, PyObject *out)
+{
+    ms_state *st = self->ex->st;
+    for (Py_ssize_t u = 0; u < PyList_GET_SIZE(self->seg_units); u++) {
+        PyObject *rec = PyList_GET_ITEM(self->seg_units, u);
+        PyObject *unit = PyTuple_GET_ITEM(rec, 0);
+        Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(rec, 1));
+        PyObject *args = PyTuple_GET_ITEM(rec, 2);
+        PyObject *kwargs = PyTuple_GET_ITEM(rec, 3);
+        PyObject *x = ms_first_tensor(st, out);
+        if (x == NULL || pos < 0 || pos >= PyTuple_GET_SIZE(args)) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "memscale: internal error: cannot chain the "
+                         "recompute of checkpoint segment %R",
+                         ms_ex_unit_name(self->ex, self->index));
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *call = PyTuple_New(PyTuple_GET_SIZE(args));
+        if (call == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(args); k++) {
+            PyTuple_SET_ITEM(call, k,
+                             Py_NewRef(k == pos ? x
+                                                : PyTuple_GET_ITEM(args, k)));
+        }
+        Py_DECREF(out);
+        PyObject *r = PyObject_CallOneArg(st->set_rng_state,
+                                          PyTuple_GET_ITEM(rec, 4));
+        if (r != NULL && PyTuple_GET_ITEM(rec, 5) != Py_None) {
+            Py_SETREF(r, PyObject_CallOneArg(st->cuda_set_rng_state_all,
+                                             PyTuple_GET_ITEM(rec, 5)));
+        }
+        if (r == NULL) {
+            Py_DECREF(call);
+            return NULL;
+        }
+        Py_DECREF(r);
+        out = PyObject_Call(unit, call, kwargs);
+        Py_DECREF(call);
+        if (out == NULL) {
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* The segment waiting for its next unit is done: its stored inputs may
+   go to their offload tier now. */
+int
+ms_segment_finish(Executor *ex)
+{
+    Frame *f = (Frame *)ex->open_seg;
+    ex->open_seg = NULL;
+    if (f == NULL) {
+        return 0;
+    }
+    Py_CLEAR(f->seg_out);
+    Py_CLEAR(f->seg_out_version);
+    int rc = 0;
+    if (ex->masks != NULL && (ex->masks[f->index] & MS_TECH_OFFLOAD)
+        && (HAS(ex->store) || HAS(ex->host)))
+    {
+        rc = ms_offload_inputs(ex, f);
+    }
+    Py_DECREF(f);
+    return rc;
+}
+
+/* Unit `unit` starts: if it is the next unit of the open segment and takes
+   the previous unit's output, the segment's frame takes it in (1: pushed);
+   else the segment is finished (0). */
+int
+ms_segment_continue(Executor *ex, PyObject *unit, PyObject *args,
+                    PyObject *kwargs)
+{
+    ms_state *st = ex->st;
+    Frame *f = (Frame *)ex->open_seg;
+    if (ex->recompute_depth > 0 || ex->paused > 0 || ex->active_frames > 0) {
+        return 0; /* not a unit of this forward's chain */
+    }
+    PyObject *idx = PyDict_GetItemWithError(ex->index_of, unit);
+    if (idx == NULL) {
+        return PyErr_Occurred() ? -1 : ms_segment_finish(ex);
+    }
+    Py_ssize_t k = PyLong_AsSsize_t(idx);
+    Py_ssize_t pos = -1;
+    for (Py_ssize_t a = 0; a < PyTuple_GET_SIZE(args); a++) {
+        if (ms_is_tensor(st, PyTuple_GET_ITEM(args, a))) {
+            pos = a;
+            break;
+        }
+    }
+    int same = 0;
+    if (k == f->seg_next && ex->segments != NULL
+        && ex->segments[k] == f->seg_id && pos >= 0
+        && PyTuple_GET_ITEM(args, pos) == f->seg_out)
+    {
+        /* The same tensor, not changed in place since (x.add_(...) between
+           the units would be lost on replay). */
+        PyObject *v = PyObject_GetAttr(f->seg_out, st->s_version);
+        same = v ? PyObject_RichCompareBool(v, f->seg_out_version, Py_EQ) : -1;
+        Py_XDECREF(v);
+        if (same < 0) {
+            return -1;
+        }
+    }
+    if (!same) {
+        /* Something else runs between the two units (or the chain is not
+           output-to-input): the segment ends here. */
+        return ms_segment_finish(ex) < 0 ? -1 : 0;
+    }
+    PyObject *held = PyTuple_New(PyTuple_GET_SIZE(args));
+    PyObject *kw = (kwargs != NULL && kwargs != Py_None) ? PyDict_Copy(kwargs)
+                                                         : PyDict_New();
+    PyObject *rng = PyObject_CallNoArgs(st->get_rng_state);
+    PyObject *rng_cuda = NULL, *rec = NULL, *pack = NULL, *unpack = NULL;
+    PyObject *ctx = NULL, *where = PyLong_FromSsize_t(pos);
+    int rc = -1;
+    if (held == NULL || kw == NULL || rng == NULL || where == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t a = 0; a < PyTuple_GET_SIZE(args); a++) {
+        PyTuple_SET_ITEM(held, a,
+                         Py_NewRef(a == pos ? Py_None
+                                            : PyTuple_GET_ITEM(args, a)));
+    }
+    rng_cuda = f->rng_cuda != NULL
+                   ? PyObject_CallNoArgs(st->cuda_get_rng_state_all)
+                   : Py_NewRef(Py_None);
+    if (rng_cuda == NULL) {
+        goto done;
+    }
+    rec = PyTuple_Pack(6, unit, where, held, kw, rng, rng_cuda);
+    if (rec == NULL) {
+        goto done;
+    }
+    if (f->seg_units == NULL && (f->seg_units = PyList_New(0)) == NULL) {
+        goto done;
+    }
+    Py_ssize_t nv = PyList_GET_SIZE(f->versions);
+    if (ms_collect_versions(st, held, f->versions) < 0
+        || ms_collect_versions(st, kw, f->versions) < 0
+        || PyList_Append(f->seg_units, rec) < 0)
+    {
+        /* Leave the frame as it was. */
+        (void)PyList_SetSlice(f->versions, nv, PyList_GET_SIZE(f->versions),
+                              NULL);
+        goto done;
+    }
+    pack = PyObject_GetAttr((PyObject *)f, st->s_pack);
+    unpack = PyObject_GetAttr((PyObject *)f, st->s_unpack);
+    ctx = (pack && unpack)
+              ? PyObject_CallFunctionObjArgs(st->saved_tensors_hooks, pack,
+                                             unpack, NULL)
+              : NULL;
+    if (ctx == NULL || ms_call_enter(st, ctx) < 0) {
+        Py_ssize_t n = PyList_GET_SIZE(f->seg_units);
+        (void)PyList_SetSlice(f->seg_units, n - 1, n, NULL);
+        (void)PyList_SetSlice(f->versions, nv, PyList_GET_SIZE(f->versions),
+                              NULL);
+        goto done;
+    }
+    if (ms_ex_push_entry(ex, (PyObject *)f) < 0) {
+        (void)ms_call_exit(st, ctx);
+        goto done;
+    }
+    f->ctx = Py_NewRef(ctx);
+    f->cur_unit = unit;
+    f->seg_next = k + 1;
+    Py_CLEAR(f->seg_out);
+    Py_CLEAR(f->seg_out_version);
+    Py_CLEAR(ex->open_seg); /* the stack holds the frame now */
+    rc = 1;
+done:
+    Py_XDECREF(held);
+    Py_XDECREF(kw);
+    Py_XDECREF(rng);
+    Py_XDECREF(rng_cuda);
+    Py_XDECREF(rec);
+    Py_XDECREF(pack);
+    Py_XDECREF(unpack);
+    Py_XDECREF(ctx);
+    Py_XDECREF(where);
+    if (rc < 0) {
+        /* Keep going without the segment rather than half in it. */
+        ms_exc_state saved;
+        ms_exc_save(&saved);
+        if (ms_segment_finish(ex) < 0) {
+            PyErr_WriteUnraisable((PyObject *)ex);
+        }
+        ms_exc_restore(&saved);
+    }
+    return rc;
+}
