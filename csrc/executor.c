@@ -125,7 +125,7 @@ int
 ms_ex_apply_plan(Executor *ex, PyObject *plan)
 {
     ms_state *st = ex->st;
-    PyObject *chosen = NULL, *pre = NULL, *post = NULL;
+    PyObject *chosen = NULL;
     unsigned *masks = NULL;
     int *tiles = NULL, *segments = NULL;
     int rc = -1;
@@ -191,12 +191,9 @@ ms_ex_apply_plan(Executor *ex, PyObject *plan)
     ex->segments = NULL;
     Py_CLEAR(ex->open_seg);
     Py_XSETREF(ex->plan, Py_NewRef(Py_None)); /* its hooks are gone */
-    pre = PyUnicode_InternFromString("_pre");
-    post = PyUnicode_InternFromString("_post");
-    if (pre == NULL || post == NULL
-        || ms_register_unit_hooks(st, (PyObject *)ex, chosen, ex->handles, pre,
-                                  post)
-               < 0)
+    if (ms_register_unit_hooks(st, (PyObject *)ex, chosen, ex->handles,
+                               st->s_pre, st->s_post)
+        < 0)
     {
         goto done;
     }
@@ -213,8 +210,6 @@ done:
     PyMem_Free(tiles);
     PyMem_Free(segments);
     Py_XDECREF(chosen);
-    Py_XDECREF(pre);
-    Py_XDECREF(post);
     return rc;
 }
 
@@ -523,17 +518,14 @@ ex_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     ex->attached = 1;
     {
-        PyObject *pre = PyUnicode_InternFromString("_root_pre");
-        PyObject *post = PyUnicode_InternFromString("_root_post");
         PyObject *root = PyList_New(1);
         int rc = -1;
-        if (pre != NULL && post != NULL && root != NULL) {
+        if (root != NULL) {
             PyList_SET_ITEM(root, 0, Py_NewRef(model));
             rc = ms_register_unit_hooks(st, (PyObject *)ex, root,
-                                        ex->root_handles, pre, post);
+                                        ex->root_handles, st->s_root_pre,
+                                        st->s_root_post);
         }
-        Py_XDECREF(pre);
-        Py_XDECREF(post);
         Py_XDECREF(root);
         if (rc < 0) {
             goto error;

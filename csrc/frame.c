@@ -382,8 +382,8 @@ restore_buffers(ms_state *st, PyObject *snap)
                        : -1;
         Py_XDECREF(ver);
         if (same > 0) {
-            PyObject *eq = PyObject_CallMethod(st->torch, "equal", "OO", buf,
-                                               copy);
+            PyObject *eq = PyObject_CallMethodObjArgs(st->torch, st->s_equal,
+                                                      buf, copy, NULL);
             same = eq ? PyObject_IsTrue(eq) : -1;
             Py_XDECREF(eq);
         }

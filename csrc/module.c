@@ -205,17 +205,10 @@ static PyMethodDef module_methods[] = {
 
 /* ------------------------------------------------------------------ */
 
-static int
-intern(PyObject **slot, const char *name)
-{
-    *slot = PyUnicode_InternFromString(name);
-    return *slot == NULL ? -1 : 0;
-}
-
+/* Resolve "a.b.c" relative to owner into *slot (a new reference). */
 static int
 lookup(PyObject **slot, PyObject *owner, const char *dotted)
 {
-    /* Resolve "a.b.c" relative to owner. */
     PyObject *obj = Py_NewRef(owner);
     const char *p = dotted;
     while (*p) {
@@ -240,120 +233,54 @@ lookup(PyObject **slot, PyObject *owner, const char *dotted)
     return 0;
 }
 
+/* mod.attr into *slot; attr "" is the module itself. */
+static int
+import_attr(PyObject **slot, const char *mod, const char *attr)
+{
+    PyObject *m = PyImport_ImportModule(mod);
+    if (m == NULL) {
+        return -1;
+    }
+    int rc = lookup(slot, m, attr);
+    Py_DECREF(m);
+    return rc;
+}
+
+/* The module state's objects, as MS_STATE (state.h) lists them; the heap
+   types are made by each file's init function below. */
+static int
+state_exec(ms_state *st)
+{
+    /* clang-format off */
+#define TYPE(field)
+#define IMPORT(field, mod, attr)                                             \
+    if (import_attr(&st->field, mod, attr) < 0) {                           \
+        return -1;                                                           \
+    }
+#define EXC(field, name, doc)                                                \
+    st->field = PyErr_NewExceptionWithDoc(name, doc, PyExc_Exception, NULL); \
+    if (st->field == NULL) {                                                 \
+        return -1;                                                           \
+    }
+#define NAME(field, text)                                                    \
+    st->field = PyUnicode_InternFromString(text);                            \
+    if (st->field == NULL) {                                                 \
+        return -1;                                                           \
+    }
+    MS_STATE(TYPE, IMPORT, EXC, NAME)
+#undef TYPE
+#undef IMPORT
+#undef EXC
+#undef NAME
+    /* clang-format on */
+    return 0;
+}
+
 static int
 module_exec(PyObject *module)
 {
     ms_state *st = ms_get_state(module);
-    PyObject *time_mod = NULL;
-
-    st->torch = PyImport_ImportModule("torch");
-    if (st->torch == NULL) {
-        return -1;
-    }
-    /* torch.autograd.graph is not imported by "import torch" in every
-       release; import it explicitly. */
-    PyObject *graph = PyImport_ImportModule("torch.autograd.graph");
-    if (graph == NULL) {
-        return -1;
-    }
-    int rc = lookup(&st->saved_tensors_hooks, graph, "saved_tensors_hooks");
-    Py_DECREF(graph);
-    if (rc < 0) {
-        return -1;
-    }
-    time_mod = PyImport_ImportModule("time");
-    if (time_mod == NULL) {
-        return -1;
-    }
-    rc = lookup(&st->perf_counter_ns, time_mod, "perf_counter_ns");
-    Py_DECREF(time_mod);
-    if (rc < 0) {
-        return -1;
-    }
-    if (lookup(&st->tensor_type, st->torch, "Tensor") < 0
-        || lookup(&st->torch_module_type, st->torch, "nn.Module") < 0
-        || lookup(&st->module_list_type, st->torch, "nn.ModuleList") < 0
-        || lookup(&st->sequential_type, st->torch, "nn.Sequential") < 0
-        || lookup(&st->get_rng_state, st->torch, "get_rng_state") < 0
-        || lookup(&st->set_rng_state, st->torch, "set_rng_state") < 0
-        || lookup(&st->is_grad_enabled, st->torch, "is_grad_enabled") < 0
-        || lookup(&st->enable_grad, st->torch, "enable_grad") < 0
-        || lookup(&st->autocast, st->torch, "autocast") < 0
-        || lookup(&st->is_autocast_enabled, st->torch, "is_autocast_enabled")
-               < 0
-        || lookup(&st->get_autocast_dtype, st->torch, "get_autocast_dtype") < 0
-        || lookup(&st->cuda_is_initialized, st->torch, "cuda.is_initialized")
-               < 0
-        || lookup(&st->cuda_get_rng_state_all, st->torch,
-                  "cuda.get_rng_state_all")
-               < 0
-        || lookup(&st->cuda_set_rng_state_all, st->torch,
-                  "cuda.set_rng_state_all")
-               < 0
-        || lookup(&st->empty_strided, st->torch, "empty_strided") < 0
-        || lookup(&st->strided, st->torch, "strided") < 0
-        || lookup(&st->cat, st->torch, "cat") < 0)
-    {
-        return -1;
-    }
-
-    if (intern(&st->s_register_forward_pre_hook, "register_forward_pre_hook")
-            < 0
-        || intern(&st->s_register_forward_hook, "register_forward_hook") < 0
-        || intern(&st->s_with_kwargs, "with_kwargs") < 0
-        || intern(&st->s_always_call, "always_call") < 0
-        || intern(&st->s_remove, "remove") < 0
-        || intern(&st->s_untyped_storage, "untyped_storage") < 0
-        || intern(&st->s_cdata, "_cdata") < 0
-        || intern(&st->s_nbytes, "nbytes") < 0
-        || intern(&st->s_shape, "shape") < 0
-        || intern(&st->s_dtype, "dtype") < 0
-        || intern(&st->s_version, "_version") < 0
-        || intern(&st->s_training, "training") < 0
-        || intern(&st->s_enter, "__enter__") < 0
-        || intern(&st->s_exit, "__exit__") < 0
-        || intern(&st->s_detach, "detach") < 0
-        || intern(&st->s_named_children, "named_children") < 0
-        || intern(&st->s_parameters, "parameters") < 0
-        || intern(&st->s_buffers, "buffers") < 0
-        || intern(&st->s_get_total_flops, "get_total_flops") < 0
-        || intern(&st->s_cpu, "cpu") < 0 || intern(&st->s_cuda, "cuda") < 0
-        || intern(&st->s_pack, "_pack") < 0
-        || intern(&st->s_unpack, "_unpack") < 0
-        || intern(&st->s_rpack, "_rpack") < 0
-        || intern(&st->s_runpack, "_runpack") < 0
-        || intern(&st->s_count, "_count") < 0
-        || intern(&st->s_ident, "_ident") < 0
-        || intern(&st->s_device_type, "device_type") < 0
-        || intern(&st->s_dtype_kw, "dtype") < 0
-        || intern(&st->s_enabled, "enabled") < 0
-        || intern(&st->s_copy_, "copy_") < 0
-        || intern(&st->s_clone, "clone") < 0
-        || intern(&st->s_grad_fn, "grad_fn") < 0
-        || intern(&st->s_device, "device") < 0
-        || intern(&st->s_type, "type") < 0
-        || intern(&st->s_is_contiguous, "is_contiguous") < 0
-        || intern(&st->s_numel, "numel") < 0
-        || intern(&st->s_element_size, "element_size") < 0
-        || intern(&st->s_data_ptr, "data_ptr") < 0
-        || intern(&st->s_stride, "stride") < 0
-        || intern(&st->s_requires_grad, "requires_grad") < 0
-        || intern(&st->s_requires_grad_, "requires_grad_") < 0
-        || intern(&st->s_get, "get") < 0 || intern(&st->s_put, "put") < 0
-        || intern(&st->s_layout, "layout") < 0
-        || intern(&st->s_is_conj, "is_conj") < 0
-        || intern(&st->s_is_neg, "is_neg") < 0)
-    {
-        return -1;
-    }
-
-    /* Raised inside a recompute once every needed tensor exists, to skip
-       the rest of the layer (like torch.utils.checkpoint's early stop). */
-    st->stop_recompute = PyErr_NewExceptionWithDoc(
-        "memscale._core._StopRecompute",
-        "Internal: ends a recompute early. Never escapes memscale.",
-        PyExc_Exception, NULL);
-    if (st->stop_recompute == NULL) {
+    if (state_exec(st) < 0) {
         return -1;
     }
     if (ms_plan_init_types(module, st) < 0
@@ -378,30 +305,6 @@ module_exec(PyObject *module)
     return 0;
 }
 
-/* clang-format off */
-#define MS_VISIT_ALL(op)                                                      \
-    op(plan_type) op(layer_plan_type) op(executor_type) op(frame_type)       \
-    op(handle_type) op(tiled_type) op(profiler_type) op(torch)                \
-    op(tensor_type) op(torch_module_type) op(module_list_type) op(sequential_type)                 \
-    op(get_rng_state) op(set_rng_state) op(is_grad_enabled) op(enable_grad)  \
-    op(autocast) op(is_autocast_enabled) op(get_autocast_dtype)              \
-    op(saved_tensors_hooks) op(cuda_is_initialized)                          \
-    op(cuda_get_rng_state_all) op(cuda_set_rng_state_all)                    \
-    op(perf_counter_ns) op(stop_recompute) op(s_register_forward_pre_hook)                      \
-    op(s_register_forward_hook) op(s_with_kwargs) op(s_always_call)          \
-    op(s_remove) op(s_untyped_storage) op(s_cdata) op(s_nbytes) op(s_shape)  \
-    op(s_dtype) op(s_version) op(s_training) op(s_enter) op(s_exit)          \
-    op(s_detach) op(s_named_children) op(s_parameters) op(s_buffers)         \
-    op(s_get_total_flops) op(s_cpu) op(s_cuda) op(s_pack) op(s_unpack)       \
-    op(s_rpack) op(s_runpack) op(s_count) op(s_ident) op(s_device_type)      \
-    op(s_dtype_kw) op(s_enabled) op(s_copy_) op(s_clone)                    \
-    op(spilled_type) op(spill_store_type) op(empty_strided) op(s_grad_fn)    \
-    op(s_device) op(s_type) op(s_is_contiguous) op(s_numel)                  \
-    op(s_element_size) op(s_data_ptr) op(s_stride) op(s_requires_grad)      \
-    op(s_requires_grad_) op(s_get) op(s_put) op(strided) op(s_layout)        \
-    op(s_is_conj) op(s_is_neg) op(cat)
-/* clang-format on */
-
 static int
 module_traverse(PyObject *module, visitproc visit, void *arg)
 {
@@ -409,9 +312,17 @@ module_traverse(PyObject *module, visitproc visit, void *arg)
     if (st == NULL) {
         return 0;
     }
-#define VISIT(name) Py_VISIT(st->name);
-    MS_VISIT_ALL(VISIT)
-#undef VISIT
+    /* clang-format off */
+#define TYPE(field) Py_VISIT(st->field);
+#define IMPORT(field, mod, attr) Py_VISIT(st->field);
+#define EXC(field, name, doc) Py_VISIT(st->field);
+#define NAME(field, text) Py_VISIT(st->field);
+    MS_STATE(TYPE, IMPORT, EXC, NAME)
+#undef TYPE
+#undef IMPORT
+#undef EXC
+#undef NAME
+    /* clang-format on */
     return 0;
 }
 
@@ -422,9 +333,17 @@ module_clear(PyObject *module)
     if (st == NULL) {
         return 0;
     }
-#define CLEAR(name) Py_CLEAR(st->name);
-    MS_VISIT_ALL(CLEAR)
-#undef CLEAR
+    /* clang-format off */
+#define TYPE(field) Py_CLEAR(st->field);
+#define IMPORT(field, mod, attr) Py_CLEAR(st->field);
+#define EXC(field, name, doc) Py_CLEAR(st->field);
+#define NAME(field, text) Py_CLEAR(st->field);
+    MS_STATE(TYPE, IMPORT, EXC, NAME)
+#undef TYPE
+#undef IMPORT
+#undef EXC
+#undef NAME
+    /* clang-format on */
     return 0;
 }
 

@@ -565,15 +565,10 @@ prof_attach(Profiler *self, PyObject *Py_UNUSED(ignored))
     if (PyList_GET_SIZE(self->handles) > 0) {
         Py_RETURN_NONE;
     }
-    PyObject *pre = PyUnicode_InternFromString("_pre");
-    PyObject *post = PyUnicode_InternFromString("_post");
-    int rc = (pre && post)
-                 ? register_hooks(self->st, (PyObject *)self, self->units,
-                                  self->handles, pre, post)
-                 : -1;
-    Py_XDECREF(pre);
-    Py_XDECREF(post);
-    if (rc < 0) {
+    if (register_hooks(self->st, (PyObject *)self, self->units, self->handles,
+                       self->st->s_pre, self->st->s_post)
+        < 0)
+    {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -1161,7 +1156,7 @@ param_count(ms_state *st, PyObject *mod, long long *out)
         return -1;
     }
     while ((p = PyIter_Next(it)) != NULL) {
-        PyObject *n = PyObject_CallMethod(p, "numel", NULL);
+        PyObject *n = PyObject_CallMethodNoArgs(p, st->s_numel);
         Py_DECREF(p);
         long long v = n ? PyLong_AsLongLong(n) : -1;
         Py_XDECREF(n);

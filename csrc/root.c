@@ -17,8 +17,8 @@
 PyObject *
 ms_make_autocast(ms_state *st, PyObject *device, PyObject *dtype, int enabled)
 {
-    PyObject *kw = Py_BuildValue("{OOOO}", st->s_dtype_kw, dtype,
-                                 st->s_enabled, enabled ? Py_True : Py_False);
+    PyObject *kw = Py_BuildValue("{OOOO}", st->s_dtype, dtype, st->s_enabled,
+                                 enabled ? Py_True : Py_False);
     if (kw == NULL) {
         return NULL;
     }

@@ -116,6 +116,23 @@ follows_lead(ms_state *st, PyObject *t, int dim, PyObject *lead_shape)
     return same; /* -1 with an exception, 0 or 1 */
 }
 
+/* tensor.narrow(dim, start, len) */
+static PyObject *
+narrow(ms_state *st, PyObject *tensor, int dim, Py_ssize_t start,
+       Py_ssize_t len)
+{
+    PyObject *d = PyLong_FromLong(dim);
+    PyObject *s = d ? PyLong_FromSsize_t(start) : NULL;
+    PyObject *n = s ? PyLong_FromSsize_t(len) : NULL;
+    PyObject *res = n ? PyObject_CallMethodObjArgs(tensor, st->s_narrow, d, s,
+                                                   n, NULL)
+                      : NULL;
+    Py_XDECREF(d);
+    Py_XDECREF(s);
+    Py_XDECREF(n);
+    return res;
+}
+
 static PyObject *
 slice_obj(ms_state *st, PyObject *obj, int dim, PyObject *lead_shape,
           Py_ssize_t start, Py_ssize_t len, int depth)
@@ -128,7 +145,7 @@ slice_obj(ms_state *st, PyObject *obj, int dim, PyObject *lead_shape,
         if (!follow) {
             return Py_NewRef(obj);
         }
-        return PyObject_CallMethod(obj, "narrow", "inn", dim, start, len);
+        return narrow(st, obj, dim, start, len);
     }
     int is_tuple = PyTuple_CheckExact(obj), is_list = PyList_CheckExact(obj);
     if (depth >= MAX_DEPTH || !(is_tuple || is_list)) {
