@@ -358,11 +358,9 @@ ex_detach(Executor *ex, PyObject *Py_UNUSED(ignored))
         rc = -1;
     }
     if (ex->profiler != NULL && ex->profiler != Py_None) {
-        PyObject *r = PyObject_CallMethod(ex->profiler, "detach", NULL);
-        if (r == NULL) {
+        if (ms_profiler_detach(ex->profiler) < 0) {
             rc = -1;
         }
-        Py_XDECREF(r);
     }
     if (rc < 0) {
         /* Remove the hooks anyway; the first error is what is raised. */

@@ -410,27 +410,27 @@ PyDoc_STRVAR(prof_begin_doc,
 "Start measuring one forward pass.");
 /* clang-format on */
 
-static PyObject *
-prof_begin(Profiler *self, PyObject *Py_UNUSED(ignored))
+static int
+begin_pass(Profiler *self)
 {
     ms_state *st = self->st;
     PyObject *pack = NULL, *unpack = NULL, *ctx = NULL;
     if (self->in_pass) {
         PyErr_SetString(PyExc_RuntimeError,
                         "memscale profiler: a pass is already running");
-        return NULL;
+        return -1;
     }
     memset(self->cur, 0, (size_t)self->n * sizeof(unit_stats));
     self->total_cur = 0;
     self->flops_cur = 0.0;
     Py_XSETREF(self->seen, PySet_New(NULL));
     if (self->seen == NULL) {
-        return NULL;
+        return -1;
     }
     if (PyList_SetSlice(self->stack, 0, PyList_GET_SIZE(self->stack), NULL)
         < 0)
     {
-        return NULL;
+        return -1;
     }
     pack = PyObject_GetAttr((PyObject *)self, st->s_count);
     unpack = PyObject_GetAttr((PyObject *)self, st->s_ident);
@@ -457,12 +457,21 @@ prof_begin(Profiler *self, PyObject *Py_UNUSED(ignored))
     self->in_pass = 1;
     Py_DECREF(pack);
     Py_DECREF(unpack);
-    Py_RETURN_NONE;
+    return 0;
 error:
     Py_XDECREF(ctx);
     Py_XDECREF(pack);
     Py_XDECREF(unpack);
-    return NULL;
+    return -1;
+}
+
+static PyObject *
+prof_begin(Profiler *self, PyObject *Py_UNUSED(ignored))
+{
+    if (begin_pass(self) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 /* clang-format off */
@@ -529,6 +538,18 @@ end_pass(Profiler *self, int ok)
     return 0;
 }
 
+/* end_pass() of the pass running, or a RuntimeError if none is. */
+static int
+end_running_pass(Profiler *self, int ok)
+{
+    if (!self->in_pass) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memscale profiler: no pass is running");
+        return -1;
+    }
+    return end_pass(self, ok);
+}
+
 static PyObject *
 prof_end(Profiler *self, PyObject *args, PyObject *kwargs)
 {
@@ -538,12 +559,7 @@ prof_end(Profiler *self, PyObject *args, PyObject *kwargs)
     {
         return NULL;
     }
-    if (!self->in_pass) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "memscale profiler: no pass is running");
-        return NULL;
-    }
-    if (end_pass(self, ok) < 0) {
+    if (end_running_pass(self, ok) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -615,8 +631,8 @@ PyDoc_STRVAR(prof_detach_doc,
 "Remove the hooks attach() registered; leave any running pass.");
 /* clang-format on */
 
-static PyObject *
-prof_detach(Profiler *self, PyObject *Py_UNUSED(ignored))
+static int
+detach_hooks(Profiler *self)
 {
     int rc = 0;
     /* An unfinished pass (its forward was interrupted) is dropped. */
@@ -634,7 +650,13 @@ prof_detach(Profiler *self, PyObject *Py_UNUSED(ignored))
         }
         ms_exc_restore(&saved);
     }
-    if (rc < 0) {
+    return rc;
+}
+
+static PyObject *
+prof_detach(Profiler *self, PyObject *Py_UNUSED(ignored))
+{
+    if (detach_hooks(self) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -1008,6 +1030,42 @@ done:
     Py_XDECREF(kw_pre);
     Py_XDECREF(kw_post);
     return rc;
+}
+
+/* The executor drives a Profiler through these, not through its Python
+   methods: the type is ours and final (no subclass can override them).
+   NULL (an executor the garbage collector cleared) is an error, as it is
+   for a call through the C API. */
+static Profiler *
+as_profiler(PyObject *obj)
+{
+    if (obj == NULL) {
+        PyErr_BadInternalCall();
+        return NULL;
+    }
+    assert(Py_IS_TYPE(obj, ((Profiler *)obj)->st->profiler_type));
+    return (Profiler *)obj;
+}
+
+int
+ms_profiler_begin_pass(PyObject *profiler)
+{
+    Profiler *self = as_profiler(profiler);
+    return self != NULL ? begin_pass(self) : -1;
+}
+
+int
+ms_profiler_end_pass(PyObject *profiler, int ok)
+{
+    Profiler *self = as_profiler(profiler);
+    return self != NULL ? end_running_pass(self, ok) : -1;
+}
+
+int
+ms_profiler_detach(PyObject *profiler)
+{
+    Profiler *self = as_profiler(profiler);
+    return self != NULL ? detach_hooks(self) : -1;
 }
 
 int

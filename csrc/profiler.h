@@ -10,6 +10,13 @@
 /* Create the Profiler type into the module state. */
 int ms_profiler_init_types(PyObject *module, ms_state *st);
 
+/* What the Python methods begin_pass(), end_pass(ok) and detach() of a
+   Profiler (an instance of st->profiler_type) do: 0, or -1 with an
+   exception set. */
+int ms_profiler_begin_pass(PyObject *profiler);
+int ms_profiler_end_pass(PyObject *profiler, int ok);
+int ms_profiler_detach(PyObject *profiler);
+
 /* Register owner.<pre_name> / owner.<post_name> as forward pre-hook (with
    kwargs) and always-called forward hook of every module of `units`,
    appending the removable handles to the list `handles`. */

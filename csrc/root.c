@@ -11,6 +11,7 @@
  */
 #include "executor_internal.h"
 
+#include "profiler.h"
 #include "spill.h"
 
 /* torch.autocast(device, dtype=dtype, enabled=enabled), not entered. */
@@ -69,12 +70,9 @@ root_pre_body(Executor *ex, PyObject *const *args)
         /* The previous profiled forward was interrupted before its
            always_call hook (KeyboardInterrupt): drop that pass. */
         ex->root_in_pass = 0;
-        PyObject *r = PyObject_CallMethod(ex->profiler, "end_pass", "(O)",
-                                          Py_False);
-        if (r == NULL) {
+        if (ms_profiler_end_pass(ex->profiler, 0) < 0) {
             return NULL;
         }
-        Py_DECREF(r);
         if (PyErr_WarnEx(PyExc_RuntimeWarning,
                          "memscale: a previous forward was interrupted while "
                          "being profiled; its measurements were dropped",
@@ -110,11 +108,9 @@ root_pre_body(Executor *ex, PyObject *const *args)
     if (ex->profiler == Py_None || ex->root_in_pass) {
         Py_RETURN_NONE;
     }
-    PyObject *r = PyObject_CallMethod(ex->profiler, "begin_pass", NULL);
-    if (r == NULL) {
+    if (ms_profiler_begin_pass(ex->profiler) < 0) {
         return NULL;
     }
-    Py_DECREF(r);
     /* The caller may itself run inside an except block: remember what was
        being handled, so that _root_post only blames a new exception. */
     Py_XSETREF(ex->pre_exc, PyErr_GetHandledException());
@@ -152,12 +148,9 @@ root_post_body(Executor *ex)
     int ok = handled == ex->pre_exc;
     Py_XDECREF(handled);
     Py_CLEAR(ex->pre_exc);
-    PyObject *r = PyObject_CallMethod(ex->profiler, "end_pass", "(O)",
-                                      ok ? Py_True : Py_False);
-    if (r == NULL) {
+    if (ms_profiler_end_pass(ex->profiler, ok) < 0) {
         return NULL;
     }
-    Py_DECREF(r);
     if (!ok) {
         Py_RETURN_NONE;
     }
@@ -171,9 +164,7 @@ root_post_body(Executor *ex)
     ex->profiler = Py_NewRef(Py_None);
     ex->on_profiled = Py_NewRef(Py_None);
     PyObject *plan = NULL;
-    r = PyObject_CallMethod(profiler, "detach", NULL);
-    if (r != NULL) {
-        Py_DECREF(r);
+    if (ms_profiler_detach(profiler) == 0) {
         plan = callback != Py_None ? PyObject_CallOneArg(callback, profiler)
                                    : NULL;
         if (plan == NULL && !PyErr_Occurred()) {
