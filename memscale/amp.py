@@ -3,7 +3,7 @@
 Every forward of the wrapped model runs under ``torch.autocast``: BF16
 where the device supports it (the host CPU, CUDA from Ampere on), FP16
 otherwise.  The executor enters it in the model's forward pre-hook and
-leaves it in its always-called forward hook (``csrc/executor.c``), and
+leaves it in its always-called forward hook (``csrc/root.c``), and
 checkpoint recomputes replay the autocast state of their forward, so a
 recomputed layer computes exactly what its forward did.  Parameters,
 gradients and optimizer state stay in float32; floating-point outputs of

@@ -700,7 +700,7 @@ def _tracker_class() -> type:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is _EQUAL and self.phase == "backward":
                 # The executor compares a layer's buffers before and after
-                # its recompute (csrc/executor.c, restore_buffers) to put
+                # its recompute (csrc/frame.c, restore_buffers) to put
                 # updated statistics back.  Fake tensors have no values; a
                 # layer whose recompute can change its buffers does (e.g.
                 # BatchNorm), so answer "changed": the executor copies the
@@ -1034,8 +1034,8 @@ def _estimated_state(world: _FakeWorld, optimizer: torch.optim.Optimizer | None,
 
 
 def _rng_state_bytes() -> int:
-    """Bytes of the RNG state a checkpoint frame records (csrc/executor.c,
-    frame_new): the CPU generator's, plus every CUDA generator's once CUDA
+    """Bytes of the RNG state a checkpoint frame records (csrc/frame.c,
+    ms_frame_new): the CPU generator's, plus every CUDA generator's once CUDA
     is initialized."""
     total = torch.get_rng_state().untyped_storage().nbytes()
     if torch.cuda.is_initialized():

@@ -3,7 +3,7 @@
 A tiled layer runs its input in ``tiles`` consecutive slices along the
 batch or the sequence dimension inside its checkpoint frame; backward
 recomputes one tile at a time, so only one tile's intermediate
-activations are alive at once (``csrc/executor.c``, ``csrc/tiling.c``).
+activations are alive at once (``csrc/exec_tiling.c``, ``csrc/tiling.c``).
 That is only correct for a layer whose output rows depend on its input
 rows alone.  This module decides, per layer:
 

@@ -1,6 +1,6 @@
 """Checkpoint segments: several consecutive units in one checkpoint frame,
-recomputed together from the first unit's inputs (executor.c:
-continue_segment / finish_segment / replay_segment)."""
+recomputed together from the first unit's inputs (csrc/segment.c:
+ms_segment_continue / ms_segment_finish / ms_segment_replay)."""
 
 from __future__ import annotations
 
