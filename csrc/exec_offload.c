@@ -168,7 +168,7 @@ ms_offload_inputs(Executor *ex, Frame *f)
     kwargs = NULL;
     Py_SETREF(f->versions, versions);
     versions = NULL;
-    Py_XSETREF(f->offloaded, slots);
+    Py_XSETREF(f->off.slots, slots);
     slots = NULL;
     rc = 0;
 done:
@@ -197,7 +197,7 @@ int
 ms_reload_inputs(Frame *f)
 {
     ms_state *st = f->ex->st;
-    PyObject *slots = Py_NewRef(f->offloaded);
+    PyObject *slots = Py_NewRef(f->off.slots);
     PyObject *args = PySequence_List(f->args);
     PyObject *kwargs = PyDict_Copy(f->kwargs);
     if (args == NULL || kwargs == NULL) {
@@ -247,8 +247,8 @@ ms_reload_inputs(Frame *f)
     Py_DECREF(args);
     Py_SETREF(f->args, tuple);
     Py_SETREF(f->kwargs, kwargs);
-    if (f->offloaded == slots) {
-        Py_CLEAR(f->offloaded);
+    if (f->off.slots == slots) {
+        Py_CLEAR(f->off.slots);
     }
     Py_DECREF(slots);
     return 0;

@@ -75,7 +75,7 @@ tiled_frame(Tiled *self)
     }
     Frame *f = (Frame *)top;
     /* Only a fresh frame of this layer: nothing saved before the tiles. */
-    if (f->unit != self->unit || f->tiles < 2 || f->tile_end != NULL
+    if (f->unit != self->unit || f->tile.n < 2 || f->tile.end != NULL
         || f->recomputing || PyList_GET_SIZE(f->shapes) != 0)
     {
         return NULL;
@@ -90,43 +90,43 @@ run_tiles(Tiled *self, Frame *f, PyObject *args, PyObject *kwargs,
 {
     ms_state *st = self->ex->st;
     PyObject *outs = PyList_New(0);
-    f->tile_end = PyMem_Calloc((size_t)tiles, sizeof(Py_ssize_t));
-    if (f->tile_end != NULL) {
-        f->tiles = tiles; /* tile_end has this many entries */
+    f->tile.end = PyMem_Calloc((size_t)tiles, sizeof(Py_ssize_t));
+    if (f->tile.end != NULL) {
+        f->tile.n = tiles; /* tile_end has this many entries */
     }
-    f->tile_rng = PyList_New(0);
+    f->tile.rng = PyList_New(0);
     if (f->rng_cuda != NULL) {
-        f->tile_rng_cuda = PyList_New(0);
+        f->tile.rng_cuda = PyList_New(0);
     }
-    if (outs == NULL || f->tile_end == NULL || f->tile_rng == NULL
-        || (f->rng_cuda != NULL && f->tile_rng_cuda == NULL))
+    if (outs == NULL || f->tile.end == NULL || f->tile.rng == NULL
+        || (f->rng_cuda != NULL && f->tile.rng_cuda == NULL))
     {
-        if (f->tile_end == NULL) {
+        if (f->tile.end == NULL) {
             PyErr_NoMemory();
         }
         goto error;
     }
-    f->tiles = tiles;
+    f->tile.n = tiles;
     for (int j = 0; j < tiles; j++) {
         Py_ssize_t start, len;
         PyObject *targs, *tkwargs, *out;
         PyObject *rng = PyObject_CallNoArgs(st->get_rng_state);
-        int rc = rng ? PyList_Append(f->tile_rng, rng) : -1;
+        int rc = rng ? PyList_Append(f->tile.rng, rng) : -1;
         Py_XDECREF(rng);
         if (rc < 0) {
             goto error;
         }
-        if (f->tile_rng_cuda != NULL) {
+        if (f->tile.rng_cuda != NULL) {
             rng = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
-            rc = rng ? PyList_Append(f->tile_rng_cuda, rng) : -1;
+            rc = rng ? PyList_Append(f->tile.rng_cuda, rng) : -1;
             Py_XDECREF(rng);
             if (rc < 0) {
                 goto error;
             }
         }
-        ms_tile_range(f->extent, tiles, j, &start, &len);
-        if (ms_tile_slice(st, args, kwargs, f->dim, lead_shape, start, len,
-                          &targs, &tkwargs)
+        ms_tile_range(f->tile.extent, tiles, j, &start, &len);
+        if (ms_tile_slice(st, args, kwargs, f->tile.dim, lead_shape, start,
+                          len, &targs, &tkwargs)
             < 0)
         {
             goto error;
@@ -137,14 +137,14 @@ run_tiles(Tiled *self, Frame *f, PyObject *args, PyObject *kwargs,
         if (out == NULL) {
             goto error;
         }
-        f->tile_end[j] = PyList_GET_SIZE(f->shapes);
+        f->tile.end[j] = PyList_GET_SIZE(f->shapes);
         rc = PyList_Append(outs, out);
         Py_DECREF(out);
         if (rc < 0) {
             goto error;
         }
     }
-    PyObject *res = ms_tile_merge(st, outs, f->dim);
+    PyObject *res = ms_tile_merge(st, outs, f->tile.dim);
     Py_DECREF(outs);
     if (res != NULL) {
         self->ex->tiled_calls++;
@@ -154,9 +154,9 @@ error:
     /* The forward raises: the frame is discarded with its graph.  Leave
        it consistent anyway. */
     Py_XDECREF(outs);
-    PyMem_Free(f->tile_end);
-    f->tile_end = NULL;
-    f->tiles = 1;
+    PyMem_Free(f->tile.end);
+    f->tile.end = NULL;
+    f->tile.n = 1;
     return NULL;
 }
 
@@ -187,7 +187,7 @@ verify_tiling(Tiled *self, Frame *f, PyObject *args, PyObject *kwargs)
         return 0;
     }
     PyObject *kw = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
-    PyObject *n = PyLong_FromLong(f->tiles);
+    PyObject *n = PyLong_FromLong(f->tile.n);
     PyObject *r = (kw != NULL && n != NULL)
                       ? PyObject_CallFunctionObjArgs(verifier, self->unit,
                                                      self->orig, args, kw, n,
@@ -243,7 +243,7 @@ tiled_call(Tiled *self, PyObject *args, PyObject *kwargs)
         if (tiled_frame(self) != f) {
             /* The verifier changed what the frame holds (it saved tensors
                into it): not tiled this time. */
-            f->tiles = 1;
+            f->tile.n = 1;
             res = PyObject_Call(self->orig, args, kwargs);
             goto done;
         }
@@ -264,14 +264,14 @@ tiled_call(Tiled *self, PyObject *args, PyObject *kwargs)
             goto done;
         }
     }
-    int tiles = extent < f->tiles ? (int)extent : f->tiles;
+    int tiles = extent < f->tile.n ? (int)extent : f->tile.n;
     if (self->dim < 0 || lead_shape == NULL || tiles < 2) {
-        f->tiles = 1; /* checkpointed whole, as an untiled layer */
+        f->tile.n = 1; /* checkpointed whole, as an untiled layer */
         res = PyObject_Call(self->orig, args, kwargs);
         goto done;
     }
-    f->dim = self->dim;
-    f->extent = extent;
+    f->tile.dim = self->dim;
+    f->tile.extent = extent;
     res = run_tiles(self, f, args, kwargs, lead_shape, tiles);
 done:
     Py_XDECREF(lead_shape);

@@ -22,11 +22,48 @@
 
 typedef struct Executor Executor;
 
+/* Tiling: the forward ran in `n` slices along `dim`; tile j packed the
+   saved tensors [end[j - 1], end[j]) and recomputes on its own, from RNG
+   state rng[j].  `end` is NULL when the call was not tiled (n is then the
+   plan's tile count until the tiled forward runs, or 1). */
+typedef struct {
+    int n;
+    int dim;
+    Py_ssize_t extent;
+    Py_ssize_t *end;
+    PyObject *rng;      /* list of ByteTensor */
+    PyObject *rng_cuda; /* list of lists, or NULL */
+} FrameTiles;
+
+/* A checkpoint segment of several units, recomputed together from the
+   first unit's inputs: one (unit, position, args, kwargs, rng_cpu,
+   rng_cuda or None) tuple per later unit, whose args hold None at
+   `position`, where the previous unit's output goes. */
+typedef struct {
+    PyObject *units;       /* list, or NULL for a single unit */
+    PyObject *out;         /* the last unit's output tensor while the
+                              segment waits for its next unit */
+    PyObject *out_version; /* out._version when it was stored */
+    int id;                /* the plan's segment (first unit index) */
+    Py_ssize_t next;       /* the unit index expected next */
+} FrameSegment;
+
+/* Offload: the inputs whose slot in args / kwargs holds an offload record
+   instead of the tensor. */
+typedef struct {
+    PyObject *slots; /* list of (0, index) / (1, key), or NULL */
+} FrameOffload;
+
+/* One checkpointed call: what its recompute replays, and the state of each
+   feature that may take part in it. */
 typedef struct {
     PyObject_HEAD
     Executor *ex;
     Py_ssize_t index;   /* unit index, for messages */
     PyObject *unit;     /* the module */
+    PyObject *cur_unit; /* the unit running in this frame (borrowed from
+                           ex->units): `unit`, or a later unit of its
+                           segment */
     PyObject *args;     /* tuple */
     PyObject *kwargs;   /* dict */
     PyObject *versions; /* list of (tensor, version) of the inputs */
@@ -34,38 +71,17 @@ typedef struct {
     PyObject *rng_cuda; /* list of ByteTensor, or NULL */
     PyObject *cpu_dtype;
     PyObject *cuda_dtype; /* NULL unless CUDA was initialized */
+    int cpu_autocast;
+    int cuda_autocast;
     PyObject *ctx;        /* saved_tensors_hooks while the forward runs */
     PyObject *shapes;     /* list: shape of each packed tensor */
     PyObject *recomputed; /* list, NULL before the first recompute */
-    PyObject *offloaded;  /* list of (0, index) / (1, key): inputs whose
-                             slot in args / kwargs holds an offload record,
-                             or NULL */
     Py_ssize_t rpos;
     Py_ssize_t rend; /* the recompute stops once rpos reaches this */
-    /* Tiling: the forward ran in `tiles` slices along `dim`; tile j packed
-       the saved tensors [tile_end[j - 1], tile_end[j]) and recomputes on
-       its own, from RNG state tile_rng[j]. tile_end is NULL otherwise. */
-    int tiles;
-    int dim;
-    Py_ssize_t extent;
-    Py_ssize_t *tile_end;
-    PyObject *tile_rng;      /* list of ByteTensor */
-    PyObject *tile_rng_cuda; /* list of lists, or NULL */
-    /* A checkpoint segment of several units, recomputed together from the
-       first unit's inputs: one (unit, position, args, kwargs, rng_cpu,
-       rng_cuda or None) tuple per later unit, whose args hold None at
-       `position`, where the previous unit's output goes. */
-    PyObject *seg_units;       /* list, or NULL for a single unit */
-    PyObject *seg_out;         /* the last unit's output tensor while the
-                                  segment waits for its next unit */
-    PyObject *cur_unit;        /* the unit running in this frame (borrowed
-                                  from ex->units) */
-    PyObject *seg_out_version; /* seg_out._version when it was stored */
-    int seg_id;                /* the plan's segment (first unit index) */
-    Py_ssize_t seg_next;       /* the unit index expected next */
-    int cpu_autocast;
-    int cuda_autocast;
     int recomputing;
+    FrameTiles tile;
+    FrameSegment seg;
+    FrameOffload off;
 } Frame;
 
 struct Executor {

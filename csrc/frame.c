@@ -86,12 +86,12 @@ frame_traverse(Frame *self, visitproc visit, void *arg)
     Py_VISIT(self->ctx);
     Py_VISIT(self->shapes);
     Py_VISIT(self->recomputed);
-    Py_VISIT(self->offloaded);
-    Py_VISIT(self->tile_rng);
-    Py_VISIT(self->tile_rng_cuda);
-    Py_VISIT(self->seg_units);
-    Py_VISIT(self->seg_out);
-    Py_VISIT(self->seg_out_version);
+    Py_VISIT(self->off.slots);
+    Py_VISIT(self->tile.rng);
+    Py_VISIT(self->tile.rng_cuda);
+    Py_VISIT(self->seg.units);
+    Py_VISIT(self->seg.out);
+    Py_VISIT(self->seg.out_version);
     return 0;
 }
 
@@ -110,12 +110,12 @@ frame_clear(Frame *self)
     Py_CLEAR(self->ctx);
     Py_CLEAR(self->shapes);
     Py_CLEAR(self->recomputed);
-    Py_CLEAR(self->offloaded);
-    Py_CLEAR(self->tile_rng);
-    Py_CLEAR(self->tile_rng_cuda);
-    Py_CLEAR(self->seg_units);
-    Py_CLEAR(self->seg_out);
-    Py_CLEAR(self->seg_out_version);
+    Py_CLEAR(self->off.slots);
+    Py_CLEAR(self->tile.rng);
+    Py_CLEAR(self->tile.rng_cuda);
+    Py_CLEAR(self->seg.units);
+    Py_CLEAR(self->seg.out);
+    Py_CLEAR(self->seg.out_version);
     return 0;
 }
 
@@ -125,7 +125,7 @@ frame_dealloc(Frame *self)
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     (void)frame_clear(self);
-    PyMem_Free(self->tile_end);
+    PyMem_Free(self->tile.end);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }
@@ -150,19 +150,14 @@ ms_frame_new(Executor *ex, Py_ssize_t index, PyObject *unit, PyObject *args,
     f->versions = PyList_New(0);
     f->shapes = PyList_New(0);
     f->rng_cpu = f->rng_cuda = f->cpu_dtype = f->cuda_dtype = NULL;
-    f->ctx = f->recomputed = f->offloaded = NULL;
+    f->ctx = f->recomputed = f->off.slots = NULL;
     f->rpos = f->rend = 0;
-    f->tiles = 1;
-    f->dim = -1;
-    f->extent = 0;
-    f->tile_end = NULL;
-    f->tile_rng = f->tile_rng_cuda = NULL;
-    f->seg_units = f->seg_out = f->seg_out_version = NULL;
     f->cur_unit = unit;
-    f->seg_id = -1;
-    f->seg_next = -1;
     f->cpu_autocast = f->cuda_autocast = 0;
     f->recomputing = 0;
+    f->tile = (FrameTiles){.n = 1, .dim = -1};
+    f->seg = (FrameSegment){.id = -1, .next = -1};
+    f->off = (FrameOffload){.slots = NULL};
     PyObject_GC_Track(f);
     if (f->kwargs == NULL || f->versions == NULL || f->shapes == NULL) {
         goto error;
@@ -489,34 +484,34 @@ frame_recompute(Frame *self, Py_ssize_t tile)
         }
         return -1;
     }
-    if (self->offloaded != NULL && ms_reload_inputs(self) < 0) {
+    if (self->off.slots != NULL && ms_reload_inputs(self) < 0) {
         return -1;
     }
     if (tile >= 0) {
         /* The tile's slice of the (reloaded) inputs, as in the forward. */
         Py_ssize_t extent;
-        start = tile > 0 ? self->tile_end[tile - 1] : 0;
-        end = self->tile_end[tile];
-        rng = PyList_GET_ITEM(self->tile_rng, tile);
-        rng_cuda = self->tile_rng_cuda != NULL
-                       ? PyList_GET_ITEM(self->tile_rng_cuda, tile)
+        start = tile > 0 ? self->tile.end[tile - 1] : 0;
+        end = self->tile.end[tile];
+        rng = PyList_GET_ITEM(self->tile.rng, tile);
+        rng_cuda = self->tile.rng_cuda != NULL
+                       ? PyList_GET_ITEM(self->tile.rng_cuda, tile)
                        : NULL;
-        if (ms_tile_extent(st, self->args, self->kwargs, self->dim, &extent,
-                           &lead_shape)
+        if (ms_tile_extent(st, self->args, self->kwargs, self->tile.dim,
+                           &extent, &lead_shape)
             < 0)
         {
             return -1;
         }
-        if (extent != self->extent) {
+        if (extent != self->tile.extent) {
             Py_XDECREF(lead_shape);
             PyErr_Format(PyExc_RuntimeError,
                          "memscale: internal error: tiled layer %R has an "
                          "input of extent %zd where its forward had %zd",
                          ms_ex_unit_name(ex, self->index), extent,
-                         self->extent);
+                         self->tile.extent);
             return -1;
         }
-        ms_tile_range(extent, self->tiles, (int)tile, &tile_start, &tile_len);
+        ms_tile_range(extent, self->tile.n, (int)tile, &tile_start, &tile_len);
         /* Sliced below, once grad mode is on: a slice made in backward's
            no-grad mode would not require grad, and the recompute would
            save less than the forward did. */
@@ -564,7 +559,7 @@ frame_recompute(Frame *self, Py_ssize_t tile)
     }
 
     if (ex->buffers == NULL || ex->buffers[self->index] != BUF_STATIC
-        || self->seg_units != NULL)
+        || self->seg.units != NULL)
     {
         snap = snapshot_buffers(st, self->unit);
         if (snap == NULL) {
@@ -572,11 +567,11 @@ frame_recompute(Frame *self, Py_ssize_t tile)
         }
         /* A segment's later units may update buffers too. */
         for (Py_ssize_t u = 0;
-             self->seg_units != NULL && u < PyList_GET_SIZE(self->seg_units);
+             self->seg.units != NULL && u < PyList_GET_SIZE(self->seg.units);
              u++)
         {
             PyObject *more = snapshot_buffers(
-                st, PyTuple_GET_ITEM(PyList_GET_ITEM(self->seg_units, u), 0));
+                st, PyTuple_GET_ITEM(PyList_GET_ITEM(self->seg.units, u), 0));
             int rc2 = more ? PyList_SetSlice(snap, PyList_GET_SIZE(snap),
                                              PyList_GET_SIZE(snap), more)
                            : -1;
@@ -610,8 +605,9 @@ frame_recompute(Frame *self, Py_ssize_t tile)
         goto leave;
     }
     if (tile >= 0
-        && ms_tile_slice(st, self->args, self->kwargs, self->dim, lead_shape,
-                         tile_start, tile_len, &call_args, &call_kwargs)
+        && ms_tile_slice(st, self->args, self->kwargs, self->tile.dim,
+                         lead_shape, tile_start, tile_len, &call_args,
+                         &call_kwargs)
                < 0)
     {
         goto leave;
@@ -621,7 +617,7 @@ frame_recompute(Frame *self, Py_ssize_t tile)
     Py_ssize_t depth = PyList_GET_SIZE(ex->stack);
     long long t0 = monotonic_ns();
     out = PyObject_Call(self->unit, call_args, call_kwargs);
-    if (out != NULL && tile < 0 && self->seg_units != NULL) {
+    if (out != NULL && tile < 0 && self->seg.units != NULL) {
         out = ms_segment_replay(self, out);
     }
     ex->recompute_ns += monotonic_ns() - t0;
@@ -739,9 +735,9 @@ frame_unpack(Frame *self, PyObject *obj)
     {
         /* First need in this backward (or again, with retain_graph). */
         Py_ssize_t tile = -1;
-        if (self->tile_end != NULL) {
-            for (Py_ssize_t j = 0; j < self->tiles; j++) {
-                if (k < self->tile_end[j]) {
+        if (self->tile.end != NULL) {
+            for (Py_ssize_t j = 0; j < self->tile.n; j++) {
+                if (k < self->tile.end[j]) {
                     tile = j;
                     break;
                 }

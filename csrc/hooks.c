@@ -81,10 +81,10 @@ open_frame(Executor *ex, PyObject *unit, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     if ((ex->masks[i] & MS_TECH_TILING) && ex->tiles != NULL) {
-        f->tiles = ex->tiles[i]; /* carried out by the layer's _Tiled */
+        f->tile.n = ex->tiles[i]; /* carried out by the layer's _Tiled */
     }
-    f->seg_id = ex->segments != NULL ? ex->segments[i] : (int)i;
-    f->seg_next = i + 1;
+    f->seg.id = ex->segments != NULL ? ex->segments[i] : (int)i;
+    f->seg.next = i + 1;
     PyObject *pack = PyObject_GetAttr((PyObject *)f, st->s_pack);
     PyObject *unpack = PyObject_GetAttr((PyObject *)f, st->s_unpack);
     PyObject *ctx = (pack && unpack)
@@ -176,9 +176,9 @@ ms_ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     int rc = 0;
-    if (frame != NULL && ((Frame *)frame)->tile_end != NULL) {
+    if (frame != NULL && ((Frame *)frame)->tile.end != NULL) {
         Frame *f = (Frame *)frame;
-        if (PyList_GET_SIZE(f->shapes) != f->tile_end[f->tiles - 1]) {
+        if (PyList_GET_SIZE(f->shapes) != f->tile.end[f->tile.n - 1]) {
             PyErr_Format(
                 PyExc_RuntimeError,
                 "memscale: a hook around tiled layer %R saved tensors "
@@ -194,8 +194,8 @@ ms_ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
     if (frame != NULL) {
         Frame *f = (Frame *)frame;
         PyObject *x = ms_first_tensor(ex->st, args[2]);
-        if (ex->segments != NULL && f->seg_next < ex->n && f->tile_end == NULL
-            && ex->segments[f->seg_next] == f->seg_id && f->seg_id >= 0
+        if (ex->segments != NULL && f->seg.next < ex->n && f->tile.end == NULL
+            && ex->segments[f->seg.next] == f->seg.id && f->seg.id >= 0
             && x != NULL && ex->recompute_depth == 0)
         {
             /* The segment goes on with the next unit: keep the frame (its
@@ -210,8 +210,8 @@ ms_ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
                 Py_DECREF(frame);
                 return NULL;
             }
-            Py_XSETREF(f->seg_out_version, v);
-            Py_XSETREF(f->seg_out, Py_NewRef(x));
+            Py_XSETREF(f->seg.out_version, v);
+            Py_XSETREF(f->seg.out, Py_NewRef(x));
             ex->open_seg = frame; /* the reference is handed over */
             Py_RETURN_NONE;
         }

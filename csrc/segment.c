@@ -40,8 +40,8 @@ PyObject *
 ms_segment_replay(Frame *self, PyObject *out)
 {
     ms_state *st = self->ex->st;
-    for (Py_ssize_t u = 0; u < PyList_GET_SIZE(self->seg_units); u++) {
-        PyObject *rec = PyList_GET_ITEM(self->seg_units, u);
+    for (Py_ssize_t u = 0; u < PyList_GET_SIZE(self->seg.units); u++) {
+        PyObject *rec = PyList_GET_ITEM(self->seg.units, u);
         PyObject *unit = PyTuple_GET_ITEM(rec, 0);
         Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(rec, 1));
         PyObject *args = PyTuple_GET_ITEM(rec, 2);
@@ -96,8 +96,8 @@ ms_segment_finish(Executor *ex)
     if (f == NULL) {
         return 0;
     }
-    Py_CLEAR(f->seg_out);
-    Py_CLEAR(f->seg_out_version);
+    Py_CLEAR(f->seg.out);
+    Py_CLEAR(f->seg.out_version);
     int rc = 0;
     if (ex->masks != NULL && (ex->masks[f->index] & MS_TECH_OFFLOAD)
         && (HAS(ex->store) || HAS(ex->host)))
@@ -133,14 +133,14 @@ ms_segment_continue(Executor *ex, PyObject *unit, PyObject *args,
         }
     }
     int same = 0;
-    if (k == f->seg_next && ex->segments != NULL
-        && ex->segments[k] == f->seg_id && pos >= 0
-        && PyTuple_GET_ITEM(args, pos) == f->seg_out)
+    if (k == f->seg.next && ex->segments != NULL
+        && ex->segments[k] == f->seg.id && pos >= 0
+        && PyTuple_GET_ITEM(args, pos) == f->seg.out)
     {
         /* The same tensor, not changed in place since (x.add_(...) between
            the units would be lost on replay). */
-        PyObject *v = PyObject_GetAttr(f->seg_out, st->s_version);
-        same = v ? PyObject_RichCompareBool(v, f->seg_out_version, Py_EQ) : -1;
+        PyObject *v = PyObject_GetAttr(f->seg.out, st->s_version);
+        same = v ? PyObject_RichCompareBool(v, f->seg.out_version, Py_EQ) : -1;
         Py_XDECREF(v);
         if (same < 0) {
             return -1;
@@ -176,13 +176,13 @@ ms_segment_continue(Executor *ex, PyObject *unit, PyObject *args,
     if (rec == NULL) {
         goto done;
     }
-    if (f->seg_units == NULL && (f->seg_units = PyList_New(0)) == NULL) {
+    if (f->seg.units == NULL && (f->seg.units = PyList_New(0)) == NULL) {
         goto done;
     }
     Py_ssize_t nv = PyList_GET_SIZE(f->versions);
     if (ms_collect_versions(st, held, f->versions) < 0
         || ms_collect_versions(st, kw, f->versions) < 0
-        || PyList_Append(f->seg_units, rec) < 0)
+        || PyList_Append(f->seg.units, rec) < 0)
     {
         /* Leave the frame as it was. */
         (void)PyList_SetSlice(f->versions, nv, PyList_GET_SIZE(f->versions),
@@ -196,8 +196,8 @@ ms_segment_continue(Executor *ex, PyObject *unit, PyObject *args,
                                              unpack, NULL)
               : NULL;
     if (ctx == NULL || ms_call_enter(st, ctx) < 0) {
-        Py_ssize_t n = PyList_GET_SIZE(f->seg_units);
-        (void)PyList_SetSlice(f->seg_units, n - 1, n, NULL);
+        Py_ssize_t n = PyList_GET_SIZE(f->seg.units);
+        (void)PyList_SetSlice(f->seg.units, n - 1, n, NULL);
         (void)PyList_SetSlice(f->versions, nv, PyList_GET_SIZE(f->versions),
                               NULL);
         goto done;
@@ -208,9 +208,9 @@ ms_segment_continue(Executor *ex, PyObject *unit, PyObject *args,
     }
     f->ctx = Py_NewRef(ctx);
     f->cur_unit = unit;
-    f->seg_next = k + 1;
-    Py_CLEAR(f->seg_out);
-    Py_CLEAR(f->seg_out_version);
+    f->seg.next = k + 1;
+    Py_CLEAR(f->seg.out);
+    Py_CLEAR(f->seg.out_version);
     Py_CLEAR(ex->open_seg); /* the stack holds the frame now */
     rc = 1;
 done:
