@@ -448,182 +448,236 @@ ms_versions_unchanged(ms_state *st, PyObject *versions)
     return 1;
 }
 
-/* Run the layer again under the state its forward ran in: all of it
-   (tile < 0), or one tile of a tiled forward. */
-static int
-frame_recompute(Frame *self, Py_ssize_t tile)
-{
-    Executor *ex = self->ex;
-    ms_state *st = ex->st;
-    PyObject *entered = NULL, *cur_rng = NULL, *cur_cuda = NULL, *out = NULL;
-    PyObject *rpack = NULL, *runpack = NULL, *snap = NULL;
-    PyObject *call_args = NULL, *call_kwargs = NULL, *lead_shape = NULL;
-    Py_ssize_t tile_start = 0, tile_len = 0;
-    PyObject *rng = self->rng_cpu, *rng_cuda = self->rng_cuda;
-    Py_ssize_t nshapes = PyList_GET_SIZE(self->shapes);
-    Py_ssize_t start = 0, end = nshapes;
-    int rc = -1;
+/* One recompute of a frame: what it runs and what it must undo. */
+typedef struct {
+    Py_ssize_t tile;          /* -1: the whole layer (or segment) */
+    Py_ssize_t start, end;    /* the saved tensors it fills */
+    PyObject *rng, *rng_cuda; /* the forward's RNG state (borrowed) */
+    PyObject *lead_shape;     /* a tile: its lead tensor's shape */
+    Py_ssize_t tile_start, tile_len;
+    PyObject *call_args, *call_kwargs;
+    PyObject *cur_rng, *cur_cuda; /* the caller's RNG state, to put back */
+    PyObject *out;                /* what the layer returned */
+    PyObject *snap;               /* buffers to put back, or NULL */
+    PyObject *entered;            /* contexts to leave, or NULL */
+} Recompute;
 
+/* Whether the frame can be recomputed at all: 0, or -1 with an error. */
+static int
+recompute_check(Frame *self)
+{
     if (self->recomputing) {
         PyErr_Format(PyExc_RuntimeError,
                      "memscale: layer %R needed its own saved tensors while "
                      "being recomputed",
-                     ms_ex_unit_name(ex, self->index));
+                     ms_ex_unit_name(self->ex, self->index));
         return -1;
     }
-    int same = ms_versions_unchanged(st, self->versions);
-    if (same <= 0) {
-        if (same == 0) {
-            PyErr_Format(PyExc_RuntimeError,
-                         "memscale: an input of checkpointed layer %R was "
-                         "modified in place after the layer's forward, so it "
-                         "cannot be recomputed. Avoid the in-place update "
-                         "(e.g. x = x + y instead of x += y) or exclude the "
-                         "layer from checkpointing.",
-                         ms_ex_unit_name(ex, self->index));
-        }
-        return -1;
+    int same = ms_versions_unchanged(self->ex->st, self->versions);
+    if (same == 0) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "memscale: an input of checkpointed layer %R was "
+                     "modified in place after the layer's forward, so it "
+                     "cannot be recomputed. Avoid the in-place update "
+                     "(e.g. x = x + y instead of x += y) or exclude the "
+                     "layer from checkpointing.",
+                     ms_ex_unit_name(self->ex, self->index));
     }
-    if (self->off.slots != NULL && ms_reload_inputs(self) < 0) {
-        return -1;
-    }
-    if (tile >= 0) {
-        /* The tile's slice of the (reloaded) inputs, as in the forward. */
-        Py_ssize_t extent;
-        start = tile > 0 ? self->tile.end[tile - 1] : 0;
-        end = self->tile.end[tile];
-        rng = PyList_GET_ITEM(self->tile.rng, tile);
-        rng_cuda = self->tile.rng_cuda != NULL
-                       ? PyList_GET_ITEM(self->tile.rng_cuda, tile)
-                       : NULL;
-        if (ms_tile_extent(st, self->args, self->kwargs, self->tile.dim,
-                           &extent, &lead_shape)
-            < 0)
-        {
-            return -1;
-        }
-        if (extent != self->tile.extent) {
-            Py_XDECREF(lead_shape);
-            PyErr_Format(PyExc_RuntimeError,
-                         "memscale: internal error: tiled layer %R has an "
-                         "input of extent %zd where its forward had %zd",
-                         ms_ex_unit_name(ex, self->index), extent,
-                         self->tile.extent);
-            return -1;
-        }
-        ms_tile_range(extent, self->tile.n, (int)tile, &tile_start, &tile_len);
-        /* Sliced below, once grad mode is on: a slice made in backward's
-           no-grad mode would not require grad, and the recompute would
-           save less than the forward did. */
-    }
-    else {
-        call_args = Py_NewRef(self->args);
-        call_kwargs = Py_NewRef(self->kwargs);
-    }
+    return same > 0 ? 0 : -1;
+}
 
-    entered = PyList_New(0);
-    if (entered == NULL) {
-        goto done;
+/* What this recompute covers: the whole layer, or the slice of one tile
+   of its (reloaded) inputs, as in the forward.  The tile's arguments are
+   sliced in recompute_call, once grad mode is on: a slice made in
+   backward's no-grad mode would not require grad, and the recompute would
+   save less than the forward did. */
+static int
+recompute_range(Frame *self, Recompute *r)
+{
+    ms_state *st = self->ex->st;
+    Py_ssize_t extent;
+    r->start = 0;
+    r->end = PyList_GET_SIZE(self->shapes);
+    r->rng = self->rng_cpu;
+    r->rng_cuda = self->rng_cuda;
+    if (r->tile < 0) {
+        r->call_args = Py_NewRef(self->args);
+        r->call_kwargs = Py_NewRef(self->kwargs);
+        return 0;
     }
-    if (tile < 0 || self->recomputed == NULL) {
-        Py_XSETREF(self->recomputed, PyList_New(nshapes));
+    r->start = r->tile > 0 ? self->tile.end[r->tile - 1] : 0;
+    r->end = self->tile.end[r->tile];
+    r->rng = PyList_GET_ITEM(self->tile.rng, r->tile);
+    r->rng_cuda = self->tile.rng_cuda != NULL
+                      ? PyList_GET_ITEM(self->tile.rng_cuda, r->tile)
+                      : NULL;
+    if (ms_tile_extent(st, self->args, self->kwargs, self->tile.dim, &extent,
+                       &r->lead_shape)
+        < 0)
+    {
+        return -1;
+    }
+    if (extent != self->tile.extent) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "memscale: internal error: tiled layer %R has an "
+                     "input of extent %zd where its forward had %zd",
+                     ms_ex_unit_name(self->ex, self->index), extent,
+                     self->tile.extent);
+        return -1;
+    }
+    ms_tile_range(extent, self->tile.n, (int)r->tile, &r->tile_start,
+                  &r->tile_len);
+    return 0;
+}
+
+/* The list the recompute fills (kept across the tiles of one backward),
+   and where it starts and stops. */
+static int
+recompute_results(Frame *self, Recompute *r)
+{
+    Py_ssize_t n = PyList_GET_SIZE(self->shapes);
+    if (r->tile < 0 || self->recomputed == NULL) {
+        Py_XSETREF(self->recomputed, PyList_New(n));
         if (self->recomputed == NULL) {
-            goto done;
+            return -1;
         }
-        for (Py_ssize_t i = 0; i < nshapes; i++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
             PyList_SET_ITEM(self->recomputed, i, Py_NewRef(Py_None));
         }
     }
-    self->rpos = start;
-    self->rend = end;
+    self->rpos = r->start;
+    self->rend = r->end;
+    return 0;
+}
 
-    /* RNG: run under the forward's state, then put the current one back. */
-    cur_rng = PyObject_CallNoArgs(st->get_rng_state);
-    if (cur_rng == NULL) {
-        goto done;
+/* Run under the forward's RNG state; r->cur_rng (and r->cur_cuda) are set
+   once there is a state to put back. */
+static int
+recompute_rng(ms_state *st, Recompute *r)
+{
+    PyObject *cur = PyObject_CallNoArgs(st->get_rng_state);
+    if (cur == NULL) {
+        return -1;
     }
-    PyObject *r = PyObject_CallOneArg(st->set_rng_state, rng);
-    if (r == NULL) {
-        goto done;
+    PyObject *res = PyObject_CallOneArg(st->set_rng_state, r->rng);
+    if (res == NULL) {
+        Py_DECREF(cur);
+        return -1;
     }
-    Py_DECREF(r);
-    if (rng_cuda != NULL) {
-        cur_cuda = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
-        r = cur_cuda
-                ? PyObject_CallOneArg(st->cuda_set_rng_state_all, rng_cuda)
-                : NULL;
-        if (r == NULL) {
-            goto restore;
+    Py_DECREF(res);
+    r->cur_rng = cur;
+    if (r->rng_cuda != NULL) {
+        r->cur_cuda = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
+        res = r->cur_cuda ? PyObject_CallOneArg(st->cuda_set_rng_state_all,
+                                                r->rng_cuda)
+                          : NULL;
+        if (res == NULL) {
+            return -1;
         }
-        Py_DECREF(r);
+        Py_DECREF(res);
     }
+    return 0;
+}
 
-    if (ex->buffers == NULL || ex->buffers[self->index] != BUF_STATIC
-        || self->seg.units != NULL)
+/* Snapshot the buffers the recompute may update (BatchNorm statistics):
+   the unit's, unless it is known not to, and a segment's later units'. */
+static int
+recompute_snapshot(Frame *self, Recompute *r)
+{
+    Executor *ex = self->ex;
+    if (ex->buffers != NULL && ex->buffers[self->index] == BUF_STATIC
+        && self->seg.units == NULL)
     {
-        snap = snapshot_buffers(st, self->unit);
-        if (snap == NULL) {
-            goto restore;
-        }
-        /* A segment's later units may update buffers too. */
-        for (Py_ssize_t u = 0;
-             self->seg.units != NULL && u < PyList_GET_SIZE(self->seg.units);
-             u++)
-        {
-            PyObject *more = snapshot_buffers(
-                st, PyTuple_GET_ITEM(PyList_GET_ITEM(self->seg.units, u), 0));
-            int rc2 = more ? PyList_SetSlice(snap, PyList_GET_SIZE(snap),
-                                             PyList_GET_SIZE(snap), more)
-                           : -1;
-            Py_XDECREF(more);
-            if (rc2 < 0) {
-                goto restore;
-            }
+        return 0;
+    }
+    r->snap = snapshot_buffers(ex->st, self->unit);
+    if (r->snap == NULL) {
+        return -1;
+    }
+    for (Py_ssize_t u = 0;
+         self->seg.units != NULL && u < PyList_GET_SIZE(self->seg.units); u++)
+    {
+        PyObject *more = snapshot_buffers(
+            ex->st, PyTuple_GET_ITEM(PyList_GET_ITEM(self->seg.units, u), 0));
+        int rc = more ? PyList_SetSlice(r->snap, PyList_GET_SIZE(r->snap),
+                                        PyList_GET_SIZE(r->snap), more)
+                      : -1;
+        Py_XDECREF(more);
+        if (rc < 0) {
+            return -1;
         }
     }
-    rpack = PyObject_GetAttr((PyObject *)self, st->s_rpack);
-    runpack = PyObject_GetAttr((PyObject *)self, st->s_runpack);
-    if (rpack == NULL || runpack == NULL
-        || enter_into(st, PyObject_CallNoArgs(st->enable_grad), entered) < 0
-        || enter_into(st,
+    return 0;
+}
+
+/* Enter grad mode, the forward's autocast state and the saved-tensor hooks
+   that collect the recomputed tensors. */
+static int
+recompute_enter(Frame *self, Recompute *r)
+{
+    ms_state *st = self->ex->st;
+    r->entered = PyList_New(0);
+    if (r->entered == NULL) {
+        return -1;
+    }
+    PyObject *rpack = PyObject_GetAttr((PyObject *)self, st->s_rpack);
+    PyObject *runpack = PyObject_GetAttr((PyObject *)self, st->s_runpack);
+    int rc = -1;
+    if (rpack != NULL && runpack != NULL
+        && enter_into(st, PyObject_CallNoArgs(st->enable_grad), r->entered)
+               == 0
+        && enter_into(st,
                       ms_make_autocast(st, st->s_cpu, self->cpu_dtype,
                                        self->cpu_autocast),
-                      entered)
-               < 0
-        || (self->cuda_dtype != NULL
-            && enter_into(st,
+                      r->entered)
+               == 0
+        && (self->cuda_dtype == NULL
+            || enter_into(st,
                           ms_make_autocast(st, st->s_cuda, self->cuda_dtype,
                                            self->cuda_autocast),
-                          entered)
-                   < 0)
-        || enter_into(st,
+                          r->entered)
+                   == 0)
+        && enter_into(st,
                       PyObject_CallFunctionObjArgs(st->saved_tensors_hooks,
                                                    rpack, runpack, NULL),
-                      entered)
-               < 0)
+                      r->entered)
+               == 0)
     {
-        goto leave;
+        rc = 0;
     }
-    if (tile >= 0
+    Py_XDECREF(rpack);
+    Py_XDECREF(runpack);
+    return rc;
+}
+
+/* Run the layer (a tile of it, or its whole segment).  The early stop
+   (_StopRecompute, raised once every needed tensor exists) is success. */
+static int
+recompute_call(Frame *self, Recompute *r)
+{
+    Executor *ex = self->ex;
+    ms_state *st = ex->st;
+    if (r->tile >= 0
         && ms_tile_slice(st, self->args, self->kwargs, self->tile.dim,
-                         lead_shape, tile_start, tile_len, &call_args,
-                         &call_kwargs)
+                         r->lead_shape, r->tile_start, r->tile_len,
+                         &r->call_args, &r->call_kwargs)
                < 0)
     {
-        goto leave;
+        return -1;
     }
+    int rc = -1;
     self->recomputing = 1;
     ex->recompute_depth++;
     Py_ssize_t depth = PyList_GET_SIZE(ex->stack);
     long long t0 = monotonic_ns();
-    out = PyObject_Call(self->unit, call_args, call_kwargs);
-    if (out != NULL && tile < 0 && self->seg.units != NULL) {
-        out = ms_segment_replay(self, out);
+    r->out = PyObject_Call(self->unit, r->call_args, r->call_kwargs);
+    if (r->out != NULL && r->tile < 0 && self->seg.units != NULL) {
+        r->out = ms_segment_replay(self, r->out);
     }
     ex->recompute_ns += monotonic_ns() - t0;
     ex->recompute_depth--;
     self->recomputing = 0;
-    if (out != NULL) {
+    if (r->out != NULL) {
         rc = 0;
     }
     else if (PyErr_ExceptionMatches(st->stop_recompute)) {
@@ -637,18 +691,30 @@ frame_recompute(Frame *self, Py_ssize_t tile)
             rc = -1;
         }
     }
-leave:
-    for (Py_ssize_t i = PyList_GET_SIZE(entered) - 1; i >= 0; i--) {
-        if (ms_call_exit(st, PyList_GET_ITEM(entered, i)) < 0) {
+    return rc;
+}
+
+/* Undo what the recompute entered and changed, on every path: leave its
+   contexts, put back the buffers it updated and the caller's RNG state.
+   Returns rc, or -1 if undoing failed; an error already set wins (the new
+   one is reported as unraisable). */
+static int
+recompute_leave(Frame *self, Recompute *r, int rc)
+{
+    Executor *ex = self->ex;
+    ms_state *st = ex->st;
+    for (Py_ssize_t i = r->entered ? PyList_GET_SIZE(r->entered) - 1 : -1;
+         i >= 0; i--)
+    {
+        if (ms_call_exit(st, PyList_GET_ITEM(r->entered, i)) < 0) {
             rc = -1;
         }
     }
-restore:
-    if (snap != NULL) {
+    if (r->snap != NULL) {
         ms_exc_state saved;
         ms_exc_save(&saved);
         int had = ms_exc_pending(&saved);
-        int changed = restore_buffers(st, snap);
+        int changed = restore_buffers(st, r->snap);
         if (changed < 0) {
             if (had) {
                 PyErr_WriteUnraisable((PyObject *)self);
@@ -664,15 +730,14 @@ restore:
             ms_exc_restore(&saved);
         }
     }
-    {
-        /* Put the caller's RNG back on every path. */
+    if (r->cur_rng != NULL) {
         ms_exc_state saved;
         ms_exc_save(&saved);
         int had = ms_exc_pending(&saved);
-        PyObject *r1 = PyObject_CallOneArg(st->set_rng_state, cur_rng);
-        PyObject *r2 = (r1 != NULL && cur_cuda != NULL)
+        PyObject *r1 = PyObject_CallOneArg(st->set_rng_state, r->cur_rng);
+        PyObject *r2 = (r1 != NULL && r->cur_cuda != NULL)
                            ? PyObject_CallOneArg(st->cuda_set_rng_state_all,
-                                                 cur_cuda)
+                                                 r->cur_cuda)
                            : Py_NewRef(Py_None);
         if (r1 == NULL || r2 == NULL) {
             if (had) {
@@ -687,35 +752,67 @@ restore:
         Py_XDECREF(r1);
         Py_XDECREF(r2);
     }
-    if (rc == 0 && self->rpos != end) {
+    return rc;
+}
+
+static void
+recompute_clear(Recompute *r)
+{
+    Py_CLEAR(r->lead_shape);
+    Py_CLEAR(r->call_args);
+    Py_CLEAR(r->call_kwargs);
+    Py_CLEAR(r->cur_rng);
+    Py_CLEAR(r->cur_cuda);
+    Py_CLEAR(r->snap);
+    Py_CLEAR(r->out);
+    Py_CLEAR(r->entered);
+}
+
+/* Run the layer again under the state its forward ran in: all of it
+   (tile < 0), or one tile of a tiled forward.  As checkpoint.py's
+   recompute: reload the offloaded inputs, take the slice to run, enter
+   the forward's state, call, and restore the caller's. */
+static int
+frame_recompute(Frame *self, Py_ssize_t tile)
+{
+    Executor *ex = self->ex;
+    Recompute r = {.tile = tile};
+    if (recompute_check(self) < 0
+        || (self->off.slots != NULL && ms_reload_inputs(self) < 0))
+    {
+        return -1;
+    }
+    if (recompute_range(self, &r) < 0) {
+        /* Nothing changed yet. */
+        recompute_clear(&r);
+        return -1;
+    }
+    int rc = -1;
+    if (recompute_results(self, &r) == 0 && recompute_rng(ex->st, &r) == 0
+        && recompute_snapshot(self, &r) == 0 && recompute_enter(self, &r) == 0)
+    {
+        rc = recompute_call(self, &r);
+    }
+    rc = recompute_leave(self, &r, rc);
+    if (rc == 0 && self->rpos != r.end) {
         PyErr_Format(PyExc_RuntimeError,
                      "memscale: recomputing checkpointed layer %R saved %zd "
                      "tensors for backward where its forward saved %zd. The "
                      "layer takes a different path when run again (e.g. it "
                      "depends on global state); exclude it from "
                      "checkpointing.",
-                     ms_ex_unit_name(ex, self->index), self->rpos - start,
-                     end - start);
+                     ms_ex_unit_name(ex, self->index), self->rpos - r.start,
+                     r.end - r.start);
         rc = -1;
     }
     if (rc == 0) {
         ex->recomputes++;
     }
-done:
-    if (rc < 0) {
+    else {
         /* Never leave a half-filled (or NULL-filled) list behind. */
         Py_CLEAR(self->recomputed);
     }
-    Py_XDECREF(snap);
-    Py_XDECREF(out);
-    Py_XDECREF(rpack);
-    Py_XDECREF(runpack);
-    Py_XDECREF(cur_rng);
-    Py_XDECREF(cur_cuda);
-    Py_XDECREF(entered);
-    Py_XDECREF(call_args);
-    Py_XDECREF(call_kwargs);
-    Py_XDECREF(lead_shape);
+    recompute_clear(&r);
     return rc;
 }
 
