@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _core
-from .config import GIB, Config
+from .config import Config
 
 
 class MemoryBudgetError(ValueError):

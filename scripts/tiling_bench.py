@@ -13,7 +13,6 @@ exact (allocator events, ``memscale.benchmarks.measure``).
 
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 
