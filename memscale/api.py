@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import (_budget, _core, _planning, _telemetry, amp, distributed, observability,
+from . import (_budget, _copying, _core, _planning, _telemetry, amp, distributed, observability,
                offload, optim, policy, tiling)
 from .config import GIB, AsyncOffloadConfig, Config, OptimizationMode
 from .executor import Executor
@@ -159,6 +159,7 @@ def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any) -> None:
             cfg.use_cache = True
 
         executor.on_detach(restore)
+        executor.on_copy(lambda copy_of, cfg=hf_config: restore(copy_of(cfg)))
         logger.info("memscale: set model.config.use_cache=False for training "
                     "with checkpointing (restored by detach)")
 
@@ -324,6 +325,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
             from . import _verify
 
             _verify.attach(model, executor)
+        executor.on_detach(_copying.install(model, executor))
         model.__dict__[ATTR] = executor
     except BaseException:
         if not hasattr(executor, "_restore"):
