@@ -230,3 +230,34 @@ def test_fsdp2_keeps_user_tensors(kind, tmp_path):
         assert "_memscale_executor" not in model.__dict__
     finally:
         dist.destroy_process_group()
+
+
+class CountingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.calls = 0
+        self.blocks = nn.Sequential(
+            *[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)]
+        )
+
+    def forward(self, x):
+        self.calls += 1
+        return self.blocks(x)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_wrap_calls_forward_the_documented_number_of_times(static):
+    """docs/api.md says how many times wrap(sample_input=...) runs the
+    user's forward (Python-side counters see those calls): pinned here."""
+    import pathlib
+
+    docs = (pathlib.Path(__file__).parents[1] / "docs" / "api.md").read_text()
+    assert "**The model's `forward` is called three times** by `wrap`" in docs
+    model = CountingNet()
+    config = memscale.Config(enable_logging=False, use_static_profiling=static)
+    memscale.wrap(model, config, sample_input=torch.randn(4, 32))
+    assert model.calls == 3
+    model(torch.randn(4, 32))
+    assert model.calls == 4  # training forwards are the user's own
+    memscale.detach(model)
