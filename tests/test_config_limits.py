@@ -13,10 +13,13 @@ from conftest import hook_count, mlp
 
 import memscale
 from memscale import _core, distributed
-from memscale.config import MAX_GB, MAX_PREFETCH_DEPTH, MAX_WARMUP_STEPS
 from memscale.policy import PolicyFallbackNeeded, load_trained_policy
 
 A = memscale.AsyncOffloadConfig
+# The limits docs/api.md states.
+MAX_GB = 1048576  # GiB: 2**50 bytes, the engine's limit
+MAX_PREFETCH_DEPTH = 1024
+MAX_WARMUP_STEPS = 2**31
 X = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(2))
 
 TOO_BIG = [
