@@ -30,6 +30,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _INSTALLED = ("__deepcopy__", "__reduce_ex__")
+_EXECUTOR_ATTR = "_memscale_executor"  # memscale.api.ATTR
 
 
 class _Dropped:
@@ -83,7 +84,10 @@ def unwrapped_copy(
     drop(executor)
     for module in model.modules():
         for key, value in list(vars(module).items()):
-            if key in _INSTALLED or (not isinstance(value, torch.nn.Module) and _is_ours(value)):
+            # Only what memscale sets on a module: the executor, the copier,
+            # a tiled forward.  (A user's own memscale.Config attribute, say,
+            # is copied like anything else.)
+            if key in (*_INSTALLED, _EXECUTOR_ATTR) or (key == "forward" and _is_ours(value)):
                 drop(value)
         for _, table in _hook_tables(module):
             for hook in list(table.values()):

@@ -173,3 +173,37 @@ def test_tiny_gpt2_fixture_copy():
     clone = pickled(model)
     assert_plain_copy(clone, model)
     memscale.detach(model)
+
+
+def test_copy_during_warmup_and_user_attributes():
+    """A model copied while memscale still measures its warm-up steps is
+    unwrapped too; a user's own memscale objects on the model are kept."""
+    model, ref = mlp(), mlp()
+    model.train()
+    model.my_config = memscale.Config(mode="aggressive")
+    memscale.wrap(model, memscale.Config(force_optimize=True, warmup_steps=2))
+    train_step(model, X)
+    clone = copy.deepcopy(model)
+    assert hook_count(clone) == 0
+    assert clone.my_config == model.my_config
+    assert_same_step(clone, ref, X)
+    train_step(model, X)
+    train_step(model, X)
+    assert model._memscale_executor.state == "applied"
+    memscale.detach(model)
+
+
+def test_copy_of_a_tiled_model_runs_its_own_forward():
+    """Tiling puts a tiled forward on each tiled block; the copy has none."""
+    model, ref = mlp(width=16), mlp(width=16)
+    model.train()
+    x = torch.randn(2, 64, 16)
+    config = memscale.Config(mode="aggressive", force_optimize=True, enable_tiling=True)
+    memscale.wrap(model, config, sample_input=x)
+    assert any(layer.tiles > 1 for layer in model._memscale_executor.plan.layers)
+    assert any("forward" in m.__dict__ for m in model.modules())
+    clone = copy.deepcopy(model)
+    assert not any("forward" in m.__dict__ for m in clone.modules())
+    assert_same_step(clone, ref, x)
+    memscale.detach(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
