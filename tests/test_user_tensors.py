@@ -261,3 +261,31 @@ def test_wrap_calls_forward_the_documented_number_of_times(static):
     model(torch.randn(4, 32))
     assert model.calls == 4  # training forwards are the user's own
     memscale.detach(model)
+
+
+class Caching(nn.Module):
+    """Keeps its last output in a plain attribute, as some caches do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+        self.last = None
+
+    def forward(self, x):
+        y = torch.tanh(self.l(x))
+        self.last = y.detach()
+        self.seen = [y.detach()]
+        return y
+
+
+def test_static_profiling_leaves_no_fake_attribute():
+    torch.manual_seed(0)
+    model = nn.Sequential(Caching(), Caching())
+    x = torch.randn(4, 16)
+    memscale.wrap(model, memscale.Config(force_optimize=True, enable_logging=False), sample_input=x)
+    for m in model:
+        assert m.last is None  # as before wrap
+        assert "seen" not in m.__dict__
+    model(x).sum().backward()
+    assert all(type(m.last) is torch.Tensor for m in model)
+    memscale.detach(model)
