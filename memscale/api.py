@@ -155,11 +155,14 @@ def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any) -> None:
     if hf_config is not None and getattr(hf_config, "use_cache", None) is True:
         hf_config.use_cache = False
 
-        def restore(cfg=hf_config) -> None:
+        def restore(cfg: Any = hf_config) -> None:
             cfg.use_cache = True
 
+        def restore_copy(copy_of: Any, cfg: Any = hf_config) -> None:
+            restore(copy_of(cfg))
+
         executor.on_detach(restore)
-        executor.on_copy(lambda copy_of, cfg=hf_config: restore(copy_of(cfg)))
+        executor.on_copy(restore_copy)
         logger.info("memscale: set model.config.use_cache=False for training "
                     "with checkpointing (restored by detach)")
 
