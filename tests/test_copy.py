@@ -207,3 +207,28 @@ def test_copy_of_a_tiled_model_runs_its_own_forward():
     assert_same_step(clone, ref, x)
     memscale.detach(model)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_copy_shares_no_spill_store():
+    """With async offload to disk, the original keeps spilling through its
+    own store after a copy; the copy has none and trains exactly."""
+    model, ref = mlp(), mlp()
+    model.train()
+    config = memscale.Config(
+        mode="balanced",
+        force_optimize=True,
+        async_offload=True,
+        async_config=memscale.AsyncOffloadConfig(min_offload_bytes=0),
+    )
+    memscale.wrap(model, config, sample_input=X)
+    store = model._memscale_executor.offload_store
+    assert store is not None
+    clone = pickled(model)
+    assert_plain_copy(clone, model)
+    written = store.stats["tensors_written"]
+    assert_same_step(model, ref, X)
+    assert store.stats["tensors_written"] > written
+    plain = mlp()
+    plain.train()
+    assert_same_step(clone, plain, X)
+    memscale.detach(model)
