@@ -87,6 +87,7 @@ def test_copy_is_unwrapped_and_original_keeps_working(how, caplog):
     memscale.detach(clone)
 
 
+@pytest.mark.slow
 def test_ema_copy_tracks_the_wrapped_model():
     """timm/diffusers-style EMA: a deepcopy updated with lerp_ from the
     wrapped model as it trains, against the same without memscale."""

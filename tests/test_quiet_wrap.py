@@ -76,6 +76,7 @@ def test_profiler_lines_go_to_the_log_at_debug():
     assert all(line.startswith("LOG ") or line.startswith("  ") for line in lines), lines
 
 
+@pytest.mark.slow
 def test_other_output_in_the_window_is_kept():
     """Anything else written to fd 2 while it is captured (another thread's
     output) reaches the real stderr afterwards; the profiler's lines do not."""
