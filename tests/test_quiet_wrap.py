@@ -73,7 +73,7 @@ def test_profiler_lines_go_to_the_log_at_debug():
     """)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert any("profiler_start" in line for line in lines)
-    assert all(line.startswith("LOG ") or line.startswith("  ") for line in lines), lines
+    assert all(line.startswith(("LOG ", "  ")) for line in lines), lines
 
 
 @pytest.mark.slow
