@@ -2507,13 +2507,14 @@ ex_resume(Executor *ex, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(ex_abandon_doc,
-"_abandon($self, /)\n--\n\n"
-"The root forward is being left by an exception its always_call hooks\n"
-"did not see (KeyboardInterrupt, any BaseException): leave every\n"
-"saved-tensor hook and autocast this executor entered, drop the\n"
-"half-built frames and the profiled pass.  Idempotent; nothing to do\n"
-"while a layer is recomputed.");
+PyDoc_STRVAR(
+    ex_abandon_doc,
+    "_abandon($self, /)\n--\n\n"
+    "The root forward is being left by an exception its always_call hooks\n"
+    "did not see (KeyboardInterrupt, any BaseException): leave every\n"
+    "saved-tensor hook and autocast this executor entered, drop the\n"
+    "half-built frames and the profiled pass.  Idempotent; nothing to do\n"
+    "while a layer is recomputed.");
 
 static PyObject *
 ex_abandon(Executor *ex, PyObject *Py_UNUSED(ignored))
