@@ -339,8 +339,10 @@ if hasattr(os, "register_at_fork"):
 
 class _QuietHandler(WSGIRequestHandler):
     def setup(self) -> None:
-        self.timeout = IDLE_TIMEOUT_S  # read at connection time (tests lower it)
         super().setup()
+        # A connection that sends nothing for this long is closed (read at
+        # connection time: tests lower it).
+        self.connection.settimeout(IDLE_TIMEOUT_S)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         logger.debug("metrics request: " + format, *args)
