@@ -88,8 +88,12 @@ run_step(const step_args *a)
                        - step_size * mk / (rk * inv_bc2 + a->eps);
             m[k] = mk;
             r[k] = rk;
-            amax_m = fmaxf(amax_m, fabsf(mk));
-            amax_r = fmaxf(amax_r, rk);
+            /* A non-finite moment (an inf or NaN gradient) stays out of the
+               block's scales: an infinite scale would decode every other
+               element of the block as 0 * inf = NaN at the next step.
+               Only that element's parameter shows it, as in AdamW. */
+            amax_m = fmaxf(amax_m, isfinite(mk) ? fabsf(mk) : 0.0f);
+            amax_r = fmaxf(amax_r, isfinite(rk) ? rk : 0.0f);
         }
         a->sm[b] = amax_m;
         a->sv[b] = amax_r;
@@ -107,8 +111,9 @@ run_step(const step_args *a)
             float u2 = (float)((h >> 16) & 0xFFFFFF) * (1.0f / 16777216.0f);
             float xm = amax_m > 0.0f ? m[k] / amax_m * 127.0f : 0.0f;
             float xv = amax_r > 0.0f ? r[k] / amax_r * 255.0f : 0.0f;
-            /* Non-finite moments (a NaN or inf gradient) encode as 0; the
-               parameter itself already shows the NaN. */
+            /* Non-finite moments (a NaN or inf gradient) encode as 0, and
+               keep no level of v; the parameter itself already shows the
+               NaN. */
             if (!(xm >= -127.0f && xm <= 127.0f)) {
                 xm = 0.0f;
             }
@@ -117,7 +122,7 @@ run_step(const step_args *a)
             }
             float fm = floor_small(xm + u1); /* |xm + u1| < 129 */
             float fv = floor_small(xv + u2);
-            if (fv < 1.0f && r[k] > 0.0f) {
+            if (fv < 1.0f && r[k] > 0.0f && isfinite(r[k])) {
                 fv = 1.0f;
             }
             qm_out[k] = (int8_t)(fm > 127.0f    ? 127.0f

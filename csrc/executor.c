@@ -341,6 +341,25 @@ ex_resume(Executor *ex, PyObject *Py_UNUSED(ignored))
 }
 
 /* clang-format off */
+PyDoc_STRVAR(ex_abandon_doc,
+"_abandon($self, /)\n--\n\n"
+"The root forward is being left by an exception its always_call hooks\n"
+"did not see (KeyboardInterrupt, any BaseException): leave every\n"
+"saved-tensor hook and autocast this executor entered, drop the\n"
+"half-built frames and the profiled pass.  Idempotent; nothing to do\n"
+"while a layer is recomputed.");
+/* clang-format on */
+
+static PyObject *
+ex_abandon(Executor *ex, PyObject *Py_UNUSED(ignored))
+{
+    if (ms_ex_abandon(ex) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* clang-format off */
 PyDoc_STRVAR(ex_detach_doc,
 "detach($self, /)\n--\n\n"
 "Remove every hook this executor attached and drop its references to the\n"
@@ -661,6 +680,7 @@ static PyMethodDef ex_methods[] = {
     {"start_profiling", (PyCFunction)(void (*)(void))ex_start_profiling,
      METH_FASTCALL, ex_start_profiling_doc},
     {"detach", (PyCFunction)ex_detach, METH_NOARGS, ex_detach_doc},
+    {"_abandon", (PyCFunction)ex_abandon, METH_NOARGS, ex_abandon_doc},
     {"pause", (PyCFunction)ex_pause, METH_NOARGS, ex_pause_doc},
     {"set_offload", (PyCFunction)(void (*)(void))ex_set_offload, METH_FASTCALL,
      ex_set_offload_doc},

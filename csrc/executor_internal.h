@@ -203,5 +203,8 @@ PyObject *ms_ex_root_post(Executor *ex, PyObject *const *args,
    there was any and `warn` is set. */
 int ms_ex_drop_stale(Executor *ex, int warn);
 int ms_amp_drop_stale(Executor *ex, int warn);
+/* Executor._abandon(): the root forward is left by an exception its hooks
+   did not see; leave and drop everything the forward entered. */
+int ms_ex_abandon(Executor *ex);
 
 #endif /* MEMSCALE_EXECUTOR_INTERNAL_H */

@@ -259,9 +259,11 @@ frame_rpack(Frame *self, PyObject *tensor)
                 "tensor of shape %R where its forward saved %R (saved "
                 "tensor #%zd). The layer does not run the same way "
                 "twice: make its forward deterministic or exclude it "
-                "from checkpointing. A model compiled with "
+                "from checkpointing. A wrapped model compiled with "
                 "torch.compile (other than backend='eager') does "
-                "this: wrap it uncompiled.",
+                "this: train the wrapped model without "
+                "torch.compile or with backend='eager', or "
+                "memscale.detach(model) before compiling it.",
                 ms_ex_unit_name(self->ex, self->index), shape,
                 PyList_GET_ITEM(self->shapes, k), k);
         }

@@ -60,6 +60,35 @@ ms_ex_drop_stale(Executor *ex, int warn)
     return rc;
 }
 
+/* The root forward is being left by an exception its always_call hooks
+   did not see: leave what this executor entered, drop the half-built
+   frames and the profiled pass.  Nothing to do while a layer is
+   recomputed. */
+int
+ms_ex_abandon(Executor *ex)
+{
+    if (ex->stack == NULL || ex->recompute_depth > 0) {
+        return 0; /* cleared by the garbage collector, or in backward */
+    }
+    int rc = 0;
+    if (ms_ex_drop_stale(ex, 0) < 0) {
+        rc = -1;
+    }
+    if (ms_amp_drop_stale(ex, 0) < 0) {
+        rc = -1;
+    }
+    Py_CLEAR(ex->pre_exc);
+    if (ex->root_in_pass) {
+        ex->root_in_pass = 0;
+        if (ex->profiler != NULL && ex->profiler != Py_None
+            && ms_profiler_end_pass(ex->profiler, 0) < 0)
+        {
+            rc = -1;
+        }
+    }
+    return rc;
+}
+
 static PyObject *
 root_pre_body(Executor *ex, PyObject *const *args)
 {

@@ -12,12 +12,13 @@ import contextlib
 import logging
 import os
 import warnings
+import weakref
 from typing import Any, Iterator
 
 import torch
 
-from . import (_budget, _core, _planning, _telemetry, amp, distributed, observability,
-               offload, optim, policy, tiling)
+from . import (_budget, _copying, _core, _planning, _telemetry, _torch_compat, amp,
+               distributed, observability, offload, optim, policy, tiling)
 from .config import GIB, AsyncOffloadConfig, Config, OptimizationMode
 from .executor import Executor
 
@@ -129,6 +130,19 @@ def _stage1(executor: Executor, config: Config, hardware: dict[str, Any],
     return effective
 
 
+def _abandoner(ref: weakref.ref[Executor]) -> Any:
+    """What the model's call guard runs when a forward is left by an
+    exception: the executor leaves what it entered (``Executor._abandon``),
+    also on a ``KeyboardInterrupt``, which torch's ``always_call`` hooks
+    never see."""
+    def abandon() -> None:
+        executor = ref()
+        if executor is not None:
+            executor._abandon()
+
+    return abandon
+
+
 def _log_plan(config: Config, hardware: dict[str, Any], plan: Any) -> None:
     if not config.enable_logging:
         return
@@ -155,10 +169,14 @@ def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any) -> None:
     if hf_config is not None and getattr(hf_config, "use_cache", None) is True:
         hf_config.use_cache = False
 
-        def restore(cfg=hf_config) -> None:
+        def restore(cfg: Any = hf_config) -> None:
             cfg.use_cache = True
 
+        def restore_copy(copy_of: Any, cfg: Any = hf_config) -> None:
+            restore(copy_of(cfg))
+
         executor.on_detach(restore)
+        executor.on_copy(restore_copy)
         logger.info("memscale: set model.config.use_cache=False for training "
                     "with checkpointing (restored by detach)")
 
@@ -270,6 +288,8 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
         executor._init_python_state(config, hardware, method)
         executor.optimizer = optimizer
         executor.on_detach(observability.attach_logging(config))
+        executor.on_detach(_torch_compat.install_call_guard(
+            model, _abandoner(weakref.ref(executor))))
         amp.attach(executor, model, config, hardware)
         if config.observability_port is not None:
             executor.metrics_server = observability.start_metrics_server(
@@ -324,6 +344,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
             from . import _verify
 
             _verify.attach(model, executor)
+        executor.on_detach(_copying.install(model, executor))
         model.__dict__[ATTR] = executor
     except BaseException:
         if not hasattr(executor, "_restore"):

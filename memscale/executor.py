@@ -56,6 +56,9 @@ class Executor(_core.Executor):
         self.offload_host = None  # the host tier (memscale.offload.HostTier), if any
         self.optimizer: torch.optim.Optimizer | None = None  # the optimizer to train with (replaced when 8-bit)
         self._restore: list[Callable[[], None]] = []
+        # Run on a copy of the model (see memscale._copying): each undoes on
+        # the copy one change that detach undoes on the model.
+        self._copy_fixups: list[Callable[[Callable[[Any], Any]], None]] = []
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -70,6 +73,12 @@ class Executor(_core.Executor):
     def on_detach(self, action: Callable[[], None]) -> None:
         """Run ``action`` when the executor is detached (LIFO order)."""
         self._restore.append(action)
+
+    def on_copy(self, fixup: Callable[[Callable[[Any], Any]], None]) -> None:
+        """Run ``fixup(copy_of)`` on every copy of the wrapped model, where
+        ``copy_of(obj)`` is the copy's counterpart of ``obj``: it undoes on
+        the copy a change of the model's that ``detach`` undoes."""
+        self._copy_fixups.append(fixup)
 
     def detach(self) -> None:
         """Remove every hook and undo every change; idempotent."""

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,55 @@ def test_enable_checks_its_argument():
         _telemetry.enable("")
     with pytest.raises(TypeError):
         _telemetry.enable(None)
+
+
+def test_a_symlink_at_the_path_is_refused(tmp_path, caplog):
+    """A link planted at the telemetry path must not redirect the writes
+    (issue 20): the event is dropped with a warning, the target untouched."""
+    target = tmp_path / "victim"
+    target.write_text("precious\n")
+    os.chmod(target, 0o644)
+    link = tmp_path / "t.jsonl"
+    link.symlink_to(target)
+    _telemetry.enable(link)
+    model = mlp()
+    x = torch.randn(4, 32)
+    with caplog.at_level(logging.WARNING, logger="memscale"):
+        memscale.wrap(model, FORCE, sample_input=x)
+    memscale.detach(model)
+    assert target.read_text() == "precious\n"
+    assert link.is_symlink()
+    assert "is a symbolic link" in caplog.text
+    assert "point it at a regular file" in caplog.text
+
+
+def test_a_new_file_is_private(tmp_path):
+    sink = tmp_path / "t.jsonl"
+    _telemetry.enable(sink)
+    old = os.umask(0o022)
+    try:
+        model = mlp()
+        memscale.wrap(model, FORCE, sample_input=torch.randn(4, 32))
+        memscale.detach(model)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(sink.stat().st_mode) == 0o600
+    assert len(events(sink)) == 1
+
+
+def test_a_fifo_at_the_path_is_refused(tmp_path, caplog):
+    """Only a regular file takes events (a FIFO without a reader would block
+    wrap forever; one with a reader would send events to another process)."""
+    fifo = tmp_path / "t.jsonl"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        _telemetry.enable(fifo)
+        model = mlp()
+        with caplog.at_level(logging.WARNING, logger="memscale"):
+            memscale.wrap(model, FORCE, sample_input=torch.randn(4, 32))
+        memscale.detach(model)
+        assert os.read(reader, 4096) == b""  # nothing was written
+    finally:
+        os.close(reader)
+    assert "is not a regular file" in caplog.text
