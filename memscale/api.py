@@ -124,27 +124,58 @@ def _stage1(executor: Executor, config: Config, hardware: dict[str, Any],
     decision, effective = _select_strategy(config, context)
     executor.decision = decision
     executor.config = effective
-    logger.log(logging.INFO if config.enable_logging else logging.DEBUG, "%s",
-               decision.describe())
+    logger.debug("%s", decision.describe())
     return effective
 
 
-def _log_plan(config: Config, hardware: dict[str, Any], plan: Any) -> None:
+DETAILS = ("table: model._memscale_executor.describe(), or the 'memscale' logger "
+           "at DEBUG")
+
+
+def _budget_source(config: Config, hardware: dict[str, Any]) -> str:
+    """Where the budget comes from, for the log."""
+    if config.memory_budget_gb is not None:
+        return "Config.memory_budget_gb"
+    where = "host RAM" if hardware["device"] == "cpu" else f"{hardware['device']} memory"
+    return (f"{config.target_gpu_utilization:.0%} of "
+            f"{_planning.format_bytes(hardware['capacity_bytes'])} {where}, "
+            "Config.target_gpu_utilization")
+
+
+def _log_plan(config: Config, hardware: dict[str, Any], plan: Any,
+              decision: Any = None) -> None:
+    """One INFO line per plan (what was decided, the expected peak, where
+    the details are); the hardware and the per-layer table at DEBUG."""
     if not config.enable_logging:
         return
-    logger.info("memscale hardware: %s x%d, %s each (%s)", hardware["device"],
-                hardware["count"], _planning.format_bytes(hardware["capacity_bytes"]),
-                hardware["name"])
-    logger.info("%s", _planning.plan_table(plan))
+    fmt = _planning.format_bytes
+    mode = f"mode {plan.mode}"
+    if decision is not None and decision.decision_source != "user_config":
+        mode += (f", strategy {decision.strategy} "
+                 f"(decision_source={decision.decision_source})")
+    logger.debug("memscale hardware: %s x%d, %s each (%s)", hardware["device"],
+                 hardware["count"], fmt(hardware["capacity_bytes"]), hardware["name"])
+    logger.debug("%s", _planning.plan_table(plan))
+    budget = f"{fmt(plan.budget_bytes)} ({_budget_source(config, hardware)})"
     if plan.skipped:
-        logger.info("memscale: the model fits comfortably (pressure %.2f); left "
-                    "alone. Config(force_optimize=True) optimizes anyway.",
-                    plan.pressure)
-    elif not plan.fits:
+        logger.info(
+            "memscale: model left alone (smart-skip, plan %s, %s): its predicted "
+            "peak of %s fits comfortably in the budget of %s (pressure %.2f). "
+            "Config(force_optimize=True) optimizes it anyway.",
+            plan.hash[:12], mode, fmt(plan.peak_unoptimized_bytes), budget, plan.pressure)
+    else:
+        counts = plan.technique_counts
+        decided = ", ".join(f"{name} {counts[name]}" for name in counts if counts[name])
+        logger.info(
+            "memscale: plan %s (%s): %s of %d layers; predicted peak %s -> %s "
+            "for a budget of %s (recompute %.0f%% of forward); %s",
+            plan.hash[:12], mode, decided or "no technique", len(plan),
+            fmt(plan.peak_unoptimized_bytes), fmt(plan.peak_projected_bytes), budget,
+            plan.recompute_ratio * 100, DETAILS)
+    if not plan.fits:
         logger.warning("memscale: even with every eligible layer optimized the "
                        "projected peak (%s) exceeds the budget (%s)",
-                       _planning.format_bytes(plan.peak_projected_bytes),
-                       _planning.format_bytes(plan.budget_bytes))
+                       fmt(plan.peak_projected_bytes), fmt(plan.budget_bytes))
 
 
 def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any) -> None:
@@ -282,7 +313,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
                 profile, _planning.fallback_config(plan_config, offsets[2]),
                 hardware, fixed, peak_offset=offsets[0], plan_offset=offsets[1])
             plan = distributed.shared_plan(inputs)
-            _log_plan(config, hardware, plan)
+            _log_plan(config, hardware, plan, executor.decision)
             _budget.check(plan, inputs, plan_config,
                           _planning.optimizer_state_bytes(model, optimizer), least)
             offload.attach(executor, plan_config, hardware, plan)
@@ -303,7 +334,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
                                else _stage1(executor, config, hardware, warm, fixed))
                 inputs = _planning.plan_inputs(warm, plan_config, hardware, fixed)
                 plan = distributed.shared_plan(inputs)
-                _log_plan(config, hardware, plan)
+                _log_plan(config, hardware, plan, executor.decision)
                 _budget.check(plan, inputs, plan_config,
                               _planning.optimizer_state_bytes(model, optimizer))
                 offload.attach(executor, plan_config, hardware, plan)
