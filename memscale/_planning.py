@@ -46,8 +46,19 @@ class Profile:
     details: tuple[dict[str, Any], ...] = ()
 
 
+class Inputs(NamedTuple):
+    """Positional and keyword inputs together (a forward's own, as the
+    first training forward's are profiled)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
 def split_input(sample_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A sample input as (args, kwargs): a tensor, a tuple/list, or a dict."""
+    """A sample input as (args, kwargs): a tensor, a tuple/list, a dict, or
+    :class:`Inputs`."""
+    if isinstance(sample_input, Inputs):
+        return tuple(sample_input.args), dict(sample_input.kwargs)
     if isinstance(sample_input, torch.Tensor):
         return (sample_input,), {}
     if isinstance(sample_input, (tuple, list)):

@@ -12,11 +12,11 @@ import contextlib
 import logging
 import os
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
-from . import (_budget, _core, _planning, _telemetry, amp, distributed, observability,
+from . import (_budget, _core, _firststep, _planning, _telemetry, amp, distributed, observability,
                offload, optim, policy, tiling)
 from .config import GIB, AsyncOffloadConfig, Config, OptimizationMode
 from .executor import Executor
@@ -194,6 +194,176 @@ def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any) -> None:
                     "with checkpointing (restored by detach)")
 
 
+class _Upfront(NamedTuple):
+    """What profiling a sample (``sample_input``, or the first training
+    forward's inputs) gives the planning."""
+
+    profile: Any  # _planning.Profile
+    offsets: _planning.Offsets
+    least: int | None  # the least budget when no plan fits, else None
+
+
+def _profile_sample(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]],
+                    sample_input: Any, config: Config, hardware: dict[str, Any],
+                    optimizer: torch.optim.Optimizer | None, fixed: int) -> _Upfront:
+    """Profile ``model`` on ``sample_input`` (fake tensors first, a real
+    forward as fallback, per the Config) and ask the OOM predictor for its
+    corrections."""
+    with amp.profiling_context(config, hardware):
+        profile = _planning.profile_upfront(model, units, sample_input, config)
+        # Plan from the OOM predictor's peaks (simulated steps on fake
+        # tensors), so that the plan and predict_peak() agree.  Stage 1
+        # first (it is recorded on the executor later): the plan the
+        # corrections are calibrated on is the one wrap() makes.
+        _, early_config = _select_strategy(config, policy.StrategyContext.build(
+            config, hardware,
+            profile if policy.needs_profile(config, hardware) else None, fixed))
+        offsets = _planning.predicted_offsets(model, sample_input, optimizer,
+                                              profile, early_config, hardware, fixed)
+        # No plan fits: the least budget, checked by simulating there.
+        least = _planning.verified_least_budget(
+            model, sample_input, optimizer, profile, early_config, hardware,
+            fixed, offsets)
+    return _Upfront(profile, offsets, least)
+
+
+def _apply_sample_plan(model: torch.nn.Module, executor: Executor,
+                       units: list[tuple[str, torch.nn.Module]], config: Config,
+                       hardware: dict[str, Any], fixed: int,
+                       optimizer: torch.optim.Optimizer | None,
+                       upfront: _Upfront) -> Any:
+    """Stage 1, the plan (one for every rank), its log line and budget
+    check, then the techniques attached and the plan applied."""
+    profile, offsets, least = upfront
+    executor.profile = profile
+    executor.profiling = profile.method
+    plan_config = _stage1(executor, config, hardware, profile, fixed)
+    inputs = _planning.plan_inputs(
+        profile, _planning.fallback_config(plan_config, offsets[2]),
+        hardware, fixed, peak_offset=offsets[0], plan_offset=offsets[1])
+    plan = distributed.shared_plan(inputs)
+    _log_plan(config, hardware, plan, executor.decision)
+    _budget.check(plan, inputs, plan_config,
+                  _planning.optimizer_state_bytes(model, optimizer), least)
+    offload.attach(executor, plan_config, hardware, plan)
+    tiling.install(executor, units, plan)
+    executor.apply(plan)
+    _after_plan(model, executor, plan)
+    return plan
+
+
+def _first_step_planning(model: torch.nn.Module, config: Config) -> bool:
+    """Whether the first training forward's inputs can be profiled on fake
+    tensors (the default); otherwise the first ``warmup_steps`` forwards
+    are measured for real (``use_static_profiling=False``, or a model that
+    fake tensors cannot run, such as one sharded with FSDP2)."""
+    return (config.use_static_profiling
+            and _planning.static_profiling_supported(model) is None)
+
+
+def _plan_on_first_forward(model: torch.nn.Module, executor: Executor,
+                           units: list[tuple[str, torch.nn.Module]], config: Config,
+                           hardware: dict[str, Any], fixed: int,
+                           optimizer: torch.optim.Optimizer | None) -> None:
+    """No ``sample_input``: plan inside the first training forward, from its
+    own inputs, before it runs (see ``memscale._firststep``).  If they
+    cannot be profiled on fake tensors, that forward and the next
+    ``warmup_steps - 1`` are measured instead (``use_empirical_fallback``)."""
+    if policy.needs_profile(config, hardware):
+        policy.requested_policy()  # a bad MEMSCALE_POLICY fails now
+    static_only = config.replace(use_empirical_fallback=False)
+
+    def plan(module: torch.nn.Module, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> None:
+        try:
+            # Profiled as an unwrapped model (the OOM predictor refuses a
+            # wrapped one): our hooks are paused, the attribute set aside.
+            wrapped = model.__dict__.pop(ATTR, None)
+            try:
+                with executor.paused():
+                    upfront = _profile_sample(
+                        module, units, _planning.Inputs(args, kwargs), static_only,
+                        hardware, optimizer, fixed)
+            except RuntimeError as exc:
+                if not config.use_empirical_fallback:
+                    raise
+                upfront = None
+                logger.info("memscale: the first training forward could not be "
+                            "profiled on fake tensors (%s); measuring the first %d "
+                            "training forwards instead", exc, config.warmup_steps)
+            finally:
+                if wrapped is not None:
+                    model.__dict__[ATTR] = wrapped
+            if upfront is None:
+                _plan_after_warmup(model, executor, units, config, hardware, fixed,
+                                   optimizer)
+                return
+            plan_made = _apply_sample_plan(model, executor, units, config, hardware,
+                                           fixed, optimizer, upfront)
+        except BaseException:
+            # Leave nothing attached: the model runs as if never wrapped.
+            if model.__dict__.get(ATTR) is executor:
+                del model.__dict__[ATTR]
+            executor.detach()
+            raise
+        _telemetry.plan_built(executor, plan_made, model)
+
+    logger.debug("memscale: no sample_input; the plan is made on the first training "
+                 "forward, from its inputs, before that forward runs")
+    names = [name for name, _ in units]
+    first = _firststep.FirstForward(_firststep.chain(model, names), plan,
+                                    executor.is_paused)
+    executor.on_detach(first.remove)
+
+    def measure_instead() -> None:
+        first.remove()
+        _plan_after_warmup(model, executor, units, config, hardware, fixed, optimizer)
+
+    executor._first_forward = first
+    executor._measure_instead = measure_instead
+
+
+def _plan_after_warmup(model: torch.nn.Module, executor: Executor,
+                       units: list[tuple[str, torch.nn.Module]], config: Config,
+                       hardware: dict[str, Any], fixed: int,
+                       optimizer: torch.optim.Optimizer | None) -> None:
+    """Measure the first ``warmup_steps`` training forwards for real, then
+    plan (they run unoptimized)."""
+    executor.profiling = "warmup"
+    if executor.decision is None:
+        if not policy.needs_profile(config, hardware):
+            _stage1(executor, config, hardware, None, fixed)
+        else:
+            policy.requested_policy()  # a bad MEMSCALE_POLICY fails now
+    profiler = _planning.new_warmup_profiler(model, units)
+
+    def on_profiled(prof: Any) -> Any:
+        warm = _planning.profile_from(prof, units, "warmup")
+        executor.profile = warm
+        plan_config = (executor.config if executor.decision is not None
+                       else _stage1(executor, config, hardware, warm, fixed))
+        inputs = _planning.plan_inputs(warm, plan_config, hardware, fixed)
+        plan = distributed.shared_plan(inputs)
+        _log_plan(config, hardware, plan, executor.decision)
+        _budget.check(plan, inputs, plan_config,
+                      _planning.optimizer_state_bytes(model, optimizer))
+        offload.attach(executor, plan_config, hardware, plan)
+        tiling.install(executor, units, plan)
+        executor.count_layer_recomputes(units, plan)
+        _after_plan(model, executor, plan)
+        _telemetry.plan_built(executor, plan, model)
+        return plan
+
+    try:
+        executor.start_profiling(profiler, on_profiled)
+    except BaseException:
+        profiler.detach()
+        raise
+    logger.log(logging.INFO if config.enable_logging else logging.DEBUG,
+               "memscale: profiling the first %d training forward passes for "
+               "real (they run unoptimized), then planning", config.warmup_steps)
+
+
 def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
          async_offload: bool | None = None,
          async_config: AsyncOffloadConfig | None = None,
@@ -277,80 +447,34 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
 
     # Profile before any hook of ours exists, so that the profiling pass
     # is not seen (or counted) as a training forward.
-    profile = None
+    upfront = None
     if sample_input is not None:
-        with amp.profiling_context(config, hardware):
-            profile = _planning.profile_upfront(model, units, sample_input, config)
-            # Plan from the OOM predictor's peaks (simulated steps on fake
-            # tensors), so that the plan and predict_peak() agree.  Stage 1
-            # first (it is recorded on the executor below): the plan the
-            # corrections are calibrated on is the one wrap() makes.
-            _, early_config = _select_strategy(config, policy.StrategyContext.build(
-                config, hardware,
-                profile if policy.needs_profile(config, hardware) else None, fixed))
-            offsets = _planning.predicted_offsets(model, sample_input, optimizer,
-                                                  profile, early_config, hardware,
-                                                  fixed)
-            # No plan fits: the least budget, checked by simulating there.
-            least = _planning.verified_least_budget(
-                model, sample_input, optimizer, profile, early_config, hardware,
-                fixed, offsets)
+        upfront = _profile_sample(model, units, sample_input, config, hardware,
+                                  optimizer, fixed)
     executor = Executor(model, units, warmup_steps=config.warmup_steps)
     try:
-        method = profile.method if profile is not None else "warmup"
+        method = (upfront.profile.method if upfront is not None
+                  else "first_step" if _first_step_planning(model, config)
+                  else "warmup")
         executor._init_python_state(config, hardware, method)
         executor.optimizer = optimizer
+        executor.units = units
+        executor.count_steps(optimizer)
         executor.on_detach(observability.attach_logging(config))
         amp.attach(executor, model, config, hardware)
         if config.observability_port is not None:
             executor.metrics_server = observability.start_metrics_server(
                 executor, config.observability_port)
             executor.on_detach(executor.metrics_server.close)
-        if profile is not None:
-            executor.profile = profile
-            plan_config = _stage1(executor, config, hardware, profile, fixed)
-            inputs = _planning.plan_inputs(
-                profile, _planning.fallback_config(plan_config, offsets[2]),
-                hardware, fixed, peak_offset=offsets[0], plan_offset=offsets[1])
-            plan = distributed.shared_plan(inputs)
-            _log_plan(config, hardware, plan, executor.decision)
-            _budget.check(plan, inputs, plan_config,
-                          _planning.optimizer_state_bytes(model, optimizer), least)
-            offload.attach(executor, plan_config, hardware, plan)
-            tiling.install(executor, units, plan)
-            executor.apply(plan)
-            _after_plan(model, executor, plan)
+        if upfront is not None:
+            _apply_sample_plan(model, executor, units, config, hardware, fixed,
+                               optimizer, upfront)
+        elif _first_step_planning(model, config):
+            _plan_on_first_forward(model, executor, units, config, hardware,
+                                   fixed, optimizer)
         else:
-            if not policy.needs_profile(config, hardware):
-                _stage1(executor, config, hardware, None, fixed)
-            else:
-                policy.requested_policy()  # a bad MEMSCALE_POLICY fails now
-            profiler = _planning.new_warmup_profiler(model, units)
-
-            def on_profiled(prof: Any) -> Any:
-                warm = _planning.profile_from(prof, units, "warmup")
-                executor.profile = warm
-                plan_config = (executor.config if executor.decision is not None
-                               else _stage1(executor, config, hardware, warm, fixed))
-                inputs = _planning.plan_inputs(warm, plan_config, hardware, fixed)
-                plan = distributed.shared_plan(inputs)
-                _log_plan(config, hardware, plan, executor.decision)
-                _budget.check(plan, inputs, plan_config,
-                              _planning.optimizer_state_bytes(model, optimizer))
-                offload.attach(executor, plan_config, hardware, plan)
-                tiling.install(executor, units, plan)
-                _after_plan(model, executor, plan)
-                _telemetry.plan_built(executor, plan, model)
-                return plan
-
-            try:
-                executor.start_profiling(profiler, on_profiled)
-            except BaseException:
-                profiler.detach()
-                raise
-            if config.enable_logging:
-                logger.info("memscale: profiling the first %d training forward "
-                            "passes, then planning", config.warmup_steps)
+            _plan_after_warmup(model, executor, units, config, hardware, fixed,
+                               optimizer)
         if config.verify_correctness:
             from . import _verify
 
