@@ -9,7 +9,7 @@ so that freed tensors go back to the system).  It trains ``--steps`` AdamW
 steps and reports its VmHWM twice: at the end of the first training step
 (the first step's peak, set-up included) and at the end of the run.
 
-    .venv/bin/python scripts/first_step_memory.py [--steps 3] [--budget-gb 0.1]
+    .venv/bin/python scripts/first_step_memory.py [--steps 3] [--budget-gb 0.2]
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main() -> int:
     parser.add_argument(
         "--budget-gb",
         type=float,
-        default=0.1,
+        default=0.2,
         help="memscale's Config(memory_budget_gb=...) (GiB of live tensors)",
     )
     parser.add_argument("--frameworks", default="hf,lightning")
