@@ -15,12 +15,10 @@ removes them all, whatever happens next.
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 def chain(model: torch.nn.Module, unit_names: list[str]) -> list[torch.nn.Module]:
@@ -66,10 +64,13 @@ class FirstForward:
         self._plan = plan
         self._is_paused = is_paused
         self._handles: list[Any] = []
+        # Planning runs eagerly, also under torch.compile (Dynamo does not
+        # trace the profiling and planning into the user's graph).
+        hook = torch.compiler.disable(self._hook)
         try:
             for module in modules:
                 self._handles.append(
-                    module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)
+                    module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
                 )
         except BaseException:
             self.remove()

@@ -1,8 +1,8 @@
 """The public entry points: wrap, optimize, detach.
 
 ``wrap`` profiles the model (up front with ``sample_input``, otherwise
-during the first ``warmup_steps`` training forwards), runs the decision
-engine and attaches the executor's hooks.  Everything it changes is undone
+inside the first training forward, from its own inputs, before it runs),
+runs the decision engine and attaches the executor's hooks.  Everything it changes is undone
 by ``detach``; an error inside ``wrap`` undoes what was done so far.
 """
 
@@ -372,9 +372,13 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
 
     ``target`` is an ``nn.Module``.  With ``sample_input`` the model is
     profiled now (on fake tensors first, with a real forward as fallback)
-    and the plan applied at once; without it the first
-    ``config.warmup_steps`` training forwards are measured and the plan is
-    applied after them.  ``optimizer`` (keyword only) sharpens the memory
+    and the plan applied at once; without it the first training forward's
+    own inputs are profiled on fake tensors inside that forward's
+    pre-hook, and the forward runs under the plan.  Where fake tensors
+    cannot run the model (``use_static_profiling=False``, FSDP2, an
+    operator without a fake kernel), the first ``config.warmup_steps``
+    training forwards are measured for real instead and the plan applies
+    after them.  ``optimizer`` (keyword only) sharpens the memory
     estimate with the optimizer's real state size.  With
     ``Config(use_8bit_optimizer=True)`` it is replaced: the 8-bit AdamW
     with its parameter groups and hyper-parameters is

@@ -27,8 +27,9 @@ class Executor(_core.Executor):
 
     Attributes set by ``wrap``: ``config`` (the effective Config),
     ``hardware`` (the device description the plan was made for),
-    ``profiling`` ("static", "empirical" or "warmup"), ``profile`` (what
-    was measured per layer, including output bytes and forward FLOPs),
+    ``profiling`` ("static", "empirical" or "warmup"; "first_step" until
+    the first training forward plans), ``profile`` (what was measured per
+    layer, including output bytes and forward FLOPs),
     ``decision`` (Stage 1's ``memscale.policy.StrategyDecision``, with its
     ``decision_source``; None until made) and ``metrics_server`` (the
     ``memscale.observability.MetricsServer`` serving this model's metrics,
@@ -44,6 +45,10 @@ class Executor(_core.Executor):
     profile: Any  # the _planning.Profile measured (None while warming up)
     decision: Any  # a memscale.policy.StrategyDecision, or None until made
     metrics_server: Any  # a memscale.observability.MetricsServer, or None
+    units: list[tuple[str, torch.nn.Module]]  # the planning units, while attached
+    # Without sample_input, until the first training forward has planned:
+    _first_forward: Any  # the memscale._firststep.FirstForward hooks
+    _measure_instead: Callable[[], None]  # switches to measuring real steps
 
     def _init_python_state(self, config: Config, hardware: dict[str, Any],
                            profiling: str) -> None:

@@ -15,9 +15,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import hook_count
 
 import memscale
-from conftest import hook_count
 from memscale._measure import measure_peak
 
 BATCH, SEQ = 4, 64
@@ -27,9 +27,19 @@ def gpt2(dropout: float = 0.1):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(
-        n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=SEQ,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=4,
+            n_embd=64,
+            n_head=4,
+            vocab_size=256,
+            n_positions=SEQ,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            use_cache=False,
+        )
+    )
     model.train()
     return model
 
@@ -144,10 +154,18 @@ def hf_first_step(tmp_path, callbacks):
     from transformers import Trainer, TrainingArguments
 
     model = gpt2()
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH,
-                             max_steps=1, report_to=[], save_strategy="no",
-                             logging_strategy="no", disable_tqdm=True, use_cpu=True,
-                             seed=0, dataloader_num_workers=0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=BATCH,
+        max_steps=1,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -183,9 +201,16 @@ def lightning_first_step(callbacks):
 
     module = Lit()
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         accelerator="cpu", devices=1, callbacks=callbacks)
+    trainer = pl.Trainer(
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+    )
     loader = torch.utils.data.DataLoader(ids(8), batch_size=BATCH)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -203,3 +228,24 @@ def test_lightning_callback_without_sample_input_lowers_the_first_step():
     assert peak < plain_peak
     assert callback.plan_hash is not None
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+
+
+def test_under_torch_compile_the_first_forward_plans_eagerly():
+    from conftest import FORCE, mlp
+
+    model, ref = mlp(), mlp()
+    x = torch.randn(4, 32)
+    memscale.wrap(model, FORCE.replace(enable_logging=False))
+    compiled = torch.compile(model, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(x).sum().backward()
+    # Dynamo did not trace into the planning (it warns on each C call of
+    # memscale's it cannot trace).
+    assert not [w for w in caught if "memscale._core" in str(w.message)]
+    torch._dynamo.reset()
+    ref(x).sum().backward()
+    ex = model._memscale_executor
+    assert ex.state == "applied" and ex.stats["recomputes"] == 4
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    memscale.detach(model)
