@@ -249,3 +249,20 @@ def test_under_torch_compile_the_first_forward_plans_eagerly():
     assert ex.state == "applied" and ex.stats["recomputes"] == 4
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
     memscale.detach(model)
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["before", "after"])
+def test_a_model_dropped_without_detach_is_collected(trained):
+    import gc
+    import weakref
+
+    from conftest import FORCE, mlp
+
+    model = mlp()
+    memscale.wrap(model, FORCE.replace(enable_logging=False))
+    if trained:  # the first forward planned
+        model(torch.randn(2, 32)).sum().backward()
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
