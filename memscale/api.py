@@ -12,12 +12,13 @@ import contextlib
 import logging
 import os
 import warnings
+import weakref
 from typing import Any, Iterator, NamedTuple
 
 import torch
 
-from . import (_budget, _core, _firststep, _planning, _telemetry, amp, distributed, observability,
-               offload, optim, policy, tiling)
+from . import (_budget, _core, _firststep, _planning, _telemetry, _torch_compat, amp,
+               distributed, observability, offload, optim, policy, tiling)
 from .config import GIB, AsyncOffloadConfig, Config, OptimizationMode
 from .executor import Executor
 
@@ -126,6 +127,19 @@ def _stage1(executor: Executor, config: Config, hardware: dict[str, Any],
     executor.config = effective
     logger.debug("%s", decision.describe())
     return effective
+
+
+def _abandoner(ref: weakref.ref[Executor]) -> Any:
+    """What the model's call guard runs when a forward is left by an
+    exception: the executor leaves what it entered (``Executor._abandon``),
+    also on a ``KeyboardInterrupt``, which torch's ``always_call`` hooks
+    never see."""
+    def abandon() -> None:
+        executor = ref()
+        if executor is not None:
+            executor._abandon()
+
+    return abandon
 
 
 DETAILS = ("table: model._memscale_executor.describe(), or the 'memscale' logger "
@@ -465,6 +479,8 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
         executor.units = units
         executor.count_steps(optimizer)
         executor.on_detach(observability.attach_logging(config))
+        executor.on_detach(_torch_compat.install_call_guard(
+            model, _abandoner(weakref.ref(executor))))
         amp.attach(executor, model, config, hardware)
         if config.observability_port is not None:
             executor.metrics_server = observability.start_metrics_server(

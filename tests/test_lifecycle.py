@@ -149,6 +149,12 @@ def test_interrupted_forward_is_cleaned_up():
     model[1].interrupt = True
     with pytest.raises(KeyboardInterrupt):
         model(x)
+    # The model's call guard left what the interrupted forward entered.
+    assert _active_saved_tensor_hooks() is None
+    # A layer called on its own has no guard: its frame is left until the
+    # model's next forward.
+    with pytest.raises(KeyboardInterrupt):
+        model[1](x)
     assert _active_saved_tensor_hooks() is not None  # left by the interrupt
     model[1].interrupt = False
     with pytest.warns(RuntimeWarning, match="interrupted"):

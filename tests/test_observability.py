@@ -441,3 +441,127 @@ def test_offloaded_bytes_are_scraped():
     assert value(after, "memscale_offloaded_bytes_total", tier="disk") == 3 * 4 * 8 * 32 * 4
     assert value(after, "memscale_offloaded_bytes_total", tier="cpu") == 0
     memscale.detach(model)
+
+
+def scrape_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("memscale-scrape")]
+
+
+def http_get(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def wait_for(condition, what: str, limit: float = 30.0) -> None:
+    """Poll ``condition`` (a server thread finishing, a timeout firing); the
+    limit only stops a test that would otherwise hang."""
+    import time
+
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.02)
+
+
+def test_only_the_metrics_path_is_served():
+    """Issue 20, item 6: every GET path returned the metrics."""
+    model = mlp()
+    port = free_port()
+    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port))
+    assert http_get(port, "/metrics") == 200
+    for path in ("/", "/favicon.ico", "/metrics/extra", "/admin"):
+        assert http_get(port, path) == 404, path
+    assert http_get(port, "/metrics?name[]=memscale_hooks") == 200
+    memscale.detach(model)
+
+
+def test_idle_connections_are_capped_and_time_out(monkeypatch):
+    """Issue 20, item 6: 300 idle connections made 302 threads that never
+    timed out."""
+    from memscale.observability import metrics
+
+    monkeypatch.setattr(metrics, "IDLE_TIMEOUT_S", 600.0, raising=False)
+    model = mlp()
+    port = free_port()
+    before = threading.active_count()
+    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port))
+    idle = []
+    try:
+        for _ in range(40):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            idle.append(s)
+            # The server thread and at most MAX_CONNECTIONS others.
+            assert threading.active_count() <= before + 1 + metrics.MAX_CONNECTIONS
+        # Beyond the cap, a connection is answered 503 and closed.
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert s.recv(1024).startswith(b"HTTP/1.0 503")
+        s.close()
+    finally:
+        for s in idle:
+            s.close()
+    wait_for(lambda: scrape_threads() == [], "closed connections' threads ended")
+    # An idle connection is closed by the server after IDLE_TIMEOUT_S.
+    monkeypatch.setattr(metrics, "IDLE_TIMEOUT_S", 0.2)
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
+    try:
+        for s in idle:
+            assert s.recv(1) == b""  # the server closed it
+    finally:
+        for s in idle:
+            s.close()
+    wait_for(lambda: scrape_threads() == [], "idle connections' threads ended")
+    assert value(scrape(f"http://127.0.0.1:{port}/metrics"), "memscale_hooks") > 0
+    memscale.detach(model)
+    assert metrics_threads() == [] and port_is_free(port)
+
+
+def test_a_model_dropped_without_detach_frees_the_port():
+    """Issue 20, item 6: the server thread and the port outlived a model
+    dropped without detach."""
+    import gc
+
+    model = mlp()
+    port = free_port()
+    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port))
+    assert http_get(port, "/metrics") == 200
+    del model
+    gc.collect()
+    wait_for(lambda: metrics_threads() == [], "the server thread ended")
+    assert port_is_free(port)
+    again = mlp()
+    memscale.wrap(again, memscale.Config(**FORCE, observability_port=port))
+    memscale.detach(again)
+
+
+def test_a_forked_child_does_not_keep_the_port():
+    """Issue 20, item 6: a forked DataLoader worker inherited the listening
+    socket, so the port stayed bound after detach and a re-wrap failed."""
+    model = mlp()
+    port = free_port()
+    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port))
+    server = model._memscale_executor.metrics_server
+    assert not os.get_inheritable(server._httpd.socket.fileno())  # close-on-exec
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child waits, as a worker would, holding what it inherited
+        try:
+            os.close(write_end)
+            os.read(read_end, 1)
+        finally:
+            os._exit(0)
+    os.close(read_end)
+    try:
+        memscale.detach(model)
+        assert port_is_free(port)
+        again = mlp()
+        memscale.wrap(again, memscale.Config(**FORCE, observability_port=port))
+        assert http_get(port, "/metrics") == 200
+        memscale.detach(again)
+    finally:
+        os.close(write_end)
+        os.waitpid(pid, 0)

@@ -3,9 +3,15 @@
 ``wrap`` starts an HTTP server on ``127.0.0.1:N`` (another address with the
 environment variable ``MEMSCALE_METRICS_HOST`` (an IP address or "localhost"), or ``host=`` of
 :func:`start_metrics_server`), in a daemon thread, serving its own
-``CollectorRegistry`` (never the global one).  ``detach`` stops it and frees
-the port.  Every value is read from the executor when it is scraped, so the
-counters follow training.  It needs ``prometheus_client``
+``CollectorRegistry`` (never the global one) at ``/metrics`` (any other path
+is a 404).  ``detach`` stops it and frees the port, and so does the
+executor's garbage collection (a model dropped without ``detach``).  At most
+``MAX_CONNECTIONS`` connections are served at once (more are answered 503
+and closed), and a connection idle for ``IDLE_TIMEOUT_S`` seconds is
+closed.  The listening socket is close-on-exec, and a forked child (a
+DataLoader worker) closes its copy at once, so the port is free again when
+the parent detaches.  Every value is read from the executor when it is
+scraped, so the counters follow training.  It needs ``prometheus_client``
 (``pip install 'memscale[metrics]'``).
 
 Metrics, following Prometheus naming (all gauges unless they end in
@@ -87,6 +93,9 @@ HOST_ENV = "MEMSCALE_METRICS_HOST"
 STATES = ("profiling", "applied", "idle", "detached")
 TECHNIQUES = ("checkpoint", "offload", "tiling")
 OFFLOAD_TIERS = ("cpu", "disk")
+MAX_CONNECTIONS = 8  # served at once; more are answered 503
+IDLE_TIMEOUT_S = 10.0  # a connection that sends nothing for this long is closed
+PATH = "/metrics"
 
 
 class MetricsPortInUseError(OSError):
@@ -276,21 +285,120 @@ class _ExecutorCollector:
                                 value=float(stats["active_frames"]))
 
 
-class _Server(socketserver.ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+class _Server(WSGIServer):
+    """One thread per connection, at most ``MAX_CONNECTIONS`` at once."""
+
     allow_reuse_address = True
+    timeout = 0.05  # handle_request() returns this often to see a stop
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind calls socket.getfqdn(), a name lookup that
         # may go to DNS; memscale never touches the network.
+        self.socket.set_inheritable(False)  # close-on-exec (Python's default)
         socketserver.TCPServer.server_bind(self)
         host, port = self.server_address[:2]
         self.server_name = str(host)
         self.server_port = port
         self.setup_environ()
+        self._active = 0
+        self._count_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._count_lock:
+            full = self._active >= MAX_CONNECTIONS
+            if not full:
+                self._active += 1
+        if full:
+            try:
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\n"
+                                b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        thread = threading.Thread(target=self._serve_connection,
+                                  args=(request, client_address),
+                                  name=f"memscale-scrape:{self.server_port}",
+                                  daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            with self._count_lock:
+                self._active -= 1
+            self.shutdown_request(request)
+            raise
+
+    def _serve_connection(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - a bad client must not stop the server
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            with self._count_lock:
+                self._active -= 1
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.debug("memscale metrics: error serving %s", client_address, exc_info=True)
+
+
+def _only_metrics(app: Any) -> Any:
+    """``app`` at ``PATH``; 404 everywhere else."""
+    def serve(environ: dict[str, Any], start_response: Any) -> Any:
+        if environ.get("PATH_INFO", "") != PATH:
+            body = f"not found: memscale serves metrics at {PATH}\n".encode()
+            start_response("404 Not Found", [("Content-Type", "text/plain"),
+                                              ("Content-Length", str(len(body)))])
+            return [body]
+        return app(environ, start_response)
+
+    return serve
+
+
+def _serve(httpd: _Server, stop: threading.Event) -> None:
+    """The server thread: requests until ``stop``, then the socket closes."""
+    try:
+        while not stop.is_set():
+            httpd.handle_request()
+    finally:
+        httpd.server_close()
+
+
+def _stop(httpd: _Server, stop: threading.Event, thread: threading.Thread) -> None:
+    """Stop serving and free the port (also run when the executor is
+    collected, possibly on the server thread itself)."""
+    stop.set()
+    if thread is threading.current_thread():
+        return  # the loop ends after this request and closes the socket
+    if thread.is_alive():
+        thread.join(timeout=5)
+    httpd.server_close()  # idempotent; frees the port if the join timed out
+
+
+# Every live server of this process, for the fork hook.
+_SERVERS: weakref.WeakSet[MetricsServer] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # The child has no server thread; its copy of the listening socket would
+    # keep the port bound after the parent detaches (DataLoader workers).
+    for server in list(_SERVERS):
+        server._closed = True
+        server._stop_event.set()
+        server._httpd.server_close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _QuietHandler(WSGIRequestHandler):
+    def setup(self) -> None:
+        super().setup()
+        # A connection that sends nothing for this long is closed (read at
+        # connection time: tests lower it).
+        self.connection.settimeout(IDLE_TIMEOUT_S)
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         logger.debug("metrics request: " + format, *args)
 
@@ -346,14 +454,24 @@ class MetricsServer:
                 f"{exc.strerror or exc}. Check Config.observability_port and "
                 f"the {HOST_ENV} environment variable (default {DEFAULT_HOST})"
             ) from exc
-        self._httpd.set_app(app)
+        self._httpd.set_app(_only_metrics(app))
         self.port = int(self._httpd.server_address[1])
         self._closed = False
         self._lock = threading.Lock()
+        self._stop_event = threading.Event()
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+            target=_serve, args=(self._httpd, self._stop_event),
             name=f"memscale-metrics:{self.port}", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._httpd.server_close()
+            raise
+        # Stopped with the executor: a model dropped without detach frees
+        # the port and the thread when it is collected.
+        self._finalizer = weakref.finalize(executor, _stop, self._httpd,
+                                           self._stop_event, self._thread)
+        _SERVERS.add(self)
         logger.info("memscale: Prometheus metrics at %s", self.url)
 
     @property
@@ -371,11 +489,7 @@ class MetricsServer:
             if self._closed:
                 return
             self._closed = True
-        try:
-            self._httpd.shutdown()
-        finally:
-            self._httpd.server_close()
-            self._thread.join(timeout=5)
+        self._finalizer()  # runs _stop once
         logger.info("memscale: stopped serving metrics on %s:%d", self.host, self.port)
 
     def __repr__(self) -> str:
