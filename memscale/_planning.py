@@ -46,8 +46,19 @@ class Profile:
     details: tuple[dict[str, Any], ...] = ()
 
 
+class Inputs(NamedTuple):
+    """Positional and keyword inputs together (a forward's own, as the
+    first training forward's are profiled)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
 def split_input(sample_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A sample input as (args, kwargs): a tensor, a tuple/list, or a dict."""
+    """A sample input as (args, kwargs): a tensor, a tuple/list, a dict, or
+    :class:`Inputs`."""
+    if isinstance(sample_input, Inputs):
+        return tuple(sample_input.args), dict(sample_input.kwargs)
     if isinstance(sample_input, torch.Tensor):
         return (sample_input,), {}
     if isinstance(sample_input, (tuple, list)):
@@ -537,13 +548,19 @@ def format_bytes(n: float) -> str:
 
 
 def plan_table(plan: Any) -> str:
-    """The plan as the log shows it: one row per layer."""
-    rows = [("layer", "kind", "technique", "tier", "bytes saved", "rule")]
+    """The plan as the log shows it at DEBUG: a header, then one row per
+    layer.  ``segment`` names the first layer of the checkpoint segment a
+    layer is recomputed with (itself when recomputed alone), "-" when it is
+    not recomputed."""
+    names = [layer.name for layer in plan.layers]
+    rows = [("layer", "kind", "technique", "segment", "tier", "bytes saved", "rule")]
     for layer in plan.layers:
         technique = "+".join(layer.techniques) or "-"
         if layer.tiles > 1:
             technique += f" x{layer.tiles}"
-        rows.append((layer.name, layer.kind, technique,
+        segment = (names[layer.segment] if 0 <= layer.segment < len(names)
+                   else "-")
+        rows.append((layer.name, layer.kind, technique, segment,
                      layer.tier, format_bytes(layer.bytes_saved), layer.rule))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [

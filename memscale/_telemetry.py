@@ -39,7 +39,7 @@ arch_class             "transformer", "cnn", "rnn", "mlp" or "other" (from modul
 param_bucket           "<1M", "1M-10M", "10M-100M", "100M-1B", "1B-10B", ">=10B"
 layer_count_bucket     planning units: "0", "1-4", "5-16", "17-64", ">64"
 mode                   the effective mode: "conservative", "balanced", "aggressive"
-profiling              "static", "empirical" or "warmup"
+profiling              "static", "empirical", "warmup" or "first_step" (until planned)
 planned                whether a plan exists yet (false while warming up)
 techniques             techniques the plan applies, sorted, subset of
                        ["checkpoint", "offload", "tiling"]; null until planned
@@ -107,7 +107,7 @@ SCHEMA: dict[str, Any] = {
     "param_bucket": tuple(b for _, b in _PARAM_BUCKETS) + (">=10B",),
     "layer_count_bucket": ("0", "1-4", "5-16", "17-64", ">64"),
     "mode": ("conservative", "balanced", "aggressive"),
-    "profiling": ("static", "empirical", "warmup"),
+    "profiling": ("static", "empirical", "warmup", "first_step"),
     "planned": _BOOL,
     "techniques": "techniques",  # a sorted list, checked below
     "skipped": _OPT_BOOL,

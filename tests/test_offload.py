@@ -152,10 +152,11 @@ def test_min_offload_bytes_keeps_small_inputs():
 
 def test_plan_table_shows_the_tier(caplog):
     model = mlp(depth=2)
-    with caplog.at_level(logging.INFO, logger="memscale"):
+    with caplog.at_level(logging.DEBUG, logger="memscale"):
         memscale.wrap(model, offload_config().replace(enable_logging=True),
                       sample_input=torch.randn(4, 8, 32))
-    assert "tier" in caplog.text and "checkpoint+offload  disk" in caplog.text
+    assert "tier" in caplog.text and "checkpoint+offload" in caplog.text
+    assert "disk" in caplog.text
     assert "memscale offload: sync" in caplog.text
     memscale.detach(model)
 

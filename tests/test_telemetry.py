@@ -107,7 +107,7 @@ def test_warmup_wrap_emits_plan_built(tmp_path):
     _telemetry.enable(str(sink))
     model = mlp()
     memscale.wrap(model, memscale.Config(mode="conservative", force_optimize=True,
-                                         warmup_steps=1))
+                                         warmup_steps=1, use_static_profiling=False))
     x = torch.randn(4, 32)
     for _ in range(2):
         model(x).sum().backward()
@@ -115,6 +115,20 @@ def test_warmup_wrap_emits_plan_built(tmp_path):
     wrap_called, plan_built = events(sink)
     assert wrap_called["event"] == "wrap_called" and wrap_called["planned"] is False
     assert wrap_called["techniques"] is None and wrap_called["profiling"] == "warmup"
+    assert plan_built["event"] == "plan_built" and plan_built["planned"] is True
+    assert plan_built["techniques"] == ["checkpoint"] and plan_built["arch_class"] == "mlp"
+
+
+def test_first_step_wrap_emits_plan_built(tmp_path):
+    sink = tmp_path / "first.jsonl"
+    _telemetry.enable(str(sink))
+    model = mlp()
+    memscale.wrap(model, memscale.Config(mode="conservative", force_optimize=True))
+    model(torch.randn(4, 32)).sum().backward()
+    memscale.detach(model)
+    wrap_called, plan_built = events(sink)
+    assert wrap_called["planned"] is False and wrap_called["profiling"] == "first_step"
+    assert plan_built["profiling"] == "static"
     assert plan_built["event"] == "plan_built" and plan_built["planned"] is True
     assert plan_built["techniques"] == ["checkpoint"] and plan_built["arch_class"] == "mlp"
 

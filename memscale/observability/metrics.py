@@ -14,39 +14,60 @@ the parent detaches.  Every value is read from the executor when it is
 scraped, so the counters follow training.  It needs ``prometheus_client``
 (``pip install 'memscale[metrics]'``).
 
-Metrics (all gauges unless they end in ``_total``; bytes and seconds are
-base units):
+Metrics, following Prometheus naming (all gauges unless they end in
+``_total``; bytes and seconds are base units).  Every metric is exported
+from the first scrape on, before the plan exists: counters start at 0, and
+a gauge whose value is not known yet (a figure of the plan, or a memory
+figure this host does not have) is ``NaN``.
 
-====================================== ==========================================
-``memscale_build_info``                version, core ABI, torch and Python versions
-``memscale_plan_info``                 plan hash, mode, device, profiling method,
-                                       strategy and decision_source (once planned)
-``memscale_executor_state``            1 for the current state (label ``state``:
-                                       profiling, applied, idle, detached)
-``memscale_plan_layers``               planning units per technique (label
-                                       ``technique``: checkpoint, offload, tiling,
-                                       none)
-``memscale_predicted_peak_bytes``      the engine's peak of a training step (label
-                                       ``plan``: unoptimized, optimized)
-``memscale_memory_budget_bytes``       usable memory the plan was made for
-``memscale_device_capacity_bytes``     detected capacity of one device
-``memscale_memory_pressure_ratio``     predicted unoptimized peak / budget
-``memscale_activation_saved_bytes``    activation bytes the plan frees (predicted)
-``memscale_profiled_activation_bytes`` activation bytes the profiler measured
-``memscale_measured_peak_bytes``       measured peak (label ``source``:
-                                       ``cuda_max_memory_allocated`` on CUDA,
-                                       ``process_peak_rss`` (VmHWM) on CPU)
-``memscale_offloaded_bytes_total``     bytes offloaded (label ``tier``: cpu, the
-                                       host RAM of a GPU; disk, spill files)
-``memscale_recompute_seconds_total``   time spent recomputing checkpointed layers
-``memscale_recomputes_total``          layer recomputes in backward
-``memscale_checkpoint_frames_total``   checkpointed layer forwards
-``memscale_training_steps_total``      training forward passes seen (grad on,
-                                       train mode)
-``memscale_profiled_passes_total``     warm-up passes measured before planning
-``memscale_hooks``                     hooks memscale has attached
-``memscale_active_checkpoint_frames``  checkpoint frames open right now
-====================================== ==========================================
+============================================== ==================================
+``memscale_build_info``                        version, core ABI, torch and
+                                               Python versions
+``memscale_plan_info``                         plan hash, mode, device, profiling
+                                               method, strategy, decision_source
+                                               (empty strings until planned)
+``memscale_executor_state``                    1 for the current state (label
+                                               ``state``: profiling, applied,
+                                               idle, detached)
+``memscale_plan_layers``                       planning units per technique
+                                               (label ``technique``: checkpoint,
+                                               offload, tiling, none); 0 until
+                                               planned
+``memscale_predicted_peak_bytes``              the engine's peak of a training
+                                               step (label ``plan``: unoptimized,
+                                               optimized)
+``memscale_memory_budget_bytes``               usable memory the plan is made for
+``memscale_device_capacity_bytes``             detected capacity of one device
+``memscale_memory_pressure_ratio``             predicted unoptimized peak / budget
+``memscale_activation_saved_bytes``            activation bytes the plan frees
+                                               (predicted)
+``memscale_profiled_activation_bytes``         activation bytes the profiler
+                                               measured
+``memscale_device_peak_allocated_bytes``       peak bytes allocated on the device
+                                               (``torch.cuda.max_memory_allocated``);
+                                               NaN on a CPU host
+``memscale_process_peak_resident_bytes``       peak resident memory of this
+                                               process (VmHWM)
+``memscale_offloaded_bytes_total``             bytes offloaded (label ``tier``:
+                                               cpu, the host RAM of a GPU; disk,
+                                               spill files)
+``memscale_recompute_seconds_total``           time spent recomputing in backward
+``memscale_layer_recomputes_total``            layer forwards run again in
+                                               backward (a tiled layer: once per
+                                               tile)
+``memscale_segment_recomputes_total``          checkpoint segments recomputed in
+                                               backward (a segment: one layer or
+                                               several consecutive ones)
+``memscale_checkpoint_segments_total``         checkpoint segments run in forward
+``memscale_training_forwards_total``           training forward passes of the
+                                               model (grad on, train mode)
+``memscale_optimizer_steps_total``             ``step()`` calls of the optimizer
+                                               memscale was given (0 without one)
+``memscale_profiled_passes_total``             forwards measured for real before
+                                               planning (``warmup_steps``)
+``memscale_hooks``                             hooks memscale has attached
+``memscale_active_checkpoint_segments``        checkpoint segments open right now
+============================================== ==================================
 """
 
 from __future__ import annotations
@@ -92,30 +113,40 @@ def _require_prometheus() -> Any:
     return prometheus_client
 
 
-def _measured_peak(hardware: dict[str, Any]) -> tuple[int, str] | None:
-    if hardware.get("device") == "cuda":
-        try:
-            import torch
+NAN = float("nan")
 
-            if torch.cuda.is_initialized():
-                index = int(hardware.get("index", 0))
-                return int(torch.cuda.max_memory_allocated(index)), "cuda_max_memory_allocated"
-        except Exception:  # noqa: BLE001 - a scrape must not fail
-            logger.debug("memscale metrics: CUDA peak unavailable", exc_info=True)
+
+def _device_peak(hardware: dict[str, Any]) -> float:
+    """``torch.cuda.max_memory_allocated`` of the device; NaN on a host
+    without a device allocator (CPU), or before CUDA is initialized."""
+    if hardware.get("device") != "cuda":
+        return NAN
+    try:
+        import torch
+
+        if torch.cuda.is_initialized():
+            return float(torch.cuda.max_memory_allocated(int(hardware.get("index", 0))))
+    except Exception:  # noqa: BLE001 - a scrape must not fail
+        logger.debug("memscale metrics: CUDA peak unavailable", exc_info=True)
+    return NAN
+
+
+def _process_peak_rss() -> float:
+    """Peak resident memory of this process, bytes (NaN if unknown)."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024, "process_peak_rss"
+                    return float(int(line.split()[1]) * 1024)
     except OSError:
         pass
     try:
         import resource
 
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return (rss if platform.system() == "Darwin" else rss * 1024), "process_peak_rss"
+        return float(rss if platform.system() == "Darwin" else rss * 1024)
     except (ImportError, OSError):
-        return None
+        return NAN
 
 
 class _ExecutorCollector:
@@ -155,50 +186,66 @@ class _ExecutorCollector:
             state.add_metric([name], 1.0 if current == name else 0.0)
         yield state
 
-        if plan is not None:
-            yield InfoMetricFamily("memscale_plan", "the plan being applied", value={
-                "hash": plan.hash, "mode": plan.mode, "device": plan.device,
-                "profiling": str(getattr(ex, "profiling", "")),
-                "strategy": decision.strategy if decision is not None else "",
-                "decision_source": decision.decision_source if decision is not None else ""})
-            layers = GaugeMetricFamily("memscale_plan_layers",
-                                       "planning units per technique", labels=["technique"])
-            counts = plan.technique_counts
-            for name in TECHNIQUES:
-                layers.add_metric([name], float(counts.get(name, 0)))
-            layers.add_metric(["none"], float(sum(1 for l in plan.layers if not l.techniques)))
-            yield layers
-            peak = GaugeMetricFamily("memscale_predicted_peak_bytes",
-                                     "the engine's predicted peak of a training step",
-                                     labels=["plan"])
-            peak.add_metric(["unoptimized"], float(plan.peak_unoptimized_bytes))
-            peak.add_metric(["optimized"], float(plan.peak_projected_bytes))
-            yield peak
-            yield GaugeMetricFamily("memscale_memory_budget_bytes",
-                                    "usable memory the plan was made for",
-                                    value=float(plan.budget_bytes))
-            yield GaugeMetricFamily("memscale_memory_pressure_ratio",
-                                    "predicted unoptimized peak / budget",
-                                    value=float(plan.pressure))
-            yield GaugeMetricFamily("memscale_activation_saved_bytes",
-                                    "activation bytes the plan frees (predicted)",
-                                    value=float(sum(l.bytes_saved for l in plan.layers
-                                                    if l.techniques)))
-        if hardware.get("capacity_bytes") is not None:
-            yield GaugeMetricFamily("memscale_device_capacity_bytes",
-                                    "detected capacity of one device",
-                                    value=float(hardware["capacity_bytes"]))
+        def known(value: Any) -> float:
+            return NAN if value is None else float(value)
+
+        config = getattr(ex, "config", None)
+        yield InfoMetricFamily("memscale_plan", "the plan being applied (empty until planned)",
+                               value={
+            "hash": plan.hash if plan is not None else "",
+            "mode": plan.mode if plan is not None else "",
+            "device": plan.device if plan is not None else "",
+            "profiling": str(getattr(ex, "profiling", "")),
+            "strategy": decision.strategy if decision is not None else "",
+            "decision_source": decision.decision_source if decision is not None else ""})
+        layers = GaugeMetricFamily("memscale_plan_layers",
+                                   "planning units per technique (0 until planned)",
+                                   labels=["technique"])
+        counts = plan.technique_counts if plan is not None else {}
+        for name in TECHNIQUES:
+            layers.add_metric([name], float(counts.get(name, 0)))
+        untouched = 0 if plan is None else sum(1 for lp in plan.layers if not lp.techniques)
+        layers.add_metric(["none"], float(untouched))
+        yield layers
+        peak = GaugeMetricFamily("memscale_predicted_peak_bytes",
+                                 "the engine's predicted peak of a training step "
+                                 "(NaN until planned)", labels=["plan"])
+        peak.add_metric(["unoptimized"], known(None if plan is None
+                                               else plan.peak_unoptimized_bytes))
+        peak.add_metric(["optimized"], known(None if plan is None
+                                             else plan.peak_projected_bytes))
+        yield peak
+        budget = plan.budget_bytes if plan is not None else None
+        if budget is None and config is not None and hardware.get("capacity_bytes"):
+            from .._planning import budget_bytes
+
+            budget = budget_bytes(config, hardware)
+        yield GaugeMetricFamily("memscale_memory_budget_bytes",
+                                "usable memory the plan is made for",
+                                value=known(budget))
+        yield GaugeMetricFamily("memscale_memory_pressure_ratio",
+                                "predicted unoptimized peak / budget (NaN until planned)",
+                                value=known(None if plan is None else plan.pressure))
+        yield GaugeMetricFamily(
+            "memscale_activation_saved_bytes",
+            "activation bytes the plan frees, predicted (NaN until planned)",
+            value=known(None if plan is None else
+                        sum(lp.bytes_saved for lp in plan.layers if lp.techniques)))
+        yield GaugeMetricFamily("memscale_device_capacity_bytes",
+                                "detected capacity of one device",
+                                value=known(hardware.get("capacity_bytes")))
         profile = getattr(ex, "profile", None)
-        if profile is not None:
-            yield GaugeMetricFamily("memscale_profiled_activation_bytes",
-                                    "activation bytes saved for backward, as profiled",
-                                    value=float(profile.activation_bytes))
-        measured = _measured_peak(hardware)
-        if measured is not None:
-            family = GaugeMetricFamily("memscale_measured_peak_bytes",
-                                       "measured peak memory", labels=["source"])
-            family.add_metric([measured[1]], float(measured[0]))
-            yield family
+        yield GaugeMetricFamily("memscale_profiled_activation_bytes",
+                                "activation bytes saved for backward, as profiled "
+                                "(NaN until profiled)",
+                                value=known(None if profile is None else profile.activation_bytes))
+        yield GaugeMetricFamily("memscale_device_peak_allocated_bytes",
+                                "peak bytes allocated on the device "
+                                "(torch.cuda.max_memory_allocated; NaN on a CPU host)",
+                                value=_device_peak(hardware))
+        yield GaugeMetricFamily("memscale_process_peak_resident_bytes",
+                                "peak resident memory of this process (VmHWM)",
+                                value=_process_peak_rss())
 
         offloaded = CounterMetricFamily("memscale_offloaded_bytes",
                                         "bytes offloaded, per tier", labels=["tier"])
@@ -210,23 +257,31 @@ class _ExecutorCollector:
             offloaded.add_metric([tier], by_tier[tier])
         yield offloaded
         yield CounterMetricFamily("memscale_recompute_seconds",
-                                  "time spent recomputing checkpointed layers",
+                                  "time spent recomputing in backward",
                                   value=float(stats["recompute_seconds"]))
-        yield CounterMetricFamily("memscale_recomputes", "layer recomputes in backward",
+        yield CounterMetricFamily("memscale_layer_recomputes",
+                                  "layer forwards run again in backward",
+                                  value=float(getattr(ex, "layer_recomputes", 0)))
+        yield CounterMetricFamily("memscale_segment_recomputes",
+                                  "checkpoint segments (one or more consecutive "
+                                  "layers) recomputed in backward",
                                   value=float(stats["recomputes"]))
-        yield CounterMetricFamily("memscale_checkpoint_frames",
-                                  "checkpointed layer forwards",
+        yield CounterMetricFamily("memscale_checkpoint_segments",
+                                  "checkpoint segments run in forward",
                                   value=float(stats["checkpoint_frames"]))
-        yield CounterMetricFamily("memscale_training_steps",
-                                  "training forward passes seen",
+        yield CounterMetricFamily("memscale_training_forwards",
+                                  "training forward passes of the model",
                                   value=float(stats["training_forwards"]))
+        yield CounterMetricFamily("memscale_optimizer_steps",
+                                  "step() calls of the optimizer memscale was given",
+                                  value=float(getattr(ex, "optimizer_steps", 0)))
         yield CounterMetricFamily("memscale_profiled_passes",
-                                  "warm-up passes measured before planning",
+                                  "forwards measured for real before planning",
                                   value=float(stats["steps"]))
         yield GaugeMetricFamily("memscale_hooks", "hooks memscale has attached",
                                 value=float(stats["hooks"]))
-        yield GaugeMetricFamily("memscale_active_checkpoint_frames",
-                                "checkpoint frames open right now",
+        yield GaugeMetricFamily("memscale_active_checkpoint_segments",
+                                "checkpoint segments open right now",
                                 value=float(stats["active_frames"]))
 
 
