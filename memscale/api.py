@@ -16,8 +16,8 @@ from typing import Any, Iterator
 
 import torch
 
-from . import (_budget, _core, _planning, _telemetry, amp, distributed, observability,
-               offload, optim, policy, tiling)
+from . import (_budget, _core, _hf_cache, _planning, _telemetry, amp, distributed,
+               observability, offload, optim, policy, tiling)
 from .config import GIB, AsyncOffloadConfig, Config, OptimizationMode
 from .executor import Executor
 
@@ -148,19 +148,18 @@ def _log_plan(config: Config, hardware: dict[str, Any], plan: Any) -> None:
 
 
 def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any) -> None:
-    """Model-level settings that go with a plan (undone by detach)."""
+    """Model-level settings that go with a plan (undone by detach): a
+    checkpointed Hugging Face model trains with its key/value cache off on
+    every config it holds (see ``_hf_cache``)."""
     if not plan.technique_counts["checkpoint"]:
         return
-    hf_config = getattr(model, "config", None)
-    if hf_config is not None and getattr(hf_config, "use_cache", None) is True:
-        hf_config.use_cache = False
-
-        def restore(cfg=hf_config) -> None:
-            cfg.use_cache = True
-
-        executor.on_detach(restore)
-        logger.info("memscale: set model.config.use_cache=False for training "
-                    "with checkpointing (restored by detach)")
+    changed, undo = _hf_cache.disable_use_cache(model)
+    if changed:
+        executor.on_detach(undo)
+        logger.info("memscale: set use_cache=False on %d Hugging Face config(s) "
+                    "of the model for training with checkpointing (a recomputed "
+                    "layer must not see the cache its forward filled; restored "
+                    "by detach)", len(changed))
 
 
 def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
