@@ -16,8 +16,8 @@ from typing import Any, Iterator
 
 import torch
 
-from . import (_budget, _core, _hf_cache, _planning, _telemetry, amp, distributed,
-               observability, offload, optim, policy, tiling)
+from . import (_budget, _core, _hf_cache, _planning, _recompute_check, _telemetry, amp,
+               distributed, observability, offload, optim, policy, tiling)
 from .config import GIB, AsyncOffloadConfig, Config, OptimizationMode
 from .executor import Executor
 
@@ -147,12 +147,17 @@ def _log_plan(config: Config, hardware: dict[str, Any], plan: Any) -> None:
                        _planning.format_bytes(plan.budget_bytes))
 
 
-def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any) -> None:
+def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any,
+                inputs: dict[str, Any]) -> None:
     """Model-level settings that go with a plan (undone by detach): a
     checkpointed Hugging Face model trains with its key/value cache off on
-    every config it holds (see ``_hf_cache``)."""
+    every config it holds (see ``_hf_cache``), and each checkpointed layer
+    is checked at its first checkpointed forward (``_recompute_check``;
+    ``inputs``, the engine's, make the plan again without a layer that
+    fails)."""
     if not plan.technique_counts["checkpoint"]:
         return
+    _recompute_check.install(executor, model, plan, inputs)
     changed, undo = _hf_cache.disable_use_cache(model)
     if changed:
         executor.on_detach(undo)
@@ -287,7 +292,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
             offload.attach(executor, plan_config, hardware, plan)
             tiling.install(executor, units, plan)
             executor.apply(plan)
-            _after_plan(model, executor, plan)
+            _after_plan(model, executor, plan, inputs)
         else:
             if not policy.needs_profile(config, hardware):
                 _stage1(executor, config, hardware, None, fixed)
@@ -307,7 +312,7 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
                               _planning.optimizer_state_bytes(model, optimizer))
                 offload.attach(executor, plan_config, hardware, plan)
                 tiling.install(executor, units, plan)
-                _after_plan(model, executor, plan)
+                _after_plan(model, executor, plan, inputs)
                 _telemetry.plan_built(executor, plan, model)
                 return plan
 

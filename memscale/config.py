@@ -241,6 +241,11 @@ class Config(_ConfigBase):
     observability_port: int | None = None
     # Run a baseline comparison to verify correctness (slow).
     verify_correctness: bool = False
+    # A checkpointed layer that computes something else when run again
+    # (checked once per layer at its first checkpointed forward): True =
+    # raise memscale.RecomputeMismatchError; False = log it and stop
+    # checkpointing that layer (the plan is made again without it).
+    strict_recompute: bool = False
 
     # --- Experimental
     # Enable the tier-aware async CPU offload engine.

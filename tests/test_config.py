@@ -19,7 +19,7 @@ CONFIG_FIELDS = [
     "target_gpu_utilization", "force_optimize", "memory_budget_gb",
     "use_static_profiling", "use_empirical_fallback", "warmup_steps",
     "enable_logging", "log_file", "observability_port", "verify_correctness",
-    "async_offload", "async_config", "auto_policy",
+    "strict_recompute", "async_offload", "async_config", "auto_policy",
 ]
 ASYNC_FIELDS = [
     "pinned_pool_mb", "prefetch_depth", "min_offload_bytes", "spill_dir",
@@ -28,8 +28,8 @@ ASYNC_FIELDS = [
 BOOL_FIELDS = [
     "enable_checkpointing", "enable_offloading", "enable_tiling", "use_mixed_precision",
     "use_8bit_optimizer", "force_optimize", "use_static_profiling",
-    "use_empirical_fallback", "enable_logging", "verify_correctness", "async_offload",
-    "auto_policy",
+    "use_empirical_fallback", "enable_logging", "verify_correctness", "strict_recompute",
+    "async_offload", "auto_policy",
 ]
 
 

@@ -334,6 +334,7 @@ test_names(void)
         [MS_RULE_NOT_CALLED] = "ineligible:not-called",
         [MS_RULE_NO_SAVINGS] = "ineligible:no-savings",
         [MS_RULE_SOLVER] = "solver",
+        [MS_RULE_UNREPEATABLE] = "ineligible:unrepeatable",
     };
     group_begin();
     for (int r = 0; r < MS_RULE_COUNT; r++) {
