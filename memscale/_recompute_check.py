@@ -220,12 +220,16 @@ class RecomputeCheck:
         if (
             self._busy
             or i in self.passed
-            or i in self.failed
             or hooks is None
             or not _is_frame_pack(hooks[0])
             or not torch.is_grad_enabled()
         ):
             return inner(*args, **kwargs)  # not under a checkpoint frame now
+        if i in self.failed:
+            # Called again before the plan is made again (a layer shared by
+            # several positions): it keeps its saved tensors too.
+            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                return inner(*args, **kwargs)
         frame_pack, frame_unpack = hooks
         values = (
             all(not t.is_cuda for t in _planning_tensors(args, kwargs))
@@ -277,7 +281,6 @@ class RecomputeCheck:
             message,
         )
         self.failed[i] = why
-        self._unwrap(i)
         return out
 
     def _run_again(
@@ -340,6 +343,8 @@ class RecomputeCheck:
         plan = _core.build_plan(**inputs)
         old = executor.plan
         executor.apply(plan)
+        for i in todo:
+            self._unwrap(i)
         self._inputs = inputs
         _attach_new_needs(executor, old, plan)
         logger.warning(
@@ -349,6 +354,10 @@ class RecomputeCheck:
             _planning.plan_table(plan),
         )
         self._arm(plan)  # layers the new plan checkpoints are checked too
+
+
+def _keep(t: Any) -> Any:
+    return t
 
 
 def _planning_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

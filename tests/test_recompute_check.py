@@ -170,3 +170,42 @@ def test_without_visible_saved_tensor_hooks_nothing_is_checked(monkeypatch, capl
         model(**batch).loss.backward()
     finally:
         memscale.detach(model)
+
+
+class SharedCacheNet(nn.Module):
+    """The first CacheBlock runs at two positions (ALBERT-style sharing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([CacheBlock(0), CacheBlock(1)])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        cache: dict[int, list[torch.Tensor]] = {}
+        for block in (self.blocks[0], self.blocks[0], self.blocks[1]):
+            x = block(x, cache)
+        return self.head(x).sum()
+
+
+def test_a_shared_layer_that_fails_keeps_every_call_of_that_step():
+    """The calls after the failed check in the same forward are not
+    recomputed either: the first step's backward runs without a recompute.
+    (That step's second call sees the cache entry the check's run added,
+    as documented: a layer reading state it changed itself in the same
+    forward; the steps after are exact.)"""
+    model = SharedCacheNet()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 5, 16)
+    memscale.wrap(model, FORCE, sample_input=x)
+    try:
+        ex = model._memscale_executor
+        assert ex.plan.technique_counts["checkpoint"] == 2
+        model(x).backward()
+        assert ex.stats["recomputes"] == 0
+        assert all(p.grad is not None for p in model.parameters())
+        _assert_steps_exact(model, ref, lambda m: m(x))
+        assert ex.stats["recomputes"] == 0
+        assert [layer.rule for layer in ex.plan.layers] == ["ineligible:unrepeatable"] * 2
+    finally:
+        memscale.detach(model)
