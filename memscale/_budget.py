@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _core
-from .config import GIB, Config
+from .config import Config
 
 
 class MemoryBudgetError(ValueError):
@@ -91,9 +91,17 @@ def check(plan: Any, inputs: dict[str, Any], config: Config,
     if plan.fits or plan.skipped or plan.min_budget_bytes < 0:
         return
     budget = int(plan.budget_bytes)
-    least = int(plan.min_budget_bytes) if least is None else max(int(least), budget + 1)
-    tips = suggestions(inputs, config, optimizer_state_bytes)
-    lines = [f"  - {what}: {_gib(b)}" for what, b in tips if b < least]
+    planner_least = int(plan.min_budget_bytes)
+    least = planner_least if least is None else max(int(least), budget + 1)
+    # A change is suggested only where the planner's figure with it is below
+    # its own figure without it (two figures of one model); the figure shown
+    # carries the same correction as ``least`` (the simulated step's excess
+    # over the planner, when a sample_input was given).
+    correction = least - planner_least
+    tips = [(what, b + correction)
+            for what, b in suggestions(inputs, config, optimizer_state_bytes)
+            if b < planner_least]
+    lines = [f"  - {what}: {_gib(b)}" for what, b in tips]
     source = ("Config.memory_budget_gb" if config.memory_budget_gb is not None
               else f"the device's capacity x target_gpu_utilization "
                    f"({config.target_gpu_utilization})")

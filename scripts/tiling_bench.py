@@ -4,15 +4,15 @@ bytes of one forward+backward, and agreement with the untiled layer.
 The model is two MLP blocks (LayerNorm, Linear h -> 4h, GELU, Linear
 4h -> h, residual) at batch 2 x sequence 2048 x hidden 256.  Rows:
 unoptimized, checkpointing alone (CONSERVATIVE, forced), and tiling at
-memory budgets that leave the engine to choose 2, 4, 8 and 16 tiles.  The
-peak is exact (allocator events, ``memscale.benchmarks.measure``).
+four memory budgets between the least one checkpointing alone reaches and
+the least one tiling reaches, the engine choosing the tiles.  The peak is
+exact (allocator events, ``memscale.benchmarks.measure``).
 
     .venv/bin/python scripts/tiling_bench.py
 """
 
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 
@@ -85,28 +85,34 @@ def main() -> None:
     row("checkpointing", "-", *run(model, x))
     memscale.detach(model)
 
-    # Budgets that leave room for 1/t of a layer's saved tensors on top of
-    # everything else the engine counts: it chooses t tiles.
-    probe = build()
-    memscale.wrap(probe, memscale.Config(mode=memscale.OptimizationMode.CONSERVATIVE,
-                                         force_optimize=True), sample_input=x)
-    plan = probe._memscale_executor.plan
-    memscale.detach(probe)
-    saved = max(layer.saved_bytes for layer in plan.layers)
-    floor = plan.peak_projected_bytes - saved
-    for tiles in (2, 4, 8, 16):
-        budget = floor + saved // tiles + 1
+    # The budgets: from the smallest one checkpointing alone reaches down to
+    # the smallest one tiling reaches (both as wrap's budget check finds
+    # them, by asking for a budget nothing fits), in four steps; the engine
+    # chooses the tiles at each.
+    def least(tiling: bool) -> int:
+        cfg = memscale.Config(enable_tiling=tiling, enable_offloading=False,
+                              memory_budget_gb=1 / 1024)
+        try:
+            memscale.wrap(build(), cfg, sample_input=x)
+        except memscale.MemoryBudgetError as err:
+            return err.min_budget_bytes
+        raise AssertionError("a 1 MiB budget fitted")
+
+    top, bottom = least(False), least(True)
+    for frac in (0.75, 0.5, 0.25, 0.0):
+        budget = bottom + int((top - bottom) * frac)
         model = build()
         cfg = memscale.Config(enable_tiling=True, enable_offloading=False,
                               memory_budget_gb=budget / 2**30)
         memscale.wrap(model, cfg, sample_input=x)
-        chosen = [layer.tiles for layer in model._memscale_executor.plan.layers]
+        plan = model._memscale_executor.plan
+        chosen = [layer.tiles for layer in plan.layers]
         row(f"tiling (budget {format_bytes(budget)})", "/".join(map(str, chosen)),
             *run(model, x))
         assert model._memscale_executor.stats["tiled_calls"] > 0
         memscale.detach(model)
-    print(f"(engine: {len(plan.layers)} layers, {format_bytes(saved)} saved per "
-          f"layer; max tiles {_core.MAX_TILES})")
+    print(f"(least budget with checkpointing alone {format_bytes(top)}, with tiling "
+          f"{format_bytes(bottom)}; max tiles {_core.MAX_TILES})")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def _measure(entry: BenchmarkModel, profile: Any, plan_config: memscale.Config,
             raise RuntimeError(f"{entry.name}: wrap planned {got}, the sweep {expected}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def step() -> None:
+    def step(model: Any = model, optimizer: Any = optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
         batch.loss_fn(model(*batch.args, **batch.kwargs)).backward()
         optimizer.step()
@@ -147,7 +147,7 @@ def _measure(entry: BenchmarkModel, profile: Any, plan_config: memscale.Config,
     finally:
         if "_memscale_executor" in model.__dict__:
             memscale.detach(model)
-    del model, optimizer
+    del step, model, optimizer
     gc.collect()
     return int(report.peak_bytes)
 

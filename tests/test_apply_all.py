@@ -7,7 +7,6 @@ import logging
 
 import pytest
 import torch
-from torch import nn
 
 import memscale
 from memscale import Config, optim

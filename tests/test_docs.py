@@ -123,3 +123,19 @@ def test_install_never_names_the_bare_package():
                 "installs that other package" in text[m.start() : m.start() + 200]
                 or "never" in line
             ), f"{page.name}: {line.strip()}"
+
+
+def test_architecture_names_every_source_file():
+    """docs/architecture.md gives every C file and every Python module its
+    one job: a file added without a line there fails here."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`([\w./]+)`", page))
+    sources = [p for p in (ROOT / "csrc").iterdir() if p.suffix in (".c", ".h")]
+    sources += [p for p in (ROOT / "memscale").rglob("*.py*") if p.suffix in (".py", ".pyi")]
+    missing = []
+    for path in sources:
+        rel = path.relative_to(ROOT)
+        if path.name in named or str(rel) in page:
+            continue
+        missing.append(str(rel))
+    assert not missing, f"docs/architecture.md does not name: {missing}"

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import memscale
-from conftest import (FORCE, Block, assert_same_grads, hook_count, mlp, tiny_gpt2,
+from conftest import (FORCE, assert_same_grads, hook_count, mlp, tiny_gpt2,
                       token_batch, twins)
 
 
