@@ -199,7 +199,9 @@ class RecomputeCheck:
         self._wrapped[i] = previous
 
     def _unwrap(self, i: int) -> None:
-        previous = self._wrapped.pop(i, _MISSING)
+        if i not in self._wrapped:
+            return
+        previous = self._wrapped.pop(i)
         unit = self.units[i]
         if previous is _MISSING:
             unit.__dict__.pop("forward", None)
@@ -207,9 +209,13 @@ class RecomputeCheck:
             unit.__dict__["forward"] = previous
 
     def remove(self) -> None:
+        """Every forward put back, the hook off, no reference to the model
+        kept."""
         for i in list(self._wrapped):
             self._unwrap(i)
         self._root.remove()
+        self.units = []
+        self._inputs = None
 
     # ---- the check ---------------------------------------------------------
 

@@ -241,11 +241,6 @@ class Config(_ConfigBase):
     observability_port: int | None = None
     # Run a baseline comparison to verify correctness (slow).
     verify_correctness: bool = False
-    # A checkpointed layer that computes something else when run again
-    # (checked once per layer at its first checkpointed forward): True =
-    # raise memscale.RecomputeMismatchError; False = log it and stop
-    # checkpointing that layer (the plan is made again without it).
-    strict_recompute: bool = False
 
     # --- Experimental
     # Enable the tier-aware async CPU offload engine.
@@ -254,6 +249,14 @@ class Config(_ConfigBase):
     async_config: AsyncOffloadConfig | None = None
     # Opt in to the v1.2 ML policy Stage 1; False = use this Config exactly.
     auto_policy: bool = False
+
+    # --- Checkpointing safety (after the spec's fields: positional
+    # arguments keep their meaning)
+    # A checkpointed layer that computes something else when run again
+    # (checked once per layer at its first checkpointed forward): True =
+    # raise memscale.RecomputeMismatchError; False = log it and stop
+    # checkpointing that layer (the plan is made again without it).
+    strict_recompute: bool = False
 
     def __post_init__(self) -> None:
         self._set("mode", OptimizationMode.coerce(self.mode, self._where("mode")))
