@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULT_KEYS = {
     "model", "variant", "description", "peak_bytes", "start_bytes",
     "peak_delta_bytes", "rss_peak_bytes", "step_seconds", "step_median_s",
-    "time_ratio", "loss", "loss_abs_diff", "grad_max_abs_diff", "plan_hash",
+    "time_ratio", "time_ratio_spread", "loss", "loss_abs_diff", "grad_max_abs_diff", "plan_hash",
     "techniques", "timing", "offload",
 }
 
@@ -35,7 +35,7 @@ def suite_run(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
         [sys.executable, "-m", "memscale.benchmarks", "--models", _smallest(),
-         "--repeats", "2", "--json", str(json_path), "--plot", str(png_path)],
+         "--repeats", "2", "--json", str(json_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout, json.loads(json_path.read_text()), png_path
@@ -57,6 +57,9 @@ def test_json_schema(suite_run):
         if r["variant"] in ("conservative", "balanced", "balanced-async", "aggressive"):
             assert len(r["plan_hash"]) == 64 and r["techniques"]["checkpoint"] > 0
     assert results[0]["time_ratio"] == 1.0
+    for r in results:
+        low, high = r["time_ratio_spread"]
+        assert 0 < low <= r["time_ratio"] <= high
 
 
 def test_every_variant_agrees_with_the_baseline(suite_run):
@@ -74,9 +77,16 @@ def test_memscale_uses_no_more_memory_than_torch_checkpoint(suite_run):
     assert peak["conservative"] < peak["unoptimized"]
 
 
-def test_table_and_plot(suite_run):
-    stdout, _, png = suite_run
+def test_table_progress_lines_and_default_plot(suite_run):
+    stdout, doc, png = suite_run
     assert "conservative" in stdout and "time ratio" in stdout
+    # Not a terminal: a line per finished row, before the table.
+    model = doc["results"][0]["model"]
+    rows = [line for line in stdout.splitlines()
+            if line.startswith(f"{model} ") and ": peak " in line]
+    assert len(rows) == len(doc["results"])
+    assert stdout.index(rows[-1]) < stdout.index("reduction")
+    # The PNG is written beside the JSON without --plot.
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -54,6 +54,19 @@ def machine() -> dict[str, Any]:
     }
 
 
+def _ratio(r: VariantResult) -> str:
+    low, high = r.time_ratio_spread
+    return f"{r.time_ratio:.2f}x ({low:.2f}-{high:.2f})"
+
+
+def row_line(r: VariantResult, base: VariantResult) -> str:
+    """One finished row, for a log (stdout not a terminal)."""
+    return (f"{r.model} {r.variant}: peak {format_bytes(r.peak_bytes)} "
+            f"({r.peak_bytes / base.peak_bytes:.0%} of unoptimized), time ratio "
+            f"{_ratio(r)}, loss diff {r.loss_abs_diff:.2g}, grad diff "
+            f"{r.grad_max_abs_diff:.2g}")
+
+
 def table(results: list[VariantResult]) -> str:
     head = ("model", "variant", "peak", "reduction", "RSS peak", "time ratio",
             "loss diff", "grad diff")
@@ -67,7 +80,7 @@ def table(results: list[VariantResult]) -> str:
         rows.append((r.model, r.variant, format_bytes(r.peak_bytes),
                      "-" if r is b else f"{reduction:+.1%}".replace("+", ""),
                      "-" if r.rss_peak_bytes is None else format_bytes(r.rss_peak_bytes),
-                     f"{r.time_ratio:.2f}x", f"{r.loss_abs_diff:.2g}",
+                     _ratio(r), f"{r.loss_abs_diff:.2g}",
                      f"{r.grad_max_abs_diff:.2g}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
@@ -82,27 +95,38 @@ def plot(results: list[VariantResult], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     base = {r.model: r for r in results if r.variant == "unoptimized"}
     models = list(base)
-    markers = dict(zip(VARIANTS, "osD^vP"))
+    # A marker per variant and a colour per model; models in the legend as
+    # colour patches (no marker of their own).  Points are half transparent,
+    # larger variants drawn first, so one that lies on another shows through.
+    markers = dict(zip(VARIANTS, "o^sDvPX"))
+    sizes = {v: 150 - 15 * i for i, v in enumerate(VARIANTS)}
     fig, ax = plt.subplots(figsize=(8, 5.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for r in results:
+    for r in sorted(results, key=lambda r: -sizes.get(r.variant, 50)):
         color = colors[models.index(r.model) % len(colors)]
-        ax.scatter(r.time_ratio, 100 * r.peak_bytes / base[r.model].peak_bytes,
-                   marker=markers.get(r.variant, "x"), color=color, s=55,
-                   edgecolors="black", linewidths=0.4)
-    for name in models:
-        ax.scatter([], [], color=colors[models.index(name) % len(colors)],
-                   marker="s", label=name)
-    for variant, marker in markers.items():
-        if any(r.variant == variant for r in results):
-            ax.scatter([], [], color="gray", marker=marker, label=variant)
-    ax.set_xlabel("step time / unoptimized step time")
+        y = 100 * r.peak_bytes / base[r.model].peak_bytes
+        low, high = r.time_ratio_spread
+        ax.errorbar(r.time_ratio, y, xerr=[[r.time_ratio - low], [high - r.time_ratio]],
+                    fmt="none", ecolor=color, alpha=0.5, linewidth=1)
+        ax.scatter(r.time_ratio, y, marker=markers.get(r.variant, "x"), color=color,
+                   s=sizes.get(r.variant, 50), alpha=0.6, edgecolors="black",
+                   linewidths=0.5)
+    handles = [Patch(color=colors[i % len(colors)], label=name)
+               for i, name in enumerate(models)]
+    handles += [Line2D([], [], linestyle="none", marker=marker, color="gray",
+                       markeredgecolor="black", label=variant)
+                for variant, marker in markers.items()
+                if any(r.variant == variant for r in results)]
+    ax.set_xlabel("step time / unoptimized step time (median; bars: least to greatest round)")
     ax.set_ylabel("peak training-step memory, % of unoptimized")
     ax.set_title("memscale benchmark: memory against slowdown (lower left is better)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2, loc="upper right")
+    ax.legend(handles=handles, fontsize=8, ncol=2, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -129,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the peak-RSS subprocesses")
     parser.add_argument("--json", metavar="PATH", help="write every raw figure here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of memory "
-                        "against time ratio here")
+                        "against time ratio here (default with --json: the JSON "
+                        "path with .png; needs matplotlib, the [bench] extra)")
     parser.add_argument("--sweep", action="store_true",
                         help="the budget sweep instead: budgets at 20/40/60/80%% of "
                         "the unoptimized activation memory, memscale's budget "
@@ -139,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.json and not args.plot:
+        args.plot = os.path.splitext(args.json)[0] + ".png"
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot (and --json, which writes a PNG beside it) needs "
+                         "matplotlib: pip install -e '.[bench]'")
 
     warnings.filterwarnings("ignore", module="transformers")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -180,9 +213,12 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append({"model": entry.name, "reason": reason})
             print(f"skipping {entry.name}: {reason}", file=sys.stderr)
             continue
-        results.extend(run_model(entry, args.variants, repeats=args.repeats,
-                                 rss=not args.no_rss,
-                                 progress=lambda m: bar.set_description(m)))
+        rows = run_model(entry, args.variants, repeats=args.repeats,
+                         rss=not args.no_rss, progress=lambda m: bar.set_description(m))
+        results.extend(rows)
+        if bar.disable:  # no terminal: a line per finished row instead of the bar
+            for r in rows:
+                print(row_line(r, rows[0]), flush=True)
 
     print(table(results))
     for r in results:
@@ -199,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
           "unless set: freed tensors go back to the system); time ratio: median step time over "
           f"the unoptimized median ({args.repeats} steps per variant, all "
           "variants of a model timed round-robin in one process when they "
-          "fit in memory together).")
+          "fit in memory together), in brackets the least and greatest ratio "
+          "of one round.")
     if args.json:
         payload = {
             "schema": "memscale-benchmarks/1",
@@ -216,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(payload, f, indent=1)
     if args.plot:
         plot(results, args.plot)
+        print(f"plot: {args.plot}")
     return 0
 
 

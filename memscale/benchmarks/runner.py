@@ -9,7 +9,10 @@ Per variant the suite reports:
 * peak RSS of a fresh subprocess that builds the variant and trains two
   steps, as a second opinion (it includes the interpreter and libraries);
 * the step-time ratio to the unoptimized variant: all variants of a model
-  timed round-robin in one process, the median of several steps each;
+  timed round-robin in one process, the median of several steps each, and
+  its spread (the least and the greatest ratio of one round's step to the
+  same round's unoptimized step; against the unoptimized median when the
+  variants are timed one after the other);
 * agreement with the unoptimized variant: loss and the largest absolute
   gradient difference after one forward/backward from identical weights,
   inputs and RNG state.
@@ -168,6 +171,8 @@ class VariantResult:
     step_seconds: list[float]
     step_median_s: float
     time_ratio: float
+    # The least and greatest per-round ratio (see the module docstring).
+    time_ratio_spread: tuple[float, float]
     loss: float
     loss_abs_diff: float
     grad_max_abs_diff: float
@@ -291,19 +296,23 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
     times, offload = _time_interleaved(entry, names, repeats) if interleaved \
         else _time_sequential(entry, names, repeats)
 
-
     base_median = statistics.median(times["unoptimized"])
     results = []
     for name in names:
         report = memory[name]
         median = statistics.median(times[name])
+        if interleaved:
+            rounds = [t / b for t, b in zip(times[name], times["unoptimized"])]
+        else:
+            rounds = [t / base_median for t in times[name]]
         loss, loss_diff, grad_diff = agreement[name]
         results.append(VariantResult(
             model=entry.name, variant=name, description=VARIANT_HELP[name],
             peak_bytes=report.peak_bytes, start_bytes=report.start_bytes,
             peak_delta_bytes=report.peak_delta_bytes, rss_peak_bytes=rss_peaks[name],
             step_seconds=times[name], step_median_s=median,
-            time_ratio=median / base_median, loss=loss, loss_abs_diff=loss_diff,
+            time_ratio=median / base_median,
+            time_ratio_spread=(min(rounds), max(rounds)), loss=loss, loss_abs_diff=loss_diff,
             grad_max_abs_diff=grad_diff, plan_hash=meta[name][0],
             techniques=meta[name][1], timing="interleaved" if interleaved
             else "sequential", offload=offload.get(name)))
