@@ -18,10 +18,10 @@ those), at its first training forward under a checkpoint frame:
    (shape, dtype, device and, where kernels are deterministic, a hash of
    its bytes)
    and held by us for now.
-2. Right after, still inside the layer's call, the layer runs again as its
-   recompute would (same inputs, torch's RNG state from before the
-   forward, under no frame of memscale's: the executor opens none inside
-   an open one; buffers put back after), and what it
+2. Right after, still inside the layer's call, its forward runs again as
+   its recompute would (same inputs, torch's RNG state from before the
+   forward, the state its pre-hooks set still in force; buffers put back
+   after), and what it
    saves is fingerprinted and dropped at once.
 3. Equal: the held tensors are handed to the frame (which keeps only a
    handle, as always) and the layer is checkpointed from then on.
@@ -259,7 +259,7 @@ class RecomputeCheck:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = inner(*args, **kwargs)
-        again = self._run_again(i, args, kwargs, rng, values, state)
+        again = self._run_again(i, inner, args, kwargs, rng, values, state)
         why = _difference(first, again)
         if why is None:
             for box in held:  # the frame keeps handles only, as always
@@ -292,6 +292,7 @@ class RecomputeCheck:
     def _run_again(
         self,
         i: int,
+        inner: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         rng: tuple[torch.Tensor, Any],
@@ -319,10 +320,12 @@ class RecomputeCheck:
         self._busy = True
         try:
             _set_cpu_cuda_rng(rng)
-            # Inside the layer's frame the executor opens no other frame, and
-            # every other hook of the layer runs again, as in a recompute.
+            # The forward itself, not the module's call: we are inside the
+            # call, so what its pre-hooks did (an FSDP2 all-gather, arguments
+            # they replaced) is still in force, and running them again inside
+            # it would not be (FSDP2 would reshard twice).
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                unit(*args, **kwargs)
+                inner(*args, **kwargs)
         finally:
             self._busy = False
             _verify.set_rng_state(now)
@@ -413,6 +416,17 @@ def install(
     """Check ``plan``'s checkpointed layers at their first checkpointed
     forward (removed by the executor's detach)."""
     if not any("checkpoint" in layer.techniques and layer.tiles <= 1 for layer in plan.layers):
+        return None
+    from . import distributed
+
+    if distributed.is_fsdp2(model):
+        logger.info(
+            "memscale: the model is sharded with FSDP2, whose "
+            "parameter state a second run inside a layer's forward "
+            "would disturb; checkpointed layers are not checked at "
+            "the first step (a recompute that differs in shape still "
+            "fails in backward)"
+        )
         return None
     if not _torch_compat.SAVED_TENSORS_HOOKS_VISIBLE:
         logger.info(
