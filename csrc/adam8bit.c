@@ -36,8 +36,8 @@ typedef struct {
     int64_t n;
     int64_t block;
     float lr, beta1, beta2, eps, wd, bc1, bc2_sqrt;
-    int64_t first_block, end_block;  /* the blocks this worker updates */
-    uint64_t seed;                   /* stochastic rounding: from step */
+    int64_t first_block, end_block; /* the blocks this worker updates */
+    uint64_t seed;                  /* stochastic rounding: from step */
 } step_args;
 
 /* SplitMix64's finalizer: a well-mixed 64-bit hash. */
@@ -84,11 +84,16 @@ run_step(const step_args *a)
             float mk = b1 * ((float)qm[k] * dm) + c1 * g[k];
             float rk0 = (float)qv[k] * dv;
             float rk = sqrtf(b2 * rk0 * rk0 + c2 * g[k] * g[k]);
-            param[k] = param[k] * decay - step_size * mk / (rk * inv_bc2 + a->eps);
+            param[k] = param[k] * decay
+                       - step_size * mk / (rk * inv_bc2 + a->eps);
             m[k] = mk;
             r[k] = rk;
-            amax_m = fmaxf(amax_m, fabsf(mk));
-            amax_r = fmaxf(amax_r, rk);
+            /* A non-finite moment (an inf or NaN gradient) stays out of the
+               block's scales: an infinite scale would decode every other
+               element of the block as 0 * inf = NaN at the next step.
+               Only that element's parameter shows it, as in AdamW. */
+            amax_m = fmaxf(amax_m, isfinite(mk) ? fabsf(mk) : 0.0f);
+            amax_r = fmaxf(amax_r, isfinite(rk) ? rk : 0.0f);
         }
         a->sm[b] = amax_m;
         a->sv[b] = amax_r;
@@ -106,8 +111,9 @@ run_step(const step_args *a)
             float u2 = (float)((h >> 16) & 0xFFFFFF) * (1.0f / 16777216.0f);
             float xm = amax_m > 0.0f ? m[k] / amax_m * 127.0f : 0.0f;
             float xv = amax_r > 0.0f ? r[k] / amax_r * 255.0f : 0.0f;
-            /* Non-finite moments (a NaN or inf gradient) encode as 0; the
-               parameter itself already shows the NaN. */
+            /* Non-finite moments (a NaN or inf gradient) encode as 0, and
+               keep no level of v; the parameter itself already shows the
+               NaN. */
             if (!(xm >= -127.0f && xm <= 127.0f)) {
                 xm = 0.0f;
             }
@@ -116,10 +122,12 @@ run_step(const step_args *a)
             }
             float fm = floor_small(xm + u1); /* |xm + u1| < 129 */
             float fv = floor_small(xv + u2);
-            if (fv < 1.0f && r[k] > 0.0f) {
+            if (fv < 1.0f && r[k] > 0.0f && isfinite(r[k])) {
                 fv = 1.0f;
             }
-            qm_out[k] = (int8_t)(fm > 127.0f ? 127.0f : fm < -127.0f ? -127.0f : fm);
+            qm_out[k] = (int8_t)(fm > 127.0f    ? 127.0f
+                                 : fm < -127.0f ? -127.0f
+                                                : fm);
             qv_out[k] = (uint8_t)(fv > 255.0f ? 255.0f : fv);
         }
     }
@@ -160,9 +168,9 @@ run_parallel(const step_args *a, int threads)
         part[t] = *a;
         part[t].first_block = nblocks * t / threads;
         part[t].end_block = nblocks * (t + 1) / threads;
-        started[t] = t > 0
-                     && pthread_create(&tid[t], NULL, run_step_thread,
-                                       &part[t]) == 0;
+        started[t] =
+            t > 0
+            && pthread_create(&tid[t], NULL, run_step_thread, &part[t]) == 0;
     }
     for (int t = 0; t < threads; t++) {
         if (!started[t]) {
@@ -252,10 +260,21 @@ checked_ptr(ms_state *st, PyObject *t, const char *what,
 PyObject *
 ms_adamw8bit_step(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_scale",
-                             "exp_avg_sq", "exp_avg_sq_scale", "lr", "beta1",
-                             "beta2", "eps", "weight_decay", "step", "block",
-                             "threads", NULL};
+    static char *kwlist[] = {"param",
+                             "grad",
+                             "exp_avg",
+                             "exp_avg_scale",
+                             "exp_avg_sq",
+                             "exp_avg_sq_scale",
+                             "lr",
+                             "beta1",
+                             "beta2",
+                             "eps",
+                             "weight_decay",
+                             "step",
+                             "block",
+                             "threads",
+                             NULL};
     ms_state *st = ms_get_state(module);
     PyObject *tp, *tg, *tqm, *tsm, *tqv, *tsv;
     double lr, beta1, beta2, eps, wd;

@@ -373,9 +373,11 @@ frame_rpack(Frame *self, PyObject *tensor)
                          "tensor of shape %R where its forward saved %R (saved "
                          "tensor #%zd). The layer does not run the same way "
                          "twice: make its forward deterministic or exclude it "
-                         "from checkpointing. A model compiled with "
+                         "from checkpointing. A wrapped model compiled with "
                          "torch.compile (other than backend='eager') does "
-                         "this: wrap it uncompiled.",
+                         "this: train the wrapped model without "
+                         "torch.compile or with backend='eager', or "
+                         "memscale.detach(model) before compiling it.",
                          unit_name(self->ex, self->index), shape,
                          PyList_GET_ITEM(self->shapes, k), k);
         }
@@ -2507,6 +2509,46 @@ ex_resume(Executor *ex, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(
+    ex_abandon_doc,
+    "_abandon($self, /)\n--\n\n"
+    "The root forward is being left by an exception its always_call hooks\n"
+    "did not see (KeyboardInterrupt, any BaseException): leave every\n"
+    "saved-tensor hook and autocast this executor entered, drop the\n"
+    "half-built frames and the profiled pass.  Idempotent; nothing to do\n"
+    "while a layer is recomputed.");
+
+static PyObject *
+ex_abandon(Executor *ex, PyObject *Py_UNUSED(ignored))
+{
+    if (ex->stack == NULL || ex->recompute_depth > 0) {
+        Py_RETURN_NONE; /* cleared by the garbage collector, or in backward */
+    }
+    int rc = 0;
+    if (drop_stale(ex, 0) < 0) {
+        rc = -1;
+    }
+    if (amp_drop_stale(ex, 0) < 0) {
+        rc = -1;
+    }
+    Py_CLEAR(ex->pre_exc);
+    if (ex->root_in_pass) {
+        ex->root_in_pass = 0;
+        if (ex->profiler != NULL && ex->profiler != Py_None) {
+            PyObject *r = PyObject_CallMethod(ex->profiler, "end_pass", "(O)",
+                                              Py_False);
+            if (r == NULL) {
+                rc = -1;
+            }
+            Py_XDECREF(r);
+        }
+    }
+    if (rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(ex_detach_doc,
 "detach($self, /)\n--\n\n"
 "Remove every hook this executor attached and drop its references to the\n"
@@ -2832,6 +2874,7 @@ static PyMethodDef ex_methods[] = {
     {"start_profiling", (PyCFunction)(void (*)(void))ex_start_profiling,
      METH_FASTCALL, ex_start_profiling_doc},
     {"detach", (PyCFunction)ex_detach, METH_NOARGS, ex_detach_doc},
+    {"_abandon", (PyCFunction)ex_abandon, METH_NOARGS, ex_abandon_doc},
     {"pause", (PyCFunction)ex_pause, METH_NOARGS, ex_pause_doc},
     {"set_offload", (PyCFunction)(void (*)(void))ex_set_offload,
      METH_FASTCALL, ex_set_offload_doc},

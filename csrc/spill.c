@@ -2,15 +2,31 @@
  * spill.c: the disk tier of activation offload.
  *
  * A SpillStore owns a private directory.  put(tensor) copies a contiguous
- * CPU tensor into a file of its own and returns a _Spilled record standing
- * for it; the caller drops the tensor, so its memory goes back to the
- * allocator.  get() reads the bytes back into a fresh tensor of the same
- * shape, strides and dtype.
+ * CPU tensor into a slot of the store's spill file and returns a _Spilled
+ * record standing for it; the caller drops the tensor, so its memory goes
+ * back to the allocator.  get() reads the bytes back into a fresh tensor of
+ * the same shape, strides and dtype.
  *
- * Each file is unlinked the moment it is created: its bytes live exactly as
- * long as the record's descriptor, so no path (an exception, a dropped
- * graph, a killed process) can leave a spill file behind.  Files are
- * created 0600 in a directory the caller made 0700.
+ * One file holds the records, each in a slot at its own page-aligned
+ * offset, so the store holds one descriptor however many tensors it spills:
+ * a deep model does not run the process out of descriptors (RLIMIT_NOFILE).
+ * A record's slot is punched out of the file (its disk space freed) when
+ * the record is read back or dropped; once no record uses the file it is
+ * closed, and the next put opens a new one.  Each file is unlinked the
+ * moment it is
+ * created: its bytes live exactly as long as the descriptor, so no path (an
+ * exception, a dropped graph, a killed process) can leave a spill file
+ * behind.  Files are created 0600 in a directory the caller made 0700.
+ *
+ * fork(): a file belongs to the process that created it.  A forked child
+ * that inherits one may read its records back, but never writes, punches
+ * or truncates it (the parent's records live there): it spills into files
+ * of its own.  The worker thread does not exist in a child: the child's
+ * store does its I/O synchronously.  memscale.offload registers fork hooks
+ * (os.register_at_fork) that wait for the worker's jobs in flight before a
+ * fork (prepare_fork) and reset the lock and the worker in the child
+ * (after_fork_child); without them (a fork that bypasses os.fork), a child
+ * still never submits to the parent's worker.
  *
  * Synchronous stores do the I/O in the calling thread with the GIL
  * released.  Asynchronous ones hand it to one worker thread (plain C: it
@@ -33,8 +49,57 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <string.h>
+#include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <linux/falloc.h>
+#endif
+
+/* Slots start on page boundaries, so that punching one out frees whole
+   pages and never touches a neighbour's bytes. */
+#define SLOT_ALIGN ((int64_t)4096)
+/* A file past this size is not extended: new records go to a new one. */
+#define FILE_ROTATE_BYTES ((int64_t)1 << 40)
+
+/* An unlinked spill file shared by records, a slot each.  Touched only
+   with the GIL held (the worker sees a job's descriptor and offset only). */
+typedef struct SpillFile {
+    int fd;
+    int refs;    /* records in it, + 1 while it is the store's current */
+    pid_t pid;   /* the creating process: the only one that writes it */
+    int64_t end; /* the next free offset */
+} SpillFile;
+
+static void
+file_unref(SpillFile *f)
+{
+    if (f == NULL) {
+        return;
+    }
+    if (--f->refs == 0) {
+        close(f->fd);
+        PyMem_Free(f);
+    }
+}
+
+/* Free the disk space of one slot (best effort: a file system without
+   hole punching keeps it until the file starts over or is closed). */
+static void
+file_punch(SpillFile *f, int64_t off, int64_t nbytes)
+{
+#if defined(__linux__) && defined(FALLOC_FL_PUNCH_HOLE)
+    if (f->pid == getpid() && nbytes > 0) {
+        int64_t len = (nbytes + SLOT_ALIGN - 1) / SLOT_ALIGN * SLOT_ALIGN;
+        (void)fallocate(f->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                        (off_t)off, (off_t)len);
+    }
+#else
+    (void)f;
+    (void)off;
+    (void)nbytes;
+#endif
+}
 
 enum { JOB_WRITE = 1, JOB_READ = 2 };
 
@@ -42,6 +107,7 @@ typedef struct Job {
     struct Job *next;
     int op;
     int fd;
+    int64_t off; /* where in the file */
     char *ptr;
     int64_t nbytes;
     int checksum;       /* compute the checksum of the bytes moved */
@@ -72,7 +138,8 @@ typedef struct {
     PyObject *version;     /* source's _version at put (async) */
     PyObject *weakreflist;
     int requires_grad;
-    int fd;
+    SpillFile *file; /* holding the bytes, or NULL */
+    int64_t off;     /* the slot's offset in it */
     int state;
     int on_disk;           /* counted in store->used_bytes */
     int64_t nbytes;
@@ -88,6 +155,8 @@ struct SpillStore {
     PyObject *log;         /* callable(kind, message) or None */
     PyObject *order;       /* list of weakrefs: records of this step */
     PyObject *pending;     /* list of records with a write in flight */
+    PyObject *weakreflist;
+    SpillFile *cur; /* the file new records go to, or NULL */
     int dir_fd;
     int async;
     int debug;
@@ -100,6 +169,8 @@ struct SpillStore {
     unsigned long long counter;
     /* worker */
     pthread_t thread;
+    pid_t thread_pid; /* the process the worker runs in */
+    int inflight;     /* jobs submitted and not done (under mu) */
     pthread_mutex_t mu;
     pthread_cond_t cv_work;
     pthread_cond_t cv_done;
@@ -153,8 +224,10 @@ job_run(Job *job)
             chunk = (size_t)1 << 30;
         }
         ssize_t r = job->op == JOB_WRITE
-                        ? pwrite(job->fd, job->ptr + done, chunk, (off_t)done)
-                        : pread(job->fd, job->ptr + done, chunk, (off_t)done);
+                        ? pwrite(job->fd, job->ptr + done, chunk,
+                                 (off_t)(job->off + done))
+                        : pread(job->fd, job->ptr + done, chunk,
+                                (off_t)(job->off + done));
         if (r < 0) {
             if (errno == EINTR) {
                 continue;
@@ -195,6 +268,7 @@ worker_main(void *arg)
         job_run(job);
         pthread_mutex_lock(&s->mu);
         job->busy = 0;
+        s->inflight--;
         pthread_cond_broadcast(&s->cv_done);
     }
     pthread_mutex_unlock(&s->mu);
@@ -211,7 +285,11 @@ submit(SpillStore *s, Job *job, int inline_io)
 {
     pthread_mutex_lock(&s->mu);
     job->busy = 1;
-    if (!inline_io && s->thread_started && !s->stop) {
+    s->inflight++;
+    /* (In a forked child the worker does not exist: run it here.) */
+    if (!inline_io && s->thread_started && !s->stop
+        && s->thread_pid == getpid())
+    {
         job->next = NULL;
         if (s->tail != NULL) {
             s->tail->next = job;
@@ -230,6 +308,7 @@ submit(SpillStore *s, Job *job, int inline_io)
     job_run(job);
     pthread_mutex_lock(&s->mu);
     job->busy = 0;
+    s->inflight--;
     pthread_cond_broadcast(&s->cv_done);
     pthread_mutex_unlock(&s->mu);
     Py_END_ALLOW_THREADS
@@ -297,6 +376,25 @@ spilled_traverse(Spilled *self, visitproc visit, void *arg)
     return 0;
 }
 
+/* The record's slot is no longer needed (its job is done): free its disk
+   space; a file no record uses any more is closed. */
+static void
+drop_file(Spilled *r)
+{
+    SpillFile *f = r->file;
+    if (f == NULL) {
+        return;
+    }
+    r->file = NULL;
+    file_punch(f, r->off, r->nbytes);
+    SpillStore *s = r->store;
+    if (s != NULL && s->cur == f && f->refs == 2) {
+        s->cur = NULL; /* the store's reference goes too */
+        file_unref(f);
+    }
+    file_unref(f);
+}
+
 /* Wait for the record's job, close and release its file. */
 static void
 spilled_release_file(Spilled *self)
@@ -304,10 +402,7 @@ spilled_release_file(Spilled *self)
     if (self->store != NULL) {
         job_wait(self->store, &self->job); /* returns at once when idle */
     }
-    if (self->fd >= 0) {
-        close(self->fd);
-        self->fd = -1;
-    }
+    drop_file(self);
     if (self->on_disk && self->store != NULL) {
         self->store->used_bytes -= self->nbytes;
         self->on_disk = 0;
@@ -342,6 +437,7 @@ spilled_dealloc(Spilled *self)
     Py_DECREF(tp);
 }
 
+
 /* Give back the disk bytes a record reserved. */
 static void
 unreserve(Spilled *r)
@@ -371,8 +467,7 @@ finish_write(Spilled *r)
         /* The bytes are not on disk: the tensor stays in memory. */
         s->n_failed++;
         unreserve(r);
-        close(r->fd);
-        r->fd = -1;
+        drop_file(r);
         r->state = R_LOADED;
         store_log(s, LOG_WRITE_FAILED, "warning",
                   PyUnicode_FromFormat(
@@ -394,8 +489,7 @@ finish_write(Spilled *r)
     if (same <= 0) {
         /* Torn or unknown: never hand these bytes back. */
         unreserve(r);
-        close(r->fd);
-        r->fd = -1;
+        drop_file(r);
         r->state = R_STALE;
         Py_CLEAR(r->tensor);
         return same < 0 ? -1 : 0;
@@ -577,6 +671,51 @@ data_ptr(ms_state *st, PyObject *t)
 }
 
 /* Open an anonymous 0600 file in the store's directory. */
+static int open_spill_file(SpillStore *s);
+
+/* A slot of `nbytes` for a new record: its file (a new reference) and
+   offset, or NULL with errno set when no file can be opened. */
+static SpillFile *
+store_slot(SpillStore *s, int64_t nbytes, int64_t *off)
+{
+    pid_t me = getpid();
+    SpillFile *f = s->cur;
+    if (f != NULL && (f->pid != me || f->end > FILE_ROTATE_BYTES)) {
+        /* Inherited from the parent (its records live there), or large:
+           leave it to the records still in it. */
+        s->cur = NULL;
+        file_unref(f);
+        f = NULL;
+    }
+    if (f != NULL && f->refs == 1 && f->end > 0) {
+        /* No record is in it any more: start over. */
+        (void)ftruncate(f->fd, 0);
+        f->end = 0;
+    }
+    if (f == NULL) {
+        int fd = open_spill_file(s);
+        if (fd < 0) {
+            return NULL;
+        }
+        f = PyMem_Malloc(sizeof(SpillFile));
+        if (f == NULL) {
+            close(fd);
+            errno = ENOMEM;
+            return NULL;
+        }
+        f->fd = fd;
+        f->refs = 1;
+        f->pid = me;
+        f->end = 0;
+        s->cur = f;
+    }
+    *off = f->end;
+    f->end += (nbytes + SLOT_ALIGN - 1) / SLOT_ALIGN * SLOT_ALIGN;
+    f->refs++;
+    return f;
+}
+
+
 static int
 open_spill_file(SpillStore *s)
 {
@@ -649,8 +788,9 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
                       (long long)s->max_bytes));
         goto not_spilled;
     }
-    int fd = open_spill_file(s);
-    if (fd < 0) {
+    int64_t off = 0;
+    SpillFile *file = store_slot(s, nbytes, &off);
+    if (file == NULL) {
         int e = errno;
         s->n_failed++;
         store_log(s, LOG_WRITE_FAILED, "warning",
@@ -663,7 +803,7 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
     }
     Spilled *r = PyObject_GC_New(Spilled, st->spilled_type);
     if (r == NULL) {
-        close(fd);
+        file_unref(file);
         goto error;
     }
     r->store = (SpillStore *)Py_NewRef(store);
@@ -675,12 +815,14 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
     shape = stride = dtype = version = NULL;
     r->weakreflist = NULL;
     r->requires_grad = requires_grad;
-    r->fd = fd;
+    r->file = file;
+    r->off = off;
     r->nbytes = nbytes;
     r->sum = 0;
     memset(&r->job, 0, sizeof(r->job));
     r->job.op = JOB_WRITE;
-    r->job.fd = fd;
+    r->job.fd = file->fd;
+    r->job.off = off;
     r->job.ptr = ptr;
     r->job.nbytes = nbytes;
     r->job.checksum = s->debug;
@@ -774,7 +916,8 @@ begin_read(Spilled *r, int inline_io)
     }
     Py_XSETREF(r->tensor, t);
     r->job.op = JOB_READ;
-    r->job.fd = r->fd;
+    r->job.fd = r->file->fd;
+    r->job.off = r->off;
     r->job.ptr = ptr;
     r->job.nbytes = r->nbytes;
     r->job.checksum = s->debug;
@@ -829,8 +972,7 @@ finish_read(Spilled *r)
     }
     s->n_read++;
     s->bytes_read += r->nbytes;
-    close(r->fd);
-    r->fd = -1;
+    drop_file(r);
     unreserve(r);
     r->state = R_LOADED;
     return 0;
@@ -949,8 +1091,7 @@ ms_spill_get(PyObject *record)
             if (r->state == R_DISK && r->tensor != NULL) {
                 /* Still holding the source: no need to read it back. */
                 s->n_reused++;
-                close(r->fd);
-                r->fd = -1;
+                drop_file(r);
                 unreserve(r);
                 r->state = R_LOADED;
             }
@@ -1041,6 +1182,12 @@ static PyMethodDef spilled_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef store_members[] = {
+    {"__weaklistoffset__", Py_T_PYSSIZET, offsetof(SpillStore, weakreflist),
+     Py_READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyMemberDef spilled_members[] = {
     {"nbytes", Py_T_LONGLONG, offsetof(Spilled, nbytes), Py_READONLY,
      "Bytes of the tensor."},
@@ -1093,6 +1240,46 @@ stop_worker(SpillStore *s)
     s->thread_started = 0;
 }
 
+static PyObject *
+store_prepare_fork(SpillStore *s, PyObject *Py_UNUSED(ignored))
+{
+    /* A child must not inherit a job half done by a thread it does not
+       have: wait until no job is in flight (the worker never needs the
+       GIL to finish one). */
+    if (s->sync_ready) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&s->mu);
+        while (s->inflight > 0) {
+            pthread_cond_wait(&s->cv_done, &s->mu);
+        }
+        pthread_mutex_unlock(&s->mu);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+store_after_fork_child(SpillStore *s, PyObject *Py_UNUSED(ignored))
+{
+    /* Only the forking thread exists here: the worker is gone, and the
+       lock and conditions may be in the state another thread left them
+       in.  Start them afresh; this store does its I/O synchronously. */
+    if (s->sync_ready) {
+        if (pthread_mutex_init(&s->mu, NULL) != 0
+            || pthread_cond_init(&s->cv_work, NULL) != 0
+            || pthread_cond_init(&s->cv_done, NULL) != 0)
+        {
+            return PyErr_NoMemory();
+        }
+    }
+    s->head = s->tail = NULL;
+    s->inflight = 0;
+    s->stop = 0;
+    s->thread_started = 0;
+    s->async = 0;
+    Py_RETURN_NONE;
+}
+
 static int
 store_traverse(SpillStore *s, visitproc visit, void *arg)
 {
@@ -1121,8 +1308,13 @@ store_dealloc(SpillStore *s)
 {
     PyTypeObject *tp = Py_TYPE(s);
     PyObject_GC_UnTrack(s);
+    if (s->weakreflist != NULL) {
+        PyObject_ClearWeakRefs((PyObject *)s);
+    }
     (void)store_clear(s);
     stop_worker(s);
+    file_unref(s->cur); /* records still alive keep it open */
+    s->cur = NULL;
     if (s->sync_ready) {
         pthread_cond_destroy(&s->cv_work);
         pthread_cond_destroy(&s->cv_done);
@@ -1226,6 +1418,7 @@ store_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
             return PyErr_SetFromErrno(PyExc_OSError);
         }
         s->thread_started = 1;
+        s->thread_pid = getpid();
     }
     return (PyObject *)s;
 }
@@ -1271,6 +1464,8 @@ store_close(SpillStore *s, PyObject *Py_UNUSED(ignored))
     s->async = 0;
     int rc = store_reap(s, 1);
     stop_worker(s);
+    file_unref(s->cur); /* records still alive keep it open */
+    s->cur = NULL;
     if (store_reap(s, 1) < 0) {
         rc = -1;
     }
@@ -1335,6 +1530,13 @@ static PyMethodDef store_methods[] = {
      "close($self, /)\n--\n\n"
      "Finish writes in flight and stop the I/O thread; put() spills no "
      "more."},
+    {"_prepare_fork", (PyCFunction)store_prepare_fork, METH_NOARGS,
+     "_prepare_fork($self, /)\n--\n\n"
+     "Wait until no I/O job is in flight (before os.fork())."},
+    {"_after_fork_child", (PyCFunction)store_after_fork_child, METH_NOARGS,
+     "_after_fork_child($self, /)\n--\n\n"
+     "In a forked child: reset the lock, forget the parent's worker, and do\n"
+     "the I/O synchronously."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1357,6 +1559,7 @@ static PyType_Slot store_slots[] = {
     {Py_tp_traverse, store_traverse},
     {Py_tp_clear, store_clear},
     {Py_tp_methods, store_methods},
+    {Py_tp_members, store_members},
     {Py_tp_getset, store_getset},
     {0, NULL},
 };

@@ -89,9 +89,12 @@ import logging
 import math
 import numbers
 import os
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -326,16 +329,69 @@ def _profiler_active() -> bool:
     return bool(flag)
 
 
+# What the profiler's C++ side (kineto) writes to file descriptor 2 when a
+# session starts or stops, e.g. "USDT:2026-01-01 12:00:00 1:1
+# SyncActivityProfilerHandler.cpp:52] profiler_start", or "STAGE:... Completed
+# Stage: Warm Up" in CUDA builds.
+_FD2_LOCK = threading.RLock()
+_KINETO_LINE = re.compile(r"^(USDT|STAGE|INFO|WARNING|ERROR):?\S*.*\.(cpp|h):\d+\]")
+
+
+@contextlib.contextmanager
+def _fd2_captured(what: str) -> Iterator[None]:
+    """Point file descriptor 2 at a temporary file for the block, then put
+    it back: the torch profiler's C++ side writes its start and stop lines
+    there, not through Python, and a library must not write to the user's
+    terminal.  Lines the profiler wrote go to the log at DEBUG; anything
+    else captured (another thread's output in that window) is written back
+    to the real stderr, so nothing of the user's is lost."""
+    # fd 2 is the process's: one capture at a time.
+    with _FD2_LOCK, contextlib.ExitStack() as stack:
+        try:
+            sys.stderr.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+        try:
+            saved = os.dup(2)
+            stack.callback(os.close, saved)
+            sink = stack.enter_context(tempfile.TemporaryFile())
+        except OSError:  # no fd 2, or no temp file: run uncaptured
+            stack.close()
+            yield
+            return
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+        sink.seek(0)
+        text = sink.read().decode("utf-8", "replace")
+    other = []
+    for line in text.splitlines(keepends=True):
+        if _KINETO_LINE.match(line):
+            logger.debug("profiler output during %s: %s", what, line.rstrip())
+        else:
+            other.append(line)
+    data = "".join(other).encode("utf-8", "replace")
+    while data:
+        try:
+            data = data[os.write(2, data):]
+        except OSError:
+            break
+
+
 @contextlib.contextmanager
 def _quiet(what: str) -> Iterator[None]:
-    """Capture Python-level output and warnings, log them at DEBUG."""
+    """Capture Python-level output and warnings, log them at DEBUG; the
+    profiler's own C++ lines on file descriptor 2 too."""
     out = io.StringIO()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             with contextlib.redirect_stdout(out):
                 with contextlib.redirect_stderr(out):
-                    yield
+                    with _fd2_captured(what):
+                        yield
         finally:
             text = out.getvalue().strip()
             if text:

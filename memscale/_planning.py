@@ -46,8 +46,19 @@ class Profile:
     details: tuple[dict[str, Any], ...] = ()
 
 
+class Inputs(NamedTuple):
+    """Positional and keyword inputs together (a forward's own, as the
+    first training forward's are profiled)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
 def split_input(sample_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A sample input as (args, kwargs): a tensor, a tuple/list, or a dict."""
+    """A sample input as (args, kwargs): a tensor, a tuple/list, a dict, or
+    :class:`Inputs`."""
+    if isinstance(sample_input, Inputs):
+        return tuple(sample_input.args), dict(sample_input.kwargs)
     if isinstance(sample_input, torch.Tensor):
         return (sample_input,), {}
     if isinstance(sample_input, (tuple, list)):
@@ -183,16 +194,90 @@ def _profile_static(model, units, args, kwargs):
     def to_fake(obj):
         return convert(obj) if isinstance(obj, torch.Tensor) else obj
 
-    with mode:
-        state = {name: convert(t) for name, t in
-                 list(model.named_parameters()) + list(model.named_buffers())}
+    with mode, _fake_twins(model, convert) as fakes:
         fargs = tuple(to_fake(a) for a in args)
         fkwargs = {k: to_fake(v) for k, v in kwargs.items()}
 
         def run():
-            torch.func.functional_call(model, state, fargs, fkwargs, strict=False)
+            model(*fargs, **fkwargs)
 
-        return _measure(units, list(state.values()), run)
+        return _measure(units, fakes, run)
+
+
+@contextlib.contextmanager
+def _fake_twins(model: torch.nn.Module,
+                convert: Any) -> Iterator[list[torch.Tensor]]:
+    """Put a fake twin in place of every parameter and buffer of ``model``
+    for the length of the block, and the user's own tensor objects back
+    after it, also when it raises.
+
+    One twin per distinct tensor object (keyed by ``id``), so that a
+    tensor tied into two modules stays tied, and one swap per table entry
+    of each distinct module: a module registered at two places is swapped
+    (and restored) once.  ``torch.func.functional_call`` swaps by
+    qualified name, and with a module reachable under two names it saved
+    its own fake twin as the "original" the second time and left it in
+    place (issue 20).  Yields the distinct twins.
+    """
+    twins: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    # A forward may keep a tensor in a plain attribute (a cache, a mask):
+    # one made in the fake pass is fake and must not outlive it.
+    attrs = [(module, dict(module.__dict__)) for module in model.modules()]
+    try:
+        for module in model.modules():  # each distinct module once
+            tables = _torch_compat.module_tensor_tables(module)
+            if tables is None:
+                raise RuntimeError(
+                    "memscale's static profiling swaps a module's parameters "
+                    "for fake ones through its parameter tables, which torch "
+                    f"{torch.__version__} does not expose")
+            for table in tables:
+                for name, real in list(table.items()):
+                    if real is None:
+                        continue
+                    twin = twins.get(id(real))
+                    if twin is None:
+                        twin = convert(real)
+                        if isinstance(real, torch.nn.Parameter):
+                            twin = torch.nn.Parameter(
+                                twin, requires_grad=real.requires_grad)
+                        twins[id(real)] = twin
+                    swapped.append((table, name, real))
+                    table[name] = twin
+        yield list(twins.values())
+    finally:
+        for table, name, real in reversed(swapped):
+            table[name] = real
+        _drop_fake_attributes(attrs)
+
+
+def _holds_fake(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return _torch_compat.is_fake(value)
+    if isinstance(value, (tuple, list)):
+        return any(_holds_fake(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_fake(v) for v in value.values())
+    return False
+
+
+def _drop_fake_attributes(attrs: list[tuple[torch.nn.Module, dict[str, Any]]]) -> None:
+    """Give every plain attribute a fake pass set to a fake tensor its old
+    value back (or remove it, if new)."""
+    for module, before in attrs:
+        for key, value in list(module.__dict__.items()):
+            if key in ("_parameters", "_buffers", "_modules"):
+                continue
+            if value is before.get(key, _MISSING) or not _holds_fake(value):
+                continue
+            if key in before:
+                module.__dict__[key] = before[key]
+            else:
+                del module.__dict__[key]
+
+
+_MISSING = object()
 
 
 def _profile_empirical(model, units, args, kwargs):
@@ -463,13 +548,19 @@ def format_bytes(n: float) -> str:
 
 
 def plan_table(plan: Any) -> str:
-    """The plan as the log shows it: one row per layer."""
-    rows = [("layer", "kind", "technique", "tier", "bytes saved", "rule")]
+    """The plan as the log shows it at DEBUG: a header, then one row per
+    layer.  ``segment`` names the first layer of the checkpoint segment a
+    layer is recomputed with (itself when recomputed alone), "-" when it is
+    not recomputed."""
+    names = [layer.name for layer in plan.layers]
+    rows = [("layer", "kind", "technique", "segment", "tier", "bytes saved", "rule")]
     for layer in plan.layers:
         technique = "+".join(layer.techniques) or "-"
         if layer.tiles > 1:
             technique += f" x{layer.tiles}"
-        rows.append((layer.name, layer.kind, technique,
+        segment = (names[layer.segment] if 0 <= layer.segment < len(names)
+                   else "-")
+        rows.append((layer.name, layer.kind, technique, segment,
                      layer.tier, format_bytes(layer.bytes_saved), layer.rule))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [

@@ -441,5 +441,15 @@ def install(
         executor, model, plan, inputs, bool(getattr(executor.config, "strict_recompute", False))
     )
     executor.on_detach(check.remove)
+
+    def fix_copy(copy_of: Any) -> None:
+        # A copy of the wrapped model must not keep our forwards (bound to
+        # the original's layers).
+        for i, previous in list(check._wrapped.items()):
+            copied = copy_of(check.units[i])
+            if copied is not None and previous is _MISSING:
+                copied.__dict__.pop("forward", None)
+
+    executor.on_copy(fix_copy)
     executor.recompute_check = check
     return check

@@ -8,7 +8,9 @@ Off unless the user opts in, in one of two ways:
   ``MEMSCALE_TELEMETRY_FILE=/some/file.jsonl``.  ``MEMSCALE_TELEMETRY=1``
   without a file writes nothing and logs a warning once.
 
-Events are appended to that file, one JSON object a line.  memscale never
+Events are appended to that file, one JSON object a line.  A new file is
+created with mode 0600; a symbolic link (or anything but a regular file)
+at the path is refused, and the event dropped with a logged warning.  memscale never
 sends them anywhere: there is no network code here, and nothing else reads
 the file.  Emitting is wrapped so that it can never break ``wrap()``: any
 error (an unwritable file, a bug) is logged once at WARNING (then at DEBUG)
@@ -37,7 +39,7 @@ arch_class             "transformer", "cnn", "rnn", "mlp" or "other" (from modul
 param_bucket           "<1M", "1M-10M", "10M-100M", "100M-1B", "1B-10B", ">=10B"
 layer_count_bucket     planning units: "0", "1-4", "5-16", "17-64", ">64"
 mode                   the effective mode: "conservative", "balanced", "aggressive"
-profiling              "static", "empirical" or "warmup"
+profiling              "static", "empirical", "warmup" or "first_step" (until planned)
 planned                whether a plan exists yet (false while warming up)
 techniques             techniques the plan applies, sorted, subset of
                        ["checkpoint", "offload", "tiling"]; null until planned
@@ -56,11 +58,13 @@ async_offload          bool
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
 import platform
 import re
+import stat
 import sys
 import threading
 from typing import Any
@@ -103,7 +107,7 @@ SCHEMA: dict[str, Any] = {
     "param_bucket": tuple(b for _, b in _PARAM_BUCKETS) + (">=10B",),
     "layer_count_bucket": ("0", "1-4", "5-16", "17-64", ">64"),
     "mode": ("conservative", "balanced", "aggressive"),
-    "profiling": ("static", "empirical", "warmup"),
+    "profiling": ("static", "empirical", "warmup", "first_step"),
     "planned": _BOOL,
     "techniques": "techniques",  # a sorted list, checked below
     "skipped": _OPT_BOOL,
@@ -316,8 +320,27 @@ def validate(event: dict[str, Any]) -> None:
             raise ValueError(f"telemetry field {key!r} has a value outside the schema")
 
 
+# Appending, never through a symbolic link (one planted at the path must
+# not redirect memscale's writes to another file), never blocking on a FIFO,
+# and a new file readable by its owner only.
+_OPEN_FLAGS = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+               | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+FILE_MODE = 0o600
+
+
 def _write(path: str, line: str) -> None:
-    with open(path, "a", encoding="utf-8") as f:
+    try:
+        fd = os.open(path, _OPEN_FLAGS, FILE_MODE)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(
+                exc.errno, f"{path} is a symbolic link, which memscale does not "
+                "follow for its telemetry file; point it at a regular file") from None
+        raise
+    with os.fdopen(fd, "a", encoding="utf-8") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file; memscale "
+                          "appends telemetry to regular files only")
         f.write(line)
 
 

@@ -17,6 +17,7 @@ hook tables, and falls back to re-applying the plan.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -193,3 +194,60 @@ def autograd_nodes(tensor: torch.Tensor) -> list[Any]:
         nodes.append(node)
         stack.extend(fn for fn, _ in node.next_functions)
     return nodes
+
+
+def install_call_guard(model: torch.nn.Module, on_abort: Callable[[], None]
+                       ) -> Callable[[], None]:
+    """Make every call of ``model`` run ``on_abort()`` when it is left by an
+    exception, then re-raise it; return the function that removes the
+    guard.
+
+    torch runs a module's ``always_call`` forward hooks only when the
+    forward raises an ``Exception``: a ``KeyboardInterrupt`` (any other
+    ``BaseException``) skips them, and what the pre-hooks entered (memscale's
+    saved-tensor hooks and autocast) would stay entered process-wide.  The
+    guard goes in ``Module._compiled_call_impl``, the per-instance slot
+    ``Module.__call__`` runs in place of ``_call_impl`` when it is set (this
+    is where ``Module.compile()`` puts its compiled call; a call already
+    there is kept and run inside the guard).  ``Module.__getstate__`` drops
+    the slot, so copies and pickles of the model do not carry it.  The
+    guard holds the model weakly; nested calls of the same model abort only
+    at the outermost one.
+    """
+    prev = model.__dict__.get("_compiled_call_impl")
+    model_ref = weakref.ref(model)
+    depth = [0]
+
+    def guard(*args: Any, **kwargs: Any) -> Any:
+        inner = prev
+        if inner is None:
+            m = model_ref()
+            if m is None:  # pragma: no cover - called through a dead model
+                raise ReferenceError("memscale: the model is gone")
+            inner = type(m)._call_impl.__get__(m)
+        depth[0] += 1
+        try:
+            return inner(*args, **kwargs)
+        except BaseException:
+            if depth[0] == 1:
+                try:
+                    on_abort()
+                except Exception:  # the original exception is what matters
+                    logger.exception("memscale: cleaning up after an "
+                                     "interrupted forward failed")
+            raise
+        finally:
+            depth[0] -= 1
+
+    model.__dict__["_compiled_call_impl"] = guard
+
+    def remove() -> None:
+        m = model_ref()
+        if m is None or m.__dict__.get("_compiled_call_impl") is not guard:
+            return  # gone, or replaced since (Module.compile()): leave it
+        if prev is None:
+            del m.__dict__["_compiled_call_impl"]
+        else:
+            m.__dict__["_compiled_call_impl"] = prev
+
+    return remove

@@ -1,8 +1,8 @@
 """The public entry points: wrap, optimize, detach.
 
 ``wrap`` profiles the model (up front with ``sample_input``, otherwise
-during the first ``warmup_steps`` training forwards), runs the decision
-engine and attaches the executor's hooks.  Everything it changes is undone
+inside the first training forward, from its own inputs, before it runs),
+runs the decision engine and attaches the executor's hooks.  Everything it changes is undone
 by ``detach``; an error inside ``wrap`` undoes what was done so far.
 """
 
@@ -12,11 +12,13 @@ import contextlib
 import logging
 import os
 import warnings
-from typing import Any, Iterator
+import weakref
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
-from . import (_budget, _core, _hf_cache, _planning, _recompute_check, _telemetry, amp,
+from . import (_budget, _copying, _core, _firststep, _hf_cache, _planning, _recompute_check,
+               _telemetry, _torch_compat, amp,
                distributed, observability, offload, optim, policy, tiling)
 from .config import GIB, AsyncOffloadConfig, Config, OptimizationMode
 from .executor import Executor
@@ -124,27 +126,71 @@ def _stage1(executor: Executor, config: Config, hardware: dict[str, Any],
     decision, effective = _select_strategy(config, context)
     executor.decision = decision
     executor.config = effective
-    logger.log(logging.INFO if config.enable_logging else logging.DEBUG, "%s",
-               decision.describe())
+    logger.debug("%s", decision.describe())
     return effective
 
 
-def _log_plan(config: Config, hardware: dict[str, Any], plan: Any) -> None:
+def _abandoner(ref: weakref.ref[Executor]) -> Any:
+    """What the model's call guard runs when a forward is left by an
+    exception: the executor leaves what it entered (``Executor._abandon``),
+    also on a ``KeyboardInterrupt``, which torch's ``always_call`` hooks
+    never see."""
+    def abandon() -> None:
+        executor = ref()
+        if executor is not None:
+            executor._abandon()
+
+    return abandon
+
+
+DETAILS = ("table: model._memscale_executor.describe(), or the 'memscale' logger "
+           "at DEBUG")
+
+
+def _budget_source(config: Config, hardware: dict[str, Any]) -> str:
+    """Where the budget comes from, for the log."""
+    if config.memory_budget_gb is not None:
+        return "Config.memory_budget_gb"
+    where = "host RAM" if hardware["device"] == "cpu" else f"{hardware['device']} memory"
+    return (f"{config.target_gpu_utilization:.0%} of "
+            f"{_planning.format_bytes(hardware['capacity_bytes'])} {where}, "
+            "Config.target_gpu_utilization")
+
+
+def _log_plan(config: Config, hardware: dict[str, Any], plan: Any,
+              decision: Any = None) -> None:
+    """One INFO line per plan (what was decided, the expected peak, where
+    the details are); the hardware and the per-layer table at DEBUG."""
     if not config.enable_logging:
         return
-    logger.info("memscale hardware: %s x%d, %s each (%s)", hardware["device"],
-                hardware["count"], _planning.format_bytes(hardware["capacity_bytes"]),
-                hardware["name"])
-    logger.info("%s", _planning.plan_table(plan))
+    fmt = _planning.format_bytes
+    mode = f"mode {plan.mode}"
+    if decision is not None and decision.decision_source != "user_config":
+        mode += (f", strategy {decision.strategy} "
+                 f"(decision_source={decision.decision_source})")
+    logger.debug("memscale hardware: %s x%d, %s each (%s)", hardware["device"],
+                 hardware["count"], fmt(hardware["capacity_bytes"]), hardware["name"])
+    logger.debug("%s", _planning.plan_table(plan))
+    budget = f"{fmt(plan.budget_bytes)} ({_budget_source(config, hardware)})"
     if plan.skipped:
-        logger.info("memscale: the model fits comfortably (pressure %.2f); left "
-                    "alone. Config(force_optimize=True) optimizes anyway.",
-                    plan.pressure)
-    elif not plan.fits:
+        logger.info(
+            "memscale: model left alone (smart-skip, plan %s, %s): its predicted "
+            "peak of %s fits comfortably in the budget of %s (pressure %.2f). "
+            "Config(force_optimize=True) optimizes it anyway.",
+            plan.hash[:12], mode, fmt(plan.peak_unoptimized_bytes), budget, plan.pressure)
+    else:
+        counts = plan.technique_counts
+        decided = ", ".join(f"{name} {counts[name]}" for name in counts if counts[name])
+        logger.info(
+            "memscale: plan %s (%s): %s of %d layers; predicted peak %s -> %s "
+            "for a budget of %s (recompute %.0f%% of forward); %s",
+            plan.hash[:12], mode, decided or "no technique", len(plan),
+            fmt(plan.peak_unoptimized_bytes), fmt(plan.peak_projected_bytes), budget,
+            plan.recompute_ratio * 100, DETAILS)
+    if not plan.fits:
         logger.warning("memscale: even with every eligible layer optimized the "
                        "projected peak (%s) exceeds the budget (%s)",
-                       _planning.format_bytes(plan.peak_projected_bytes),
-                       _planning.format_bytes(plan.budget_bytes))
+                       fmt(plan.peak_projected_bytes), fmt(plan.budget_bytes))
 
 
 def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any,
@@ -160,11 +206,189 @@ def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any,
     _recompute_check.install(executor, model, plan, inputs)
     changed, undo = _hf_cache.disable_use_cache(model)
     if changed:
+
+        def restore_copy(copy_of: Any, cfgs: list[Any] = changed) -> None:
+            for cfg in cfgs:
+                copied = copy_of(cfg)
+                if copied is not None and getattr(copied, "use_cache", None) is False:
+                    copied.use_cache = True
+
         executor.on_detach(undo)
+        executor.on_copy(restore_copy)
         logger.info("memscale: set use_cache=False on %d Hugging Face config(s) "
                     "of the model for training with checkpointing (a recomputed "
                     "layer must not see the cache its forward filled; restored "
                     "by detach)", len(changed))
+
+
+class _Upfront(NamedTuple):
+    """What profiling a sample (``sample_input``, or the first training
+    forward's inputs) gives the planning."""
+
+    profile: Any  # _planning.Profile
+    offsets: _planning.Offsets
+    least: int | None  # the least budget when no plan fits, else None
+
+
+def _profile_sample(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]],
+                    sample_input: Any, config: Config, hardware: dict[str, Any],
+                    optimizer: torch.optim.Optimizer | None, fixed: int) -> _Upfront:
+    """Profile ``model`` on ``sample_input`` (fake tensors first, a real
+    forward as fallback, per the Config) and ask the OOM predictor for its
+    corrections."""
+    with amp.profiling_context(config, hardware):
+        profile = _planning.profile_upfront(model, units, sample_input, config)
+        # Plan from the OOM predictor's peaks (simulated steps on fake
+        # tensors), so that the plan and predict_peak() agree.  Stage 1
+        # first (it is recorded on the executor later): the plan the
+        # corrections are calibrated on is the one wrap() makes.
+        _, early_config = _select_strategy(config, policy.StrategyContext.build(
+            config, hardware,
+            profile if policy.needs_profile(config, hardware) else None, fixed))
+        offsets = _planning.predicted_offsets(model, sample_input, optimizer,
+                                              profile, early_config, hardware, fixed)
+        # No plan fits: the least budget, checked by simulating there.
+        least = _planning.verified_least_budget(
+            model, sample_input, optimizer, profile, early_config, hardware,
+            fixed, offsets)
+    return _Upfront(profile, offsets, least)
+
+
+def _apply_sample_plan(model: torch.nn.Module, executor: Executor,
+                       units: list[tuple[str, torch.nn.Module]], config: Config,
+                       hardware: dict[str, Any], fixed: int,
+                       optimizer: torch.optim.Optimizer | None,
+                       upfront: _Upfront) -> Any:
+    """Stage 1, the plan (one for every rank), its log line and budget
+    check, then the techniques attached and the plan applied."""
+    profile, offsets, least = upfront
+    executor.profile = profile
+    executor.profiling = profile.method
+    plan_config = _stage1(executor, config, hardware, profile, fixed)
+    inputs = _planning.plan_inputs(
+        profile, _planning.fallback_config(plan_config, offsets[2]),
+        hardware, fixed, peak_offset=offsets[0], plan_offset=offsets[1])
+    plan = distributed.shared_plan(inputs)
+    _log_plan(config, hardware, plan, executor.decision)
+    _budget.check(plan, inputs, plan_config,
+                  _planning.optimizer_state_bytes(model, optimizer), least)
+    offload.attach(executor, plan_config, hardware, plan)
+    tiling.install(executor, units, plan)
+    executor.apply(plan)
+    _after_plan(model, executor, plan, inputs)
+    return plan
+
+
+def _first_step_planning(model: torch.nn.Module, config: Config) -> bool:
+    """Whether the first training forward's inputs can be profiled on fake
+    tensors (the default); otherwise the first ``warmup_steps`` forwards
+    are measured for real (``use_static_profiling=False``, or a model that
+    fake tensors cannot run, such as one sharded with FSDP2)."""
+    return (config.use_static_profiling
+            and _planning.static_profiling_supported(model) is None)
+
+
+def _plan_on_first_forward(model: torch.nn.Module, executor: Executor,
+                           units: list[tuple[str, torch.nn.Module]], config: Config,
+                           hardware: dict[str, Any], fixed: int,
+                           optimizer: torch.optim.Optimizer | None) -> None:
+    """No ``sample_input``: plan inside the first training forward, from its
+    own inputs, before it runs (see ``memscale._firststep``).  If they
+    cannot be profiled on fake tensors, that forward and the next
+    ``warmup_steps - 1`` are measured instead (``use_empirical_fallback``)."""
+    if policy.needs_profile(config, hardware):
+        policy.requested_policy()  # a bad MEMSCALE_POLICY fails now
+    static_only = config.replace(use_empirical_fallback=False)
+
+    def plan(module: torch.nn.Module, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> None:
+        try:
+            # Profiled as an unwrapped model (the OOM predictor refuses a
+            # wrapped one): our hooks are paused, the attribute set aside.
+            wrapped = model.__dict__.pop(ATTR, None)
+            try:
+                with executor.paused():
+                    upfront = _profile_sample(
+                        module, units, _planning.Inputs(args, kwargs), static_only,
+                        hardware, optimizer, fixed)
+            except RuntimeError as exc:
+                if not config.use_empirical_fallback:
+                    raise
+                upfront = None
+                logger.info("memscale: the first training forward could not be "
+                            "profiled on fake tensors (%s); measuring the first %d "
+                            "training forwards instead", exc, config.warmup_steps)
+            finally:
+                if wrapped is not None:
+                    model.__dict__[ATTR] = wrapped
+            if upfront is None:
+                _plan_after_warmup(model, executor, units, config, hardware, fixed,
+                                   optimizer)
+                return
+            plan_made = _apply_sample_plan(model, executor, units, config, hardware,
+                                           fixed, optimizer, upfront)
+        except BaseException:
+            # Leave nothing attached: the model runs as if never wrapped.
+            if model.__dict__.get(ATTR) is executor:
+                del model.__dict__[ATTR]
+            executor.detach()
+            raise
+        _telemetry.plan_built(executor, plan_made, model)
+
+    logger.debug("memscale: no sample_input; the plan is made on the first training "
+                 "forward, from its inputs, before that forward runs")
+    names = [name for name, _ in units]
+    first = _firststep.FirstForward(_firststep.chain(model, names), plan,
+                                    executor.is_paused)
+    executor.on_detach(first.remove)
+
+    def measure_instead() -> None:
+        first.remove()
+        _plan_after_warmup(model, executor, units, config, hardware, fixed, optimizer)
+
+    executor._first_forward = first
+    executor._measure_instead = measure_instead
+
+
+def _plan_after_warmup(model: torch.nn.Module, executor: Executor,
+                       units: list[tuple[str, torch.nn.Module]], config: Config,
+                       hardware: dict[str, Any], fixed: int,
+                       optimizer: torch.optim.Optimizer | None) -> None:
+    """Measure the first ``warmup_steps`` training forwards for real, then
+    plan (they run unoptimized)."""
+    executor.profiling = "warmup"
+    if executor.decision is None:
+        if not policy.needs_profile(config, hardware):
+            _stage1(executor, config, hardware, None, fixed)
+        else:
+            policy.requested_policy()  # a bad MEMSCALE_POLICY fails now
+    profiler = _planning.new_warmup_profiler(model, units)
+
+    def on_profiled(prof: Any) -> Any:
+        warm = _planning.profile_from(prof, units, "warmup")
+        executor.profile = warm
+        plan_config = (executor.config if executor.decision is not None
+                       else _stage1(executor, config, hardware, warm, fixed))
+        inputs = _planning.plan_inputs(warm, plan_config, hardware, fixed)
+        plan = distributed.shared_plan(inputs)
+        _log_plan(config, hardware, plan, executor.decision)
+        _budget.check(plan, inputs, plan_config,
+                      _planning.optimizer_state_bytes(model, optimizer))
+        offload.attach(executor, plan_config, hardware, plan)
+        tiling.install(executor, units, plan)
+        executor.count_layer_recomputes(units, plan)
+        _after_plan(model, executor, plan, inputs)
+        _telemetry.plan_built(executor, plan, model)
+        return plan
+
+    try:
+        executor.start_profiling(profiler, on_profiled)
+    except BaseException:
+        profiler.detach()
+        raise
+    logger.log(logging.INFO if config.enable_logging else logging.DEBUG,
+               "memscale: profiling the first %d training forward passes for "
+               "real (they run unoptimized), then planning", config.warmup_steps)
 
 
 def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
@@ -175,9 +399,13 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
 
     ``target`` is an ``nn.Module``.  With ``sample_input`` the model is
     profiled now (on fake tensors first, with a real forward as fallback)
-    and the plan applied at once; without it the first
-    ``config.warmup_steps`` training forwards are measured and the plan is
-    applied after them.  ``optimizer`` (keyword only) sharpens the memory
+    and the plan applied at once; without it the first training forward's
+    own inputs are profiled on fake tensors inside that forward's
+    pre-hook, and the forward runs under the plan.  Where fake tensors
+    cannot run the model (``use_static_profiling=False``, FSDP2, an
+    operator without a fake kernel), the first ``config.warmup_steps``
+    training forwards are measured for real instead and the plan applies
+    after them.  ``optimizer`` (keyword only) sharpens the memory
     estimate with the optimizer's real state size.  With
     ``Config(use_8bit_optimizer=True)`` it is replaced: the 8-bit AdamW
     with its parameter groups and hyper-parameters is
@@ -250,84 +478,41 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
 
     # Profile before any hook of ours exists, so that the profiling pass
     # is not seen (or counted) as a training forward.
-    profile = None
+    upfront = None
     if sample_input is not None:
-        with amp.profiling_context(config, hardware):
-            profile = _planning.profile_upfront(model, units, sample_input, config)
-            # Plan from the OOM predictor's peaks (simulated steps on fake
-            # tensors), so that the plan and predict_peak() agree.  Stage 1
-            # first (it is recorded on the executor below): the plan the
-            # corrections are calibrated on is the one wrap() makes.
-            _, early_config = _select_strategy(config, policy.StrategyContext.build(
-                config, hardware,
-                profile if policy.needs_profile(config, hardware) else None, fixed))
-            offsets = _planning.predicted_offsets(model, sample_input, optimizer,
-                                                  profile, early_config, hardware,
-                                                  fixed)
-            # No plan fits: the least budget, checked by simulating there.
-            least = _planning.verified_least_budget(
-                model, sample_input, optimizer, profile, early_config, hardware,
-                fixed, offsets)
+        upfront = _profile_sample(model, units, sample_input, config, hardware,
+                                  optimizer, fixed)
     executor = Executor(model, units, warmup_steps=config.warmup_steps)
     try:
-        method = profile.method if profile is not None else "warmup"
+        method = (upfront.profile.method if upfront is not None
+                  else "first_step" if _first_step_planning(model, config)
+                  else "warmup")
         executor._init_python_state(config, hardware, method)
         executor.optimizer = optimizer
+        executor.units = units
+        executor.count_steps(optimizer)
         executor.on_detach(observability.attach_logging(config))
+        executor.on_detach(_torch_compat.install_call_guard(
+            model, _abandoner(weakref.ref(executor))))
         amp.attach(executor, model, config, hardware)
         if config.observability_port is not None:
             executor.metrics_server = observability.start_metrics_server(
                 executor, config.observability_port)
             executor.on_detach(executor.metrics_server.close)
-        if profile is not None:
-            executor.profile = profile
-            plan_config = _stage1(executor, config, hardware, profile, fixed)
-            inputs = _planning.plan_inputs(
-                profile, _planning.fallback_config(plan_config, offsets[2]),
-                hardware, fixed, peak_offset=offsets[0], plan_offset=offsets[1])
-            plan = distributed.shared_plan(inputs)
-            _log_plan(config, hardware, plan)
-            _budget.check(plan, inputs, plan_config,
-                          _planning.optimizer_state_bytes(model, optimizer), least)
-            offload.attach(executor, plan_config, hardware, plan)
-            tiling.install(executor, units, plan)
-            executor.apply(plan)
-            _after_plan(model, executor, plan, inputs)
+        if upfront is not None:
+            _apply_sample_plan(model, executor, units, config, hardware, fixed,
+                               optimizer, upfront)
+        elif _first_step_planning(model, config):
+            _plan_on_first_forward(model, executor, units, config, hardware,
+                                   fixed, optimizer)
         else:
-            if not policy.needs_profile(config, hardware):
-                _stage1(executor, config, hardware, None, fixed)
-            else:
-                policy.requested_policy()  # a bad MEMSCALE_POLICY fails now
-            profiler = _planning.new_warmup_profiler(model, units)
-
-            def on_profiled(prof: Any) -> Any:
-                warm = _planning.profile_from(prof, units, "warmup")
-                executor.profile = warm
-                plan_config = (executor.config if executor.decision is not None
-                               else _stage1(executor, config, hardware, warm, fixed))
-                inputs = _planning.plan_inputs(warm, plan_config, hardware, fixed)
-                plan = distributed.shared_plan(inputs)
-                _log_plan(config, hardware, plan)
-                _budget.check(plan, inputs, plan_config,
-                              _planning.optimizer_state_bytes(model, optimizer))
-                offload.attach(executor, plan_config, hardware, plan)
-                tiling.install(executor, units, plan)
-                _after_plan(model, executor, plan, inputs)
-                _telemetry.plan_built(executor, plan, model)
-                return plan
-
-            try:
-                executor.start_profiling(profiler, on_profiled)
-            except BaseException:
-                profiler.detach()
-                raise
-            if config.enable_logging:
-                logger.info("memscale: profiling the first %d training forward "
-                            "passes, then planning", config.warmup_steps)
+            _plan_after_warmup(model, executor, units, config, hardware, fixed,
+                               optimizer)
         if config.verify_correctness:
             from . import _verify
 
             _verify.attach(model, executor)
+        executor.on_detach(_copying.install(model, executor))
         model.__dict__[ATTR] = executor
     except BaseException:
         if not hasattr(executor, "_restore"):

@@ -132,6 +132,7 @@ def attach(executor: Any, model: nn.Module, tiles: int) -> bool:
         cfg.__dict__.pop(_STATE, None)
 
     executor.on_detach(restore)
+    executor.on_copy(lambda copy_of, cfg=cfg: restore(copy_of(cfg)))
     logger.info("memscale: attention tiled over queries in %d tiles (%s for each)",
                 tiles, original)
     return True

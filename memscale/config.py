@@ -29,6 +29,15 @@ _T = TypeVar("_T")
 
 # The unit of every *_gb field: GiB (2**30 bytes).
 GIB = 1 << 30
+# The largest byte count memscale plans with (the engine's limit, 1 PiB,
+# csrc/plan.c MS_MAX_BYTES): every size field is bounded by it, so that a
+# value the Config accepts converts to a byte count wrap() can use.
+MAX_BYTES = 1 << 50
+MAX_GB = MAX_BYTES // GIB  # 1048576 GiB
+# prefetch_depth: layers read ahead of the one backward computes.
+MAX_PREFETCH_DEPTH = 1024
+# warmup_steps: training forwards measured before planning.
+MAX_WARMUP_STEPS = 1 << 31
 
 
 class OptimizationMode(str, enum.Enum):
@@ -159,6 +168,11 @@ class _ConfigBase:
             raise self._type_error(name, expected, value)
         if not path:
             raise ValueError(f"{self._where(name)} must be {expected}, got {value!r}")
+        if "\0" in path:
+            raise ValueError(
+                f"{self._where(name)} must be a path without NUL bytes ('\\0'), "
+                f"got {value!r}; remove the NUL byte"
+            )
         self._set(name, path)
 
 
@@ -186,11 +200,23 @@ class AsyncOffloadConfig(_ConfigBase):
     debug: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("pinned_pool_mb", "prefetch_depth", "min_offload_bytes"):
-            self._check_int(name, "an int >= 0", lambda v: v >= 0)
+        self._check_int(
+            "pinned_pool_mb", f"an int in 0..{MAX_BYTES >> 20} (MiB)",
+            lambda v: 0 <= v <= MAX_BYTES >> 20,
+        )
+        self._check_int(
+            "prefetch_depth", f"an int in 0..{MAX_PREFETCH_DEPTH}",
+            lambda v: 0 <= v <= MAX_PREFETCH_DEPTH,
+        )
+        self._check_int(
+            "min_offload_bytes", f"an int in 0..{MAX_BYTES} (2**50)",
+            lambda v: 0 <= v <= MAX_BYTES,
+        )
         self._check_path("spill_dir")
-        self._check_float("max_disk_gb", "a float >= 0 or None", lambda v: v >= 0,
-                          optional=True)
+        self._check_float(
+            "max_disk_gb", f"a float in [0, {MAX_GB}] (GiB) or None",
+            lambda v: 0 <= v <= MAX_GB, optional=True,
+        )
         self._check_bool("debug")
 
 
@@ -264,13 +290,18 @@ class Config(_ConfigBase):
             if f.type == "bool":
                 self._check_bool(f.name)
         self._check_float(
-            "max_cpu_offload_gb", "a float >= 0 or None", lambda v: v >= 0, optional=True
+            "max_cpu_offload_gb", f"a float in [0, {MAX_GB}] (GiB) or None",
+            lambda v: 0 <= v <= MAX_GB, optional=True,
         )
         self._check_float("target_gpu_utilization", "a float in (0, 1]", lambda v: 0 < v <= 1)
         self._check_float(
-            "memory_budget_gb", "a float > 0 or None", lambda v: v > 0, optional=True
+            "memory_budget_gb", f"a float in (0, {MAX_GB}] (GiB) or None",
+            lambda v: 0 < v <= MAX_GB, optional=True,
         )
-        self._check_int("warmup_steps", "an int >= 1", lambda v: v >= 1)
+        self._check_int(
+            "warmup_steps", f"an int in 1..{MAX_WARMUP_STEPS}",
+            lambda v: 1 <= v <= MAX_WARMUP_STEPS,
+        )
         self._check_path("log_file")
         self._check_int(
             "observability_port", "an int in 1..65535 or None",

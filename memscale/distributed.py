@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 # Seconds every rank has to reach memscale's plan exchange
 # (MEMSCALE_DIST_TIMEOUT overrides).
 DEFAULT_TIMEOUT_S = 300.0
+MAX_TIMEOUT_S = 86400.0
 
 
 def _dist() -> Any:
@@ -91,9 +92,14 @@ def timeout_seconds() -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ValueError(f"MEMSCALE_DIST_TIMEOUT must be a number of seconds > 0, "
-                         f"got {raw!r}")
+    # Finite and at most a day: the barrier's timedelta and the process
+    # group's timeout take no infinity or NaN (and a week-long hang helps
+    # no one); unset the variable for the default.
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"MEMSCALE_DIST_TIMEOUT must be a number of seconds > 0 and at most "
+            f"{MAX_TIMEOUT_S:g} (a day), got {raw!r}; unset it for the default "
+            f"({DEFAULT_TIMEOUT_S:g} s)")
     return value
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import _core
@@ -26,8 +27,9 @@ class Executor(_core.Executor):
 
     Attributes set by ``wrap``: ``config`` (the effective Config),
     ``hardware`` (the device description the plan was made for),
-    ``profiling`` ("static", "empirical" or "warmup"), ``profile`` (what
-    was measured per layer, including output bytes and forward FLOPs),
+    ``profiling`` ("static", "empirical" or "warmup"; "first_step" until
+    the first training forward plans), ``profile`` (what was measured per
+    layer, including output bytes and forward FLOPs),
     ``decision`` (Stage 1's ``memscale.policy.StrategyDecision``, with its
     ``decision_source``; None until made) and ``metrics_server`` (the
     ``memscale.observability.MetricsServer`` serving this model's metrics,
@@ -43,6 +45,10 @@ class Executor(_core.Executor):
     profile: Any  # the _planning.Profile measured (None while warming up)
     decision: Any  # a memscale.policy.StrategyDecision, or None until made
     metrics_server: Any  # a memscale.observability.MetricsServer, or None
+    units: list[tuple[str, torch.nn.Module]]  # the planning units, while attached
+    # Without sample_input, until the first training forward has planned:
+    _first_forward: Any  # the memscale._firststep.FirstForward hooks
+    _measure_instead: Callable[[], None]  # switches to measuring real steps
 
     def _init_python_state(self, config: Config, hardware: dict[str, Any],
                            profiling: str) -> None:
@@ -57,6 +63,27 @@ class Executor(_core.Executor):
         self.optimizer: torch.optim.Optimizer | None = None  # the optimizer to train with (replaced when 8-bit)
         self.recompute_check: Any = None  # memscale._recompute_check.RecomputeCheck
         self._restore: list[Callable[[], None]] = []
+        # Run on a copy of the model (see memscale._copying): each undoes on
+        # the copy one change that detach undoes on the model.
+        self._copy_fixups: list[Callable[[Callable[[Any], Any]], None]] = []
+        self.layer_recomputes = 0  # see count_layer_recomputes
+        self.optimizer_steps = 0  # see count_steps
+
+    def pause(self) -> None:
+        """Make every hook of this executor do nothing until :meth:`resume`
+        (nests)."""
+        super().pause()
+        self.__dict__["_pause_depth"] = self.__dict__.get("_pause_depth", 0) + 1
+
+    def resume(self) -> None:
+        """Undo one :meth:`pause`."""
+        super().resume()
+        depth = self.__dict__.get("_pause_depth", 0)
+        self.__dict__["_pause_depth"] = max(0, depth - 1)
+
+    def is_paused(self) -> bool:
+        """Whether :meth:`pause` is in effect."""
+        return self.__dict__.get("_pause_depth", 0) > 0
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -72,17 +99,113 @@ class Executor(_core.Executor):
         """Run ``action`` when the executor is detached (LIFO order)."""
         self._restore.append(action)
 
+    def on_copy(self, fixup: Callable[[Callable[[Any], Any]], None]) -> None:
+        """Run ``fixup(copy_of)`` on every copy of the wrapped model, where
+        ``copy_of(obj)`` is the copy's counterpart of ``obj``: it undoes on
+        the copy a change of the model's that ``detach`` undoes."""
+        self._copy_fixups.append(fixup)
+
     def detach(self) -> None:
         """Remove every hook and undo every change; idempotent."""
         try:
             super().detach()
         finally:
+            # What refers to the model (the executor keeps no reference to
+            # it once detached).
+            for name in ("units", "_first_forward", "_measure_instead"):
+                self.__dict__.pop(name, None)
             while self._restore:
                 action = self._restore.pop()
                 try:
                     action()
                 except Exception:  # keep undoing the rest
                     logger.exception("memscale: a restore step failed")
+
+    def count_steps(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Count ``optimizer``'s ``step()`` calls in ``optimizer_steps``
+        (removed by detach)."""
+        self.optimizer_steps = 0
+        if optimizer is None:
+            return
+        ref = weakref.ref(self)
+
+        def counted(opt: Any, args: Any, kwargs: Any) -> None:
+            ex = ref()
+            if ex is not None:
+                ex.optimizer_steps += 1
+
+        self.on_detach(optimizer.register_step_post_hook(counted).remove)
+
+    def count_layer_recomputes(self, units: list[tuple[str, torch.nn.Module]],
+                               plan: Any) -> None:
+        """Count in ``layer_recomputes`` the forwards of the layers the plan
+        recomputes that run during backward: the recomputes, layer by layer
+        (``stats['recomputes']`` counts segments).  Removed by detach."""
+        import torch
+
+        ref = weakref.ref(self)
+        graph_task = torch._C._current_graph_task_id
+
+        def counted(module: torch.nn.Module, args: Any) -> None:
+            ex = ref()
+            if ex is not None and graph_task() != -1 and not ex.is_paused():
+                ex.layer_recomputes += 1
+
+        handles = self.__dict__.setdefault("_recompute_counters", [])
+        while handles:  # a new plan: count its layers only
+            handles.pop().remove()
+        if not handles and "_recompute_counters_removed" not in self.__dict__:
+            self.__dict__["_recompute_counters_removed"] = True
+
+            def remove() -> None:
+                while handles:
+                    handles.pop().remove()
+
+            self.on_detach(remove)
+        for (_, unit), layer in zip(units, plan.layers):
+            if {"checkpoint", "tiling"} & set(layer.techniques):
+                handles.append(unit.register_forward_pre_hook(counted))
+
+    def apply(self, plan: Any) -> None:
+        """Apply ``plan`` (see ``memscale._core.Executor.apply``)."""
+        super().apply(plan)
+        units = self.__dict__.get("units")
+        if units is not None:
+            self.count_layer_recomputes(units, plan)
+
+    @property
+    def plans_on_first_forward(self) -> bool:
+        """Whether the plan is still to be made on the first training
+        forward (``wrap`` without ``sample_input``)."""
+        first = self.__dict__.get("_first_forward")
+        return first is not None and first.pending
+
+    def measure_real_steps(self) -> None:
+        """Give up planning on the first training forward (which never
+        reached the model's forward, nor the module that holds every
+        planning unit): measure the next ``Config.warmup_steps`` training
+        forwards for real instead, then plan."""
+        if not self.plans_on_first_forward:
+            raise RuntimeError("memscale: measure_real_steps() is only possible "
+                               "before the first training forward was planned")
+        self.__dict__.pop("_measure_instead")()
+
+    def describe(self) -> str:
+        """The hardware and the plan, one row per layer (what ``wrap``
+        logs at DEBUG); a line saying so while there is no plan yet."""
+        from . import _planning
+
+        hw = self.hardware
+        lines = [f"memscale hardware: {hw['device']} x{hw['count']}, "
+                 f"{_planning.format_bytes(hw['capacity_bytes'])} each ({hw['name']})"]
+        plan = self.plan
+        if plan is None:
+            when = ("after the first Config.warmup_steps training forwards"
+                    if self.state == "profiling" else "on the first training forward")
+            lines.append(f"memscale: no plan yet; it is made {when}")
+        else:
+            lines.append(_planning.plan_table(plan))
+        return "\n".join(lines)
 
     def __repr__(self) -> str:
         plan = self.plan

@@ -5,9 +5,10 @@ such a layer's forward the executor (C) hands each of its tensor inputs to
 a tier and keeps only a record; the layer's recompute in backward reads
 them back first.
 
-- **disk** (``memscale._core.SpillStore``, C): one anonymous file per
-  tensor in a private ``0700`` directory, created ``0600`` and unlinked at
-  once, so the bytes live exactly as long as the record.  Synchronous
+- **disk** (``memscale._core.SpillStore``, C): a slot per tensor in one
+  anonymous file (so one descriptor, however many tensors are spilled) in
+  a private ``0700`` directory, created ``0600`` and unlinked at once; a
+  slot's space is freed when its record is read back or dropped.  Synchronous
   stores write in the calling thread with the GIL released; asynchronous
   ones (``Config.async_offload``) write on a C thread, finish what is in
   flight at the end of the forward, and prefetch ``prefetch_depth`` layers
@@ -21,7 +22,12 @@ them back first.
 
 ``attach`` sets this up for a plan and registers the clean-up: on
 ``detach``, when the executor is garbage-collected, and at interpreter
-exit the spill directory is removed.
+exit the spill directory is removed, by the process that created it only
+(a forked child that exits leaves its parent's directory alone).
+
+``fork()``: before it, every live store waits for its I/O thread's jobs in
+flight; in the child, the stores have no I/O thread and do their I/O
+synchronously, in spill files of their own (``os.register_at_fork``).
 """
 
 from __future__ import annotations
@@ -101,9 +107,30 @@ def _check_free_space(path: str, need: int, cap: int | None) -> None:
             "tier (AsyncOffloadConfig(max_disk_gb=...); 0 turns it off)")
 
 
-def _remove_dir(path: str) -> None:
+def _remove_dir(path: str, creator: int) -> None:
+    # Only by the process that made it: a forked child's exit (its
+    # finalizers run too) must not take the directory from its parent.
     # Files are unlinked when created, so the directory is normally empty.
-    shutil.rmtree(path, ignore_errors=True)
+    if os.getpid() == creator:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# Every live SpillStore of this process, for the fork hooks.
+_STORES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    for store in list(_STORES):
+        store._prepare_fork()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._after_fork_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 def _log_event(level: str, message: str) -> None:
@@ -122,6 +149,7 @@ def attach(executor: Any, config: Config, hardware: dict[str, Any], plan: Any) -
     cap = disk_cap_bytes(config)
     # The disk tier (also where the host tier spills beyond its cap).
     path = _make_spill_dir(settings.spill_dir)
+    creator = os.getpid()
     try:
         if disk:
             _check_free_space(path, disk, cap)
@@ -132,9 +160,10 @@ def attach(executor: Any, config: Config, hardware: dict[str, Any], plan: Any) -
             prefetch_depth=settings.prefetch_depth, debug=settings.debug,
             log=_log_event)
     except BaseException:
-        _remove_dir(path)
+        _remove_dir(path, creator)
         raise
-    finalizer = weakref.finalize(executor, _remove_dir, path)
+    _STORES.add(store)
+    finalizer = weakref.finalize(executor, _remove_dir, path, creator)
     host_tier = None
     if host:
         host_tier = HostTier(pool_bytes=settings.pinned_pool_mb << 20,

@@ -233,6 +233,13 @@ def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> Non
                 unit.__dict__["forward"] = previous
 
         executor.on_detach(restore)
+        if previous is not _MISSING:  # the copy gets the user's own forward
+
+            def restore_copy(copy_of: Any, unit: nn.Module = unit,
+                             previous: Any = previous) -> None:
+                copy_of(unit).__dict__["forward"] = copy_of(previous)
+
+            executor.on_copy(restore_copy)
 
 
 def layer_flags(units: list[tuple[str, nn.Module]]) -> list[int]:

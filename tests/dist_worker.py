@@ -38,6 +38,9 @@ def _step(target, x):
 
 
 def _train(rank, scenario, use_memscale, budget_gb=None):
+    # "-first": no sample_input; the plan is made in the first training forward.
+    first = scenario.endswith("-first")
+    scenario = scenario.removesuffix("-first")
     import memscale
     from conftest import tiny_gpt2, token_batch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -61,14 +64,15 @@ def _train(rank, scenario, use_memscale, budget_gb=None):
         model = DDP(model)
         wrapped = model
     if use_memscale:
-        memscale.wrap(wrapped, config, sample_input={"input_ids": x, "labels": x})
-        plan = wrapped._memscale_executor.plan
-        info.update(hash=plan.hash, budget=plan.budget_bytes, fixed=plan.fixed_bytes,
-                    techniques=plan.technique_counts)
+        memscale.wrap(wrapped, config,
+                      sample_input=None if first else {"input_ids": x, "labels": x})
     target = DDP(model) if scenario == "ddp" else model
     losses = [_step(target, x) for _ in range(2)]  # grads accumulate twice
     info.update(losses=losses, grads=_grads(model))
     if use_memscale:
+        plan = wrapped._memscale_executor.plan
+        info.update(hash=plan.hash, budget=plan.budget_bytes, fixed=plan.fixed_bytes,
+                    techniques=plan.technique_counts)
         info["recomputes"] = wrapped._memscale_executor.stats["recomputes"]
         info["spilled"] = wrapped._memscale_executor.offload_store.stats["tensors_written"]
         memscale.detach(wrapped)
@@ -81,12 +85,12 @@ def run(rank, world, scenario, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     result = {}
     try:
-        if scenario in ("ddp", "ddp-outer", "fsdp2"):
+        if scenario in ("ddp", "ddp-outer", "fsdp2", "ddp-first", "ddp-outer-first"):
             result["plain"] = _train(rank, scenario, False)
             result["memscale"] = _train(rank, scenario, True)
         elif scenario == "budgets":
             # Rank 1 is told it has far less memory: the plan is still one.
-            result["memscale"] = _train(rank, "ddp", True,
+            result["memscale"] = _train(rank, os.environ.get("DIST_SCENARIO", "ddp"), True,
                                         budget_gb=8.0 if rank == 0 else 0.001)
         elif scenario == "absent":
             # Rank 1 never calls wrap: rank 0 must fail with a clear error.

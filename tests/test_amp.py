@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -227,7 +229,19 @@ def test_an_interrupted_forward_does_not_leave_autocast_on():
     model.interrupt = True
     with pytest.raises(KeyboardInterrupt):
         model(torch.randn(2, 4))
-    assert torch.is_autocast_enabled("cpu")  # torch ran no hook
+    # torch ran no hook; the model's call guard left the autocast.
+    assert not torch.is_autocast_enabled("cpu")
+    model.interrupt = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing stale left for the next forward
+        model(torch.randn(2, 4))
+    assert not torch.is_autocast_enabled("cpu")
+    # Without the guard (the root's own _call_impl), the next forward leaves
+    # the stale autocast.
+    model.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        type(model)._call_impl(model, torch.randn(2, 4))
+    assert torch.is_autocast_enabled("cpu")
     model.interrupt = False
     with pytest.warns(RuntimeWarning, match="autocast it entered was left"):
         model(torch.randn(2, 4))

@@ -295,7 +295,11 @@ def test_torch_compile_is_correct_or_fails_clearly():
     # error in backward, never a wrong gradient.
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
-    with pytest.raises(RuntimeError, match="torch.compile"):
+    with pytest.raises(RuntimeError, match="torch.compile") as err:
         compiled(x).sum().backward()
+    # The advice fits what the user did: they wrapped it uncompiled already.
+    assert "wrap it uncompiled" not in str(err.value)
+    assert "backend='eager'" in str(err.value)
+    assert "memscale.detach(model) before compiling" in str(err.value)
     torch._dynamo.reset()
     memscale.detach(model)

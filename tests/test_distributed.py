@@ -44,14 +44,18 @@ def assert_equal_grads(a, b):
         assert torch.equal(x, y), (x - y).abs().max().item()
 
 
-@pytest.mark.parametrize("scenario", ["ddp", "ddp-outer", "fsdp2"])
+@pytest.mark.parametrize("scenario", ["ddp", "ddp-outer", "fsdp2", "ddp-first",
+                                      "ddp-outer-first"])
 def test_same_losses_gradients_and_plan(scenario, tmp_path):
+    # "-first": without sample_input, every rank plans in its first training
+    # forward (the plan exchanged then, once), which already runs under it.
     ranks = run_ranks(scenario, tmp_path)
     for r in ranks:
         plain, ours = r["plain"], r["memscale"]
         assert ours["losses"] == plain["losses"]
         assert_equal_grads(ours["grads"], plain["grads"])
-        assert ours["recomputes"] > 0  # checkpointing really ran
+        # Checkpointing really ran, in both steps.
+        assert ours["recomputes"] == 2 * ours["techniques"]["checkpoint"] > 0
         assert ours["techniques"]["checkpoint"] > 0
         assert ours["techniques"]["offload"] > 0 and ours["spilled"] > 0  # and offload
     # Gradients are synchronized: the same on both ranks.
@@ -71,8 +75,10 @@ def test_fsdp2_counts_sharded_parameters(tmp_path):
     assert fixed < 0.75 * full
 
 
-def test_a_rank_with_another_budget_gets_the_shared_plan(tmp_path):
-    ranks = run_ranks("budgets", tmp_path)
+@pytest.mark.parametrize("first", [False, True], ids=["sample", "first-forward"])
+def test_a_rank_with_another_budget_gets_the_shared_plan(first, tmp_path):
+    ranks = run_ranks("budgets", tmp_path,
+                      env={"DIST_SCENARIO": "ddp-first" if first else "ddp"})
     a, b = ranks[0]["memscale"], ranks[1]["memscale"]
     assert a["hash"] == b["hash"]
     assert a["budget"] == b["budget"] == int(0.001 * (1 << 30))  # the smallest

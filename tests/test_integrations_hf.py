@@ -21,7 +21,7 @@ import memscale
 from conftest import FORCE, hook_count, run_blocked, tiny_bert, tiny_gpt2
 from memscale.integrations.hf import MemScaleCallback
 
-STEPS = 4  # warm-up profiles steps 1-2, the plan applies from step 3
+STEPS = 4  # the plan is made in step 1's forward and applies from it on
 LAYERS = 3  # transformer blocks of the tiny models
 
 
@@ -144,13 +144,14 @@ def test_trainer_trains_with_memscale(name, how, baseline, tmp_path):
     assert losses(trainer) == ref_losses  # bitwise: dropout is replayed
     # The plan was applied during training: hooks on the model the Trainer
     # ran, and the checkpointed layers recomputed in backward.
-    assert probe.steps[0]["state"] == "profiling"
-    applied = [s for s in probe.steps if s["state"] == "applied"]
-    assert applied and all(s["hooks"] > ref_hooks for s in applied)
-    assert probe.steps[-1]["recomputes"] == LAYERS * (STEPS - 2)
-    # The figures went into the logs once the plan existed.
+    # From the first step on (no sample_input: planned inside its forward).
+    assert [s["state"] for s in probe.steps] == ["applied"] * STEPS
+    assert all(s["hooks"] > ref_hooks for s in probe.steps)
+    assert probe.steps[0]["recomputes"] == LAYERS
+    assert probe.steps[-1]["recomputes"] == LAYERS * STEPS
+    # The figures went into the logs from the first step on.
     logged = [e for e in trainer.state.log_history if "loss" in e]
-    assert "memscale/peak_projected_bytes" not in logged[0]
+    assert "memscale/peak_projected_bytes" in logged[0]
     last = logged[-1]
     assert last["memscale/checkpointed_layers"] == LAYERS
     assert last["memscale/bytes_saved"] == (last["memscale/peak_unoptimized_bytes"]
@@ -198,7 +199,7 @@ def test_hf_gradient_checkpointing_is_taken_over(baseline, tmp_path, caplog):
     # During training Hugging Face's checkpointing was off and memscale's
     # plan ran: each checkpointed layer recomputed exactly once per step.
     assert not any(s["hf_checkpointing"] for s in probe.steps)
-    assert probe.steps[-1]["recomputes"] == LAYERS * (STEPS - 2)
+    assert probe.steps[-1]["recomputes"] == LAYERS * STEPS
     # Afterwards Hugging Face's checkpointing is on again, exactly as it was.
     assert any(flag for _, flag, _ in probe.begin)
     assert hf_checkpointing_settings(model) == probe.begin
@@ -240,7 +241,7 @@ def test_train_that_raises_is_cleaned_up(baseline, tmp_path):
     trainer.add_callback(FailAt(1))
     with pytest.raises(RuntimeError, match="stop here"):
         trainer.train()
-    assert model._memscale_executor.state == "profiling"
+    assert model._memscale_executor.state == "applied"
     memscale.detach(trainer)
     assert memscale_hooks_gone(model)
     assert hook_count(model) == baseline["gpt2"][1]

@@ -31,9 +31,10 @@ BLOCKS = 4
 def module_class(pkg):
     class Lit(pkg.LightningModule):
         """MLP blocks and a head; training_step calls ``self(x)`` or, with
-        ``via_forward=False``, the submodules directly."""
+        ``via_forward=False``, the submodules directly (with "blockwise",
+        each block)."""
 
-        def __init__(self, via_forward: bool = True, fail_at: int | None = None):
+        def __init__(self, via_forward: bool | str = True, fail_at: int | None = None):
             super().__init__()
             torch.manual_seed(0)
             self.net = nn.Sequential(*[Block(32, p=0.1) for _ in range(BLOCKS)])
@@ -50,7 +51,12 @@ def module_class(pkg):
             if batch_idx == self.fail_at:
                 raise ValueError("boom")
             x, y = batch
-            out = self(x) if self.via_forward else self.head(self.net(x))
+            if self.via_forward == "blockwise":  # no module holds every block's call
+                for block in self.net:
+                    x = block(x)
+                out = self.head(x)
+            else:
+                out = self(x) if self.via_forward else self.head(self.net(x))
             loss = F.mse_loss(out, y)
             ex = self.__dict__.get("_memscale_executor")
             self.seen.append((ex.state if ex is not None else None,
@@ -98,7 +104,7 @@ def no_contexts_left():
 def baseline():
     """Per via_forward: the losses of an unwrapped fit."""
     out = {}
-    for via_forward in (True, False):
+    for via_forward in (True, False, "blockwise"):
         module = Lit(via_forward)
         fit(module)
         out[via_forward] = module.losses
@@ -116,7 +122,9 @@ def test_fit_with_memscale(via_forward, baseline):
     assert len(baseline[via_forward]) == STEPS
     assert module.losses == baseline[via_forward]  # bitwise, dropout replayed
     states = [state for state, _, _ in module.seen]
-    assert states[0] == "profiling" and states[-1] == "applied"
+    # self(x), or self.net(x) (which holds every block): planned inside the
+    # first forward, applied from it on.
+    assert states == ["applied"] * STEPS
     assert all(hooks > hooks_before for state, _, hooks in module.seen
                if state == "applied")
     # Checkpointed blocks recomputed in backward.
@@ -132,13 +140,14 @@ def test_fit_with_memscale(via_forward, baseline):
 
 
 def test_submodule_call_profiles_through_the_callback(baseline):
-    # training_step never calls self(...): the first batch shows it, and the
-    # callback marks the next warm-up passes itself.
-    module = Lit(via_forward=False)
+    # training_step never calls self(...), nor one module that holds every
+    # planned layer: the first batch shows it, and the callback marks the
+    # next warm-up passes itself.
+    module = Lit(via_forward="blockwise")
     fit(module, [MemScaleCallback(FORCE)], steps=5)
     assert [s for s, _, _ in module.seen] == [
-        "profiling", "profiling", "profiling", "applied", "applied"]
-    assert module.losses[:STEPS] == baseline[False]
+        "idle", "profiling", "profiling", "applied", "applied"]
+    assert module.losses[:STEPS] == baseline["blockwise"]
 
 
 def test_resume_replans_the_same_plan(tmp_path):

@@ -149,6 +149,12 @@ def test_interrupted_forward_is_cleaned_up():
     model[1].interrupt = True
     with pytest.raises(KeyboardInterrupt):
         model(x)
+    # The model's call guard left what the interrupted forward entered.
+    assert _active_saved_tensor_hooks() is None
+    # A layer called on its own has no guard: its frame is left until the
+    # model's next forward.
+    with pytest.raises(KeyboardInterrupt):
+        model[1](x)
     assert _active_saved_tensor_hooks() is not None  # left by the interrupt
     model[1].interrupt = False
     with pytest.warns(RuntimeWarning, match="interrupted"):
@@ -291,13 +297,17 @@ def test_aggressive_mode_tiles_and_detach_restores_forward(caplog):
 
 def test_plan_is_logged_as_a_table(caplog):
     model = mlp()
-    with caplog.at_level(logging.INFO, logger="memscale"):
+    with caplog.at_level(logging.DEBUG, logger="memscale"):
         memscale.wrap(model, FORCE, sample_input=torch.randn(2, 32))
     assert "memscale hardware: cpu" in caplog.text
     assert "force-all" in caplog.text and "bytes saved" in caplog.text
+    # Each layer names the segment it is recomputed with (itself, alone).
+    rows = [line.split() for line in caplog.text.splitlines() if line.startswith("  ")]
+    assert rows[0][:5] == ["layer", "kind", "technique", "segment", "tier"]
+    assert all(row[3] == row[0] for row in rows[1:]), rows
     memscale.detach(model)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="memscale"):
+    with caplog.at_level(logging.DEBUG, logger="memscale"):
         memscale.wrap(model, FORCE.replace(enable_logging=False),
                       sample_input=torch.randn(2, 32))
     assert "force-all" not in caplog.text
@@ -347,6 +357,19 @@ def test_smart_skip_leaves_small_models_alone():
     assert plan.skipped and plan.technique_counts["checkpoint"] == 0
     assert {l.rule for l in plan.layers} == {"smart-skip"}
     memscale.detach(model)
+
+
+def test_smart_skip_says_why_and_what_changes_it(caplog):
+    model = mlp()
+    with caplog.at_level(logging.INFO, logger="memscale"):
+        memscale.wrap(model, memscale.Config(), sample_input=torch.randn(2, 32))
+    memscale.detach(model)
+    (line,) = [r.getMessage() for r in caplog.records if "smart-skip" in r.getMessage()]
+    # Why: the peak, the budget and where the budget comes from (85% of
+    # this host's RAM); what changes it: the one setting.
+    assert "left alone" in line and "fits comfortably in the budget of" in line
+    assert "85% of" in line and "host RAM, Config.target_gpu_utilization" in line
+    assert "Config(force_optimize=True)" in line
 
 
 def test_profile_reports_every_layer_measurement():

@@ -4,6 +4,7 @@ conflicts, the host option, log files, and cleanup after errors."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -70,13 +71,16 @@ def test_scrape_during_training():
     model = mlp()
     x = torch.randn(8, 32)
     port = free_port()
-    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port), sample_input=x)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port), sample_input=x,
+                  optimizer=optimizer)
     executor = model._memscale_executor
     server = executor.metrics_server
     assert server.url == f"http://127.0.0.1:{port}/metrics" and server.running
 
     before = scrape(server.url)
-    assert value(before, "memscale_training_steps_total") == 0
+    assert value(before, "memscale_training_forwards_total") == 0
+    assert value(before, "memscale_optimizer_steps_total") == 0
     assert value(before, "memscale_plan_layers", technique="checkpoint") == 4
     assert value(before, "memscale_plan_layers", technique="none") == 0
     assert value(before, "memscale_executor_state", state="applied") == 1
@@ -88,7 +92,10 @@ def test_scrape_during_training():
         executor.plan.peak_projected_bytes
     assert value(before, "memscale_activation_saved_bytes") == \
         sum(layer.bytes_saved for layer in executor.plan.layers) > 0
-    assert value(before, "memscale_measured_peak_bytes", source="process_peak_rss") > 0
+    # Process and device memory apart: a CPU host has no device allocator.
+    assert value(before, "memscale_process_peak_resident_bytes") > 0
+    assert math.isnan(value(before, "memscale_device_peak_allocated_bytes"))
+    assert not any(k[0] == "memscale_measured_peak_bytes" for k in before)
     info = [k for k in before if k[0] == "memscale_build_info"]
     assert dict(info[0][1])["version"] == memscale.__version__
     plan_info = dict(next(k for k in before if k[0] == "memscale_plan_info")[1])
@@ -102,15 +109,20 @@ def test_scrape_during_training():
         lambda *args: during.append(scrape(server.url)))
     for _ in range(3):
         model(x).sum().backward()
+        optimizer.step()
     handle.remove()
-    assert [value(s, "memscale_training_steps_total") for s in during] == [1, 2, 3]
-    assert value(during[0], "memscale_active_checkpoint_frames") == 0
-    assert value(during[0], "memscale_checkpoint_frames_total") == 4
+    assert [value(s, "memscale_training_forwards_total") for s in during] == [1, 2, 3]
+    assert [value(s, "memscale_optimizer_steps_total") for s in during] == [0, 1, 2]
+    assert value(during[0], "memscale_active_checkpoint_segments") == 0
+    assert value(during[0], "memscale_checkpoint_segments_total") == 4
 
     after = scrape(server.url)
-    assert value(after, "memscale_training_steps_total") == 3
-    assert value(after, "memscale_checkpoint_frames_total") == 12
-    assert value(after, "memscale_recomputes_total") >= 12
+    assert value(after, "memscale_training_forwards_total") == 3
+    assert value(after, "memscale_optimizer_steps_total") == 3
+    assert value(after, "memscale_checkpoint_segments_total") == 12
+    # Every layer alone: a segment per layer, one layer per recompute.
+    assert value(after, "memscale_segment_recomputes_total") == 12
+    assert value(after, "memscale_layer_recomputes_total") == 12
     assert value(after, "memscale_recompute_seconds_total") > 0
     assert value(after, "memscale_recompute_seconds_total") == pytest.approx(
         executor.stats["recompute_seconds"])
@@ -140,23 +152,87 @@ def test_metric_names_follow_prometheus_conventions():
             assert family.name.endswith("_seconds"), family.name
 
 
+def names(samples) -> set[tuple[str, tuple]]:
+    return {(name, tuple(k for k, _ in labels)) for name, labels in samples}
+
+
+def test_every_metric_is_exported_before_the_plan():
+    model = mlp()
+    x = torch.randn(8, 32)
+    port = free_port()
+    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port))
+    url = model._memscale_executor.metrics_server.url
+    first = scrape(url)  # no sample_input: planned in the first forward
+    assert value(first, "memscale_executor_state", state="idle") == 1
+    assert value(first, "memscale_plan_layers", technique="checkpoint") == 0
+    assert value(first, "memscale_training_forwards_total") == 0
+    assert value(first, "memscale_layer_recomputes_total") == 0
+    assert math.isnan(value(first, "memscale_predicted_peak_bytes", plan="optimized"))
+    assert math.isnan(value(first, "memscale_memory_pressure_ratio"))
+    assert value(first, "memscale_memory_budget_bytes") > 0  # known before the plan
+    plan_info = dict(next(k for k in first if k[0] == "memscale_plan_info")[1])
+    assert plan_info["hash"] == "" and plan_info["profiling"] == "first_step"
+    for _ in range(3):
+        model(x).sum().backward()
+    later = scrape(url)
+    assert names(later) == names(first)  # the same series, before and after
+    assert value(later, "memscale_executor_state", state="applied") == 1
+    assert value(later, "memscale_profiled_passes_total") == 0
+    assert value(later, "memscale_plan_layers", technique="checkpoint") == 4
+    assert value(later, "memscale_layer_recomputes_total") == 12
+    memscale.detach(model)
+    assert port_is_free(port)
+
+
 def test_warmup_metrics_follow_the_executor():
     model = mlp()
     x = torch.randn(8, 32)
     port = free_port()
-    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port, warmup_steps=2))
+    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port, warmup_steps=2,
+                                         use_static_profiling=False))
     url = model._memscale_executor.metrics_server.url
     first = scrape(url)
     assert value(first, "memscale_executor_state", state="profiling") == 1
-    assert not any(k[0] == "memscale_plan_info" for k in first)
     for _ in range(3):
         model(x).sum().backward()
     later = scrape(url)
     assert value(later, "memscale_executor_state", state="applied") == 1
     assert value(later, "memscale_profiled_passes_total") == 2
     assert value(later, "memscale_plan_layers", technique="checkpoint") == 4
+    assert value(later, "memscale_layer_recomputes_total") == 4  # the applied step
     memscale.detach(model)
     assert port_is_free(port)
+
+
+def test_layer_and_segment_recomputes_are_counted_apart():
+    from conftest import tiny_gpt2, token_batch
+
+    from memscale import _core
+
+    model = tiny_gpt2(dropout=0.0).train()
+    ids = token_batch()
+    port = free_port()
+    memscale.wrap(model, memscale.Config(enable_logging=False, observability_port=port),
+                  sample_input=ids)
+    ex = model._memscale_executor
+    # A plan with a segment of two blocks (the budget planner's, from the
+    # profile with inflated inputs: see test_segments.py).
+    inputs = _planning.plan_inputs(ex.profile, ex.config, ex.hardware, 0)
+    rows = [(n, k, pb, sb, sb * 9 // 10, fl, fg)
+            for (n, k, pb, sb, ib, fl, fg) in inputs["layers"]]
+    total = sum(row[3] for row in rows)
+    inputs.update(layers=rows, fixed_bytes=0, activation_bytes=total, peak_offset_bytes=0,
+                  budget_bytes=int(total * 0.7))
+    plan = _core.build_plan(**inputs)
+    assert [layer.segment for layer in plan.layers] == [0, 0, -1]
+    ex.apply(plan)
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+    after = scrape(ex.metrics_server.url)
+    assert value(after, "memscale_checkpoint_segments_total") == 2
+    assert value(after, "memscale_segment_recomputes_total") == 2
+    assert value(after, "memscale_layer_recomputes_total") == 4  # two blocks each
+    memscale.detach(model)
 
 
 @pytest.mark.parametrize("with_sample", [True, False])
@@ -338,8 +414,12 @@ def test_stderr_unless_the_application_configured_logging(tmp_path):
     default = err.split("== default")[1].split("== disabled")[0]
     disabled = err.split("== disabled")[1].split("== configured")[0]
     configured = err.split("== configured")[1].split("== end")[0]
-    assert "INFO memscale.api: memscale hardware: cpu" in default
-    assert "memscale plan " in default and "decision_source=user_config" in default
+    # Quiet by default: one INFO line for the plan, and where the table is.
+    lines = [line for line in default.splitlines() if "memscale" in line]
+    assert len(lines) == 1, default
+    assert lines[0].startswith("INFO memscale.api: memscale: plan ")
+    assert "describe()" in lines[0] and "mode conservative" in lines[0]
+    assert "hardware" not in default and "decision_source" not in default
     assert "memscale" not in disabled
     assert "memscale" not in configured
     assert done.stdout == ""  # no print outside the CLI
@@ -361,3 +441,127 @@ def test_offloaded_bytes_are_scraped():
     assert value(after, "memscale_offloaded_bytes_total", tier="disk") == 3 * 4 * 8 * 32 * 4
     assert value(after, "memscale_offloaded_bytes_total", tier="cpu") == 0
     memscale.detach(model)
+
+
+def scrape_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("memscale-scrape")]
+
+
+def http_get(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def wait_for(condition, what: str, limit: float = 30.0) -> None:
+    """Poll ``condition`` (a server thread finishing, a timeout firing); the
+    limit only stops a test that would otherwise hang."""
+    import time
+
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.02)
+
+
+def test_only_the_metrics_path_is_served():
+    """Issue 20, item 6: every GET path returned the metrics."""
+    model = mlp()
+    port = free_port()
+    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port))
+    assert http_get(port, "/metrics") == 200
+    for path in ("/", "/favicon.ico", "/metrics/extra", "/admin"):
+        assert http_get(port, path) == 404, path
+    assert http_get(port, "/metrics?name[]=memscale_hooks") == 200
+    memscale.detach(model)
+
+
+def test_idle_connections_are_capped_and_time_out(monkeypatch):
+    """Issue 20, item 6: 300 idle connections made 302 threads that never
+    timed out."""
+    from memscale.observability import metrics
+
+    monkeypatch.setattr(metrics, "IDLE_TIMEOUT_S", 600.0, raising=False)
+    model = mlp()
+    port = free_port()
+    before = threading.active_count()
+    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port))
+    idle = []
+    try:
+        for _ in range(40):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            idle.append(s)
+            # The server thread and at most MAX_CONNECTIONS others.
+            assert threading.active_count() <= before + 1 + metrics.MAX_CONNECTIONS
+        # Beyond the cap, a connection is answered 503 and closed.
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert s.recv(1024).startswith(b"HTTP/1.0 503")
+        s.close()
+    finally:
+        for s in idle:
+            s.close()
+    wait_for(lambda: scrape_threads() == [], "closed connections' threads ended")
+    # An idle connection is closed by the server after IDLE_TIMEOUT_S.
+    monkeypatch.setattr(metrics, "IDLE_TIMEOUT_S", 0.2)
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
+    try:
+        for s in idle:
+            assert s.recv(1) == b""  # the server closed it
+    finally:
+        for s in idle:
+            s.close()
+    wait_for(lambda: scrape_threads() == [], "idle connections' threads ended")
+    assert value(scrape(f"http://127.0.0.1:{port}/metrics"), "memscale_hooks") > 0
+    memscale.detach(model)
+    assert metrics_threads() == [] and port_is_free(port)
+
+
+def test_a_model_dropped_without_detach_frees_the_port():
+    """Issue 20, item 6: the server thread and the port outlived a model
+    dropped without detach."""
+    import gc
+
+    model = mlp()
+    port = free_port()
+    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port))
+    assert http_get(port, "/metrics") == 200
+    del model
+    gc.collect()
+    wait_for(lambda: metrics_threads() == [], "the server thread ended")
+    assert port_is_free(port)
+    again = mlp()
+    memscale.wrap(again, memscale.Config(**FORCE, observability_port=port))
+    memscale.detach(again)
+
+
+def test_a_forked_child_does_not_keep_the_port():
+    """Issue 20, item 6: a forked DataLoader worker inherited the listening
+    socket, so the port stayed bound after detach and a re-wrap failed."""
+    model = mlp()
+    port = free_port()
+    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port))
+    server = model._memscale_executor.metrics_server
+    assert not os.get_inheritable(server._httpd.socket.fileno())  # close-on-exec
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child waits, as a worker would, holding what it inherited
+        try:
+            os.close(write_end)
+            os.read(read_end, 1)
+        finally:
+            os._exit(0)
+    os.close(read_end)
+    try:
+        memscale.detach(model)
+        assert port_is_free(port)
+        again = mlp()
+        memscale.wrap(again, memscale.Config(**FORCE, observability_port=port))
+        assert http_get(port, "/metrics") == 200
+        memscale.detach(again)
+    finally:
+        os.close(write_end)
+        os.waitpid(pid, 0)

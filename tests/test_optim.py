@@ -228,6 +228,41 @@ def test_non_finite_gradients_do_not_corrupt_other_elements():
     assert int(state["exp_avg"][0]) == 127
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_one_non_finite_gradient_element_stays_in_its_element(bad):
+    """An inf gradient element used to make its block's scale infinite, and
+    the next step decoded the whole 64-element block as NaN (issue 20).  As
+    in torch's AdamW, only that element's parameter goes non-finite; every
+    other element of the block takes, step after step, exactly the update it
+    takes when that element's gradient is 0, and stays near AdamW's."""
+    n, bad_at, steps = 256, 70, 4  # element 6 of the second block
+    torch.manual_seed(0)
+    start = torch.randn(n)
+    grads = [torch.randn(n) for _ in range(steps)]
+    runs = {}
+    for name in ("bad", "zero", "adamw"):
+        p = torch.nn.Parameter(start.clone())
+        opt = (torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1) if name == "adamw"
+               else AdamW8bit([p], lr=1e-2, weight_decay=0.1, min_8bit_size=0))
+        for i, g in enumerate(grads):
+            g = g.clone()
+            if i == 0:
+                g[bad_at] = 0.0 if name == "zero" else bad
+            elif name != "adamw":
+                g[bad_at] = 0.0
+            p.grad = g
+            opt.step()
+        runs[name] = p.detach()
+    others = torch.ones(n, dtype=torch.bool)
+    others[bad_at] = False
+    assert not torch.isfinite(runs["bad"][bad_at])
+    assert not torch.isfinite(runs["adamw"][bad_at])  # AdamW does the same
+    assert torch.isfinite(runs["bad"][others]).all()
+    assert torch.equal(runs["bad"][others], runs["zero"][others])
+    # 8-bit moments: within 5e-3 of AdamW after 4 steps of up to 1e-2 each.
+    assert torch.allclose(runs["bad"][others], runs["adamw"][others], atol=5e-3, rtol=0)
+
+
 def test_a_step_is_visible_to_autograd():
     p = torch.nn.Parameter(torch.randn(8192))
     opt = AdamW8bit([p], lr=1e-2)

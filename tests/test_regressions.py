@@ -12,7 +12,7 @@ from torch import nn
 
 import memscale
 from memscale import _core
-from conftest import FORCE, assert_same_grads, mlp, twins
+from conftest import FORCE, assert_same_grads, hook_count, mlp, twins
 
 
 def _top_hooks():
@@ -52,15 +52,21 @@ def test_backward_inside_a_checkpointed_forward_is_an_error_not_a_crash():
     ex.detach()
 
 
-def test_detach_during_an_interrupted_warmup_pass_removes_every_hook():
+@pytest.mark.parametrize("static", [False, True], ids=["warmup", "first-forward"])
+def test_detach_during_an_interrupted_warmup_pass_removes_every_hook(static):
     model = mlp()
-    memscale.wrap(model, FORCE)  # warm-up profiling
+    # Real steps measured, or the first forward planned (the interrupt then
+    # comes in the planning's fake-tensor pass: memscale detaches itself).
+    memscale.wrap(model, FORCE.replace(use_static_profiling=static))
     original = model[2].fc2.forward
     model[2].fc2.forward = lambda x: (_ for _ in ()).throw(KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         model(torch.randn(2, 32, requires_grad=True))
     model[2].fc2.forward = original
-    memscale.detach(model)
+    if static:
+        assert "_memscale_executor" not in model.__dict__ and hook_count(model) == 0
+    else:
+        memscale.detach(model)
     assert _top_hooks() is None
     ref = weakref.ref(model)
     del model
@@ -193,7 +199,7 @@ def test_stale_frames_are_cleaned_even_when_warnings_are_errors():
     original = model[1].fc2.forward
     model[1].fc2.forward = lambda t: (_ for _ in ()).throw(KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
-        model(x)
+        model[1](x)  # a layer on its own: no call guard, the frame stays
     model[1].fc2.forward = original
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -242,7 +248,8 @@ def test_double_backward_matches_unwrapped():
 
 def test_interrupted_warmup_pass_is_dropped_not_merged():
     model = mlp()
-    memscale.wrap(model, FORCE.replace(warmup_steps=1))
+    # Real steps are measured without fake-tensor profiling.
+    memscale.wrap(model, FORCE.replace(warmup_steps=1, use_static_profiling=False))
     ex = model._memscale_executor
     original = model[1].fc2.forward
     model[1].fc2.forward = lambda t: (_ for _ in ()).throw(KeyboardInterrupt())
@@ -250,7 +257,9 @@ def test_interrupted_warmup_pass_is_dropped_not_merged():
         model(torch.randn(2, 32))
     model[1].fc2.forward = original
     assert ex.state == "profiling"
-    with pytest.warns(RuntimeWarning, match="interrupted"):
+    assert _top_hooks() is None  # dropped by the call guard at once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing stale is found
         model(torch.randn(2, 32)).sum().backward()
     assert ex.state == "applied"
     assert _top_hooks() is None

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 
 import pytest
@@ -106,7 +107,7 @@ def test_warmup_wrap_emits_plan_built(tmp_path):
     _telemetry.enable(str(sink))
     model = mlp()
     memscale.wrap(model, memscale.Config(mode="conservative", force_optimize=True,
-                                         warmup_steps=1))
+                                         warmup_steps=1, use_static_profiling=False))
     x = torch.randn(4, 32)
     for _ in range(2):
         model(x).sum().backward()
@@ -114,6 +115,20 @@ def test_warmup_wrap_emits_plan_built(tmp_path):
     wrap_called, plan_built = events(sink)
     assert wrap_called["event"] == "wrap_called" and wrap_called["planned"] is False
     assert wrap_called["techniques"] is None and wrap_called["profiling"] == "warmup"
+    assert plan_built["event"] == "plan_built" and plan_built["planned"] is True
+    assert plan_built["techniques"] == ["checkpoint"] and plan_built["arch_class"] == "mlp"
+
+
+def test_first_step_wrap_emits_plan_built(tmp_path):
+    sink = tmp_path / "first.jsonl"
+    _telemetry.enable(str(sink))
+    model = mlp()
+    memscale.wrap(model, memscale.Config(mode="conservative", force_optimize=True))
+    model(torch.randn(4, 32)).sum().backward()
+    memscale.detach(model)
+    wrap_called, plan_built = events(sink)
+    assert wrap_called["planned"] is False and wrap_called["profiling"] == "first_step"
+    assert plan_built["profiling"] == "static"
     assert plan_built["event"] == "plan_built" and plan_built["planned"] is True
     assert plan_built["techniques"] == ["checkpoint"] and plan_built["arch_class"] == "mlp"
 
@@ -220,3 +235,55 @@ def test_enable_checks_its_argument():
         _telemetry.enable("")
     with pytest.raises(TypeError):
         _telemetry.enable(None)
+
+
+def test_a_symlink_at_the_path_is_refused(tmp_path, caplog):
+    """A link planted at the telemetry path must not redirect the writes
+    (issue 20): the event is dropped with a warning, the target untouched."""
+    target = tmp_path / "victim"
+    target.write_text("precious\n")
+    os.chmod(target, 0o644)
+    link = tmp_path / "t.jsonl"
+    link.symlink_to(target)
+    _telemetry.enable(link)
+    model = mlp()
+    x = torch.randn(4, 32)
+    with caplog.at_level(logging.WARNING, logger="memscale"):
+        memscale.wrap(model, FORCE, sample_input=x)
+    memscale.detach(model)
+    assert target.read_text() == "precious\n"
+    assert link.is_symlink()
+    assert "is a symbolic link" in caplog.text
+    assert "point it at a regular file" in caplog.text
+
+
+def test_a_new_file_is_private(tmp_path):
+    sink = tmp_path / "t.jsonl"
+    _telemetry.enable(sink)
+    old = os.umask(0o022)
+    try:
+        model = mlp()
+        memscale.wrap(model, FORCE, sample_input=torch.randn(4, 32))
+        memscale.detach(model)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(sink.stat().st_mode) == 0o600
+    assert len(events(sink)) == 1
+
+
+def test_a_fifo_at_the_path_is_refused(tmp_path, caplog):
+    """Only a regular file takes events (a FIFO without a reader would block
+    wrap forever; one with a reader would send events to another process)."""
+    fifo = tmp_path / "t.jsonl"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        _telemetry.enable(fifo)
+        model = mlp()
+        with caplog.at_level(logging.WARNING, logger="memscale"):
+            memscale.wrap(model, FORCE, sample_input=torch.randn(4, 32))
+        memscale.detach(model)
+        assert os.read(reader, 4096) == b""  # nothing was written
+    finally:
+        os.close(reader)
+    assert "is not a regular file" in caplog.text

@@ -376,14 +376,17 @@ def test_evaluation_and_no_grad_run_untiled():
     memscale.detach(model)
 
 
-def test_warmup_path_tiles_too():
+@pytest.mark.parametrize("static", [False, True], ids=["warmup", "first-forward"])
+def test_warmup_path_tiles_too(static):
+    # Without sample_input: real steps measured (use_static_profiling=False),
+    # or the first forward planned on fake tensors and already tiled.
     model, ref = mlp(width=16), mlp(width=16)
     x = torch.randn(2, 32, 16)
-    memscale.wrap(model, FORCE_TILE.replace(warmup_steps=1))
-    train_step(model, x)  # profiled
+    memscale.wrap(model, FORCE_TILE.replace(warmup_steps=1, use_static_profiling=static))
+    train_step(model, x)  # profiled, or planned and tiled
     assert model._memscale_executor.plan.technique_counts["tiling"] == 4
     assert_agrees(model, ref, x)
-    assert model._memscale_executor.stats["tiled_calls"] == 4
+    assert model._memscale_executor.stats["tiled_calls"] == (8 if static else 4)
     memscale.detach(model)
     assert all("forward" not in m.__dict__ for m in model)
 

@@ -224,10 +224,20 @@ def test_a_forward_without_backward_passes_the_check_to_the_next():
     memscale.detach(model)
 
 
+def test_planned_in_the_first_forward_the_first_step_is_checked():
+    model = mlp(p=0.1)
+    x = torch.randn(8, 32)
+    memscale.wrap(model, VERIFY)  # no sample_input: planned in the first forward
+    verifier = model._memscale_executor.verifier
+    model(x).sum().backward()
+    assert verifier.done and verifier.report["gradient_abs"] == 0.0
+    memscale.detach(model)
+
+
 def test_with_warmup_profiling_the_first_applied_step_is_checked():
     model = mlp(p=0.1)
     x = torch.randn(8, 32)
-    memscale.wrap(model, VERIFY.replace(warmup_steps=2))
+    memscale.wrap(model, VERIFY.replace(warmup_steps=2, use_static_profiling=False))
     verifier = model._memscale_executor.verifier
     for _ in range(2):
         model(x).sum().backward()

@@ -95,6 +95,7 @@ def plot(results: list[VariantResult], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.artist import Artist
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -116,7 +117,7 @@ def plot(results: list[VariantResult], path: str) -> None:
         ax.scatter(r.time_ratio, y, marker=markers.get(r.variant, "x"), color=color,
                    s=sizes.get(r.variant, 50), alpha=0.6, edgecolors="black",
                    linewidths=0.5)
-    handles = [Patch(color=colors[i % len(colors)], label=name)
+    handles: list[Artist] = [Patch(color=colors[i % len(colors)], label=name)
                for i, name in enumerate(models)]
     handles += [Line2D([], [], linestyle="none", marker=marker, color="gray",
                        markeredgecolor="black", label=variant)

@@ -100,6 +100,8 @@ def _summary(executor: Any) -> str:
     """One line for the log at the end of training."""
     plan = executor.plan
     if plan is None:
+        if executor.profiling == "first_step":
+            return "no plan was made: no training forward ran"
         return ("no plan was made: training ended during the warm-up "
                 f"({executor.stats['steps']} of {executor.config.warmup_steps} "
                 "forward passes profiled)")

@@ -11,8 +11,9 @@ and prepared the model with accelerate.  The callback then wraps the model
 the Trainer trains, ``kwargs["model"]`` with any DDP / DataParallel /
 ``torch.compile`` wrapper looked through, so the hooks sit on the modules
 whose forward runs.  The Trainer's optimizer sharpens the estimate.
-Unless a ``sample_input`` is given, the first ``config.warmup_steps``
-training forwards are profiled and the plan applies from the next one.
+Unless a ``sample_input`` is given, the plan is made inside the first
+training forward, from its own inputs, and that forward already runs
+under it (see ``memscale.wrap``).
 When training ends (``on_train_end``) everything is detached, so nothing is
 left on the model once ``train()`` returns.
 
@@ -70,8 +71,8 @@ class MemScaleCallback(TrainerCallback):
 
     ``config`` is a :class:`memscale.Config` (None: ``Config()``).
     ``sample_input`` (keyword only) is passed to :func:`memscale.wrap` to
-    profile up front instead of during the first training steps; it must be
-    model inputs on the model's device.  Every hook accepts ``**kwargs``.
+    profile up front instead of inside the first training forward; it must
+    be model inputs on the model's device.  Every hook accepts ``**kwargs``.
     While training runs, :attr:`executor` is memscale's executor.
     """
 

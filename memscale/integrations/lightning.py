@@ -15,14 +15,16 @@ installed (``lightning.pytorch`` and the older ``pytorch_lightning``; the
   optimizers are built.  memscale wraps the LightningModule; a single
   optimizer sharpens the estimate (with several, Adam is assumed for every
   parameter).
-- The first ``config.warmup_steps`` training forwards are profiled, then
-  the plan applies.  When ``training_step`` calls ``self(...)``, the
-  LightningModule's own forward marks each profiled pass, as for any
-  wrapped model.  When it calls its submodules directly, that forward
-  never runs; the callback sees this on the first training batch, and
-  from the next batch on a profiled pass runs from ``on_train_batch_start``
-  to ``on_before_backward`` (the warm-up then takes one batch more).
-  Sanity-check and validation batches are never counted.
+- The plan is made inside the first training forward, from its own
+  inputs (on fake tensors), and that forward already runs under it, as
+  with ``memscale.wrap(model)``: when ``training_step`` calls
+  ``self(...)``, or a submodule that holds every layer memscale plans
+  (``self.model(**batch)`` around a Hugging Face model).  When it calls
+  several submodules directly, no single forward sees the whole model;
+  the callback sees this on the first training batch (which then runs
+  unoptimized), measures the next ``config.warmup_steps`` batches for real,
+  from ``on_train_batch_start`` to ``on_before_backward``, and plans after
+  them.  Sanity-check and validation batches are never counted.
 - ``teardown`` (and ``on_exception``) detach, so nothing is left on the
   module once ``fit`` returns or raises.
 - ``state_dict`` stores the Config and the plan's hash in Lightning
@@ -154,11 +156,12 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
     def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any,
                              **kwargs: Any) -> None:
         executor = self._executor
-        if executor is None or executor.state != "profiling" or self._in_pass:
+        if (executor is None or self._in_pass
+                or not (executor.state == "profiling" or executor.plans_on_first_forward)):
             return
         if self._bracket is None:  # first batch: does forward run?
             self._forwards_before = executor.stats["training_forwards"]
-        elif self._bracket:
+        elif self._bracket and executor.state == "profiling":
             # Open the pass as the LightningModule's forward pre-hook would
             # (the executor's own hook, called by hand).
             executor._root_pre(pl_module, (), {})
@@ -178,6 +181,17 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
             # of the LightningModule was counted during the batch.
             self._bracket = (executor.stats["training_forwards"]
                              == self._forwards_before)
+            if self._bracket and executor.plans_on_first_forward:
+                # Neither the LightningModule's forward nor a module that
+                # holds every planning unit ran: no inputs to plan from.
+                logger.info("memscale: training_step calls neither the "
+                            "LightningModule's forward nor one module holding "
+                            "every layer memscale plans; measuring the next %d "
+                            "training steps for real (they run unoptimized), "
+                            "then planning. Call self(...) in training_step to "
+                            "have the plan from the first step.",
+                            executor.config.warmup_steps)
+                executor.measure_real_steps()
             if self._bracket and executor.state == "profiling":
                 logger.debug("memscale: training_step does not call the "
                              "LightningModule's forward; the callback marks "

@@ -7,18 +7,22 @@ asked.  ``wrap`` asks, per its Config:
 * ``enable_logging=True`` (the default) and the application has not
   configured logging (the root logger has no handler, and nobody set a
   level or a handler on ``memscale``): a handler on ``memscale`` prints INFO
-  and above to ``sys.stderr``, so the hardware and the plan table are seen.
+  and above to ``sys.stderr``: one line per plan (what was decided, the
+  expected peak, where the details are), warnings, and little else.  The
+  hardware, the strategy decision and the per-layer plan table are DEBUG
+  records (``model._memscale_executor.describe()`` returns them too).
   When the application has configured logging, memscale adds nothing: its
   records reach the application's handlers at the application's levels.
-* ``log_file=PATH``: the same records (INFO and above) are appended to
-  PATH while the model is wrapped.
+* ``log_file=PATH``: DEBUG and above (the plan table included) are
+  appended to PATH while the model is wrapped.
 * ``enable_logging=False``: neither; the plan is not logged, and a
   ``log_file`` is not opened (a ``UserWarning`` says so).
 
-For INFO records to reach these handlers, memscale sets the ``memscale``
-logger's level to INFO while one of its handlers is installed, and only
-when that level was unset (``NOTSET``); the last ``detach`` removes the
-handlers, closes the file and puts the level back.
+For these records to reach the handlers, memscale sets the ``memscale``
+logger's level to INFO (DEBUG while a log file is open) while one of its
+handlers is installed, and only when that level was unset (``NOTSET``);
+the last ``detach`` removes the handlers, closes the file and puts the
+level back.
 """
 
 from __future__ import annotations
@@ -79,11 +83,13 @@ def application_configured_logging() -> bool:
                for h in logger.handlers)
 
 
-def _raise_level() -> None:
+def _raise_level(level: int = logging.INFO) -> None:
     logger = logging.getLogger(ROOT_LOGGER)
     if _level["users"] == 0 and logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
+        logger.setLevel(level)
         _level["set_by_us"] = True
+    elif _level["set_by_us"] and level < logger.level:
+        logger.setLevel(level)  # a log file takes DEBUG too
     _level["users"] += 1
 
 
@@ -91,7 +97,7 @@ def _release_level() -> None:
     _level["users"] -= 1
     if _level["users"] == 0 and _level["set_by_us"]:
         logger = logging.getLogger(ROOT_LOGGER)
-        if logger.level == logging.INFO:
+        if logger.level in (logging.INFO, logging.DEBUG):
             logger.setLevel(logging.NOTSET)
         _level["set_by_us"] = False
 
@@ -127,12 +133,12 @@ def _add_file(path: str) -> Callable[[], None]:
                 exc.errno, f"memscale cannot open Config.log_file={path!r}: "
                 f"{exc.strerror or exc}. Create its directory, choose another "
                 "path, or set log_file=None") from exc
-        handler.setLevel(logging.INFO)
+        handler.setLevel(logging.DEBUG)
         handler.setFormatter(logging.Formatter(FILE_FORMAT))
         logger.addHandler(handler)
         entry = _files[key] = [handler, 0]
     entry[1] += 1
-    _raise_level()
+    _raise_level(logging.DEBUG)
 
     def undo() -> None:
         with _lock:

@@ -3,44 +3,71 @@
 ``wrap`` starts an HTTP server on ``127.0.0.1:N`` (another address with the
 environment variable ``MEMSCALE_METRICS_HOST`` (an IP address or "localhost"), or ``host=`` of
 :func:`start_metrics_server`), in a daemon thread, serving its own
-``CollectorRegistry`` (never the global one).  ``detach`` stops it and frees
-the port.  Every value is read from the executor when it is scraped, so the
-counters follow training.  It needs ``prometheus_client``
+``CollectorRegistry`` (never the global one) at ``/metrics`` (any other path
+is a 404).  ``detach`` stops it and frees the port, and so does the
+executor's garbage collection (a model dropped without ``detach``).  At most
+``MAX_CONNECTIONS`` connections are served at once (more are answered 503
+and closed), and a connection idle for ``IDLE_TIMEOUT_S`` seconds is
+closed.  The listening socket is close-on-exec, and a forked child (a
+DataLoader worker) closes its copy at once, so the port is free again when
+the parent detaches.  Every value is read from the executor when it is
+scraped, so the counters follow training.  It needs ``prometheus_client``
 (``pip install 'memscale[metrics]'``).
 
-Metrics (all gauges unless they end in ``_total``; bytes and seconds are
-base units):
+Metrics, following Prometheus naming (all gauges unless they end in
+``_total``; bytes and seconds are base units).  Every metric is exported
+from the first scrape on, before the plan exists: counters start at 0, and
+a gauge whose value is not known yet (a figure of the plan, or a memory
+figure this host does not have) is ``NaN``.
 
-====================================== ==========================================
-``memscale_build_info``                version, core ABI, torch and Python versions
-``memscale_plan_info``                 plan hash, mode, device, profiling method,
-                                       strategy and decision_source (once planned)
-``memscale_executor_state``            1 for the current state (label ``state``:
-                                       profiling, applied, idle, detached)
-``memscale_plan_layers``               planning units per technique (label
-                                       ``technique``: checkpoint, offload, tiling,
-                                       none)
-``memscale_predicted_peak_bytes``      the engine's peak of a training step (label
-                                       ``plan``: unoptimized, optimized)
-``memscale_memory_budget_bytes``       usable memory the plan was made for
-``memscale_device_capacity_bytes``     detected capacity of one device
-``memscale_memory_pressure_ratio``     predicted unoptimized peak / budget
-``memscale_activation_saved_bytes``    activation bytes the plan frees (predicted)
-``memscale_profiled_activation_bytes`` activation bytes the profiler measured
-``memscale_measured_peak_bytes``       measured peak (label ``source``:
-                                       ``cuda_max_memory_allocated`` on CUDA,
-                                       ``process_peak_rss`` (VmHWM) on CPU)
-``memscale_offloaded_bytes_total``     bytes offloaded (label ``tier``: cpu, the
-                                       host RAM of a GPU; disk, spill files)
-``memscale_recompute_seconds_total``   time spent recomputing checkpointed layers
-``memscale_recomputes_total``          layer recomputes in backward
-``memscale_checkpoint_frames_total``   checkpointed layer forwards
-``memscale_training_steps_total``      training forward passes seen (grad on,
-                                       train mode)
-``memscale_profiled_passes_total``     warm-up passes measured before planning
-``memscale_hooks``                     hooks memscale has attached
-``memscale_active_checkpoint_frames``  checkpoint frames open right now
-====================================== ==========================================
+============================================== ==================================
+``memscale_build_info``                        version, core ABI, torch and
+                                               Python versions
+``memscale_plan_info``                         plan hash, mode, device, profiling
+                                               method, strategy, decision_source
+                                               (empty strings until planned)
+``memscale_executor_state``                    1 for the current state (label
+                                               ``state``: profiling, applied,
+                                               idle, detached)
+``memscale_plan_layers``                       planning units per technique
+                                               (label ``technique``: checkpoint,
+                                               offload, tiling, none); 0 until
+                                               planned
+``memscale_predicted_peak_bytes``              the engine's peak of a training
+                                               step (label ``plan``: unoptimized,
+                                               optimized)
+``memscale_memory_budget_bytes``               usable memory the plan is made for
+``memscale_device_capacity_bytes``             detected capacity of one device
+``memscale_memory_pressure_ratio``             predicted unoptimized peak / budget
+``memscale_activation_saved_bytes``            activation bytes the plan frees
+                                               (predicted)
+``memscale_profiled_activation_bytes``         activation bytes the profiler
+                                               measured
+``memscale_device_peak_allocated_bytes``       peak bytes allocated on the device
+                                               (``torch.cuda.max_memory_allocated``);
+                                               NaN on a CPU host
+``memscale_process_peak_resident_bytes``       peak resident memory of this
+                                               process (VmHWM)
+``memscale_offloaded_bytes_total``             bytes offloaded (label ``tier``:
+                                               cpu, the host RAM of a GPU; disk,
+                                               spill files)
+``memscale_recompute_seconds_total``           time spent recomputing in backward
+``memscale_layer_recomputes_total``            layer forwards run again in
+                                               backward (a tiled layer: once per
+                                               tile)
+``memscale_segment_recomputes_total``          checkpoint segments recomputed in
+                                               backward (a segment: one layer or
+                                               several consecutive ones)
+``memscale_checkpoint_segments_total``         checkpoint segments run in forward
+``memscale_training_forwards_total``           training forward passes of the
+                                               model (grad on, train mode)
+``memscale_optimizer_steps_total``             ``step()`` calls of the optimizer
+                                               memscale was given (0 without one)
+``memscale_profiled_passes_total``             forwards measured for real before
+                                               planning (``warmup_steps``)
+``memscale_hooks``                             hooks memscale has attached
+``memscale_active_checkpoint_segments``        checkpoint segments open right now
+============================================== ==================================
 """
 
 from __future__ import annotations
@@ -66,6 +93,9 @@ HOST_ENV = "MEMSCALE_METRICS_HOST"
 STATES = ("profiling", "applied", "idle", "detached")
 TECHNIQUES = ("checkpoint", "offload", "tiling")
 OFFLOAD_TIERS = ("cpu", "disk")
+MAX_CONNECTIONS = 8  # served at once; more are answered 503
+IDLE_TIMEOUT_S = 10.0  # a connection that sends nothing for this long is closed
+PATH = "/metrics"
 
 
 class MetricsPortInUseError(OSError):
@@ -83,30 +113,40 @@ def _require_prometheus() -> Any:
     return prometheus_client
 
 
-def _measured_peak(hardware: dict[str, Any]) -> tuple[int, str] | None:
-    if hardware.get("device") == "cuda":
-        try:
-            import torch
+NAN = float("nan")
 
-            if torch.cuda.is_initialized():
-                index = int(hardware.get("index", 0))
-                return int(torch.cuda.max_memory_allocated(index)), "cuda_max_memory_allocated"
-        except Exception:  # noqa: BLE001 - a scrape must not fail
-            logger.debug("memscale metrics: CUDA peak unavailable", exc_info=True)
+
+def _device_peak(hardware: dict[str, Any]) -> float:
+    """``torch.cuda.max_memory_allocated`` of the device; NaN on a host
+    without a device allocator (CPU), or before CUDA is initialized."""
+    if hardware.get("device") != "cuda":
+        return NAN
+    try:
+        import torch
+
+        if torch.cuda.is_initialized():
+            return float(torch.cuda.max_memory_allocated(int(hardware.get("index", 0))))
+    except Exception:  # noqa: BLE001 - a scrape must not fail
+        logger.debug("memscale metrics: CUDA peak unavailable", exc_info=True)
+    return NAN
+
+
+def _process_peak_rss() -> float:
+    """Peak resident memory of this process, bytes (NaN if unknown)."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024, "process_peak_rss"
+                    return float(int(line.split()[1]) * 1024)
     except OSError:
         pass
     try:
         import resource
 
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return (rss if platform.system() == "Darwin" else rss * 1024), "process_peak_rss"
+        return float(rss if platform.system() == "Darwin" else rss * 1024)
     except (ImportError, OSError):
-        return None
+        return NAN
 
 
 class _ExecutorCollector:
@@ -146,50 +186,66 @@ class _ExecutorCollector:
             state.add_metric([name], 1.0 if current == name else 0.0)
         yield state
 
-        if plan is not None:
-            yield InfoMetricFamily("memscale_plan", "the plan being applied", value={
-                "hash": plan.hash, "mode": plan.mode, "device": plan.device,
-                "profiling": str(getattr(ex, "profiling", "")),
-                "strategy": decision.strategy if decision is not None else "",
-                "decision_source": decision.decision_source if decision is not None else ""})
-            layers = GaugeMetricFamily("memscale_plan_layers",
-                                       "planning units per technique", labels=["technique"])
-            counts = plan.technique_counts
-            for name in TECHNIQUES:
-                layers.add_metric([name], float(counts.get(name, 0)))
-            layers.add_metric(["none"], float(sum(1 for l in plan.layers if not l.techniques)))
-            yield layers
-            peak = GaugeMetricFamily("memscale_predicted_peak_bytes",
-                                     "the engine's predicted peak of a training step",
-                                     labels=["plan"])
-            peak.add_metric(["unoptimized"], float(plan.peak_unoptimized_bytes))
-            peak.add_metric(["optimized"], float(plan.peak_projected_bytes))
-            yield peak
-            yield GaugeMetricFamily("memscale_memory_budget_bytes",
-                                    "usable memory the plan was made for",
-                                    value=float(plan.budget_bytes))
-            yield GaugeMetricFamily("memscale_memory_pressure_ratio",
-                                    "predicted unoptimized peak / budget",
-                                    value=float(plan.pressure))
-            yield GaugeMetricFamily("memscale_activation_saved_bytes",
-                                    "activation bytes the plan frees (predicted)",
-                                    value=float(sum(l.bytes_saved for l in plan.layers
-                                                    if l.techniques)))
-        if hardware.get("capacity_bytes") is not None:
-            yield GaugeMetricFamily("memscale_device_capacity_bytes",
-                                    "detected capacity of one device",
-                                    value=float(hardware["capacity_bytes"]))
+        def known(value: Any) -> float:
+            return NAN if value is None else float(value)
+
+        config = getattr(ex, "config", None)
+        yield InfoMetricFamily("memscale_plan", "the plan being applied (empty until planned)",
+                               value={
+            "hash": plan.hash if plan is not None else "",
+            "mode": plan.mode if plan is not None else "",
+            "device": plan.device if plan is not None else "",
+            "profiling": str(getattr(ex, "profiling", "")),
+            "strategy": decision.strategy if decision is not None else "",
+            "decision_source": decision.decision_source if decision is not None else ""})
+        layers = GaugeMetricFamily("memscale_plan_layers",
+                                   "planning units per technique (0 until planned)",
+                                   labels=["technique"])
+        counts = plan.technique_counts if plan is not None else {}
+        for name in TECHNIQUES:
+            layers.add_metric([name], float(counts.get(name, 0)))
+        untouched = 0 if plan is None else sum(1 for lp in plan.layers if not lp.techniques)
+        layers.add_metric(["none"], float(untouched))
+        yield layers
+        peak = GaugeMetricFamily("memscale_predicted_peak_bytes",
+                                 "the engine's predicted peak of a training step "
+                                 "(NaN until planned)", labels=["plan"])
+        peak.add_metric(["unoptimized"], known(None if plan is None
+                                               else plan.peak_unoptimized_bytes))
+        peak.add_metric(["optimized"], known(None if plan is None
+                                             else plan.peak_projected_bytes))
+        yield peak
+        budget = plan.budget_bytes if plan is not None else None
+        if budget is None and config is not None and hardware.get("capacity_bytes"):
+            from .._planning import budget_bytes
+
+            budget = budget_bytes(config, hardware)
+        yield GaugeMetricFamily("memscale_memory_budget_bytes",
+                                "usable memory the plan is made for",
+                                value=known(budget))
+        yield GaugeMetricFamily("memscale_memory_pressure_ratio",
+                                "predicted unoptimized peak / budget (NaN until planned)",
+                                value=known(None if plan is None else plan.pressure))
+        yield GaugeMetricFamily(
+            "memscale_activation_saved_bytes",
+            "activation bytes the plan frees, predicted (NaN until planned)",
+            value=known(None if plan is None else
+                        sum(lp.bytes_saved for lp in plan.layers if lp.techniques)))
+        yield GaugeMetricFamily("memscale_device_capacity_bytes",
+                                "detected capacity of one device",
+                                value=known(hardware.get("capacity_bytes")))
         profile = getattr(ex, "profile", None)
-        if profile is not None:
-            yield GaugeMetricFamily("memscale_profiled_activation_bytes",
-                                    "activation bytes saved for backward, as profiled",
-                                    value=float(profile.activation_bytes))
-        measured = _measured_peak(hardware)
-        if measured is not None:
-            family = GaugeMetricFamily("memscale_measured_peak_bytes",
-                                       "measured peak memory", labels=["source"])
-            family.add_metric([measured[1]], float(measured[0]))
-            yield family
+        yield GaugeMetricFamily("memscale_profiled_activation_bytes",
+                                "activation bytes saved for backward, as profiled "
+                                "(NaN until profiled)",
+                                value=known(None if profile is None else profile.activation_bytes))
+        yield GaugeMetricFamily("memscale_device_peak_allocated_bytes",
+                                "peak bytes allocated on the device "
+                                "(torch.cuda.max_memory_allocated; NaN on a CPU host)",
+                                value=_device_peak(hardware))
+        yield GaugeMetricFamily("memscale_process_peak_resident_bytes",
+                                "peak resident memory of this process (VmHWM)",
+                                value=_process_peak_rss())
 
         offloaded = CounterMetricFamily("memscale_offloaded_bytes",
                                         "bytes offloaded, per tier", labels=["tier"])
@@ -201,41 +257,148 @@ class _ExecutorCollector:
             offloaded.add_metric([tier], by_tier[tier])
         yield offloaded
         yield CounterMetricFamily("memscale_recompute_seconds",
-                                  "time spent recomputing checkpointed layers",
+                                  "time spent recomputing in backward",
                                   value=float(stats["recompute_seconds"]))
-        yield CounterMetricFamily("memscale_recomputes", "layer recomputes in backward",
+        yield CounterMetricFamily("memscale_layer_recomputes",
+                                  "layer forwards run again in backward",
+                                  value=float(getattr(ex, "layer_recomputes", 0)))
+        yield CounterMetricFamily("memscale_segment_recomputes",
+                                  "checkpoint segments (one or more consecutive "
+                                  "layers) recomputed in backward",
                                   value=float(stats["recomputes"]))
-        yield CounterMetricFamily("memscale_checkpoint_frames",
-                                  "checkpointed layer forwards",
+        yield CounterMetricFamily("memscale_checkpoint_segments",
+                                  "checkpoint segments run in forward",
                                   value=float(stats["checkpoint_frames"]))
-        yield CounterMetricFamily("memscale_training_steps",
-                                  "training forward passes seen",
+        yield CounterMetricFamily("memscale_training_forwards",
+                                  "training forward passes of the model",
                                   value=float(stats["training_forwards"]))
+        yield CounterMetricFamily("memscale_optimizer_steps",
+                                  "step() calls of the optimizer memscale was given",
+                                  value=float(getattr(ex, "optimizer_steps", 0)))
         yield CounterMetricFamily("memscale_profiled_passes",
-                                  "warm-up passes measured before planning",
+                                  "forwards measured for real before planning",
                                   value=float(stats["steps"]))
         yield GaugeMetricFamily("memscale_hooks", "hooks memscale has attached",
                                 value=float(stats["hooks"]))
-        yield GaugeMetricFamily("memscale_active_checkpoint_frames",
-                                "checkpoint frames open right now",
+        yield GaugeMetricFamily("memscale_active_checkpoint_segments",
+                                "checkpoint segments open right now",
                                 value=float(stats["active_frames"]))
 
 
-class _Server(socketserver.ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+class _Server(WSGIServer):
+    """One thread per connection, at most ``MAX_CONNECTIONS`` at once."""
+
     allow_reuse_address = True
+    timeout = 0.05  # handle_request() returns this often to see a stop
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind calls socket.getfqdn(), a name lookup that
         # may go to DNS; memscale never touches the network.
+        self.socket.set_inheritable(False)  # close-on-exec (Python's default)
         socketserver.TCPServer.server_bind(self)
         host, port = self.server_address[:2]
         self.server_name = str(host)
         self.server_port = port
         self.setup_environ()
+        self._active = 0
+        self._count_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._count_lock:
+            full = self._active >= MAX_CONNECTIONS
+            if not full:
+                self._active += 1
+        if full:
+            try:
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\n"
+                                b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        thread = threading.Thread(target=self._serve_connection,
+                                  args=(request, client_address),
+                                  name=f"memscale-scrape:{self.server_port}",
+                                  daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            with self._count_lock:
+                self._active -= 1
+            self.shutdown_request(request)
+            raise
+
+    def _serve_connection(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - a bad client must not stop the server
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            with self._count_lock:
+                self._active -= 1
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.debug("memscale metrics: error serving %s", client_address, exc_info=True)
+
+
+def _only_metrics(app: Any) -> Any:
+    """``app`` at ``PATH``; 404 everywhere else."""
+    def serve(environ: dict[str, Any], start_response: Any) -> Any:
+        if environ.get("PATH_INFO", "") != PATH:
+            body = f"not found: memscale serves metrics at {PATH}\n".encode()
+            start_response("404 Not Found", [("Content-Type", "text/plain"),
+                                              ("Content-Length", str(len(body)))])
+            return [body]
+        return app(environ, start_response)
+
+    return serve
+
+
+def _serve(httpd: _Server, stop: threading.Event) -> None:
+    """The server thread: requests until ``stop``, then the socket closes."""
+    try:
+        while not stop.is_set():
+            httpd.handle_request()
+    finally:
+        httpd.server_close()
+
+
+def _stop(httpd: _Server, stop: threading.Event, thread: threading.Thread) -> None:
+    """Stop serving and free the port (also run when the executor is
+    collected, possibly on the server thread itself)."""
+    stop.set()
+    if thread is threading.current_thread():
+        return  # the loop ends after this request and closes the socket
+    if thread.is_alive():
+        thread.join(timeout=5)
+    httpd.server_close()  # idempotent; frees the port if the join timed out
+
+
+# Every live server of this process, for the fork hook.
+_SERVERS: weakref.WeakSet[MetricsServer] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # The child has no server thread; its copy of the listening socket would
+    # keep the port bound after the parent detaches (DataLoader workers).
+    for server in list(_SERVERS):
+        server._closed = True
+        server._stop_event.set()
+        server._httpd.server_close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _QuietHandler(WSGIRequestHandler):
+    def setup(self) -> None:
+        super().setup()
+        # A connection that sends nothing for this long is closed (read at
+        # connection time: tests lower it).
+        self.connection.settimeout(IDLE_TIMEOUT_S)
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         logger.debug("metrics request: " + format, *args)
 
@@ -291,14 +454,24 @@ class MetricsServer:
                 f"{exc.strerror or exc}. Check Config.observability_port and "
                 f"the {HOST_ENV} environment variable (default {DEFAULT_HOST})"
             ) from exc
-        self._httpd.set_app(app)
+        self._httpd.set_app(_only_metrics(app))
         self.port = int(self._httpd.server_address[1])
         self._closed = False
         self._lock = threading.Lock()
+        self._stop_event = threading.Event()
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+            target=_serve, args=(self._httpd, self._stop_event),
             name=f"memscale-metrics:{self.port}", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._httpd.server_close()
+            raise
+        # Stopped with the executor: a model dropped without detach frees
+        # the port and the thread when it is collected.
+        self._finalizer = weakref.finalize(executor, _stop, self._httpd,
+                                           self._stop_event, self._thread)
+        _SERVERS.add(self)
         logger.info("memscale: Prometheus metrics at %s", self.url)
 
     @property
@@ -316,11 +489,7 @@ class MetricsServer:
             if self._closed:
                 return
             self._closed = True
-        try:
-            self._httpd.shutdown()
-        finally:
-            self._httpd.server_close()
-            self._thread.join(timeout=5)
+        self._finalizer()  # runs _stop once
         logger.info("memscale: stopped serving metrics on %s:%d", self.host, self.port)
 
     def __repr__(self) -> str:

@@ -101,6 +101,12 @@ class TrainedPolicy:
             artifact = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise PolicyFallbackNeeded(f"the policy artifact {path} is not JSON: {exc}") from exc
+        except RecursionError:
+            # JSON nested deeper than the interpreter's recursion limit: no
+            # tree of MAX_DEPTH levels is, so it cannot be an artifact.
+            raise PolicyFallbackNeeded(
+                f"the policy artifact {path} is nested too deeply to be a "
+                f"strategy tree (at most {MAX_DEPTH} levels)") from None
         return cls(artifact, digest=hashlib.sha256(raw).hexdigest())
 
     def predict(self, features: dict[str, float]) -> tuple[str, list[str]]:
@@ -138,6 +144,10 @@ def load_trained_policy(path: str | os.PathLike[str] | None = None) -> TrainedPo
     try:
         st = resolved.stat()
         key = (str(resolved.resolve()), st.st_mtime_ns, st.st_size)
+    except ValueError as exc:  # a NUL byte in the path
+        raise PolicyFallbackNeeded(
+            f"the policy artifact path {str(path)!r} is not a valid path ({exc})"
+        ) from exc
     except OSError as exc:
         raise PolicyFallbackNeeded(
             f"the policy artifact {resolved} cannot be read ({exc.strerror or exc})"

@@ -1,0 +1,90 @@
+"""wrap writes nothing to stderr outside memscale's logger (issue 20, item
+9): the OOM predictor's torch profiler session printed kineto's
+``USDT:... profiler_start`` / ``profiler_stop`` lines from C++ straight to
+file descriptor 2.  Each case runs in a fresh interpreter, whose stderr is
+the file descriptor itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PRELUDE = """
+import logging, os, sys
+sys.path.insert(0, os.path.join({root!r}, "tests"))
+import torch
+import memscale
+from conftest import CNN
+"""
+
+
+def run(code: str) -> subprocess.CompletedProcess:
+    source = PRELUDE.format(root=ROOT) + textwrap.dedent(code)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for key in ("TORCH_CPP_LOG_LEVEL", "KINETO_LOG_LEVEL"):
+        env.pop(key, None)  # torch's defaults, as a user has them
+    proc = subprocess.run(
+        [sys.executable, "-c", source],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.mark.slow
+def test_wrap_with_sample_input_writes_nothing_to_stderr():
+    """A CNN's convolutions are probed for scratch memory under the torch
+    profiler at wrap time; with memscale's logging off, stderr stays empty."""
+    proc = run("""
+        model = CNN()
+        config = memscale.Config(enable_logging=False, force_optimize=True)
+        memscale.wrap(model, config, sample_input=torch.randn(2, 3, 8, 8))
+        model(torch.randn(2, 3, 8, 8)).sum().backward()
+        memscale.detach(model)
+        print(memscale.predict_peak(CNN(), torch.randn(2, 3, 8, 8)).optimized.peak_bytes > 0)
+    """)
+    assert proc.stderr == ""
+    assert proc.stdout.strip().endswith("True")
+
+
+@pytest.mark.slow
+def test_profiler_lines_go_to_the_log_at_debug():
+    """With memscale's logger at DEBUG on stderr, the profiler's lines appear
+    there as log records, and only so."""
+    proc = run("""
+        logging.basicConfig(level=logging.DEBUG, format="LOG %(name)s: %(message)s",
+                            stream=sys.stderr)
+        for name in ("torch", "urllib3", "filelock"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        model = CNN()
+        config = memscale.Config(enable_logging=False, force_optimize=True)
+        memscale.wrap(model, config, sample_input=torch.randn(2, 3, 8, 8))
+        memscale.detach(model)
+    """)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert any("profiler_start" in line for line in lines)
+    assert all(line.startswith(("LOG ", "  ")) for line in lines), lines
+
+
+@pytest.mark.slow
+def test_other_output_in_the_window_is_kept():
+    """Anything else written to fd 2 while it is captured (another thread's
+    output) reaches the real stderr afterwards; the profiler's lines do not."""
+    proc = run("""
+        from memscale import _measure
+        with _measure._fd2_captured("test"):
+            os.write(2, b"the user's own line\\n")
+            os.write(2, b"USDT:2026-01-01 00:00:00 1:1 X.cpp:52] profiler_start\\n")
+        os.write(2, b"after\\n")
+    """)
+    assert proc.stderr == "the user's own line\nafter\n"
