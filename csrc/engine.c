@@ -53,6 +53,7 @@ static const char *const rule_names[MS_RULE_COUNT] = {
     [MS_RULE_NOT_CALLED] = "ineligible:not-called",
     [MS_RULE_NO_SAVINGS] = "ineligible:no-savings",
     [MS_RULE_SOLVER] = "solver",
+    [MS_RULE_UNREPEATABLE] = "ineligible:unrepeatable",
 };
 
 const char *
@@ -166,6 +167,9 @@ ineligible_reason(const ms_layer *layer)
     }
     if (layer->flags & MS_LAYER_INPLACE_INPUT) {
         return MS_RULE_INPLACE_INPUT;
+    }
+    if (layer->flags & MS_LAYER_UNREPEATABLE) {
+        return MS_RULE_UNREPEATABLE;
     }
     if (freed_bytes(layer) <= 0) {
         return MS_RULE_NO_SAVINGS;

@@ -47,6 +47,7 @@ typedef enum {
     MS_RULE_NOT_CALLED,     /* never ran while profiling */
     MS_RULE_NO_SAVINGS,     /* keeps as much as it would free */
     MS_RULE_SOLVER,         /* the budget planner's least-overhead plan */
+    MS_RULE_UNREPEATABLE,   /* its recompute did not match its forward */
     MS_RULE_COUNT
 } ms_rule;
 
@@ -56,6 +57,8 @@ enum {
     MS_LAYER_NOT_CALLED = 1u << 1,
     /* may be tiled (verified when it first runs) */
     MS_LAYER_TILEABLE = 1u << 2,
+    /* Its recompute did not match its forward (found at the first step). */
+    MS_LAYER_UNREPEATABLE = 1u << 3,
 };
 
 typedef struct {

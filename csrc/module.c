@@ -298,6 +298,9 @@ module_exec(PyObject *module)
         || PyModule_AddIntConstant(module, "TECH_TILING", MS_TECH_TILING) < 0
         || PyModule_AddIntConstant(module, "LAYER_TILEABLE", MS_LAYER_TILEABLE)
                < 0
+        || PyModule_AddIntConstant(module, "LAYER_UNREPEATABLE",
+                                   MS_LAYER_UNREPEATABLE)
+               < 0
         || PyModule_AddIntConstant(module, "MAX_TILES", MS_MAX_TILES) < 0)
     {
         return -1;

@@ -647,7 +647,8 @@ error:
    the engine makes far from int64 overflow. */
 #define MS_MAX_BYTES (1LL << 50)
 #define MS_KNOWN_FLAGS                                                        \
-    (MS_LAYER_INPLACE_INPUT | MS_LAYER_NOT_CALLED | MS_LAYER_TILEABLE)
+    (MS_LAYER_INPLACE_INPUT | MS_LAYER_NOT_CALLED | MS_LAYER_TILEABLE         \
+     | MS_LAYER_UNREPEATABLE)
 #define MS_KNOWN_TECH (MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING)
 
 static int

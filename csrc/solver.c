@@ -56,7 +56,9 @@ back_pack(size_t prev_h, int len, int offload, int tiles_log2)
 static int
 eligible(const ms_layer *l)
 {
-    return !(l->flags & (MS_LAYER_NOT_CALLED | MS_LAYER_INPLACE_INPUT));
+    return !(l->flags
+             & (MS_LAYER_NOT_CALLED | MS_LAYER_INPLACE_INPUT
+                | MS_LAYER_UNREPEATABLE));
 }
 
 static int

@@ -9,6 +9,7 @@ takes it all off again.
 import logging
 
 from ._budget import MemoryBudgetError
+from ._recompute_check import RecomputeMismatchError
 from .api import apply_all_optimizations, detach, optimize, wrap
 from ._version import __version__
 from .config import AsyncOffloadConfig, Config, OptimizationMode
@@ -20,6 +21,7 @@ __all__ = [
     "Config",
     "MemoryBudgetError",
     "OptimizationMode",
+    "RecomputeMismatchError",
     "__version__",
     "apply_all_optimizations",
     "detach",

@@ -15,6 +15,7 @@ TECH_CHECKPOINT: int
 TECH_OFFLOAD: int
 TECH_TILING: int
 LAYER_TILEABLE: int
+LAYER_UNREPEATABLE: int
 MAX_TILES: int
 
 # (name, kind, param_bytes, saved_bytes, input_bytes, flops, flags)

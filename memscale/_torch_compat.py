@@ -164,6 +164,22 @@ def profiler_memory_events(prof: Any) -> list[tuple[str, int, int, int]] | None:
         return None
 
 
+def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The innermost saved-tensor hooks in force, ``(pack, unpack)``, or
+    None when there are none.  torch keeps that stack in C++ and shows its
+    top only through the private
+    ``torch._C._autograd._top_saved_tensors_default_hooks``; where this
+    torch lacks it, :data:`SAVED_TENSORS_HOOKS_VISIBLE` is False and this
+    returns None."""
+    if _TOP_HOOKS is None:
+        return None
+    return _TOP_HOOKS(False)  # ignore_is_tracing=False
+
+
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+SAVED_TENSORS_HOOKS_VISIBLE = _TOP_HOOKS is not None
+
+
 def autograd_nodes(tensor: torch.Tensor) -> list[Any]:
     """Every node of the autograd graph behind ``tensor`` (each once),
     following ``grad_fn.next_functions``."""

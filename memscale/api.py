@@ -17,7 +17,8 @@ from typing import Any, Iterator, NamedTuple
 
 import torch
 
-from . import (_budget, _copying, _core, _firststep, _planning, _telemetry, _torch_compat, amp,
+from . import (_budget, _copying, _core, _firststep, _hf_cache, _planning, _recompute_check,
+               _telemetry, _torch_compat, amp,
                distributed, observability, offload, optim, policy, tiling)
 from .config import GIB, AsyncOffloadConfig, Config, OptimizationMode
 from .executor import Executor
@@ -192,24 +193,32 @@ def _log_plan(config: Config, hardware: dict[str, Any], plan: Any,
                        fmt(plan.peak_projected_bytes), fmt(plan.budget_bytes))
 
 
-def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any) -> None:
-    """Model-level settings that go with a plan (undone by detach)."""
+def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any,
+                inputs: dict[str, Any]) -> None:
+    """Model-level settings that go with a plan (undone by detach): a
+    checkpointed Hugging Face model trains with its key/value cache off on
+    every config it holds (see ``_hf_cache``), and each checkpointed layer
+    is checked at its first checkpointed forward (``_recompute_check``;
+    ``inputs``, the engine's, make the plan again without a layer that
+    fails)."""
     if not plan.technique_counts["checkpoint"]:
         return
-    hf_config = getattr(model, "config", None)
-    if hf_config is not None and getattr(hf_config, "use_cache", None) is True:
-        hf_config.use_cache = False
+    _recompute_check.install(executor, model, plan, inputs)
+    changed, undo = _hf_cache.disable_use_cache(model)
+    if changed:
 
-        def restore(cfg: Any = hf_config) -> None:
-            cfg.use_cache = True
+        def restore_copy(copy_of: Any, cfgs: list[Any] = changed) -> None:
+            for cfg in cfgs:
+                copied = copy_of(cfg)
+                if copied is not None and getattr(copied, "use_cache", None) is False:
+                    copied.use_cache = True
 
-        def restore_copy(copy_of: Any, cfg: Any = hf_config) -> None:
-            restore(copy_of(cfg))
-
-        executor.on_detach(restore)
+        executor.on_detach(undo)
         executor.on_copy(restore_copy)
-        logger.info("memscale: set model.config.use_cache=False for training "
-                    "with checkpointing (restored by detach)")
+        logger.info("memscale: set use_cache=False on %d Hugging Face config(s) "
+                    "of the model for training with checkpointing (a recomputed "
+                    "layer must not see the cache its forward filled; restored "
+                    "by detach)", len(changed))
 
 
 class _Upfront(NamedTuple):
@@ -266,7 +275,7 @@ def _apply_sample_plan(model: torch.nn.Module, executor: Executor,
     offload.attach(executor, plan_config, hardware, plan)
     tiling.install(executor, units, plan)
     executor.apply(plan)
-    _after_plan(model, executor, plan)
+    _after_plan(model, executor, plan, inputs)
     return plan
 
 
@@ -368,7 +377,7 @@ def _plan_after_warmup(model: torch.nn.Module, executor: Executor,
         offload.attach(executor, plan_config, hardware, plan)
         tiling.install(executor, units, plan)
         executor.count_layer_recomputes(units, plan)
-        _after_plan(model, executor, plan)
+        _after_plan(model, executor, plan, inputs)
         _telemetry.plan_built(executor, plan, model)
         return plan
 

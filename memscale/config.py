@@ -276,6 +276,14 @@ class Config(_ConfigBase):
     # Opt in to the v1.2 ML policy Stage 1; False = use this Config exactly.
     auto_policy: bool = False
 
+    # --- Checkpointing safety (after the spec's fields: positional
+    # arguments keep their meaning)
+    # A checkpointed layer that computes something else when run again
+    # (checked once per layer at its first checkpointed forward): True =
+    # raise memscale.RecomputeMismatchError; False = log it and stop
+    # checkpointing that layer (the plan is made again without it).
+    strict_recompute: bool = False
+
     def __post_init__(self) -> None:
         self._set("mode", OptimizationMode.coerce(self.mode, self._where("mode")))
         for f in dataclasses.fields(self):

@@ -61,6 +61,7 @@ class Executor(_core.Executor):
         self.offload_store = None  # the disk tier (a _core.SpillStore), if any
         self.offload_host = None  # the host tier (memscale.offload.HostTier), if any
         self.optimizer: torch.optim.Optimizer | None = None  # the optimizer to train with (replaced when 8-bit)
+        self.recompute_check: Any = None  # memscale._recompute_check.RecomputeCheck
         self._restore: list[Callable[[], None]] = []
         # Run on a copy of the model (see memscale._copying): each undoes on
         # the copy one change that detach undoes on the model.

@@ -64,7 +64,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import _core, _planning, _torch_compat, _verify
+from . import _core, _hf_cache, _planning, _torch_compat, _verify
 from .config import GIB, Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
@@ -1358,8 +1358,7 @@ class _Simulation:
         ``config.use_cache=False`` under checkpointing)."""
         from .executor import Executor
 
-        hf_config: Any = getattr(self.model, "config", None)
-        use_cache = getattr(hf_config, "use_cache", None) is True
+        undo_cache = None
         executor = Executor(self.model, self.units, warmup_steps=config.warmup_steps)
         try:
             executor._init_python_state(config, hardware, "static")
@@ -1371,14 +1370,14 @@ class _Simulation:
                 executor.set_offload(None, SimulatedTier(
                     settings.min_offload_bytes,
                     settings.prefetch_depth if config.async_offload else 0))
-            if use_cache:
-                hf_config.use_cache = False
+            if plan.technique_counts["checkpoint"]:
+                undo_cache = _hf_cache.disable_use_cache(self.model)[1]
             chosen = [m for (_, m), layer in zip(self.units, plan.layers)
                       if layer.techniques]
             return self.step.tracked(chosen)
         finally:
-            if use_cache:
-                hf_config.use_cache = True
+            if undo_cache is not None:
+                undo_cache()
             executor.detach()
 
 

@@ -19,7 +19,7 @@ CONFIG_FIELDS = [
     "target_gpu_utilization", "force_optimize", "memory_budget_gb",
     "use_static_profiling", "use_empirical_fallback", "warmup_steps",
     "enable_logging", "log_file", "observability_port", "verify_correctness",
-    "async_offload", "async_config", "auto_policy",
+    "async_offload", "async_config", "auto_policy", "strict_recompute",
 ]
 ASYNC_FIELDS = [
     "pinned_pool_mb", "prefetch_depth", "min_offload_bytes", "spill_dir",
@@ -29,7 +29,7 @@ BOOL_FIELDS = [
     "enable_checkpointing", "enable_offloading", "enable_tiling", "use_mixed_precision",
     "use_8bit_optimizer", "force_optimize", "use_static_profiling",
     "use_empirical_fallback", "enable_logging", "verify_correctness", "async_offload",
-    "auto_policy",
+    "auto_policy", "strict_recompute",
 ]
 
 
@@ -266,8 +266,8 @@ def test_async_unknown_keyword() -> None:
 
 
 def test_too_many_positional() -> None:
-    with pytest.raises(TypeError, match="at most 20 positional"):
-        Config(*([True] * 21))
+    with pytest.raises(TypeError, match="at most 21 positional"):
+        Config(*([True] * 22))
     with pytest.raises(TypeError, match="at most 6 positional"):
         AsyncOffloadConfig(1, 2, 3, None, None, False, 7)
 

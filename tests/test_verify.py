@@ -117,23 +117,66 @@ def test_correct_techniques_pass_and_training_is_unchanged(name, caplog):
     assert stats_v["recomputes"] == stats_p["recomputes"]
 
 
+SETTING = {"scale": 1.0}
+
+
+class LateSetting(nn.Module):
+    """Reads a setting that the training loop changes between forward and
+    backward: run again at once it computes the same (the first-step
+    recompute check passes it), recomputed in backward it does not."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) * SETTING["scale"]
+
+
 def test_a_broken_recompute_is_caught():
-    model = broken_model()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[LateSetting() for _ in range(3)])
     x = torch.randn(4, 16)
     hooks = hook_count(model)
     memscale.wrap(model, VERIFY, sample_input=x)
     wrapped_hooks = hook_count(model)
-    with pytest.raises(_verify.VerificationError,
-                       match="differs from the same step without memscale.*bitwise"):
-        model(x).pow(2).sum().backward()
+    SETTING["scale"] = 1.0
+    try:
+        loss = model(x).pow(2).sum()
+        SETTING["scale"] = 2.0
+        with pytest.raises(_verify.VerificationError,
+                           match="differs from the same step without memscale.*bitwise"):
+            loss.backward()
+    finally:
+        SETTING["scale"] = 1.0
     verifier = model._memscale_executor.verifier
     assert verifier.report["gradient_abs"] > 0
-    assert verifier.report["output_abs"] == 0.0  # the forward itself is fine
+    assert model._memscale_executor.recompute_check.passed == {0, 1, 2}
     # The check is over: its hooks are gone, training can go on.
     assert hook_count(model) == wrapped_hooks - 2
     model(x).sum().backward()
     memscale.detach(model)
     assert hook_count(model) == hooks
+
+
+def test_a_layer_that_cannot_recompute_is_caught_at_the_first_step(caplog):
+    """Python's random module is not replayed by a recompute: the check
+    finds it in the first step's forward, that step is exact (the verifier
+    agrees), and the layers are no longer checkpointed."""
+    model = broken_model()
+    x = torch.randn(4, 16)
+    memscale.wrap(model, VERIFY, sample_input=x)
+    try:
+        with caplog.at_level(logging.WARNING, logger="memscale"):
+            model(x).pow(2).sum().backward()
+        ex = model._memscale_executor
+        assert ex.verifier.report["gradient_abs"] == 0.0
+        assert ex.recompute_check.failed.keys() == {0, 1, 2}
+        assert "checkpointed layer '0' (PythonDropout) does not compute the same" in caplog.text
+        model(x).sum().backward()
+        assert [layer.rule for layer in ex.plan.layers] == ["ineligible:unrepeatable"] * 3
+    finally:
+        memscale.detach(model)
 
 
 def test_the_same_broken_layer_passes_without_checkpointing():

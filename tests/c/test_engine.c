@@ -146,7 +146,8 @@ sum_flops(const ms_layer *layers, size_t n)
 static int
 eligible(const ms_layer *l)
 {
-    return !(l->flags & (MS_LAYER_NOT_CALLED | MS_LAYER_INPLACE_INPUT))
+    return !(l->flags & (MS_LAYER_NOT_CALLED | MS_LAYER_INPLACE_INPUT
+                         | MS_LAYER_UNREPEATABLE))
            && l->saved_bytes > l->input_bytes;
 }
 
@@ -159,6 +160,9 @@ ineligible_rule(const ms_layer *l)
     }
     if (l->flags & MS_LAYER_INPLACE_INPUT) {
         return MS_RULE_INPLACE_INPUT;
+    }
+    if (l->flags & MS_LAYER_UNREPEATABLE) {
+        return MS_RULE_UNREPEATABLE;
     }
     return MS_RULE_NO_SAVINGS;
 }
@@ -334,6 +338,7 @@ test_names(void)
         [MS_RULE_NOT_CALLED] = "ineligible:not-called",
         [MS_RULE_NO_SAVINGS] = "ineligible:no-savings",
         [MS_RULE_SOLVER] = "solver",
+        [MS_RULE_UNREPEATABLE] = "ineligible:unrepeatable",
     };
     group_begin();
     for (int r = 0; r < MS_RULE_COUNT; r++) {
