@@ -10,11 +10,10 @@ import logging
 
 from ._budget import MemoryBudgetError
 from ._recompute_check import RecomputeMismatchError
-from .api import apply_all_optimizations, detach, optimize, wrap
 from ._version import __version__
+from .api import apply_all_optimizations, detach, optimize, wrap
 from .config import AsyncOffloadConfig, Config, OptimizationMode
 from .predictor import estimate_savings, predict_peak
-
 
 __all__ = [
     "AsyncOffloadConfig",

@@ -21,8 +21,13 @@ class MemoryBudgetError(ValueError):
     and batch with the Config as given, ``suggestions`` a list of
     (change, smallest budget with it) pairs."""
 
-    def __init__(self, message: str, budget_bytes: int, min_budget_bytes: int,
-                 suggestions: list[tuple[str, int]]) -> None:
+    def __init__(
+        self,
+        message: str,
+        budget_bytes: int,
+        min_budget_bytes: int,
+        suggestions: list[tuple[str, int]],
+    ) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_budget_bytes = min_budget_bytes
@@ -47,44 +52,76 @@ def _min_budget(inputs: dict[str, Any]) -> int:
 
 
 def _scaled_activations(inputs: dict[str, Any], factor: float) -> dict[str, Any]:
-    layers = [(n, k, p, int(s * factor), int(i * factor), f, fl)
-              for (n, k, p, s, i, f, fl) in inputs["layers"]]
-    return dict(inputs, layers=layers,
-                activation_bytes=int(inputs["activation_bytes"] * factor))
+    layers = [
+        (n, k, p, int(s * factor), int(i * factor), f, fl)
+        for (n, k, p, s, i, f, fl) in inputs["layers"]
+    ]
+    return dict(inputs, layers=layers, activation_bytes=int(inputs["activation_bytes"] * factor))
 
 
-def suggestions(inputs: dict[str, Any], config: Config,
-                optimizer_state_bytes: int) -> list[tuple[str, int]]:
+def suggestions(
+    inputs: dict[str, Any], config: Config, optimizer_state_bytes: int
+) -> list[tuple[str, int]]:
     """Config changes that lower the smallest reachable budget, with it."""
     out: list[tuple[str, int]] = []
     allowed = inputs["allowed"]
-    if not allowed & _core.TECH_OFFLOAD and (inputs.get("host_tier")
-                                            or inputs.get("disk_tier")):
-        what = ("mode=OptimizationMode.BALANCED (offload)"
-                if config.enable_offloading else "enable_offloading=True")
+    if not allowed & _core.TECH_OFFLOAD and (inputs.get("host_tier") or inputs.get("disk_tier")):
+        what = (
+            "mode=OptimizationMode.BALANCED (offload)"
+            if config.enable_offloading
+            else "enable_offloading=True"
+        )
         mode = "balanced" if inputs["mode"] == "conservative" else inputs["mode"]
-        out.append((what, _min_budget(dict(
-            inputs, mode=mode, allowed=allowed | _core.TECH_OFFLOAD
-            | (_core.TECH_CHECKPOINT if config.enable_checkpointing else 0)))))
+        out.append(
+            (
+                what,
+                _min_budget(
+                    dict(
+                        inputs,
+                        mode=mode,
+                        allowed=allowed
+                        | _core.TECH_OFFLOAD
+                        | (_core.TECH_CHECKPOINT if config.enable_checkpointing else 0),
+                    )
+                ),
+            )
+        )
     if not allowed & _core.TECH_TILING:
-        out.append(("enable_tiling=True", _min_budget(dict(
-            inputs, allowed=allowed | _core.TECH_TILING))))
+        out.append(
+            ("enable_tiling=True", _min_budget(dict(inputs, allowed=allowed | _core.TECH_TILING)))
+        )
     if not config.use_mixed_precision:
-        out.append(("use_mixed_precision=True (activations in 16 bits, about half)",
-                    _min_budget(_scaled_activations(inputs, 0.5))))
+        out.append(
+            (
+                "use_mixed_precision=True (activations in 16 bits, about half)",
+                _min_budget(_scaled_activations(inputs, 0.5)),
+            )
+        )
     if not config.use_8bit_optimizer and optimizer_state_bytes > 0:
         saved = int(optimizer_state_bytes * (1 - 2.125 / 8))
-        out.append(("the 8-bit optimizer (use_8bit_optimizer=True with your "
-                    "optimizer, or memscale.apply_all_optimizations)",
-                    _min_budget(dict(inputs, fixed_bytes=max(
-                        0, inputs["fixed_bytes"] - saved)))))
-    out.append(("half the batch size (activations scale with it)",
-                _min_budget(_scaled_activations(inputs, 0.5))))
+        out.append(
+            (
+                "the 8-bit optimizer (use_8bit_optimizer=True with your "
+                "optimizer, or memscale.apply_all_optimizations)",
+                _min_budget(dict(inputs, fixed_bytes=max(0, inputs["fixed_bytes"] - saved))),
+            )
+        )
+    out.append(
+        (
+            "half the batch size (activations scale with it)",
+            _min_budget(_scaled_activations(inputs, 0.5)),
+        )
+    )
     return out
 
 
-def check(plan: Any, inputs: dict[str, Any], config: Config,
-          optimizer_state_bytes: int, least: int | None = None) -> None:
+def check(
+    plan: Any,
+    inputs: dict[str, Any],
+    config: Config,
+    optimizer_state_bytes: int,
+    least: int | None = None,
+) -> None:
     """Raise :class:`MemoryBudgetError` when the planner found no plan.
     ``least``: the least budget as checked by simulation (wrap with a
     sample_input), else the planner's own figure is reported."""
@@ -98,22 +135,30 @@ def check(plan: Any, inputs: dict[str, Any], config: Config,
     # carries the same correction as ``least`` (the simulated step's excess
     # over the planner, when a sample_input was given).
     correction = least - planner_least
-    tips = [(what, b + correction)
-            for what, b in suggestions(inputs, config, optimizer_state_bytes)
-            if b < planner_least]
+    tips = [
+        (what, b + correction)
+        for what, b in suggestions(inputs, config, optimizer_state_bytes)
+        if b < planner_least
+    ]
     lines = [f"  - {what}: {_gib(b)}" for what, b in tips]
-    source = ("Config.memory_budget_gb" if config.memory_budget_gb is not None
-              else f"the device's capacity x target_gpu_utilization "
-                   f"({config.target_gpu_utilization})")
+    source = (
+        "Config.memory_budget_gb"
+        if config.memory_budget_gb is not None
+        else f"the device's capacity x target_gpu_utilization ({config.target_gpu_utilization})"
+    )
     message = (
         f"memscale: no plan fits the memory budget of {_gib(budget)} ({source}). "
         f"The smallest budget memscale can reach for this model and batch is "
         f"{_gib(least)} (unoptimized: {_gib(plan.peak_unoptimized_bytes)}), "
-        f"with mode {plan.mode} and the techniques your Config allows.")
+        f"with mode {plan.mode} and the techniques your Config allows."
+    )
     if lines:
-        message += " Config changes that lower it (the planner's estimate with each):\n" \
-            + "\n".join(lines)
+        message += (
+            " Config changes that lower it (the planner's estimate with each):\n" + "\n".join(lines)
+        )
     else:
-        message += (" No Config change lowers it further: raise the budget or "
-                    "make the model or the batch smaller.")
+        message += (
+            " No Config change lowers it further: raise the budget or "
+            "make the model or the batch smaller."
+        )
     raise MemoryBudgetError(message, budget, least, tips)

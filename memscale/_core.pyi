@@ -4,11 +4,11 @@ Checked against the built module in CI by ``python -m mypy.stubtest
 memscale._core`` (scripts/lint.sh).
 """
 
-from typing import Any, Callable, Protocol, Sequence, final
-
-from typing_extensions import disjoint_base
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, final
 
 import torch
+from typing_extensions import disjoint_base
 
 ABI: str
 TECH_CHECKPOINT: int

@@ -138,13 +138,9 @@ _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 # --------------------------------------------------------------------------
 
 
-def _check_int(
-    name: str, value: object, *, minimum: int | None = None
-) -> None:
+def _check_int(name: str, value: object, *, minimum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"{name} must be an int, got {type(value).__name__}: {value!r}"
-        )
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
@@ -187,10 +183,7 @@ class TimeReport:
         for name in ("baseline_s", "variant_s"):
             samples = getattr(self, name)
             if not isinstance(samples, tuple):
-                raise TypeError(
-                    f"{name} must be a tuple of floats, got "
-                    f"{type(samples).__name__}"
-                )
+                raise TypeError(f"{name} must be a tuple of floats, got {type(samples).__name__}")
             if not samples:
                 raise ValueError(f"{name} must hold at least one sample")
 
@@ -375,7 +368,7 @@ def _fd2_captured(what: str) -> Iterator[None]:
     data = "".join(other).encode("utf-8", "replace")
     while data:
         try:
-            data = data[os.write(2, data):]
+            data = data[os.write(2, data) :]
         except OSError:
             break
 
@@ -456,11 +449,7 @@ def _profiled_step(
             f"{torch.__version__} does not provide; it needs a torch whose "
             "CPU profiler is built with kineto"
         ) from exc
-    windows = [
-        (event.start_ns(), event.end_ns())
-        for event in raw
-        if event.name() == _WINDOW_NAME
-    ]
+    windows = [(event.start_ns(), event.end_ns()) for event in raw if event.name() == _WINDOW_NAME]
     if len(windows) != 1:
         raise RuntimeError(
             f"measure_peak expected one {_WINDOW_NAME!r} range in the profile,"
@@ -470,8 +459,7 @@ def _profiled_step(
     events = [
         (event.start_ns(), event.nbytes())  # type: ignore[union-attr]
         for event in raw
-        if event.name() == _MEMORY_EVENT_NAME
-        and begin <= event.start_ns() <= finish
+        if event.name() == _MEMORY_EVENT_NAME and begin <= event.start_ns() <= finish
     ]
     return start, events
 
@@ -525,9 +513,7 @@ def measure_peak(
             corrupt each other's results; stop the other one first).
     """
     if not callable(step_fn):
-        raise TypeError(
-            f"step_fn must be callable, got {type(step_fn).__name__}"
-        )
+        raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
     _check_int("warmup", warmup, minimum=0)
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(
@@ -564,16 +550,13 @@ def measure_peak(
             stacklevel=2,
         )
     logger.debug(
-        "measure_peak: %d memory events, start %d B, peak delta %d B, "
-        "end delta %d B",
+        "measure_peak: %d memory events, start %d B, peak delta %d B, end delta %d B",
         len(events),
         start,
         peak,
         end,
     )
-    return MemoryReport(
-        start_bytes=start, peak_delta_bytes=peak, end_delta_bytes=end
-    )
+    return MemoryReport(start_bytes=start, peak_delta_bytes=peak, end_delta_bytes=end)
 
 
 # --------------------------------------------------------------------------
@@ -652,16 +635,11 @@ def peak_rss_subprocess(
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise TypeError(
-            "timeout must be a number of seconds, got "
-            f"{type(timeout).__name__}"
-        )
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     if os.name != "posix":
-        raise RuntimeError(
-            "peak_rss_subprocess needs the resource module (POSIX only)"
-        )
+        raise RuntimeError("peak_rss_subprocess needs the resource module (POSIX only)")
     script = _RSS_WRAPPER.format(sentinel=_RSS_SENTINEL, code=code)
     try:
         proc = subprocess.run(
@@ -685,7 +663,7 @@ def peak_rss_subprocess(
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(_RSS_SENTINEL):
             try:
-                return int(line[len(_RSS_SENTINEL):])
+                return int(line[len(_RSS_SENTINEL) :])
             except ValueError:
                 break
     raise RuntimeError(
@@ -716,9 +694,7 @@ def time_ratio(
     """
     for name, fn in (("baseline_fn", baseline_fn), ("variant_fn", variant_fn)):
         if not callable(fn):
-            raise TypeError(
-                f"{name} must be callable, got {type(fn).__name__}"
-            )
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
     _check_int("repeats", repeats, minimum=1)
     _check_int("warmup", warmup, minimum=0)
 
@@ -738,8 +714,7 @@ def time_ratio(
         variant.append(t2 - t1)
     report = TimeReport(baseline_s=tuple(baseline), variant_s=tuple(variant))
     logger.debug(
-        "time_ratio: baseline median %.6f s, variant median %.6f s, "
-        "ratio %.4f over %d repeats",
+        "time_ratio: baseline median %.6f s, variant median %.6f s, ratio %.4f over %d repeats",
         report.baseline_median,
         report.variant_median,
         report.ratio,
@@ -762,9 +737,7 @@ def format_bytes(n: int | float) -> str:
     ``"-2.0 MiB"``.
     """
     if isinstance(n, bool) or not isinstance(n, numbers.Real):
-        raise TypeError(
-            f"n must be a number of bytes, got {type(n).__name__}: {n!r}"
-        )
+        raise TypeError(f"n must be a number of bytes, got {type(n).__name__}: {n!r}")
     if not math.isfinite(n):
         raise ValueError(f"n must be finite, got {n}")
     sign = "-" if n < 0 else ""

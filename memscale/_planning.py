@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -67,7 +68,8 @@ def split_input(sample_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return (), dict(sample_input)
     raise TypeError(
         "sample_input must be a tensor, a tuple/list of positional inputs or "
-        f"a dict of keyword inputs, got {type(sample_input).__name__}")
+        f"a dict of keyword inputs, got {type(sample_input).__name__}"
+    )
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -94,8 +96,7 @@ def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return total
 
 
-def optimizer_state_bytes(model: torch.nn.Module,
-                          optimizer: torch.optim.Optimizer | None) -> int:
+def optimizer_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of optimizer state one step will hold.
 
     An optimizer whose state already exists is measured.  Otherwise the
@@ -109,9 +110,12 @@ def optimizer_state_bytes(model: torch.nn.Module,
         return 2 * per_param
     # Per-parameter buffers only: scalar entries such as Adam's ``step`` are
     # left out, so a plan does not change once the optimizer has stepped.
-    existing = [v for state in optimizer.state.values()
-                for v in state.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0]
+    existing = [
+        v
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
     if existing:
         return _storage_bytes(existing)
     from .optim import AdamW8bit
@@ -141,8 +145,7 @@ def optimizer_state_bytes(model: torch.nn.Module,
     return 2 * per_param
 
 
-def fixed_bytes(model: torch.nn.Module,
-                optimizer: torch.optim.Optimizer | None) -> int:
+def fixed_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Parameters + buffers + gradients + optimizer state."""
     params_and_buffers = _storage_bytes(list(_tensors_of(model)))
     grads = _storage_bytes([p for p in model.parameters() if p.requires_grad])
@@ -166,10 +169,8 @@ def _preserved_state(model: torch.nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def _measure(units: list[tuple[str, torch.nn.Module]], params: list[torch.Tensor],
-             run: Any) -> Any:
-    profiler = _core.Profiler([m for _, m in units], params,
-                              FlopCounterMode(display=False))
+def _measure(units: list[tuple[str, torch.nn.Module]], params: list[torch.Tensor], run: Any) -> Any:
+    profiler = _core.Profiler([m for _, m in units], params, FlopCounterMode(display=False))
     profiler.attach()
     try:
         profiler.begin_pass()
@@ -205,8 +206,7 @@ def _profile_static(model, units, args, kwargs):
 
 
 @contextlib.contextmanager
-def _fake_twins(model: torch.nn.Module,
-                convert: Any) -> Iterator[list[torch.Tensor]]:
+def _fake_twins(model: torch.nn.Module, convert: Any) -> Iterator[list[torch.Tensor]]:
     """Put a fake twin in place of every parameter and buffer of ``model``
     for the length of the block, and the user's own tensor objects back
     after it, also when it raises.
@@ -231,7 +231,8 @@ def _fake_twins(model: torch.nn.Module,
                 raise RuntimeError(
                     "memscale's static profiling swaps a module's parameters "
                     "for fake ones through its parameter tables, which torch "
-                    f"{torch.__version__} does not expose")
+                    f"{torch.__version__} does not expose"
+                )
             for table in tables:
                 for name, real in list(table.items()):
                     if real is None:
@@ -240,8 +241,7 @@ def _fake_twins(model: torch.nn.Module,
                     if twin is None:
                         twin = convert(real)
                         if isinstance(real, torch.nn.Parameter):
-                            twin = torch.nn.Parameter(
-                                twin, requires_grad=real.requires_grad)
+                            twin = torch.nn.Parameter(twin, requires_grad=real.requires_grad)
                         twins[id(real)] = twin
                     swapped.append((table, name, real))
                     table[name] = twin
@@ -287,60 +287,74 @@ def _profile_empirical(model, units, args, kwargs):
     return _measure(units, list(_tensors_of(model)), run)
 
 
-def profile_upfront(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]],
-                    sample_input: Any, config: Config) -> Profile:
+def profile_upfront(
+    model: torch.nn.Module,
+    units: list[tuple[str, torch.nn.Module]],
+    sample_input: Any,
+    config: Config,
+) -> Profile:
     """Measure one forward pass before training, per the Config's order."""
     args, kwargs = split_input(sample_input)
     errors = []
     methods = []
     why_not = static_profiling_supported(model)
     if config.use_static_profiling and why_not is not None:
-        logger.info("memscale: profiling with a real forward, not on fake "
-                    "tensors: %s", why_not)
+        logger.info("memscale: profiling with a real forward, not on fake tensors: %s", why_not)
     if config.use_static_profiling and why_not is None:
         methods.append(("static", _profile_static))
-    if (config.use_empirical_fallback or not config.use_static_profiling
-            or why_not is not None):
+    if config.use_empirical_fallback or not config.use_static_profiling or why_not is not None:
         methods.append(("empirical", _profile_empirical))
     for name, fn in methods:
         try:
             with _preserved_state(model):
                 profiler = fn(model, units, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - reported below
-            logger.info("memscale: %s profiling failed: %s: %s", name,
-                        type(exc).__name__, exc)
+            logger.info("memscale: %s profiling failed: %s: %s", name, type(exc).__name__, exc)
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             continue
         return profile_from(profiler, units, name)
     raise RuntimeError(
         "memscale could not profile the model with sample_input ("
-        + "; ".join(errors) + "). Check that model(sample_input) runs, or "
+        + "; ".join(errors)
+        + "). Check that model(sample_input) runs, or "
         "pass sample_input=None to profile the first training steps"
-        + ("" if config.use_empirical_fallback
-           else ", or set Config(use_empirical_fallback=True)") + ".")
+        + ("" if config.use_empirical_fallback else ", or set Config(use_empirical_fallback=True)")
+        + "."
+    )
 
 
-def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]],
-                 method: str) -> Profile:
+def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]], method: str) -> Profile:
     from . import tiling
 
     layers = []
     details = []
-    for (name, module), r, tile_flag in zip(units, profiler.results(),
-                                            tiling.layer_flags(units)):
+    for (name, module), r, tile_flag in zip(units, profiler.results(), tiling.layer_flags(units)):
         kind = type(module).__name__
-        layers.append((name, kind, r["param_bytes"], r["saved_bytes"],
-                       r["input_bytes"], float(r["flops"]),
-                       r["flags"] | tile_flag))
+        layers.append(
+            (
+                name,
+                kind,
+                r["param_bytes"],
+                r["saved_bytes"],
+                r["input_bytes"],
+                float(r["flops"]),
+                r["flags"] | tile_flag,
+            )
+        )
         details.append({"name": name, "kind": kind, **r})
-    return Profile(tuple(layers), profiler.total_saved_bytes,
-                   float(profiler.total_flops), method, tuple(details))
+    return Profile(
+        tuple(layers),
+        profiler.total_saved_bytes,
+        float(profiler.total_flops),
+        method,
+        tuple(details),
+    )
 
 
-def new_warmup_profiler(model: torch.nn.Module,
-                        units: list[tuple[str, torch.nn.Module]]) -> Any:
-    profiler = _core.Profiler([m for _, m in units], list(_tensors_of(model)),
-                              FlopCounterMode(display=False))
+def new_warmup_profiler(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) -> Any:
+    profiler = _core.Profiler(
+        [m for _, m in units], list(_tensors_of(model)), FlopCounterMode(display=False)
+    )
     profiler.attach()
     return profiler
 
@@ -358,15 +372,21 @@ def allowed_techniques(config: Config) -> int:
     if wanted & _core.TECH_OFFLOAD and not wanted & _core.TECH_CHECKPOINT:
         # Offload moves checkpointed layers' inputs: without checkpointing
         # there is nothing for it to move.
-        logger.info("memscale: offload moves checkpointed layers' inputs; with "
-                    "enable_checkpointing=False it is not used")
+        logger.info(
+            "memscale: offload moves checkpointed layers' inputs; with "
+            "enable_checkpointing=False it is not used"
+        )
         wanted &= ~_core.TECH_OFFLOAD
-    missing = [name for name, bit in TECHNIQUE_BITS.items()
-               if wanted & bit and not IMPLEMENTED & bit]
+    missing = [
+        name for name, bit in TECHNIQUE_BITS.items() if wanted & bit and not IMPLEMENTED & bit
+    ]
     if missing:
-        logger.info("memscale: %s not available in this release; the plan "
-                    "uses the other techniques of mode %s",
-                    " and ".join(missing), config.mode.value)
+        logger.info(
+            "memscale: %s not available in this release; the plan "
+            "uses the other techniques of mode %s",
+            " and ".join(missing),
+            config.mode.value,
+        )
     return wanted & IMPLEMENTED
 
 
@@ -376,13 +396,20 @@ def budget_bytes(config: Config, hardware: dict[str, Any]) -> int:
     return max(1, int(hardware["capacity_bytes"] * config.target_gpu_utilization))
 
 
-def make_plan(profile: Profile, config: Config, hardware: dict[str, Any],
-              fixed: int, peak_offset: int = 0, plan_offset: int | None = None) -> Any:
+def make_plan(
+    profile: Profile,
+    config: Config,
+    hardware: dict[str, Any],
+    fixed: int,
+    peak_offset: int = 0,
+    plan_offset: int | None = None,
+) -> Any:
     """The engine's plan.  ``peak_offset`` and ``plan_offset`` are the OOM
     predictor's corrections of the engine's unoptimized peak and of its
     plans' peaks (see :func:`predicted_offsets`)."""
-    return _core.build_plan(**plan_inputs(profile, config, hardware, fixed,
-                                          peak_offset, plan_offset))
+    return _core.build_plan(
+        **plan_inputs(profile, config, hardware, fixed, peak_offset, plan_offset)
+    )
 
 
 # The budget planner's cost model (csrc/solver.c), per device type: forward
@@ -394,15 +421,15 @@ def make_plan(profile: Profile, config: Config, hardware: dict[str, Any],
 # in float32; the CUDA row an Ampere-class GPU on PCIe 4 (unverified here).
 SOLVER_COSTS: dict[str, dict[str, float]] = {
     "cpu": {"flop_rate": 5e10, "host_bw": 0.0, "disk_bw": 7e8, "tile_overhead": 3e-5},
-    "cuda": {"flop_rate": 3e13, "host_bw": 1.2e10, "disk_bw": 2e9,
-             "tile_overhead": 1e-4},
+    "cuda": {"flop_rate": 3e13, "host_bw": 1.2e10, "disk_bw": 2e9, "tile_overhead": 1e-4},
 }
 MAX_SEGMENT = 64  # longest checkpoint segment the planner considers
 RESOLUTION = 512  # memory buckets of the planner's DP
 
 
-def solver_inputs(config: Config, hardware: dict[str, Any],
-                  offload_in: dict[str, Any]) -> dict[str, Any]:
+def solver_inputs(
+    config: Config, hardware: dict[str, Any], offload_in: dict[str, Any]
+) -> dict[str, Any]:
     """The budget planner's keywords of ``_core.build_plan``."""
     costs = SOLVER_COSTS.get(hardware["device"], SOLVER_COSTS["cuda"])
     bandwidth = costs["host_bw"] if offload_in["host_tier"] else costs["disk_bw"]
@@ -417,9 +444,14 @@ def solver_inputs(config: Config, hardware: dict[str, Any],
     }
 
 
-def plan_inputs(profile: Profile, config: Config, hardware: dict[str, Any],
-                fixed: int, peak_offset: int = 0,
-                plan_offset: int | None = None) -> dict[str, Any]:
+def plan_inputs(
+    profile: Profile,
+    config: Config,
+    hardware: dict[str, Any],
+    fixed: int,
+    peak_offset: int = 0,
+    plan_offset: int | None = None,
+) -> dict[str, Any]:
     """Every input of the engine (``_core.build_plan`` keywords): plain
     data, so that one rank can send them to the others."""
     offload_in = offload.plan_inputs(config, hardware)
@@ -450,24 +482,31 @@ def static_profiling_supported(model: torch.nn.Module) -> str | None:
     from . import distributed
 
     if distributed.is_fsdp2(model):
-        return ("the model is sharded with FSDP2 (fully_shard), whose "
-                "parameter state a fake-tensor pass would disturb")
+        return (
+            "the model is sharded with FSDP2 (fully_shard), whose "
+            "parameter state a fake-tensor pass would disturb"
+        )
     return None
 
 
 class Offsets(NamedTuple):
     """What the OOM predictor tells the engine (see predicted_offsets)."""
 
-    peak: int            # correction of the unoptimized peak
-    plan: int            # correction of the plans' peaks
-    fallback: bool       # plan every layer checkpointed alone instead
+    peak: int  # correction of the unoptimized peak
+    plan: int  # correction of the plans' peaks
+    fallback: bool  # plan every layer checkpointed alone instead
     forced_peak: int | None  # simulated peak of that plan, if simulated
 
 
-def predicted_offsets(model: torch.nn.Module, sample_input: Any,
-                      optimizer: torch.optim.Optimizer | None, profile: Profile,
-                      config: Config, hardware: dict[str, Any],
-                      fixed: int) -> Offsets:
+def predicted_offsets(
+    model: torch.nn.Module,
+    sample_input: Any,
+    optimizer: torch.optim.Optimizer | None,
+    profile: Profile,
+    config: Config,
+    hardware: dict[str, Any],
+    fixed: int,
+) -> Offsets:
     """The OOM predictor's corrections of the engine, for ``wrap``: of its
     unoptimized peak, and of its plans' peaks (see
     ``PredictionSession.plan_offsets``), so that a plan and
@@ -482,19 +521,24 @@ def predicted_offsets(model: torch.nn.Module, sample_input: Any,
         logger.info("memscale: no OOM prediction for the engine: %s", why_not)
         return Offsets(0, 0, False, None)
     try:
-        with predictor.PredictionSession(model, sample_input, optimizer,
-                                         config=config) as session:
+        with predictor.PredictionSession(model, sample_input, optimizer, config=config) as session:
             offsets = session.plan_offsets(config, profile, fixed)
             fallback = bool(session._fallback.get(config))
             if fallback:
-                logger.info("memscale: the budget planner's plans need more than "
-                            "the budget when simulated; every layer is "
-                            "checkpointed alone instead (that step fits)")
+                logger.info(
+                    "memscale: the budget planner's plans need more than "
+                    "the budget when simulated; every layer is "
+                    "checkpointed alone instead (that step fits)"
+                )
             return Offsets(offsets[0], offsets[1], fallback, session.forced_peak)
     except Exception as exc:  # noqa: BLE001 - the engine's estimate stands
-        logger.info("memscale: the OOM predictor could not simulate a "
-                    "training step (%s: %s); the engine plans from its own "
-                    "estimate", type(exc).__name__, exc)
+        logger.info(
+            "memscale: the OOM predictor could not simulate a "
+            "training step (%s: %s); the engine plans from its own "
+            "estimate",
+            type(exc).__name__,
+            exc,
+        )
         return Offsets(0, 0, False, None)
 
 
@@ -503,14 +547,22 @@ def fallback_config(config: Config, fallback: bool | None) -> Config:
     plans did not fit when simulated, every layer checkpointed alone."""
     if not fallback:
         return config
-    return config.replace(force_optimize=True, mode=OptimizationMode.CONSERVATIVE,
-                          enable_tiling=False)
+    return config.replace(
+        force_optimize=True, mode=OptimizationMode.CONSERVATIVE, enable_tiling=False
+    )
 
 
-def verified_least_budget(model: torch.nn.Module, sample_input: Any,
-                          optimizer: torch.optim.Optimizer | None, profile: Profile,
-                          config: Config, hardware: dict[str, Any], fixed: int,
-                          offsets: Offsets, rounds: int = 3) -> int | None:
+def verified_least_budget(
+    model: torch.nn.Module,
+    sample_input: Any,
+    optimizer: torch.optim.Optimizer | None,
+    profile: Profile,
+    config: Config,
+    hardware: dict[str, Any],
+    fixed: int,
+    offsets: Offsets,
+    rounds: int = 3,
+) -> int | None:
     """When no plan fits ``config``'s budget: the smallest budget the planner
     reaches, checked by planning at it with the corrections calibrated
     there (the calibration depends on the plan, so the least budget found
@@ -528,14 +580,16 @@ def verified_least_budget(model: torch.nn.Module, sample_input: Any,
         if known is not None and least >= known:
             return known
         at = config.replace(memory_budget_gb=(least + 1) / GIB)
-        there = predicted_offsets(model, sample_input, optimizer, profile, at,
-                                  hardware, fixed)
-        plan = make_plan(profile, fallback_config(at, there[2]), hardware, fixed,
-                         *there[:2])
+        there = predicted_offsets(model, sample_input, optimizer, profile, at, hardware, fixed)
+        plan = make_plan(profile, fallback_config(at, there[2]), hardware, fixed, *there[:2])
         if plan.fits:
             return least
-        least = max(least + 1, int(plan.min_budget_bytes)
-                    if plan.min_budget_bytes >= 0 else int(plan.peak_projected_bytes))
+        least = max(
+            least + 1,
+            int(plan.min_budget_bytes)
+            if plan.min_budget_bytes >= 0
+            else int(plan.peak_projected_bytes),
+        )
     return least if known is None else min(least, known)
 
 
@@ -558,10 +612,18 @@ def plan_table(plan: Any) -> str:
         technique = "+".join(layer.techniques) or "-"
         if layer.tiles > 1:
             technique += f" x{layer.tiles}"
-        segment = (names[layer.segment] if 0 <= layer.segment < len(names)
-                   else "-")
-        rows.append((layer.name, layer.kind, technique, segment,
-                     layer.tier, format_bytes(layer.bytes_saved), layer.rule))
+        segment = names[layer.segment] if 0 <= layer.segment < len(names) else "-"
+        rows.append(
+            (
+                layer.name,
+                layer.kind,
+                technique,
+                segment,
+                layer.tier,
+                format_bytes(layer.bytes_saved),
+                layer.rule,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
         f"memscale plan {plan.hash[:12]}: mode={plan.mode} device={plan.device} "

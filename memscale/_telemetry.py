@@ -69,8 +69,17 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["ENV_ENABLE", "ENV_FILE", "SCHEMA", "SCHEMA_VERSION", "disable",
-           "emit", "enable", "is_enabled", "sink_path"]
+__all__ = [
+    "ENV_ENABLE",
+    "ENV_FILE",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "disable",
+    "emit",
+    "enable",
+    "is_enabled",
+    "sink_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +94,20 @@ _OPT_BOOL = (True, False, None)
 _VERSION = re.compile(r"^\d{1,4}\.\d{1,4}(\.\d{1,4})?$")
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _TECHNIQUES = ("checkpoint", "offload", "tiling")
-_BYTES_BUCKETS = ((8, "<8GiB"), (16, "8-16GiB"), (32, "16-32GiB"), (64, "32-64GiB"),
-                  (128, "64-128GiB"))
-_PARAM_BUCKETS = ((1e6, "<1M"), (1e7, "1M-10M"), (1e8, "10M-100M"), (1e9, "100M-1B"),
-                  (1e10, "1B-10B"))
+_BYTES_BUCKETS = (
+    (8, "<8GiB"),
+    (16, "8-16GiB"),
+    (32, "16-32GiB"),
+    (64, "32-64GiB"),
+    (128, "64-128GiB"),
+)
+_PARAM_BUCKETS = (
+    (1e6, "<1M"),
+    (1e7, "1M-10M"),
+    (1e8, "10M-100M"),
+    (1e9, "100M-1B"),
+    (1e10, "1B-10B"),
+)
 _PRESSURE_BUCKETS = ((0.5, "<0.5"), (1.0, "0.5-1"), (1.5, "1-1.5"), (3.0, "1.5-3"))
 
 # key -> allowed values (a tuple), or a compiled pattern for strings.
@@ -128,12 +147,15 @@ _warned: set[str] = set()
 # --------------------------------------------------------------------------
 # Opting in and out.
 
+
 def enable(path: str | os.PathLike[str]) -> None:
     """Write telemetry events to the JSON Lines file ``path`` (appended;
     its directory must exist).  Overrides the environment."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise TypeError("memscale._telemetry.enable(path) needs a non-empty str or "
-                        f"os.PathLike path to a local file, got {path!r}")
+        raise TypeError(
+            "memscale._telemetry.enable(path) needs a non-empty str or "
+            f"os.PathLike path to a local file, got {path!r}"
+        )
     with _lock:
         _state["explicit"] = True
         _state["path"] = os.fspath(path)
@@ -172,14 +194,23 @@ def sink_path() -> str | None:
     if flag in _FALSE:
         return None
     if flag not in _TRUE:
-        _warn_once("flag", "memscale telemetry: %s=%r is not one of 1/0 (true/false, "
-                   "yes/no, on/off); telemetry stays off", ENV_ENABLE, flag)
+        _warn_once(
+            "flag",
+            "memscale telemetry: %s=%r is not one of 1/0 (true/false, "
+            "yes/no, on/off); telemetry stays off",
+            ENV_ENABLE,
+            flag,
+        )
         return None
     path = os.environ.get(ENV_FILE)
     if not path:
-        _warn_once("file", "memscale telemetry: %s=1 but %s is not set; no event is "
-                   "written (memscale never sends telemetry over the network)",
-                   ENV_ENABLE, ENV_FILE)
+        _warn_once(
+            "file",
+            "memscale telemetry: %s=1 but %s is not set; no event is "
+            "written (memscale never sends telemetry over the network)",
+            ENV_ENABLE,
+            ENV_FILE,
+        )
         return None
     return path
 
@@ -190,6 +221,7 @@ def is_enabled() -> bool:
 
 # --------------------------------------------------------------------------
 # Buckets (everything here is coarse on purpose).
+
 
 def _bucket(value: float, buckets: tuple[tuple[float, str], ...], top: str) -> str:
     for limit, name in buckets:
@@ -255,8 +287,8 @@ def _param_count(model: Any) -> int:
 # --------------------------------------------------------------------------
 # Events.
 
-def _event(name: str, executor: Any, arch: str, params: int,
-           plan: Any = None) -> dict[str, Any]:
+
+def _event(name: str, executor: Any, arch: str, params: int, plan: Any = None) -> dict[str, Any]:
     import torch
 
     from ._version import __version__
@@ -271,27 +303,30 @@ def _event(name: str, executor: Any, arch: str, params: int,
     event: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
         "event": name,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
         "memscale_version": __version__,
         "torch_version": _major_minor(torch.__version__),
         "python_version": f"{sys.version_info.major}.{sys.version_info.minor}",
         "os": _os(),
         "device_type": device if device in SCHEMA["device_type"] else "other",
         "device_count_bucket": _count_bucket(int(hardware.get("count", 1))),
-        "device_memory_bucket": _bucket(int(hardware.get("capacity_bytes", 0)) / (1 << 30),
-                                        _BYTES_BUCKETS, ">=128GiB"),
+        "device_memory_bucket": _bucket(
+            int(hardware.get("capacity_bytes", 0)) / (1 << 30), _BYTES_BUCKETS, ">=128GiB"
+        ),
         "arch_class": arch,
         "param_bucket": _bucket(params, _PARAM_BUCKETS, ">=10B"),
         "layer_count_bucket": _layer_bucket(len(executor.layer_names)),
         "mode": mode,
         "profiling": str(executor.profiling),
         "planned": plan is not None,
-        "techniques": (sorted(t for t, n in plan.technique_counts.items() if n)
-                       if plan is not None else None),
+        "techniques": (
+            sorted(t for t, n in plan.technique_counts.items() if n) if plan is not None else None
+        ),
         "skipped": bool(plan.skipped) if plan is not None else None,
         "fits": bool(plan.fits) if plan is not None else None,
-        "pressure_bucket": (_bucket(plan.pressure, _PRESSURE_BUCKETS, ">=3")
-                            if plan is not None else None),
+        "pressure_bucket": (
+            _bucket(plan.pressure, _PRESSURE_BUCKETS, ">=3") if plan is not None else None
+        ),
         "auto_policy": bool(config.auto_policy),
         "decision_source": decision.decision_source if decision is not None else None,
         "strategy": decision.strategy if decision is not None else None,
@@ -304,18 +339,21 @@ def _event(name: str, executor: Any, arch: str, params: int,
 def validate(event: dict[str, Any]) -> None:
     """Raise ``ValueError`` unless ``event`` matches the schema exactly."""
     if set(event) != set(SCHEMA):
-        raise ValueError(f"telemetry keys {sorted(set(event) ^ set(SCHEMA))} do not "
-                         "match the schema")
+        raise ValueError(
+            f"telemetry keys {sorted(set(event) ^ set(SCHEMA))} do not match the schema"
+        )
     for key, allowed in SCHEMA.items():
         value = event[key]
         if allowed == "techniques":
-            ok = value is None or (isinstance(value, list) and value == sorted(set(value))
-                                   and all(v in _TECHNIQUES for v in value))
+            ok = value is None or (
+                isinstance(value, list)
+                and value == sorted(set(value))
+                and all(v in _TECHNIQUES for v in value)
+            )
         elif isinstance(allowed, re.Pattern):
             ok = isinstance(value, str) and bool(allowed.match(value))
         else:
-            ok = any(value is a or (type(value) is type(a) and value == a)
-                     for a in allowed)
+            ok = any(value is a or (type(value) is type(a) and value == a) for a in allowed)
         if not ok:
             raise ValueError(f"telemetry field {key!r} has a value outside the schema")
 
@@ -323,8 +361,14 @@ def validate(event: dict[str, Any]) -> None:
 # Appending, never through a symbolic link (one planted at the path must
 # not redirect memscale's writes to another file), never blocking on a FIFO,
 # and a new file readable by its owner only.
-_OPEN_FLAGS = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-               | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+_OPEN_FLAGS = (
+    os.O_WRONLY
+    | os.O_APPEND
+    | os.O_CREAT
+    | os.O_NOFOLLOW
+    | os.O_NONBLOCK
+    | getattr(os, "O_CLOEXEC", 0)
+)
 FILE_MODE = 0o600
 
 
@@ -334,13 +378,17 @@ def _write(path: str, line: str) -> None:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise OSError(
-                exc.errno, f"{path} is a symbolic link, which memscale does not "
-                "follow for its telemetry file; point it at a regular file") from None
+                exc.errno,
+                f"{path} is a symbolic link, which memscale does not "
+                "follow for its telemetry file; point it at a regular file",
+            ) from None
         raise
     with os.fdopen(fd, "a", encoding="utf-8") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"{path} is not a regular file; memscale "
-                          "appends telemetry to regular files only")
+            raise OSError(
+                errno.EINVAL,
+                f"{path} is not a regular file; memscale appends telemetry to regular files only",
+            )
         f.write(line)
 
 
@@ -357,8 +405,9 @@ def emit(event: dict[str, Any]) -> bool:
             _write(path, line)
         return True
     except Exception as exc:  # noqa: BLE001 - telemetry must never break wrap
-        _warn_once("emit", "memscale telemetry: an event was dropped (%s: %s)",
-                   type(exc).__name__, exc)
+        _warn_once(
+            "emit", "memscale telemetry: an event was dropped (%s: %s)", type(exc).__name__, exc
+        )
         return False
 
 
@@ -376,8 +425,9 @@ def wrap_called(model: Any, executor: Any) -> None:
         executor._telemetry_facts = (arch, params)
         emit(_event("wrap_called", executor, arch, params))
     except Exception as exc:  # noqa: BLE001
-        _warn_once("emit", "memscale telemetry: an event was dropped (%s: %s)",
-                   type(exc).__name__, exc)
+        _warn_once(
+            "emit", "memscale telemetry: an event was dropped (%s: %s)", type(exc).__name__, exc
+        )
 
 
 def plan_built(executor: Any, plan: Any, model: Any = None) -> None:
@@ -394,5 +444,6 @@ def plan_built(executor: Any, plan: Any, model: Any = None) -> None:
         arch, params = facts
         emit(_event("plan_built", executor, arch, params, plan=plan))
     except Exception as exc:  # noqa: BLE001
-        _warn_once("emit", "memscale telemetry: an event was dropped (%s: %s)",
-                   type(exc).__name__, exc)
+        _warn_once(
+            "emit", "memscale telemetry: an event was dropped (%s: %s)", type(exc).__name__, exc
+        )

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -56,9 +57,11 @@ def is_fake(t: torch.Tensor) -> bool:
     return bool(_is_fake(t))
 
 
-def fake_tensor_mode(*, allow_non_fake_inputs: bool = False,
-                     allow_fallback_kernels: bool = True,
-                     ) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor]] | None:
+def fake_tensor_mode(
+    *,
+    allow_non_fake_inputs: bool = False,
+    allow_fallback_kernels: bool = True,
+) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor]] | None:
     """A FakeTensorMode and a converter from real to fake tensors.
 
     Returns None when this torch has no usable FakeTensorMode; callers then
@@ -75,8 +78,9 @@ def fake_tensor_mode(*, allow_non_fake_inputs: bool = False,
         return None
     if torch_version() < TESTED_TORCH[0]:  # pragma: no cover
         return None
-    mode = FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs,
-                          allow_fallback_kernels=allow_fallback_kernels)
+    mode = FakeTensorMode(
+        allow_non_fake_inputs=allow_non_fake_inputs, allow_fallback_kernels=allow_fallback_kernels
+    )
 
     def convert(t: torch.Tensor) -> torch.Tensor:
         fake = mode.from_tensor(t)
@@ -100,14 +104,14 @@ def dispatch_mode_base() -> type | None:
     try:
         from torch.utils._python_dispatch import TorchDispatchMode
     except ImportError:  # pragma: no cover - depends on the torch release
-        logger.info("TorchDispatchMode is unavailable in torch %s",
-                    torch.__version__)
+        logger.info("TorchDispatchMode is unavailable in torch %s", torch.__version__)
         return None
     return TorchDispatchMode
 
 
-def fake_tensor_tools() -> tuple[Callable[[Any], bool], Callable[[], Any],
-                                 tuple[type[BaseException], ...]] | None:
+def fake_tensor_tools() -> (
+    tuple[Callable[[Any], bool], Callable[[], Any], tuple[type[BaseException], ...]] | None
+):
     """``(is_fake, unset_fake_temporarily, value_errors)`` from
     ``torch._subclasses.fake_tensor``: a test for fake tensors, a context
     manager that runs real operators inside a FakeTensorMode, and the
@@ -125,12 +129,14 @@ def fake_tensor_tools() -> tuple[Callable[[Any], bool], Callable[[], Any],
         )
     except ImportError:  # pragma: no cover - depends on the torch release
         return None
-    return is_fake, unset_fake_temporarily, (DataDependentOutputException,
-                                             DynamicOutputShapeException)
+    return (
+        is_fake,
+        unset_fake_temporarily,
+        (DataDependentOutputException, DynamicOutputShapeException),
+    )
 
 
-def module_tensor_tables(module: torch.nn.Module
-                         ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+def module_tensor_tables(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The dicts in which ``module`` keeps its own parameters and buffers
     (``_parameters`` and ``_buffers``; ``torch.func.functional_call`` swaps
     tensors through the same tables).  The OOM predictor puts fake twins in
@@ -159,8 +165,7 @@ def profiler_memory_events(prof: Any) -> list[tuple[str, int, int, int]] | None:
         raw = prof.profiler.kineto_results.events()
         return [(e.name(), e.start_ns(), e.end_ns(), e.nbytes()) for e in raw]
     except AttributeError:  # pragma: no cover - depends on the torch build
-        logger.info("the profiler's raw events are unavailable in torch %s",
-                    torch.__version__)
+        logger.info("the profiler's raw events are unavailable in torch %s", torch.__version__)
         return None
 
 
@@ -196,8 +201,7 @@ def autograd_nodes(tensor: torch.Tensor) -> list[Any]:
     return nodes
 
 
-def install_call_guard(model: torch.nn.Module, on_abort: Callable[[], None]
-                       ) -> Callable[[], None]:
+def install_call_guard(model: torch.nn.Module, on_abort: Callable[[], None]) -> Callable[[], None]:
     """Make every call of ``model`` run ``on_abort()`` when it is left by an
     exception, then re-raise it; return the function that removes the
     guard.
@@ -233,8 +237,7 @@ def install_call_guard(model: torch.nn.Module, on_abort: Callable[[], None]
                 try:
                     on_abort()
                 except Exception:  # the original exception is what matters
-                    logger.exception("memscale: cleaning up after an "
-                                     "interrupted forward failed")
+                    logger.exception("memscale: cleaning up after an interrupted forward failed")
             raise
         finally:
             depth[0] -= 1

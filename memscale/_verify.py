@@ -38,8 +38,8 @@ import math
 import random
 import sys
 import weakref
-from collections.abc import Mapping
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,9 +93,10 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     if not (a.is_floating_point() or a.is_complex()):
         return (0.0, 0.0) if torch.equal(a, b) else (math.inf, math.inf)
     a64, b64 = a.detach().double(), b.detach().double()
-    if torch.equal(a64, b64) or (torch.isnan(a64).equal(torch.isnan(b64))
-                                 and torch.equal(torch.nan_to_num(a64),
-                                                 torch.nan_to_num(b64))):
+    if torch.equal(a64, b64) or (
+        torch.isnan(a64).equal(torch.isnan(b64))
+        and torch.equal(torch.nan_to_num(a64), torch.nan_to_num(b64))
+    ):
         return 0.0, 0.0
     delta = (a64 - b64).abs()
     absolute = float(torch.nan_to_num(delta, nan=math.inf).max())
@@ -129,13 +130,16 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 class _Pending:
     """What one optimized step needs kept until its backward."""
 
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 rng: dict[str, Any], buffers: list[tuple[torch.Tensor, torch.Tensor]]
-                 ) -> None:
+    def __init__(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        rng: dict[str, Any],
+        buffers: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
         self.args = args
         self.kwargs = kwargs
-        self.versions = [(t, _torch_compat.tensor_version(t))
-                         for t in _all_tensors((args, kwargs))]
+        self.versions = [(t, _torch_compat.tensor_version(t)) for t in _all_tensors((args, kwargs))]
         self.rng = rng
         self.buffers = buffers
         self.outputs: list[tuple[str, torch.Tensor]] = []
@@ -165,8 +169,9 @@ def _reach(tensor: torch.Tensor) -> set[int]:
     return {id(node) for node in _torch_compat.autograd_nodes(tensor)}
 
 
-def _external_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]]
-                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _external_grads(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """From each output's total gradient to the part the loss sent it
     directly.
 
@@ -182,24 +187,34 @@ def _external_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]]
     nodes = [t.grad_fn for t, _ in pairs]
     reach = [_reach(t) for t, _ in pairs]
     # downstream[i]: the outputs computed from output i.
-    downstream = [[j for j in range(len(pairs)) if j != i and nodes[i] is not None
-                   and nodes[j] is not nodes[i] and id(nodes[i]) in reach[j]]
-                  for i in range(len(pairs))]
+    downstream = [
+        [
+            j
+            for j in range(len(pairs))
+            if j != i
+            and nodes[i] is not None
+            and nodes[j] is not nodes[i]
+            and id(nodes[i]) in reach[j]
+        ]
+        for i in range(len(pairs))
+    ]
     external: dict[int, torch.Tensor] = {}
     todo = list(range(len(pairs)))
     while todo:
         ready = [i for i in todo if all(j in external for j in downstream[i])]
         if not ready:  # pragma: no cover - autograd graphs have no cycles
-            raise VerificationError("memscale verify_correctness: cannot order "
-                                    "the model's outputs")
+            raise VerificationError("memscale verify_correctness: cannot order the model's outputs")
         for i in ready:
             tensor, total = pairs[i]
             below = downstream[i]
             if below:
                 inner = torch.autograd.grad(
-                    [pairs[j][0] for j in below], tensor,
+                    [pairs[j][0] for j in below],
+                    tensor,
                     grad_outputs=[external[j] for j in below],
-                    retain_graph=True, allow_unused=True)[0]
+                    retain_graph=True,
+                    allow_unused=True,
+                )[0]
                 if inner is not None:
                     total = total - inner
             external[i] = total
@@ -238,16 +253,16 @@ class Verifier:
             return []
         return [name for name, count in plan.technique_counts.items() if count]
 
-    def _pre(self, module: nn.Module, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> None:
+    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.done or self._replaying:
             return
-        if not (torch.is_grad_enabled() and module.training
-                and self._applied_techniques()):
+        if not (torch.is_grad_enabled() and module.training and self._applied_techniques()):
             return
         if self._pending is not None:
-            logger.info("memscale verify_correctness: the previous forward had "
-                        "no backward; verifying this one instead")
+            logger.info(
+                "memscale verify_correctness: the previous forward had "
+                "no backward; verifying this one instead"
+            )
             self._pending.release()
         buffers = [(b, b.detach().clone()) for b in module.buffers()]
         self._pending = _Pending(args, dict(kwargs), rng_state(), buffers)
@@ -272,20 +287,22 @@ class Verifier:
             pending.release()
             self._pending = None
             return
-        pending.handles.append(torch.autograd.graph.register_multi_grad_hook(
-            params, lambda grads: self._on_grads(pending, params, grads),
-            mode="all"))
+        pending.handles.append(
+            torch.autograd.graph.register_multi_grad_hook(
+                params, lambda grads: self._on_grads(pending, params, grads), mode="all"
+            )
+        )
 
     @staticmethod
     def _capture(pending: _Pending, index: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
             pending.output_grads[index] = grad.detach()
+
         return hook
 
     # ---- after backward: the replay --------------------------------------
 
-    def _on_grads(self, pending: _Pending, params: Sequence[torch.Tensor],
-                  grads: Any) -> None:
+    def _on_grads(self, pending: _Pending, params: Sequence[torch.Tensor], grads: Any) -> None:
         if pending is not self._pending or self.done:
             return
         self.done = True
@@ -304,17 +321,19 @@ class Verifier:
         """memscale's hooks off for the replay (and nothing else)."""
         return self.executor.paused()
 
-    def _verify(self, pending: _Pending, params: Sequence[torch.Tensor],
-                grads: list[torch.Tensor | None]) -> None:
+    def _verify(
+        self, pending: _Pending, params: Sequence[torch.Tensor], grads: list[torch.Tensor | None]
+    ) -> None:
         model = self._model_ref()
         if model is None:
             return
-        changed = [t for t, v in pending.versions
-                   if _torch_compat.tensor_version(t) != v]
+        changed = [t for t, v in pending.versions if _torch_compat.tensor_version(t) != v]
         if changed:
-            logger.warning("memscale verify_correctness: an input of the model "
-                           "was modified in place after the forward; the step "
-                           "cannot be replayed, and is not verified")
+            logger.warning(
+                "memscale verify_correctness: an input of the model "
+                "was modified in place after the forward; the step "
+                "cannot be replayed, and is not verified"
+            )
             return
         picked = sorted(pending.output_grads)
         now_rng = rng_state()
@@ -332,14 +351,25 @@ class Verifier:
                     raise VerificationError(
                         "memscale verify_correctness: the unoptimized replay "
                         f"returned {len(outputs)} tensors where the optimized "
-                        f"forward returned {len(pending.outputs)}")
+                        f"forward returned {len(pending.outputs)}"
+                    )
                 wanted = _external_grads(
-                    [(outputs[i][1], pending.output_grads[i]) for i in picked
-                     if outputs[i][1].requires_grad])
-                ref = (torch.autograd.grad([o for o, _ in wanted], params,
-                                           grad_outputs=[g for _, g in wanted],
-                                           allow_unused=True)
-                       if wanted else [None] * len(params))
+                    [
+                        (outputs[i][1], pending.output_grads[i])
+                        for i in picked
+                        if outputs[i][1].requires_grad
+                    ]
+                )
+                ref = (
+                    torch.autograd.grad(
+                        [o for o, _ in wanted],
+                        params,
+                        grad_outputs=[g for _, g in wanted],
+                        allow_unused=True,
+                    )
+                    if wanted
+                    else [None] * len(params)
+                )
         finally:
             self._replaying = False
             with torch.no_grad():
@@ -348,9 +378,15 @@ class Verifier:
             set_rng_state(now_rng)
         self._compare(model, pending, outputs, params, grads, list(ref))
 
-    def _compare(self, model: nn.Module, pending: _Pending,
-                 outputs: list[tuple[str, torch.Tensor]], params: Sequence[torch.Tensor],
-                 grads: list[torch.Tensor | None], ref: list[torch.Tensor | None]) -> None:
+    def _compare(
+        self,
+        model: nn.Module,
+        pending: _Pending,
+        outputs: list[tuple[str, torch.Tensor]],
+        params: Sequence[torch.Tensor],
+        grads: list[torch.Tensor | None],
+        ref: list[torch.Tensor | None],
+    ) -> None:
         names = {id(p): n for n, p in model.named_parameters()}
         worst_out = ("", 0.0, 0.0)
         for (name, got), (_, want) in zip(pending.outputs, outputs):
@@ -375,23 +411,35 @@ class Verifier:
             atol = max(atol, NONDETERMINISTIC_CUDA[0])
             rtol = max(rtol, NONDETERMINISTIC_CUDA[1])
         self.report = {
-            "techniques": techniques, "atol": atol, "rtol": rtol,
-            "output": worst_out[0], "output_abs": worst_out[1],
-            "output_rel": worst_out[2], "gradient": worst_grad[0],
-            "gradient_abs": worst_grad[1], "gradient_rel": worst_grad[2],
+            "techniques": techniques,
+            "atol": atol,
+            "rtol": rtol,
+            "output": worst_out[0],
+            "output_abs": worst_out[1],
+            "output_rel": worst_out[2],
+            "gradient": worst_grad[0],
+            "gradient_abs": worst_grad[1],
+            "gradient_rel": worst_grad[2],
         }
-        ok = all(a <= atol or r <= rtol
-                 for _, a, r in (worst_out, worst_grad))
-        summary = (f"outputs: largest difference {worst_out[1]:.3g} absolute, "
-                   f"{worst_out[2]:.3g} relative ({worst_out[0] or '-'}); "
-                   f"gradients: {worst_grad[1]:.3g} absolute, {worst_grad[2]:.3g} "
-                   f"relative ({worst_grad[0] or '-'}); tolerance for "
-                   f"{'+'.join(techniques)}: "
-                   + ("bitwise equal" if atol == rtol == 0.0
-                      else f"{atol:g} absolute or {rtol:g} relative"))
+        ok = all(a <= atol or r <= rtol for _, a, r in (worst_out, worst_grad))
+        summary = (
+            f"outputs: largest difference {worst_out[1]:.3g} absolute, "
+            f"{worst_out[2]:.3g} relative ({worst_out[0] or '-'}); "
+            f"gradients: {worst_grad[1]:.3g} absolute, {worst_grad[2]:.3g} "
+            f"relative ({worst_grad[0] or '-'}); tolerance for "
+            f"{'+'.join(techniques)}: "
+            + (
+                "bitwise equal"
+                if atol == rtol == 0.0
+                else f"{atol:g} absolute or {rtol:g} relative"
+            )
+        )
         if ok:
-            logger.info("memscale verify_correctness: the optimized step matches "
-                        "the unoptimized replay; %s", summary)
+            logger.info(
+                "memscale verify_correctness: the optimized step matches "
+                "the unoptimized replay; %s",
+                summary,
+            )
             return
         logger.error("memscale verify_correctness: MISMATCH; %s", summary)
         raise VerificationError(
@@ -400,21 +448,24 @@ class Verifier:
             "gives different results when recomputed (random numbers drawn "
             "outside torch's RNG, or global state it reads or changes) does "
             "this: make its forward deterministic or exclude it from "
-            "checkpointing.")
+            "checkpointing."
+        )
 
 
 def attach(model: nn.Module, executor: Any) -> Verifier | None:
     """Set up verification of the first optimized step of ``model``; the
     executor's detach removes it."""
     plan = executor.plan
-    if executor.state == "applied" and plan is not None \
-            and not any(plan.technique_counts.values()):
-        logger.info("memscale verify_correctness: the plan applies nothing, so "
-                    "there is nothing to verify")
+    if executor.state == "applied" and plan is not None and not any(plan.technique_counts.values()):
+        logger.info(
+            "memscale verify_correctness: the plan applies nothing, so there is nothing to verify"
+        )
         return None
     verifier = Verifier(model, executor)
     executor.on_detach(verifier.remove)
     executor.verifier = verifier
-    logger.info("memscale verify_correctness: the first optimized training step "
-                "will be replayed without memscale and compared (slow)")
+    logger.info(
+        "memscale verify_correctness: the first optimized training step "
+        "will be replayed without memscale and compared (slow)"
+    )
     return verifier

@@ -72,15 +72,17 @@ def profiling_context(config: Any, hardware: dict[str, Any]) -> Any:
     return torch.autocast(hardware["device"], dtype=autocast_dtype(hardware))
 
 
-def attach(executor: Any, model: torch.nn.Module, config: Any,
-           hardware: dict[str, Any]) -> None:
+def attach(executor: Any, model: torch.nn.Module, config: Any, hardware: dict[str, Any]) -> None:
     """Turn mixed precision on for ``model`` if the Config asks for it."""
     if not config.use_mixed_precision:
         return
     device_type = hardware["device"]
     if device_type not in ("cpu", "cuda"):
-        logger.warning("memscale: use_mixed_precision is not supported on %s; "
-                       "the model runs in its own precision", device_type)
+        logger.warning(
+            "memscale: use_mixed_precision is not supported on %s; "
+            "the model runs in its own precision",
+            device_type,
+        )
         return
     dtype = autocast_dtype(hardware)
     executor.set_autocast(device_type, dtype)
@@ -96,10 +98,15 @@ def attach(executor: Any, model: torch.nn.Module, config: Any,
             "memscale: mixed precision runs in FP16 (%s has no BF16 support): "
             "scale the loss with scaler = memscale.amp.grad_scaler(model), "
             "scaler.scale(loss).backward(), scaler.step(optimizer), "
-            "scaler.update()", hardware.get("name", device_type))
+            "scaler.update()",
+            hardware.get("name", device_type),
+        )
     else:
-        logger.info("memscale: mixed precision: forwards run under "
-                    "torch.autocast(%r, dtype=torch.bfloat16)", device_type)
+        logger.info(
+            "memscale: mixed precision: forwards run under "
+            "torch.autocast(%r, dtype=torch.bfloat16)",
+            device_type,
+        )
 
 
 def grad_scaler(model: torch.nn.Module, **kwargs: Any) -> torch.amp.GradScaler:
@@ -112,5 +119,4 @@ def grad_scaler(model: torch.nn.Module, **kwargs: Any) -> torch.amp.GradScaler:
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         return torch.amp.GradScaler(device_type, enabled=False, **kwargs)
     device_type, dtype = autocast
-    return torch.amp.GradScaler(device_type, enabled=dtype is torch.float16,
-                                **kwargs)
+    return torch.amp.GradScaler(device_type, enabled=dtype is torch.float16, **kwargs)

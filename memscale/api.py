@@ -13,13 +13,29 @@ import logging
 import os
 import warnings
 import weakref
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 
-from . import (_budget, _copying, _core, _firststep, _hf_cache, _planning, _recompute_check,
-               _telemetry, _torch_compat, amp,
-               distributed, observability, offload, optim, policy, tiling)
+from . import (
+    _budget,
+    _copying,
+    _core,
+    _firststep,
+    _hf_cache,
+    _planning,
+    _recompute_check,
+    _telemetry,
+    _torch_compat,
+    amp,
+    distributed,
+    observability,
+    offload,
+    optim,
+    policy,
+    tiling,
+)
 from .config import GIB, AsyncOffloadConfig, Config, OptimizationMode
 from .executor import Executor
 
@@ -28,38 +44,41 @@ logger = logging.getLogger(__name__)
 ATTR = "_memscale_executor"
 
 
-
 def _is_trainer(obj: Any) -> bool:
-    return (not isinstance(obj, torch.nn.Module) and hasattr(obj, "model")
-            and callable(getattr(obj, "train", None)))
+    return (
+        not isinstance(obj, torch.nn.Module)
+        and hasattr(obj, "model")
+        and callable(getattr(obj, "train", None))
+    )
 
 
 def _is_hf_trainer(obj: Any) -> bool:
     """A Trainer memscale can attach to: it takes callbacks (as
     ``transformers.Trainer`` does)."""
-    return (_is_trainer(obj) and callable(getattr(obj, "add_callback", None))
-            and hasattr(obj, "callback_handler"))
+    return (
+        _is_trainer(obj)
+        and callable(getattr(obj, "add_callback", None))
+        and hasattr(obj, "callback_handler")
+    )
 
 
-def _effective_config(config: Config | None, async_offload: bool | None,
-                      async_config: AsyncOffloadConfig | None) -> Config:
+def _effective_config(
+    config: Config | None, async_offload: bool | None, async_config: AsyncOffloadConfig | None
+) -> Config:
     if config is None:
         config = Config()
     elif not isinstance(config, Config):
-        raise TypeError(f"config must be a memscale.Config or None, got "
-                        f"{type(config).__name__}")
+        raise TypeError(f"config must be a memscale.Config or None, got {type(config).__name__}")
     changes: dict[str, Any] = {}
     if async_offload is not None:
         if not isinstance(async_offload, bool):
-            raise TypeError("async_offload must be True, False or None, got "
-                            f"{async_offload!r}")
+            raise TypeError(f"async_offload must be True, False or None, got {async_offload!r}")
         changes["async_offload"] = async_offload
     else:
         env = os.environ.get("MEMSCALE_ASYNC_OFFLOAD")
         if env is not None:
             if env not in ("0", "1"):
-                raise ValueError("MEMSCALE_ASYNC_OFFLOAD must be '0' or '1', "
-                                 f"got {env!r}")
+                raise ValueError(f"MEMSCALE_ASYNC_OFFLOAD must be '0' or '1', got {env!r}")
             changes["async_offload"] = env == "1"
     if async_config is not None:
         changes["async_config"] = async_config
@@ -75,11 +94,13 @@ def _warn_8bit_without_optimizer(config: Config, optimizer: Any) -> None:
             "given no optimizer to replace; build yours with "
             "memscale.optim.make_8bit_adamw(model.parameters(), lr=...), "
             "or let memscale.apply_all_optimizations(model, optimizer) "
-            "replace it")
+            "replace it"
+        )
 
 
-def _select_strategy(config: Config, context: policy.StrategyContext
-                     ) -> tuple[policy.StrategyDecision, Config]:
+def _select_strategy(
+    config: Config, context: policy.StrategyContext
+) -> tuple[policy.StrategyDecision, Config]:
     """Stage 1: the strategy decision and the effective Config (``config``
     itself, or a derived copy; ``config`` is never changed).
 
@@ -91,15 +112,20 @@ def _select_strategy(config: Config, context: policy.StrategyContext
     """
     if not config.auto_policy:
         return policy.StrategyDecision.from_config(
-            config, "auto_policy=False: the Config is used as written"), config
+            config, "auto_policy=False: the Config is used as written"
+        ), config
     if not context.has_gpu:
         return policy.StrategyDecision.from_config(
-            config, f"auto_policy=True, but the model is on the host "
+            config,
+            f"auto_policy=True, but the model is on the host "
             f"{context.device_type}: there is no device memory pressure to "
-            "reason about, so the Config is used as written"), config
+            "reason about, so the Config is used as written",
+        ), config
     if not context.profiled:
-        raise ValueError("Stage 1 needs a profiled context on a GPU: build it with "
-                         "StrategyContext.build(config, hardware, profile, fixed_bytes)")
+        raise ValueError(
+            "Stage 1 needs a profiled context on a GPU: build it with "
+            "StrategyContext.build(config, hardware, profile, fixed_bytes)"
+        )
     rules = policy.RulePolicy()
     if policy.requested_policy() == "rule":
         (name, reason), source, used = rules.choose(context), "rule", rules.name
@@ -108,16 +134,20 @@ def _select_strategy(config: Config, context: policy.StrategyContext
             trained = policy.load_trained_policy()
             (name, reason), source, used = trained.choose(context), "ml", trained.name
         except policy.PolicyFallbackNeeded as exc:
-            logger.info("memscale: the trained strategy policy is unavailable (%s); "
-                        "the rule policy decides", exc)
+            logger.info(
+                "memscale: the trained strategy policy is unavailable (%s); "
+                "the rule policy decides",
+                exc,
+            )
             (name, reason), source, used = rules.choose(context), "rule_fallback", rules.name
             reason += f"; trained policy unavailable: {exc}"
     decision = policy.StrategyDecision.from_strategy(name, config, source, reason, used)
     return decision, decision.effective_config(config)
 
 
-def _stage1(executor: Executor, config: Config, hardware: dict[str, Any],
-            profile: Any, fixed: int) -> Config:
+def _stage1(
+    executor: Executor, config: Config, hardware: dict[str, Any], profile: Any, fixed: int
+) -> Config:
     """Run Stage 1, record the decision on the executor, log it; return the
     effective Config for Stage 2."""
     if not policy.needs_profile(config, hardware):
@@ -135,6 +165,7 @@ def _abandoner(ref: weakref.ref[Executor]) -> Any:
     exception: the executor leaves what it entered (``Executor._abandon``),
     also on a ``KeyboardInterrupt``, which torch's ``always_call`` hooks
     never see."""
+
     def abandon() -> None:
         executor = ref()
         if executor is not None:
@@ -143,8 +174,7 @@ def _abandoner(ref: weakref.ref[Executor]) -> Any:
     return abandon
 
 
-DETAILS = ("table: model._memscale_executor.describe(), or the 'memscale' logger "
-           "at DEBUG")
+DETAILS = "table: model._memscale_executor.describe(), or the 'memscale' logger at DEBUG"
 
 
 def _budget_source(config: Config, hardware: dict[str, Any]) -> str:
@@ -152,13 +182,14 @@ def _budget_source(config: Config, hardware: dict[str, Any]) -> str:
     if config.memory_budget_gb is not None:
         return "Config.memory_budget_gb"
     where = "host RAM" if hardware["device"] == "cpu" else f"{hardware['device']} memory"
-    return (f"{config.target_gpu_utilization:.0%} of "
-            f"{_planning.format_bytes(hardware['capacity_bytes'])} {where}, "
-            "Config.target_gpu_utilization")
+    return (
+        f"{config.target_gpu_utilization:.0%} of "
+        f"{_planning.format_bytes(hardware['capacity_bytes'])} {where}, "
+        "Config.target_gpu_utilization"
+    )
 
 
-def _log_plan(config: Config, hardware: dict[str, Any], plan: Any,
-              decision: Any = None) -> None:
+def _log_plan(config: Config, hardware: dict[str, Any], plan: Any, decision: Any = None) -> None:
     """One INFO line per plan (what was decided, the expected peak, where
     the details are); the hardware and the per-layer table at DEBUG."""
     if not config.enable_logging:
@@ -166,10 +197,14 @@ def _log_plan(config: Config, hardware: dict[str, Any], plan: Any,
     fmt = _planning.format_bytes
     mode = f"mode {plan.mode}"
     if decision is not None and decision.decision_source != "user_config":
-        mode += (f", strategy {decision.strategy} "
-                 f"(decision_source={decision.decision_source})")
-    logger.debug("memscale hardware: %s x%d, %s each (%s)", hardware["device"],
-                 hardware["count"], fmt(hardware["capacity_bytes"]), hardware["name"])
+        mode += f", strategy {decision.strategy} (decision_source={decision.decision_source})"
+    logger.debug(
+        "memscale hardware: %s x%d, %s each (%s)",
+        hardware["device"],
+        hardware["count"],
+        fmt(hardware["capacity_bytes"]),
+        hardware["name"],
+    )
     logger.debug("%s", _planning.plan_table(plan))
     budget = f"{fmt(plan.budget_bytes)} ({_budget_source(config, hardware)})"
     if plan.skipped:
@@ -177,24 +212,40 @@ def _log_plan(config: Config, hardware: dict[str, Any], plan: Any,
             "memscale: model left alone (smart-skip, plan %s, %s): its predicted "
             "peak of %s fits comfortably in the budget of %s (pressure %.2f). "
             "Config(force_optimize=True) optimizes it anyway.",
-            plan.hash[:12], mode, fmt(plan.peak_unoptimized_bytes), budget, plan.pressure)
+            plan.hash[:12],
+            mode,
+            fmt(plan.peak_unoptimized_bytes),
+            budget,
+            plan.pressure,
+        )
     else:
         counts = plan.technique_counts
         decided = ", ".join(f"{name} {counts[name]}" for name in counts if counts[name])
         logger.info(
             "memscale: plan %s (%s): %s of %d layers; predicted peak %s -> %s "
             "for a budget of %s (recompute %.0f%% of forward); %s",
-            plan.hash[:12], mode, decided or "no technique", len(plan),
-            fmt(plan.peak_unoptimized_bytes), fmt(plan.peak_projected_bytes), budget,
-            plan.recompute_ratio * 100, DETAILS)
+            plan.hash[:12],
+            mode,
+            decided or "no technique",
+            len(plan),
+            fmt(plan.peak_unoptimized_bytes),
+            fmt(plan.peak_projected_bytes),
+            budget,
+            plan.recompute_ratio * 100,
+            DETAILS,
+        )
     if not plan.fits:
-        logger.warning("memscale: even with every eligible layer optimized the "
-                       "projected peak (%s) exceeds the budget (%s)",
-                       fmt(plan.peak_projected_bytes), fmt(plan.budget_bytes))
+        logger.warning(
+            "memscale: even with every eligible layer optimized the "
+            "projected peak (%s) exceeds the budget (%s)",
+            fmt(plan.peak_projected_bytes),
+            fmt(plan.budget_bytes),
+        )
 
 
-def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any,
-                inputs: dict[str, Any]) -> None:
+def _after_plan(
+    model: torch.nn.Module, executor: Executor, plan: Any, inputs: dict[str, Any]
+) -> None:
     """Model-level settings that go with a plan (undone by detach): a
     checkpointed Hugging Face model trains with its key/value cache off on
     every config it holds (see ``_hf_cache``), and each checkpointed layer
@@ -215,10 +266,13 @@ def _after_plan(model: torch.nn.Module, executor: Executor, plan: Any,
 
         executor.on_detach(undo)
         executor.on_copy(restore_copy)
-        logger.info("memscale: set use_cache=False on %d Hugging Face config(s) "
-                    "of the model for training with checkpointing (a recomputed "
-                    "layer must not see the cache its forward filled; restored "
-                    "by detach)", len(changed))
+        logger.info(
+            "memscale: set use_cache=False on %d Hugging Face config(s) "
+            "of the model for training with checkpointing (a recomputed "
+            "layer must not see the cache its forward filled; restored "
+            "by detach)",
+            len(changed),
+        )
 
 
 class _Upfront(NamedTuple):
@@ -230,9 +284,15 @@ class _Upfront(NamedTuple):
     least: int | None  # the least budget when no plan fits, else None
 
 
-def _profile_sample(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]],
-                    sample_input: Any, config: Config, hardware: dict[str, Any],
-                    optimizer: torch.optim.Optimizer | None, fixed: int) -> _Upfront:
+def _profile_sample(
+    model: torch.nn.Module,
+    units: list[tuple[str, torch.nn.Module]],
+    sample_input: Any,
+    config: Config,
+    hardware: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+    fixed: int,
+) -> _Upfront:
     """Profile ``model`` on ``sample_input`` (fake tensors first, a real
     forward as fallback, per the Config) and ask the OOM predictor for its
     corrections."""
@@ -242,23 +302,32 @@ def _profile_sample(model: torch.nn.Module, units: list[tuple[str, torch.nn.Modu
         # tensors), so that the plan and predict_peak() agree.  Stage 1
         # first (it is recorded on the executor later): the plan the
         # corrections are calibrated on is the one wrap() makes.
-        _, early_config = _select_strategy(config, policy.StrategyContext.build(
-            config, hardware,
-            profile if policy.needs_profile(config, hardware) else None, fixed))
-        offsets = _planning.predicted_offsets(model, sample_input, optimizer,
-                                              profile, early_config, hardware, fixed)
+        _, early_config = _select_strategy(
+            config,
+            policy.StrategyContext.build(
+                config, hardware, profile if policy.needs_profile(config, hardware) else None, fixed
+            ),
+        )
+        offsets = _planning.predicted_offsets(
+            model, sample_input, optimizer, profile, early_config, hardware, fixed
+        )
         # No plan fits: the least budget, checked by simulating there.
         least = _planning.verified_least_budget(
-            model, sample_input, optimizer, profile, early_config, hardware,
-            fixed, offsets)
+            model, sample_input, optimizer, profile, early_config, hardware, fixed, offsets
+        )
     return _Upfront(profile, offsets, least)
 
 
-def _apply_sample_plan(model: torch.nn.Module, executor: Executor,
-                       units: list[tuple[str, torch.nn.Module]], config: Config,
-                       hardware: dict[str, Any], fixed: int,
-                       optimizer: torch.optim.Optimizer | None,
-                       upfront: _Upfront) -> Any:
+def _apply_sample_plan(
+    model: torch.nn.Module,
+    executor: Executor,
+    units: list[tuple[str, torch.nn.Module]],
+    config: Config,
+    hardware: dict[str, Any],
+    fixed: int,
+    optimizer: torch.optim.Optimizer | None,
+    upfront: _Upfront,
+) -> Any:
     """Stage 1, the plan (one for every rank), its log line and budget
     check, then the techniques attached and the plan applied."""
     profile, offsets, least = upfront
@@ -266,12 +335,18 @@ def _apply_sample_plan(model: torch.nn.Module, executor: Executor,
     executor.profiling = profile.method
     plan_config = _stage1(executor, config, hardware, profile, fixed)
     inputs = _planning.plan_inputs(
-        profile, _planning.fallback_config(plan_config, offsets[2]),
-        hardware, fixed, peak_offset=offsets[0], plan_offset=offsets[1])
+        profile,
+        _planning.fallback_config(plan_config, offsets[2]),
+        hardware,
+        fixed,
+        peak_offset=offsets[0],
+        plan_offset=offsets[1],
+    )
     plan = distributed.shared_plan(inputs)
     _log_plan(config, hardware, plan, executor.decision)
-    _budget.check(plan, inputs, plan_config,
-                  _planning.optimizer_state_bytes(model, optimizer), least)
+    _budget.check(
+        plan, inputs, plan_config, _planning.optimizer_state_bytes(model, optimizer), least
+    )
     offload.attach(executor, plan_config, hardware, plan)
     tiling.install(executor, units, plan)
     executor.apply(plan)
@@ -284,14 +359,18 @@ def _first_step_planning(model: torch.nn.Module, config: Config) -> bool:
     tensors (the default); otherwise the first ``warmup_steps`` forwards
     are measured for real (``use_static_profiling=False``, or a model that
     fake tensors cannot run, such as one sharded with FSDP2)."""
-    return (config.use_static_profiling
-            and _planning.static_profiling_supported(model) is None)
+    return config.use_static_profiling and _planning.static_profiling_supported(model) is None
 
 
-def _plan_on_first_forward(model: torch.nn.Module, executor: Executor,
-                           units: list[tuple[str, torch.nn.Module]], config: Config,
-                           hardware: dict[str, Any], fixed: int,
-                           optimizer: torch.optim.Optimizer | None) -> None:
+def _plan_on_first_forward(
+    model: torch.nn.Module,
+    executor: Executor,
+    units: list[tuple[str, torch.nn.Module]],
+    config: Config,
+    hardware: dict[str, Any],
+    fixed: int,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
     """No ``sample_input``: plan inside the first training forward, from its
     own inputs, before it runs (see ``memscale._firststep``).  If they
     cannot be profiled on fake tensors, that forward and the next
@@ -300,8 +379,7 @@ def _plan_on_first_forward(model: torch.nn.Module, executor: Executor,
         policy.requested_policy()  # a bad MEMSCALE_POLICY fails now
     static_only = config.replace(use_empirical_fallback=False)
 
-    def plan(module: torch.nn.Module, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> None:
+    def plan(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
             # Profiled as an unwrapped model (the OOM predictor refuses a
             # wrapped one): our hooks are paused, the attribute set aside.
@@ -309,24 +387,34 @@ def _plan_on_first_forward(model: torch.nn.Module, executor: Executor,
             try:
                 with executor.paused():
                     upfront = _profile_sample(
-                        module, units, _planning.Inputs(args, kwargs), static_only,
-                        hardware, optimizer, fixed)
+                        module,
+                        units,
+                        _planning.Inputs(args, kwargs),
+                        static_only,
+                        hardware,
+                        optimizer,
+                        fixed,
+                    )
             except RuntimeError as exc:
                 if not config.use_empirical_fallback:
                     raise
                 upfront = None
-                logger.info("memscale: the first training forward could not be "
-                            "profiled on fake tensors (%s); measuring the first %d "
-                            "training forwards instead", exc, config.warmup_steps)
+                logger.info(
+                    "memscale: the first training forward could not be "
+                    "profiled on fake tensors (%s); measuring the first %d "
+                    "training forwards instead",
+                    exc,
+                    config.warmup_steps,
+                )
             finally:
                 if wrapped is not None:
                     model.__dict__[ATTR] = wrapped
             if upfront is None:
-                _plan_after_warmup(model, executor, units, config, hardware, fixed,
-                                   optimizer)
+                _plan_after_warmup(model, executor, units, config, hardware, fixed, optimizer)
                 return
-            plan_made = _apply_sample_plan(model, executor, units, config, hardware,
-                                           fixed, optimizer, upfront)
+            plan_made = _apply_sample_plan(
+                model, executor, units, config, hardware, fixed, optimizer, upfront
+            )
         except BaseException:
             # Leave nothing attached: the model runs as if never wrapped.
             if model.__dict__.get(ATTR) is executor:
@@ -335,11 +423,12 @@ def _plan_on_first_forward(model: torch.nn.Module, executor: Executor,
             raise
         _telemetry.plan_built(executor, plan_made, model)
 
-    logger.debug("memscale: no sample_input; the plan is made on the first training "
-                 "forward, from its inputs, before that forward runs")
+    logger.debug(
+        "memscale: no sample_input; the plan is made on the first training "
+        "forward, from its inputs, before that forward runs"
+    )
     names = [name for name, _ in units]
-    first = _firststep.FirstForward(_firststep.chain(model, names), plan,
-                                    executor.is_paused)
+    first = _firststep.FirstForward(_firststep.chain(model, names), plan, executor.is_paused)
     executor.on_detach(first.remove)
 
     def measure_instead() -> None:
@@ -350,10 +439,15 @@ def _plan_on_first_forward(model: torch.nn.Module, executor: Executor,
     executor._measure_instead = measure_instead
 
 
-def _plan_after_warmup(model: torch.nn.Module, executor: Executor,
-                       units: list[tuple[str, torch.nn.Module]], config: Config,
-                       hardware: dict[str, Any], fixed: int,
-                       optimizer: torch.optim.Optimizer | None) -> None:
+def _plan_after_warmup(
+    model: torch.nn.Module,
+    executor: Executor,
+    units: list[tuple[str, torch.nn.Module]],
+    config: Config,
+    hardware: dict[str, Any],
+    fixed: int,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
     """Measure the first ``warmup_steps`` training forwards for real, then
     plan (they run unoptimized)."""
     executor.profiling = "warmup"
@@ -367,13 +461,15 @@ def _plan_after_warmup(model: torch.nn.Module, executor: Executor,
     def on_profiled(prof: Any) -> Any:
         warm = _planning.profile_from(prof, units, "warmup")
         executor.profile = warm
-        plan_config = (executor.config if executor.decision is not None
-                       else _stage1(executor, config, hardware, warm, fixed))
+        plan_config = (
+            executor.config
+            if executor.decision is not None
+            else _stage1(executor, config, hardware, warm, fixed)
+        )
         inputs = _planning.plan_inputs(warm, plan_config, hardware, fixed)
         plan = distributed.shared_plan(inputs)
         _log_plan(config, hardware, plan, executor.decision)
-        _budget.check(plan, inputs, plan_config,
-                      _planning.optimizer_state_bytes(model, optimizer))
+        _budget.check(plan, inputs, plan_config, _planning.optimizer_state_bytes(model, optimizer))
         offload.attach(executor, plan_config, hardware, plan)
         tiling.install(executor, units, plan)
         executor.count_layer_recomputes(units, plan)
@@ -386,15 +482,23 @@ def _plan_after_warmup(model: torch.nn.Module, executor: Executor,
     except BaseException:
         profiler.detach()
         raise
-    logger.log(logging.INFO if config.enable_logging else logging.DEBUG,
-               "memscale: profiling the first %d training forward passes for "
-               "real (they run unoptimized), then planning", config.warmup_steps)
+    logger.log(
+        logging.INFO if config.enable_logging else logging.DEBUG,
+        "memscale: profiling the first %d training forward passes for "
+        "real (they run unoptimized), then planning",
+        config.warmup_steps,
+    )
 
 
-def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
-         async_offload: bool | None = None,
-         async_config: AsyncOffloadConfig | None = None,
-         *, optimizer: torch.optim.Optimizer | None = None) -> Any:
+def wrap(
+    target: Any,
+    config: Config | None = None,
+    sample_input: Any = None,
+    async_offload: bool | None = None,
+    async_config: AsyncOffloadConfig | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Any:
     """Attach memscale to ``target`` and return ``target``.
 
     ``target`` is an ``nn.Module``.  With ``sample_input`` the model is
@@ -426,49 +530,65 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
                 "memscale.wrap() accepts a Hugging Face transformers.Trainer "
                 "(an object with .model, .train() and .add_callback()); this "
                 f"{type(target).__name__} takes no callbacks. Wrap its model "
-                "instead: memscale.wrap(trainer.model)")
+                "instead: memscale.wrap(trainer.model)"
+            )
         if optimizer is not None:
             raise TypeError(
                 "memscale.wrap(trainer, optimizer=...): memscale uses the "
                 "optimizer the Trainer builds; give yours to the Trainer "
-                "(Trainer(..., optimizers=(optimizer, scheduler))) instead")
+                "(Trainer(..., optimizers=(optimizer, scheduler))) instead"
+            )
         from .integrations import hf  # imports transformers
 
-        return hf.attach(target, _effective_config(config, async_offload,
-                                                   async_config), sample_input)
-    if (not isinstance(target, torch.nn.Module)
-            and type(target).__module__.split(".")[0] in ("lightning",
-                                                           "pytorch_lightning")):
+        return hf.attach(
+            target, _effective_config(config, async_offload, async_config), sample_input
+        )
+    if not isinstance(target, torch.nn.Module) and type(target).__module__.split(".")[0] in (
+        "lightning",
+        "pytorch_lightning",
+    ):
         raise TypeError(
             "memscale.wrap() does not take a PyTorch Lightning "
             f"{type(target).__name__}; pass the callback instead: "
-            "Trainer(callbacks=[memscale.integrations.lightning.MemScaleCallback()])")
+            "Trainer(callbacks=[memscale.integrations.lightning.MemScaleCallback()])"
+        )
     if not isinstance(target, torch.nn.Module):
-        raise TypeError("memscale.wrap() needs a torch.nn.Module (or a Hugging "
-                        f"Face Trainer), got {type(target).__name__}")
+        raise TypeError(
+            "memscale.wrap() needs a torch.nn.Module (or a Hugging "
+            f"Face Trainer), got {type(target).__name__}"
+        )
     model = target
     if model.__dict__.get(ATTR) is not None:
         raise RuntimeError(
             "this model is already wrapped by memscale; call "
-            "memscale.detach(model) before wrapping it again")
+            "memscale.detach(model) before wrapping it again"
+        )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError("optimizer must be a torch.optim.Optimizer or None, "
-                        f"got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
     config = _effective_config(config, async_offload, async_config)
     _warn_8bit_without_optimizer(config, optimizer)
     given_optimizer = optimizer
     if optimizer is not None and config.use_8bit_optimizer and not optim.is_8bit(optimizer):
         optimizer = optim.to_8bit(optimizer)  # ValueError says why not
-        logger.info("memscale: replaced %s with an 8-bit AdamW (same parameter "
-                    "groups and hyper-parameters); train with "
-                    "model._memscale_executor.optimizer",
-                    type(given_optimizer).__name__)
+        logger.info(
+            "memscale: replaced %s with an 8-bit AdamW (same parameter "
+            "groups and hyper-parameters); train with "
+            "model._memscale_executor.optimizer",
+            type(given_optimizer).__name__,
+        )
 
     device = _planning.model_device(model)
     if config.memory_budget_gb is not None and device.type not in ("cpu", "cuda"):
-        hardware = {"device": device.type, "index": 0, "count": 1,
-                    "capacity_bytes": int(config.memory_budget_gb * GIB),
-                    "bf16": False, "name": device.type}
+        hardware = {
+            "device": device.type,
+            "index": 0,
+            "count": 1,
+            "capacity_bytes": int(config.memory_budget_gb * GIB),
+            "bf16": False,
+            "name": device.type,
+        }
     else:
         hardware = _core.detect_hardware(device.type, device.index or 0)
     units = _core.find_units(model)
@@ -480,34 +600,36 @@ def wrap(target: Any, config: Config | None = None, sample_input: Any = None,
     # is not seen (or counted) as a training forward.
     upfront = None
     if sample_input is not None:
-        upfront = _profile_sample(model, units, sample_input, config, hardware,
-                                  optimizer, fixed)
+        upfront = _profile_sample(model, units, sample_input, config, hardware, optimizer, fixed)
     executor = Executor(model, units, warmup_steps=config.warmup_steps)
     try:
-        method = (upfront.profile.method if upfront is not None
-                  else "first_step" if _first_step_planning(model, config)
-                  else "warmup")
+        method = (
+            upfront.profile.method
+            if upfront is not None
+            else "first_step"
+            if _first_step_planning(model, config)
+            else "warmup"
+        )
         executor._init_python_state(config, hardware, method)
         executor.optimizer = optimizer
         executor.units = units
         executor.count_steps(optimizer)
         executor.on_detach(observability.attach_logging(config))
-        executor.on_detach(_torch_compat.install_call_guard(
-            model, _abandoner(weakref.ref(executor))))
+        executor.on_detach(
+            _torch_compat.install_call_guard(model, _abandoner(weakref.ref(executor)))
+        )
         amp.attach(executor, model, config, hardware)
         if config.observability_port is not None:
             executor.metrics_server = observability.start_metrics_server(
-                executor, config.observability_port)
+                executor, config.observability_port
+            )
             executor.on_detach(executor.metrics_server.close)
         if upfront is not None:
-            _apply_sample_plan(model, executor, units, config, hardware, fixed,
-                               optimizer, upfront)
+            _apply_sample_plan(model, executor, units, config, hardware, fixed, optimizer, upfront)
         elif _first_step_planning(model, config):
-            _plan_on_first_forward(model, executor, units, config, hardware,
-                                   fixed, optimizer)
+            _plan_on_first_forward(model, executor, units, config, hardware, fixed, optimizer)
         else:
-            _plan_after_warmup(model, executor, units, config, hardware, fixed,
-                               optimizer)
+            _plan_after_warmup(model, executor, units, config, hardware, fixed, optimizer)
         if config.verify_correctness:
             from . import _verify
 
@@ -532,16 +654,22 @@ def detach(model: Any) -> None:
         from .integrations import hf  # imports transformers
 
         if not hf.detach_trainer(model):
-            warnings.warn("memscale.detach(): this Trainer has no memscale "
-                          "callback and its model is not wrapped; nothing to do",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "memscale.detach(): this Trainer has no memscale "
+                "callback and its model is not wrapped; nothing to do",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return
     if _is_trainer(model):
         model = model.model
     executor = getattr(model, "__dict__", {}).get(ATTR)
     if executor is None:
-        warnings.warn("memscale.detach(): this model is not wrapped by memscale; "
-                      "nothing to do", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "memscale.detach(): this model is not wrapped by memscale; nothing to do",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return
     try:
         executor.detach()
@@ -550,9 +678,12 @@ def detach(model: Any) -> None:
 
 
 @contextlib.contextmanager
-def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             config: Config | None = None,
-             sample_input: Any = None) -> Iterator[Executor]:
+def optimize(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: Config | None = None,
+    sample_input: Any = None,
+) -> Iterator[Executor]:
     """Wrap ``model`` for the duration of a ``with`` block; yields the
     executor and detaches on exit, also when the block raises.  With
     ``Config(use_8bit_optimizer=True)``, ``optimizer`` is replaced by its
@@ -564,11 +695,13 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = N
         detach(model)
 
 
-def apply_all_optimizations(model: torch.nn.Module,
-                            optimizer: torch.optim.Optimizer | None,
-                            *, config: Config | None = None,
-                            sample_input: Any = None
-                            ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+def apply_all_optimizations(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    config: Config | None = None,
+    sample_input: Any = None,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
     """The full stack at once; returns ``(model, optimizer)``.
 
     ``model`` is wrapped with checkpointing and offload on every eligible
@@ -583,25 +716,26 @@ def apply_all_optimizations(model: torch.nn.Module,
     why.  ``memscale.detach(model)`` undoes the model's part.
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError("apply_all_optimizations() needs a torch.nn.Module, got "
-                        f"{type(model).__name__}")
+        raise TypeError(
+            f"apply_all_optimizations() needs a torch.nn.Module, got {type(model).__name__}"
+        )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError("optimizer must be a torch.optim.Optimizer or None, "
-                        f"got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
     if config is None:
         config = Config(mode=OptimizationMode.BALANCED, force_optimize=True)
     elif not isinstance(config, Config):
-        raise TypeError(f"config must be a memscale.Config or None, got "
-                        f"{type(config).__name__}")
+        raise TypeError(f"config must be a memscale.Config or None, got {type(config).__name__}")
     replace = optimizer is not None and not optim.is_8bit(optimizer)
     if optimizer is not None and replace:
         why = optim.unsupported_reason(optimizer)
         if why is not None:
-            logger.warning("memscale: apply_all_optimizations keeps the given "
-                           "optimizer: %s", why)
+            logger.warning("memscale: apply_all_optimizations keeps the given optimizer: %s", why)
             replace = False
-    config = config.replace(use_mixed_precision=True,
-                            use_8bit_optimizer=replace or (
-                                optimizer is not None and optim.is_8bit(optimizer)))
+    config = config.replace(
+        use_mixed_precision=True,
+        use_8bit_optimizer=replace or (optimizer is not None and optim.is_8bit(optimizer)),
+    )
     wrap(model, config, sample_input, optimizer=optimizer)
     return model, model.__dict__[ATTR].optimizer

@@ -50,18 +50,21 @@ def _inner(module: nn.Module, original: str) -> Any:
     if original == "eager":
         # Each model file defines its own eager attention (grouped KV heads
         # included): use the one of the module's model.
-        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward",
-                     None)
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if fn is None:
-            raise RuntimeError(f"memscale: no eager attention found for "
-                               f"{type(module).__name__}")
+            raise RuntimeError(f"memscale: no eager attention found for {type(module).__name__}")
         return fn
     return _interface().get_interface(original, None)
 
 
-def _query_tiled(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                 value: torch.Tensor, attention_mask: torch.Tensor | None,
-                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+def _query_tiled(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     original, tiles = getattr(module.config, _STATE, ("sdpa", 1))
     inner = _inner(module, original)
     q_len = query.shape[2]
@@ -76,8 +79,11 @@ def _query_tiled(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     for j in range(tiles):
         size = base + (1 if j < rem else 0)
         q = query.narrow(2, start, size)
-        if attention_mask is not None and attention_mask.dim() == 4 \
-                and attention_mask.shape[2] == q_len:
+        if (
+            attention_mask is not None
+            and attention_mask.dim() == 4
+            and attention_mask.shape[2] == q_len
+        ):
             mask = attention_mask.narrow(2, start, size)
         elif causal:
             # Query i of the tile sits at position start + i (keys end
@@ -115,12 +121,16 @@ def attach(executor: Any, model: nn.Module, tiles: int) -> bool:
     if tiles < 2 or cfg is None or not isinstance(original, str) or original == NAME:
         return False
     if original not in ("eager", "sdpa"):
-        logger.info("memscale: attention implementation %r is not tiled over "
-                    "queries (eager and sdpa are)", original)
+        logger.info(
+            "memscale: attention implementation %r is not tiled over queries (eager and sdpa are)",
+            original,
+        )
         return False
     if not _dropout_free(model):
-        logger.info("memscale: attention is not tiled over queries: the model "
-                    "uses attention dropout, whose masks tiles would change")
+        logger.info(
+            "memscale: attention is not tiled over queries: the model "
+            "uses attention dropout, whose masks tiles would change"
+        )
         return False
     if _interface() is None:
         return False
@@ -133,6 +143,5 @@ def attach(executor: Any, model: nn.Module, tiles: int) -> bool:
 
     executor.on_detach(restore)
     executor.on_copy(lambda copy_of, cfg=cfg: restore(copy_of(cfg)))
-    logger.info("memscale: attention tiled over queries in %d tiles (%s for each)",
-                tiles, original)
+    logger.info("memscale: attention tiled over queries in %d tiles (%s for each)", tiles, original)
     return True

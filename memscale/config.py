@@ -20,8 +20,9 @@ import functools
 import math
 import numbers
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["Config", "OptimizationMode", "AsyncOffloadConfig"]
 
@@ -201,21 +202,26 @@ class AsyncOffloadConfig(_ConfigBase):
 
     def __post_init__(self) -> None:
         self._check_int(
-            "pinned_pool_mb", f"an int in 0..{MAX_BYTES >> 20} (MiB)",
+            "pinned_pool_mb",
+            f"an int in 0..{MAX_BYTES >> 20} (MiB)",
             lambda v: 0 <= v <= MAX_BYTES >> 20,
         )
         self._check_int(
-            "prefetch_depth", f"an int in 0..{MAX_PREFETCH_DEPTH}",
+            "prefetch_depth",
+            f"an int in 0..{MAX_PREFETCH_DEPTH}",
             lambda v: 0 <= v <= MAX_PREFETCH_DEPTH,
         )
         self._check_int(
-            "min_offload_bytes", f"an int in 0..{MAX_BYTES} (2**50)",
+            "min_offload_bytes",
+            f"an int in 0..{MAX_BYTES} (2**50)",
             lambda v: 0 <= v <= MAX_BYTES,
         )
         self._check_path("spill_dir")
         self._check_float(
-            "max_disk_gb", f"a float in [0, {MAX_GB}] (GiB) or None",
-            lambda v: 0 <= v <= MAX_GB, optional=True,
+            "max_disk_gb",
+            f"a float in [0, {MAX_GB}] (GiB) or None",
+            lambda v: 0 <= v <= MAX_GB,
+            optional=True,
         )
         self._check_bool("debug")
 
@@ -290,22 +296,29 @@ class Config(_ConfigBase):
             if f.type == "bool":
                 self._check_bool(f.name)
         self._check_float(
-            "max_cpu_offload_gb", f"a float in [0, {MAX_GB}] (GiB) or None",
-            lambda v: 0 <= v <= MAX_GB, optional=True,
+            "max_cpu_offload_gb",
+            f"a float in [0, {MAX_GB}] (GiB) or None",
+            lambda v: 0 <= v <= MAX_GB,
+            optional=True,
         )
         self._check_float("target_gpu_utilization", "a float in (0, 1]", lambda v: 0 < v <= 1)
         self._check_float(
-            "memory_budget_gb", f"a float in (0, {MAX_GB}] (GiB) or None",
-            lambda v: 0 < v <= MAX_GB, optional=True,
+            "memory_budget_gb",
+            f"a float in (0, {MAX_GB}] (GiB) or None",
+            lambda v: 0 < v <= MAX_GB,
+            optional=True,
         )
         self._check_int(
-            "warmup_steps", f"an int in 1..{MAX_WARMUP_STEPS}",
+            "warmup_steps",
+            f"an int in 1..{MAX_WARMUP_STEPS}",
             lambda v: 1 <= v <= MAX_WARMUP_STEPS,
         )
         self._check_path("log_file")
         self._check_int(
-            "observability_port", "an int in 1..65535 or None",
-            lambda v: 1 <= v <= 65535, optional=True,
+            "observability_port",
+            "an int in 1..65535 or None",
+            lambda v: 1 <= v <= 65535,
+            optional=True,
         )
         value = self.async_config
         if value is not None and not isinstance(value, AsyncOffloadConfig):

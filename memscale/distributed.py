@@ -26,7 +26,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -99,7 +100,8 @@ def timeout_seconds() -> float:
         raise ValueError(
             f"MEMSCALE_DIST_TIMEOUT must be a number of seconds > 0 and at most "
             f"{MAX_TIMEOUT_S:g} (a day), got {raw!r}; unset it for the default "
-            f"({DEFAULT_TIMEOUT_S:g} s)")
+            f"({DEFAULT_TIMEOUT_S:g} s)"
+        )
     return value
 
 
@@ -108,8 +110,7 @@ def _barrier(timeout: float) -> None:
     rank = dist.get_rank()
     try:
         if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout),
-                                   wait_all_ranks=True)
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
         else:
             # NCCL has no monitored barrier: the process group's own timeout
             # applies.  (Unverified: this project has no GPU.)
@@ -120,11 +121,13 @@ def _barrier(timeout: float) -> None:
             f"exchange within {timeout:g} s ({exc}). Every rank must call "
             "memscale.wrap on its model at the same point (and, without "
             "sample_input, train the same number of warm-up steps); "
-            "MEMSCALE_DIST_TIMEOUT sets the time allowed.") from exc
+            "MEMSCALE_DIST_TIMEOUT sets the time allowed."
+        ) from exc
 
 
-def shared_plan(inputs: dict[str, Any], *, timeout: float | None = None,
-                build: Callable[..., Any] | None = None) -> Any:
+def shared_plan(
+    inputs: dict[str, Any], *, timeout: float | None = None, build: Callable[..., Any] | None = None
+) -> Any:
     """The plan every rank uses: rank 0's engine inputs, with the smallest
     budget of all ranks.  ``inputs`` are this rank's ``build_plan``
     keywords.  Not distributed (or one rank): the plan of ``inputs``."""
@@ -144,7 +147,13 @@ def shared_plan(inputs: dict[str, Any], *, timeout: float | None = None,
     chosen = payload[0]
     assert chosen is not None  # broadcast_object_list filled it
     plan = build(**chosen)
-    logger.info("memscale: rank %d of %d: plan %s, decided on rank 0 with the "
-                "smallest budget of all ranks (%d bytes; this rank's: %d)",
-                rank, world, plan.hash[:12], smallest, int(inputs["budget_bytes"]))
+    logger.info(
+        "memscale: rank %d of %d: plan %s, decided on rank 0 with the "
+        "smallest budget of all ranks (%d bytes; this rank's: %d)",
+        rank,
+        world,
+        plan.hash[:12],
+        smallest,
+        int(inputs["budget_bytes"]),
+    )
     return plan

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from . import _core
 from .config import Config
@@ -50,8 +51,7 @@ class Executor(_core.Executor):
     _first_forward: Any  # the memscale._firststep.FirstForward hooks
     _measure_instead: Callable[[], None]  # switches to measuring real steps
 
-    def _init_python_state(self, config: Config, hardware: dict[str, Any],
-                           profiling: str) -> None:
+    def _init_python_state(self, config: Config, hardware: dict[str, Any], profiling: str) -> None:
         self.config = config
         self.hardware = hardware
         self.profiling = profiling
@@ -60,7 +60,9 @@ class Executor(_core.Executor):
         self.metrics_server = None
         self.offload_store = None  # the disk tier (a _core.SpillStore), if any
         self.offload_host = None  # the host tier (memscale.offload.HostTier), if any
-        self.optimizer: torch.optim.Optimizer | None = None  # the optimizer to train with (replaced when 8-bit)
+        self.optimizer: torch.optim.Optimizer | None = (
+            None  # the optimizer to train with (replaced when 8-bit)
+        )
         self.recompute_check: Any = None  # memscale._recompute_check.RecomputeCheck
         self._restore: list[Callable[[], None]] = []
         # Run on a copy of the model (see memscale._copying): each undoes on
@@ -136,8 +138,7 @@ class Executor(_core.Executor):
 
         self.on_detach(optimizer.register_step_post_hook(counted).remove)
 
-    def count_layer_recomputes(self, units: list[tuple[str, torch.nn.Module]],
-                               plan: Any) -> None:
+    def count_layer_recomputes(self, units: list[tuple[str, torch.nn.Module]], plan: Any) -> None:
         """Count in ``layer_recomputes`` the forwards of the layers the plan
         recomputes that run during backward: the recomputes, layer by layer
         (``stats['recomputes']`` counts segments).  Removed by detach."""
@@ -186,8 +187,10 @@ class Executor(_core.Executor):
         planning unit): measure the next ``Config.warmup_steps`` training
         forwards for real instead, then plan."""
         if not self.plans_on_first_forward:
-            raise RuntimeError("memscale: measure_real_steps() is only possible "
-                               "before the first training forward was planned")
+            raise RuntimeError(
+                "memscale: measure_real_steps() is only possible "
+                "before the first training forward was planned"
+            )
         self.__dict__.pop("_measure_instead")()
 
     def describe(self) -> str:
@@ -196,12 +199,17 @@ class Executor(_core.Executor):
         from . import _planning
 
         hw = self.hardware
-        lines = [f"memscale hardware: {hw['device']} x{hw['count']}, "
-                 f"{_planning.format_bytes(hw['capacity_bytes'])} each ({hw['name']})"]
+        lines = [
+            f"memscale hardware: {hw['device']} x{hw['count']}, "
+            f"{_planning.format_bytes(hw['capacity_bytes'])} each ({hw['name']})"
+        ]
         plan = self.plan
         if plan is None:
-            when = ("after the first Config.warmup_steps training forwards"
-                    if self.state == "profiling" else "on the first training forward")
+            when = (
+                "after the first Config.warmup_steps training forwards"
+                if self.state == "profiling"
+                else "on the first training forward"
+            )
             lines.append(f"memscale: no plan yet; it is made {when}")
         else:
             lines.append(_planning.plan_table(plan))

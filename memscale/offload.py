@@ -47,7 +47,6 @@ from .config import GIB, AsyncOffloadConfig, Config
 logger = logging.getLogger(__name__)
 
 
-
 def async_settings(config: Config) -> AsyncOffloadConfig:
     """The offload tuning in force (also for synchronous offload)."""
     return config.async_config if config.async_config is not None else AsyncOffloadConfig()
@@ -91,7 +90,8 @@ def _make_spill_dir(parent: str | None) -> str:
             f"memscale offload: cannot create a private spill directory in "
             f"{where!r} ({exc.strerror or exc}). Give a writable directory: "
             "Config(async_config=AsyncOffloadConfig(spill_dir=...)), or turn "
-            "the disk tier off with AsyncOffloadConfig(max_disk_gb=0)") from exc
+            "the disk tier off with AsyncOffloadConfig(max_disk_gb=0)"
+        ) from exc
 
 
 def _check_free_space(path: str, need: int, cap: int | None) -> None:
@@ -104,7 +104,8 @@ def _check_free_space(path: str, need: int, cap: int | None) -> None:
             f"{free / GIB:.2f} GiB free, and the plan spills up to "
             f"{want / GIB:.2f} GiB per step. Free space there, choose another "
             "directory (AsyncOffloadConfig(spill_dir=...)), or cap the disk "
-            "tier (AsyncOffloadConfig(max_disk_gb=...); 0 turns it off)")
+            "tier (AsyncOffloadConfig(max_disk_gb=...); 0 turns it off)"
+        )
 
 
 def _remove_dir(path: str, creator: int) -> None:
@@ -154,11 +155,14 @@ def attach(executor: Any, config: Config, hardware: dict[str, Any], plan: Any) -
         if disk:
             _check_free_space(path, disk, cap)
         store = _core.SpillStore(
-            path, async_io=config.async_offload,
+            path,
+            async_io=config.async_offload,
             min_bytes=settings.min_offload_bytes,
             max_bytes=-1 if cap is None else cap,
-            prefetch_depth=settings.prefetch_depth, debug=settings.debug,
-            log=_log_event)
+            prefetch_depth=settings.prefetch_depth,
+            debug=settings.debug,
+            log=_log_event,
+        )
     except BaseException:
         _remove_dir(path, creator)
         raise
@@ -166,10 +170,13 @@ def attach(executor: Any, config: Config, hardware: dict[str, Any], plan: Any) -
     finalizer = weakref.finalize(executor, _remove_dir, path, creator)
     host_tier = None
     if host:
-        host_tier = HostTier(pool_bytes=settings.pinned_pool_mb << 20,
-                             cap_bytes=host_cap_bytes(config),
-                             min_bytes=settings.min_offload_bytes,
-                             store=store, async_copy=config.async_offload)
+        host_tier = HostTier(
+            pool_bytes=settings.pinned_pool_mb << 20,
+            cap_bytes=host_cap_bytes(config),
+            min_bytes=settings.min_offload_bytes,
+            store=store,
+            async_copy=config.async_offload,
+        )
     executor.set_offload(store, host_tier)
     executor.offload_store = store
     executor.offload_host = host_tier
@@ -183,16 +190,19 @@ def attach(executor: Any, config: Config, hardware: dict[str, Any], plan: Any) -
     executor.on_detach(close)
     if config.enable_logging:
         logger.info(
-            "memscale offload: %s, %s; spill directory %s (min tensor %d "
-            "bytes, disk cap %s)%s",
-            "async (C I/O thread, prefetch depth %d)" % settings.prefetch_depth
-            if config.async_offload else "sync",
+            "memscale offload: %s, %s; spill directory %s (min tensor %d bytes, disk cap %s)%s",
+            f"async (C I/O thread, prefetch depth {settings.prefetch_depth})"
+            if config.async_offload
+            else "sync",
             ", ".join(f"{n} layers -> {t}" for t, n in _tier_counts(plan).items()),
-            path, settings.min_offload_bytes,
+            path,
+            settings.min_offload_bytes,
             "none" if cap is None else f"{cap} bytes",
             "; max_cpu_offload_gb does not apply: on this host the device is "
             "host RAM, so offload goes to disk"
-            if config.max_cpu_offload_gb is not None and not host else "")
+            if config.max_cpu_offload_gb is not None and not host
+            else "",
+        )
 
 
 def _tier_counts(plan: Any) -> dict[str, int]:
@@ -206,8 +216,16 @@ def _tier_counts(plan: Any) -> dict[str, int]:
 class _HostRecord:
     """A device tensor waiting in host memory (or on disk) for backward."""
 
-    def __init__(self, tier: HostTier, host: Any, nbytes: int, in_pool: bool,
-                 device: torch.device, requires_grad: bool, event: Any) -> None:
+    def __init__(
+        self,
+        tier: HostTier,
+        host: Any,
+        nbytes: int,
+        in_pool: bool,
+        device: torch.device,
+        requires_grad: bool,
+        event: Any,
+    ) -> None:
         self._tier = tier
         self._host = host  # a CPU tensor, or a SpillStore record
         self._nbytes = nbytes
@@ -238,18 +256,25 @@ class HostTier:
 
     ALIGN = 512
 
-    def __init__(self, pool_bytes: int, cap_bytes: int, min_bytes: int,
-                 store: Any, async_copy: bool, pin: bool | None = None) -> None:
+    def __init__(
+        self,
+        pool_bytes: int,
+        cap_bytes: int,
+        min_bytes: int,
+        store: Any,
+        async_copy: bool,
+        pin: bool | None = None,
+    ) -> None:
         if pin is None:
             pin = torch.cuda.is_available()
-        self.pool = (torch.empty(pool_bytes, dtype=torch.uint8, pin_memory=pin)
-                     if pool_bytes > 0 else None)
+        self.pool = (
+            torch.empty(pool_bytes, dtype=torch.uint8, pin_memory=pin) if pool_bytes > 0 else None
+        )
         self.cap_bytes = cap_bytes
         self.min_bytes = min_bytes
         self.store = store
-        self.stream = (torch.cuda.Stream()
-                       if async_copy and torch.cuda.is_available() else None)
-        self.used = 0          # host bytes held by live records
+        self.stream = torch.cuda.Stream() if async_copy and torch.cuda.is_available() else None
+        self.used = 0  # host bytes held by live records
         self._pool_offset = 0  # bump allocation; reset when the pool empties
         self._pool_live = 0
         self.stats = {"to_pool": 0, "to_pageable": 0, "to_disk": 0, "kept": 0}
@@ -270,7 +295,7 @@ class HostTier:
         event = None
         start = self._pool_offset
         if self.pool is not None and start + nbytes <= self.pool.numel():
-            dst = self.pool[start:start + nbytes].view(t.dtype).view(t.shape)
+            dst = self.pool[start : start + nbytes].view(t.dtype).view(t.shape)
             self._pool_offset = -(-(start + nbytes) // self.ALIGN) * self.ALIGN
             self._pool_live += 1
             in_pool = True
@@ -290,8 +315,7 @@ class HostTier:
             dst.copy_(t.detach())
         self.used += nbytes
         self.bytes_to_host += nbytes
-        return _HostRecord(self, dst, nbytes, in_pool, t.device, t.requires_grad,
-                           event)
+        return _HostRecord(self, dst, nbytes, in_pool, t.device, t.requires_grad, event)
 
     def _spill(self, t: torch.Tensor, nbytes: int) -> _HostRecord | None:
         rec = None
@@ -301,10 +325,12 @@ class HostTier:
             self.stats["kept"] += 1
             if not self._warned:
                 self._warned = True
-                logger.info("memscale offload: max_cpu_offload_gb (%d bytes) is "
-                            "reached%s; further tensors stay on the device",
-                            self.cap_bytes,
-                            "" if self.store is None else " and the disk tier refused")
+                logger.info(
+                    "memscale offload: max_cpu_offload_gb (%d bytes) is "
+                    "reached%s; further tensors stay on the device",
+                    self.cap_bytes,
+                    "" if self.store is None else " and the disk tier refused",
+                )
             return None
         self.stats["to_disk"] += 1
         return _HostRecord(self, rec, 0, False, t.device, t.requires_grad, None)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -40,10 +41,17 @@ class AdamW8bit(torch.optim.Optimizer):
     supported.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, block_size: int = 64,
-                 min_8bit_size: int = 4096) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        block_size: int = 64,
+        min_8bit_size: int = 4096,
+    ) -> None:
         if not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
             raise ValueError(f"AdamW8bit: lr must be a finite float >= 0, got {lr!r}")
         if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
@@ -53,19 +61,29 @@ class AdamW8bit(torch.optim.Optimizer):
         if not (weight_decay >= 0 and math.isfinite(weight_decay)):
             raise ValueError(f"AdamW8bit: weight_decay must be >= 0, got {weight_decay!r}")
         if not (isinstance(block_size, int) and 1 <= block_size <= 4096):
-            raise ValueError(f"AdamW8bit: block_size must be an int in [1, 4096], "
-                             f"got {block_size!r}")
+            raise ValueError(
+                f"AdamW8bit: block_size must be an int in [1, 4096], got {block_size!r}"
+            )
         if not (isinstance(min_8bit_size, int) and min_8bit_size >= 0):
-            raise ValueError(f"AdamW8bit: min_8bit_size must be an int >= 0, "
-                             f"got {min_8bit_size!r}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        block_size=block_size, min_8bit_size=min_8bit_size)
+            raise ValueError(f"AdamW8bit: min_8bit_size must be an int >= 0, got {min_8bit_size!r}")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            block_size=block_size,
+            min_8bit_size=min_8bit_size,
+        )
         super().__init__(params, defaults)
 
     @staticmethod
     def _eight_bit(p: torch.Tensor, group: dict[str, Any]) -> bool:
-        return (p.device.type == "cpu" and p.dtype == torch.float32
-                and p.is_contiguous() and p.numel() >= group["min_8bit_size"])
+        return (
+            p.device.type == "cpu"
+            and p.dtype == torch.float32
+            and p.is_contiguous()
+            and p.numel() >= group["min_8bit_size"]
+        )
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
@@ -106,12 +124,21 @@ class AdamW8bit(torch.optim.Optimizer):
                     if grad.data_ptr() == p.data_ptr():
                         grad = grad.clone()
                     _core.adamw8bit_step(
-                        p, grad, state["exp_avg"], state["exp_avg_scale"],
-                        state["exp_avg_sq"], state["exp_avg_sq_scale"],
-                        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                        eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                        step=step, block=int(group["block_size"]),
-                        threads=torch.get_num_threads())
+                        p,
+                        grad,
+                        state["exp_avg"],
+                        state["exp_avg_scale"],
+                        state["exp_avg_sq"],
+                        state["exp_avg_sq_scale"],
+                        lr=float(group["lr"]),
+                        beta1=float(beta1),
+                        beta2=float(beta2),
+                        eps=float(group["eps"]),
+                        weight_decay=float(group["weight_decay"]),
+                        step=step,
+                        block=int(group["block_size"]),
+                        threads=torch.get_num_threads(),
+                    )
                     # Written through data_ptr(): tell autograd it changed.
                     torch.autograd.graph.increment_version(p)
                 else:
@@ -119,15 +146,16 @@ class AdamW8bit(torch.optim.Optimizer):
         return loss
 
     @staticmethod
-    def _fp32_step(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
-                   step: int) -> None:
+    def _fp32_step(
+        p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int
+    ) -> None:
         beta1, beta2 = group["betas"]
         grad = p.grad
         p.mul_(1 - group["lr"] * group["weight_decay"])
         state["exp_avg"].lerp_(grad, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bc1 = 1 - beta1 ** step
-        bc2_sqrt = math.sqrt(1 - beta2 ** step)
+        bc1 = 1 - beta1**step
+        bc2_sqrt = math.sqrt(1 - beta2**step)
         denom = (state["exp_avg_sq"].sqrt() / bc2_sqrt).add_(group["eps"])
         p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bc1)
 
@@ -135,7 +163,7 @@ class AdamW8bit(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype on load; the
         # 8-bit moments hold small integers, which survive that exactly.
-        for p, state in self.state.items():
+        for state in self.state.values():
             scale = state.get("exp_avg_scale")
             if scale is None:
                 continue
@@ -144,8 +172,12 @@ class AdamW8bit(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (tensors with one or more dimensions)."""
-        return sum(t.numel() * t.element_size() for s in self.state.values()
-                   for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        return sum(
+            t.numel() * t.element_size()
+            for s in self.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
 
 
 _warned_no_backend = False
@@ -155,13 +187,20 @@ def _warn_no_backend(what: str) -> None:
     global _warned_no_backend
     if not _warned_no_backend:
         _warned_no_backend = True
-        logger.warning("memscale: no usable 8-bit optimizer backend for %s; those "
-                       "parameters keep the standard (float32) AdamW state", what)
+        logger.warning(
+            "memscale: no usable 8-bit optimizer backend for %s; those "
+            "parameters keep the standard (float32) AdamW state",
+            what,
+        )
 
 
-def make_8bit_adamw(params: Iterable[Any], lr: float = 1e-3,
-                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                    weight_decay: float = 1e-2) -> torch.optim.Optimizer:
+def make_8bit_adamw(
+    params: Iterable[Any],
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+) -> torch.optim.Optimizer:
     """An 8-bit AdamW for ``params``: bitsandbytes' when it is installed and
     the parameters are on CUDA (unverified here: no GPU), else memscale's
     own (``AdamW8bit``)."""
@@ -171,22 +210,26 @@ def make_8bit_adamw(params: Iterable[Any], lr: float = 1e-3,
         try:
             import bitsandbytes as bnb  # type: ignore[import-not-found]
 
-            return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, eps=eps,
-                                       weight_decay=weight_decay)
+            return bnb.optim.AdamW8bit(
+                params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+            )
         except Exception as exc:  # noqa: BLE001 - reported, then ours
-            logger.info("memscale: bitsandbytes' 8-bit AdamW is not usable (%s: %s); "
-                        "using memscale's", type(exc).__name__, exc)
+            logger.info(
+                "memscale: bitsandbytes' 8-bit AdamW is not usable (%s: %s); using memscale's",
+                type(exc).__name__,
+                exc,
+            )
     off_cpu = sorted({t.device.type for t in tensors if t.device.type != "cpu"})
     if off_cpu:
-        _warn_no_backend(f"{'/'.join(off_cpu)} parameters (bitsandbytes is not "
-                         "installed or not usable)")
+        _warn_no_backend(
+            f"{'/'.join(off_cpu)} parameters (bitsandbytes is not installed or not usable)"
+        )
     return AdamW8bit(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 # Adam/AdamW options AdamW8bit does not have; a group that sets one of
 # them to anything but its default cannot be replaced faithfully.
-_ADAM_ONLY = {"amsgrad": False, "maximize": False, "capturable": False,
-              "differentiable": False}
+_ADAM_ONLY = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 _ADAM_IGNORED = ("foreach", "fused", "decoupled_weight_decay")
 
 
@@ -194,7 +237,8 @@ def is_8bit(optimizer: torch.optim.Optimizer) -> bool:
     """memscale's or bitsandbytes' 8-bit optimizer."""
     return isinstance(optimizer, AdamW8bit) or (
         type(optimizer).__module__.split(".")[0] == "bitsandbytes"
-        and "8bit" in type(optimizer).__name__.lower())
+        and "8bit" in type(optimizer).__name__.lower()
+    )
 
 
 def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
@@ -203,21 +247,30 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
     if isinstance(optimizer, AdamW8bit):
         return None
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
-        return (f"{type(optimizer).__name__} is not an Adam-family optimizer "
-                "(torch.optim.Adam or AdamW)")
+        return (
+            f"{type(optimizer).__name__} is not an Adam-family optimizer "
+            "(torch.optim.Adam or AdamW)"
+        )
     if any(s for s in optimizer.state.values()):
-        return ("it has already taken steps: its float32 moments would be "
-                "lost; replace it before the first optimizer.step()")
+        return (
+            "it has already taken steps: its float32 moments would be "
+            "lost; replace it before the first optimizer.step()"
+        )
     decoupled = isinstance(optimizer, torch.optim.AdamW)
     for i, group in enumerate(optimizer.param_groups):
         for key, default in _ADAM_ONLY.items():
             if group.get(key, default) != default:
                 return f"param group {i} sets {key}={group[key]!r}"
-        if (not decoupled and not group.get("decoupled_weight_decay", False)
-                and group.get("weight_decay", 0) != 0):
-            return (f"param group {i} uses Adam's L2 weight decay "
-                    f"({group['weight_decay']}); the 8-bit optimizer decouples "
-                    "it (AdamW): use torch.optim.AdamW")
+        if (
+            not decoupled
+            and not group.get("decoupled_weight_decay", False)
+            and group.get("weight_decay", 0) != 0
+        ):
+            return (
+                f"param group {i} uses Adam's L2 weight decay "
+                f"({group['weight_decay']}); the 8-bit optimizer decouples "
+                "it (AdamW): use torch.optim.AdamW"
+            )
         if isinstance(group.get("lr"), torch.Tensor):
             return f"param group {i} has a tensor learning rate"
     return None
@@ -235,17 +288,18 @@ def to_8bit(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
     why = unsupported_reason(optimizer)
     if why is not None:
-        raise ValueError(f"memscale cannot replace the optimizer with an 8-bit "
-                         f"AdamW: {why}")
+        raise ValueError(f"memscale cannot replace the optimizer with an 8-bit AdamW: {why}")
     groups = []
     for group in optimizer.param_groups:
-        g = {k: v for k, v in group.items()
-             if k not in _ADAM_ONLY and k not in _ADAM_IGNORED}
+        g = {k: v for k, v in group.items() if k not in _ADAM_ONLY and k not in _ADAM_IGNORED}
         g["params"] = list(group["params"])
         g["betas"] = tuple(float(b) for b in group["betas"])
         groups.append(g)
     first = optimizer.param_groups[0] if optimizer.param_groups else {}
-    return make_8bit_adamw(groups, lr=float(first.get("lr", 1e-3)),
-                           betas=tuple(first.get("betas", (0.9, 0.999))),
-                           eps=float(first.get("eps", 1e-8)),
-                           weight_decay=float(first.get("weight_decay", 0.0)))
+    return make_8bit_adamw(
+        groups,
+        lr=float(first.get("lr", 1e-3)),
+        betas=tuple(first.get("betas", (0.9, 0.999))),
+        eps=float(first.get("eps", 1e-8)),
+        weight_decay=float(first.get("weight_decay", 0.0)),
+    )

@@ -69,12 +69,19 @@ from .config import GIB, Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeviceSpec", "PeakBreakdown", "PeakPrediction", "PredictionSession",
-           "SavingsEstimate", "default_loss", "estimate_savings", "predict_peak"]
+__all__ = [
+    "DeviceSpec",
+    "PeakBreakdown",
+    "PeakPrediction",
+    "PredictionSession",
+    "SavingsEstimate",
+    "default_loss",
+    "estimate_savings",
+    "predict_peak",
+]
 
 # Categories of the breakdown, in the order they are printed.
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations",
-              "inputs", "workspace")
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "inputs", "workspace")
 _CATEGORY_HELP = {
     "parameters": "parameters + buffers",
     "gradients": "gradients",
@@ -104,14 +111,22 @@ REAL_VALUE_LIMIT = 8 << 20
 # Measured on torch 2.13 CPU: the other operators of the benchmark and test
 # models allocate nothing of their own above a few bytes.
 _WORKSPACE_OPS = (
-    "convolution.default", "convolution_backward.default",
-    "native_batch_norm_backward.default", "native_group_norm_backward.default",
+    "convolution.default",
+    "convolution_backward.default",
+    "native_batch_norm_backward.default",
+    "native_group_norm_backward.default",
     "max_pool2d_with_indices_backward.default",
-    "upsample_nearest2d.default", "upsample_nearest2d_backward.default",
-    "upsample_bilinear2d.default", "upsample_bilinear2d_backward.default",
-    "mse_loss.default", "smooth_l1_loss.default", "huber_loss.default",
-    "binary_cross_entropy.default", "binary_cross_entropy_with_logits.default",
-    "_safe_softmax.default", "embedding_dense_backward.default",
+    "upsample_nearest2d.default",
+    "upsample_nearest2d_backward.default",
+    "upsample_bilinear2d.default",
+    "upsample_bilinear2d_backward.default",
+    "mse_loss.default",
+    "smooth_l1_loss.default",
+    "huber_loss.default",
+    "binary_cross_entropy.default",
+    "binary_cross_entropy_with_logits.default",
+    "_safe_softmax.default",
+    "embedding_dense_backward.default",
     "_scaled_dot_product_flash_attention_for_cpu.default",
     "_scaled_dot_product_flash_attention_for_cpu_backward.default",
 )
@@ -152,33 +167,42 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.type, str) or self.type not in ("cpu", "cuda"):
-            raise ValueError("DeviceSpec.type must be 'cpu' or 'cuda', got "
-                             f"{self.type!r}")
+            raise ValueError(f"DeviceSpec.type must be 'cpu' or 'cuda', got {self.type!r}")
         cap = self.capacity_bytes
-        if isinstance(cap, bool) or not isinstance(cap, numbers.Real) \
-                or not math.isfinite(cap) or cap < 1:
-            raise ValueError("DeviceSpec.capacity_bytes must be a number of "
-                             f"bytes >= 1, got {cap!r}")
+        if (
+            isinstance(cap, bool)
+            or not isinstance(cap, numbers.Real)
+            or not math.isfinite(cap)
+            or cap < 1
+        ):
+            raise ValueError(
+                f"DeviceSpec.capacity_bytes must be a number of bytes >= 1, got {cap!r}"
+            )
         object.__setattr__(self, "capacity_bytes", int(cap))
         if not isinstance(self.name, str):
             raise TypeError(f"DeviceSpec.name must be a str, got {self.name!r}")
         for field, low in (("count", 1), ("index", 0)):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"DeviceSpec.{field} must be an int >= {low}, "
-                                 f"got {value!r}")
+                raise ValueError(f"DeviceSpec.{field} must be an int >= {low}, got {value!r}")
         if not isinstance(self.bf16, bool):
             raise TypeError(f"DeviceSpec.bf16 must be a bool, got {self.bf16!r}")
 
     def hardware(self) -> dict[str, Any]:
         """The description the decision engine plans with."""
-        return {"device": self.type, "index": self.index, "count": self.count,
-                "capacity_bytes": self.capacity_bytes, "bf16": self.bf16,
-                "name": self.name or self.type}
+        return {
+            "device": self.type,
+            "index": self.index,
+            "count": self.count,
+            "capacity_bytes": self.capacity_bytes,
+            "bf16": self.bf16,
+            "name": self.name or self.type,
+        }
 
 
-def _resolve_device(model: nn.Module, device: Any,
-                    config: Config) -> tuple[dict[str, Any], torch.device]:
+def _resolve_device(
+    model: nn.Module, device: Any, config: Config
+) -> tuple[dict[str, Any], torch.device]:
     """(hardware description, device the fake tensors live on)."""
     if isinstance(device, Mapping):
         device = DeviceSpec(**dict(device))
@@ -190,20 +214,24 @@ def _resolve_device(model: nn.Module, device: Any,
             raise ValueError(
                 "the model is on the meta device, so there is no device to "
                 "predict for; pass device=DeviceSpec('cuda', capacity_bytes=...) "
-                "(memscale.predictor.DeviceSpec) or device='cpu'")
+                "(memscale.predictor.DeviceSpec) or device='cpu'"
+            )
     elif isinstance(device, (str, torch.device)):
         try:
             dev = torch.device(device)
         except RuntimeError as exc:
-            raise ValueError(f"device must name a torch device, got {device!r}: "
-                             f"{exc}") from None
+            raise ValueError(f"device must name a torch device, got {device!r}: {exc}") from None
     else:
-        raise TypeError("device must be None, a str or torch.device, a "
-                        "memscale.predictor.DeviceSpec or a dict of its fields, "
-                        f"got {type(device).__name__}")
+        raise TypeError(
+            "device must be None, a str or torch.device, a "
+            "memscale.predictor.DeviceSpec or a dict of its fields, "
+            f"got {type(device).__name__}"
+        )
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"memscale predicts for 'cpu' and 'cuda' devices, not "
-                         f"{dev.type!r}; pass device=DeviceSpec(...)")
+        raise ValueError(
+            f"memscale predicts for 'cpu' and 'cuda' devices, not "
+            f"{dev.type!r}; pass device=DeviceSpec(...)"
+        )
     try:
         hardware = _core.detect_hardware(dev.type, dev.index or 0)
     except RuntimeError as exc:
@@ -211,10 +239,17 @@ def _resolve_device(model: nn.Module, device: Any,
             raise ValueError(
                 f"cannot detect the {dev} device here ({exc}); pass its size: "
                 f"device=DeviceSpec({dev.type!r}, capacity_bytes=...) or "
-                "Config(memory_budget_gb=...)") from None
+                "Config(memory_budget_gb=...)"
+            ) from None
         cap = int(config.memory_budget_gb * GIB)
-        hardware = {"device": dev.type, "index": dev.index or 0, "count": 1,
-                    "capacity_bytes": cap, "bf16": False, "name": dev.type}
+        hardware = {
+            "device": dev.type,
+            "index": dev.index or 0,
+            "count": 1,
+            "capacity_bytes": cap,
+            "bf16": False,
+            "name": dev.type,
+        }
     return hardware, _simulation_device(dev.type)
 
 
@@ -224,8 +259,10 @@ def _simulation_device(device_type: str) -> torch.device:
     tensors: a CPU-only build aborts the process on a fake CUDA backward),
     else the CPU, whose kernels and optimizer defaults are then simulated."""
     if device_type == "cuda" and not torch.cuda.is_available():
-        logger.info("memscale: CUDA is not available here; the step is "
-                    "simulated with CPU kernels, against the given capacity")
+        logger.info(
+            "memscale: CUDA is not available here; the step is "
+            "simulated with CPU kernels, against the given capacity"
+        )
         return torch.device("cpu")
     return torch.device(device_type)
 
@@ -333,42 +370,61 @@ class PeakPrediction:
         return predicted_time_ratio(self.recompute_ratio)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name != "plan"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
         out["unoptimized"] = self.unoptimized.to_dict()
         out["optimized"] = self.optimized.to_dict()
         out["checkpointed_layers"] = list(self.checkpointed_layers)
-        out.update(fits_unoptimized=self.fits_unoptimized, fits=self.fits,
-                   saved_bytes=self.saved_bytes, time_ratio=self.time_ratio)
+        out.update(
+            fits_unoptimized=self.fits_unoptimized,
+            fits=self.fits,
+            saved_bytes=self.saved_bytes,
+            time_ratio=self.time_ratio,
+        )
         return out
 
     def __str__(self) -> str:
         rows = [("", "unoptimized", "memscale plan")]
         for cat in CATEGORIES:
-            rows.append((_CATEGORY_HELP[cat], _fmt(getattr(self.unoptimized, cat)),
-                         _fmt(getattr(self.optimized, cat))))
-        rows.append(("peak", _fmt(self.unoptimized.peak_bytes),
-                     _fmt(self.optimized.peak_bytes)))
+            rows.append(
+                (
+                    _CATEGORY_HELP[cat],
+                    _fmt(getattr(self.unoptimized, cat)),
+                    _fmt(getattr(self.optimized, cat)),
+                )
+            )
+        rows.append(("peak", _fmt(self.unoptimized.peak_bytes), _fmt(self.optimized.peak_bytes)))
         rows.append(("peak falls in", self.unoptimized.phase, self.optimized.phase))
-        rows.append(("fits", "yes" if self.fits_unoptimized else "NO",
-                     "yes" if self.fits else "NO"))
+        rows.append(
+            ("fits", "yes" if self.fits_unoptimized else "NO", "yes" if self.fits else "NO")
+        )
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [
             f"memscale predicted peak of one training step (forward, backward, "
             f"{self.optimizer} step) on {self.device} '{self.device_name}': "
             f"capacity {_fmt(self.capacity_bytes)}, usable {_fmt(self.budget_bytes)}"
-            + ("" if self.simulated_on == self.device else
-               f" (simulated with {self.simulated_on} kernels)")
+            + (
+                ""
+                if self.simulated_on == self.device
+                else f" (simulated with {self.simulated_on} kernels)"
+            )
         ]
         for r in rows:
-            lines.append("  " + r[0].ljust(widths[0]) + "  "
-                         + r[1].rjust(widths[1]) + "  " + r[2].rjust(widths[2]))
+            lines.append(
+                "  "
+                + r[0].ljust(widths[0])
+                + "  "
+                + r[1].rjust(widths[1])
+                + "  "
+                + r[2].rjust(widths[2])
+            )
         if self.plan_skipped:
             what = "smart-skip: the model fits, the plan applies nothing"
         else:
-            what = (f"{len(self.checkpointed_layers)} of {self.layer_count} layers "
-                    f"checkpointed, recompute {self.recompute_ratio:.0%} of forward, "
-                    f"predicted step time x{self.time_ratio:.2f}")
+            what = (
+                f"{len(self.checkpointed_layers)} of {self.layer_count} layers "
+                f"checkpointed, recompute {self.recompute_ratio:.0%} of forward, "
+                f"predicted step time x{self.time_ratio:.2f}"
+            )
         lines.append(f"  plan {self.plan_hash[:12]}: {what}")
         lines.append(f"  predicted in {self.seconds:.2f} s on fake tensors")
         return "\n".join(lines)
@@ -411,20 +467,36 @@ class SavingsEstimate:
     def __str__(self) -> str:
         rows = [
             ("", "peak", "fits", "step time"),
-            ("unoptimized", _fmt(self.peak_unoptimized_bytes),
-             "yes" if self.fits_unoptimized else "NO", "x1.00"),
-            ("memscale plan", _fmt(self.peak_optimized_bytes),
-             "yes" if self.fits_optimized else "NO", f"x{self.time_ratio:.2f}"),
+            (
+                "unoptimized",
+                _fmt(self.peak_unoptimized_bytes),
+                "yes" if self.fits_unoptimized else "NO",
+                "x1.00",
+            ),
+            (
+                "memscale plan",
+                _fmt(self.peak_optimized_bytes),
+                "yes" if self.fits_optimized else "NO",
+                f"x{self.time_ratio:.2f}",
+            ),
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [f"memscale estimate on {self.device}: usable "
-                 f"{_fmt(self.budget_bytes)} of {_fmt(self.capacity_bytes)}"]
+        lines = [
+            f"memscale estimate on {self.device}: usable "
+            f"{_fmt(self.budget_bytes)} of {_fmt(self.capacity_bytes)}"
+        ]
         for r in rows:
-            lines.append("  " + r[0].ljust(widths[0]) + "  "
-                         + "  ".join(c.rjust(w) for c, w in zip(r[1:], widths[1:])))
-        lines.append(f"  saved {_fmt(self.saved_bytes)} ({self.saved_fraction:.1%}); "
-                     f"{self.checkpointed_layers} of {self.layer_count} layers "
-                     f"checkpointed, recompute {self.recompute_ratio:.0%} of forward")
+            lines.append(
+                "  "
+                + r[0].ljust(widths[0])
+                + "  "
+                + "  ".join(c.rjust(w) for c, w in zip(r[1:], widths[1:]))
+            )
+        lines.append(
+            f"  saved {_fmt(self.saved_bytes)} ({self.saved_fraction:.1%}); "
+            f"{self.checkpointed_layers} of {self.layer_count} layers "
+            f"checkpointed, recompute {self.recompute_ratio:.0%} of forward"
+        )
         return "\n".join(lines)
 
 
@@ -490,8 +562,7 @@ def _signature(func: Any, args: Any, kwargs: Mapping[str, Any]) -> Any:
     """A hashable description of one operator call; None if it has an
     argument that cannot be described."""
     try:
-        return (func, _spec(tuple(args)),
-                tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))
+        return (func, _spec(tuple(args)), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))
     except TypeError:
         return None
 
@@ -526,16 +597,15 @@ def _input_bytes(sig: Any) -> int:
 class _Kernel:
     """What one kernel call really allocates beyond its fake twin."""
 
-    scratch: int                 # peak bytes inside the call, not returned
-    returned: tuple[int, ...]    # storage bytes of each tensor returned
+    scratch: int  # peak bytes inside the call, not returned
+    returned: tuple[int, ...]  # storage bytes of each tensor returned
 
 
 # (signature, threads) -> _Kernel, for this process.
 _PROBED: dict[tuple[Any, int], _Kernel] = {}
 
 
-def _probe_workspace(signatures: Mapping[Any, int], limit: int
-                     ) -> tuple[dict[Any, _Kernel], int]:
+def _probe_workspace(signatures: Mapping[Any, int], limit: int) -> tuple[dict[Any, _Kernel], int]:
     """Scratch bytes of each kernel call, measured by running it once on
     real zero-filled CPU tensors under the memory profiler (as
     memscale._measure does): the allocator's peak inside the
@@ -560,8 +630,11 @@ def _probe_workspace(signatures: Mapping[Any, int], limit: int
     if not todo:
         return out, skipped
     if measure._profiler_active():
-        logger.info("memscale: a torch profiler is running; kernel scratch "
-                    "memory of %d operator calls is not measured", len(todo))
+        logger.info(
+            "memscale: a torch profiler is running; kernel scratch "
+            "memory of %d operator calls is not measured",
+            len(todo),
+        )
         return out, skipped + len(todo)
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -596,7 +669,7 @@ def _probe_workspace(signatures: Mapping[Any, int], limit: int
     memory = []
     for name, begin, end, nbytes in raw:
         if name.startswith("memscale::probe"):
-            windows[int(name[len("memscale::probe"):])] = (begin, end)
+            windows[int(name[len("memscale::probe") :])] = (begin, end)
         elif name == "[memory]":
             memory.append((begin, nbytes))
     memory.sort(key=lambda e: e[0])
@@ -620,7 +693,8 @@ def _tracker_class() -> type:
     if base is None:
         raise RuntimeError(
             f"memscale's OOM predictor needs torch's TorchDispatchMode, which "
-            f"torch {torch.__version__} does not provide; install torch >= 2.4")
+            f"torch {torch.__version__} does not provide; install torch >= 2.4"
+        )
 
     class StorageTracker(base):  # type: ignore[misc, valid-type]
         """Registers the storage of every tensor an operator returns and
@@ -635,9 +709,9 @@ def _tracker_class() -> type:
             # id(storage) -> (weakref, serial); the weakref's callback
             # records the free.
             self._known: dict[int, tuple[weakref.ref, int]] = {}
-            self.sizes: list[int] = []        # per serial, current bytes
+            self.sizes: list[int] = []  # per serial, current bytes
             self.sizes_at_birth: list[int] = []
-            self.categories: list[str] = []   # per serial
+            self.categories: list[str] = []  # per serial
             self.events: list[tuple[int, int]] = []  # (serial, +/- bytes)
             self.phase_marks: list[tuple[int, str]] = [(0, "start")]
             self.phase = "start"
@@ -737,8 +811,9 @@ def _tracker_class() -> type:
             with self._unset_fake():
                 return func(*args, **kwargs)
 
-        def breakdown(self, recategorize: Mapping[int, str],
-                      workspace: Mapping[Any, _Kernel]) -> PeakBreakdown:
+        def breakdown(
+            self, recategorize: Mapping[int, str], workspace: Mapping[Any, _Kernel]
+        ) -> PeakBreakdown:
             """The peak of the event sequence and what was alive then.
             ``workspace`` gives, per recorded kernel call, its scratch bytes
             (alive only during the call, on top of everything else) and the
@@ -797,12 +872,14 @@ class _FakeWorld:
     in training mode while it lasts."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
-        fake = _torch_compat.fake_tensor_mode(allow_non_fake_inputs=True,
-                                              allow_fallback_kernels=False)
+        fake = _torch_compat.fake_tensor_mode(
+            allow_non_fake_inputs=True, allow_fallback_kernels=False
+        )
         if fake is None:
             raise RuntimeError(
                 "memscale's OOM predictor runs the step on fake tensors, which "
-                f"torch {torch.__version__} does not provide; install torch >= 2.4")
+                f"torch {torch.__version__} does not provide; install torch >= 2.4"
+            )
         self.mode, self._convert = fake
         self.model = model
         self.device = device
@@ -814,7 +891,7 @@ class _FakeWorld:
         self._swapped: list[tuple[dict[str, Any], str, Any]] = []
         self._training: list[tuple[nn.Module, bool]] = []
         self._attrs: list[tuple[nn.Module, dict[str, Any]]] = []
-        self.params: list[torch.Tensor] = []   # unique fake parameters
+        self.params: list[torch.Tensor] = []  # unique fake parameters
         self.buffers: list[torch.Tensor] = []  # unique fake buffers
         self.param_of: dict[int, torch.Tensor] = {}  # id(real) -> fake
 
@@ -826,8 +903,9 @@ class _FakeWorld:
         if t.device.type == self.device.type and not t.is_meta:
             out = self._convert(t.detach())
         else:
-            out = torch.empty_strided(tuple(t.shape), tuple(t.stride()),
-                                      dtype=t.dtype, device=self.device)
+            out = torch.empty_strided(
+                tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=self.device
+            )
         if isinstance(t, nn.Parameter):
             out = nn.Parameter(out, requires_grad=t.requires_grad)
         elif t.requires_grad and t.is_leaf:
@@ -841,10 +919,15 @@ class _FakeWorld:
         are real, not floating point, on the simulated device and at most
         that many bytes stay real, as copies (their values can matter)."""
         if isinstance(obj, torch.Tensor):
-            if (keep_real and not obj.is_meta and not obj.is_floating_point()
-                    and not obj.is_complex() and not obj.requires_grad
-                    and obj.device.type == self.device.type
-                    and obj.untyped_storage().nbytes() <= keep_real):
+            if (
+                keep_real
+                and not obj.is_meta
+                and not obj.is_floating_point()
+                and not obj.is_complex()
+                and not obj.requires_grad
+                and obj.device.type == self.device.type
+                and obj.untyped_storage().nbytes() <= keep_real
+            ):
                 # A copy, made once per tensor: the model may change it in
                 # place, and the caller's batch must stay as it is.
                 if id(obj) not in self._real_copies:
@@ -875,9 +958,12 @@ class _FakeWorld:
                     raise RuntimeError(
                         "memscale's OOM predictor swaps a module's parameters "
                         "for fake ones through its parameter tables, which "
-                        f"torch {torch.__version__} does not expose")
-                for table, seen, out in ((tables[0], seen_p, self.params),
-                                         (tables[1], seen_b, self.buffers)):
+                        f"torch {torch.__version__} does not expose"
+                    )
+                for table, seen, out in (
+                    (tables[0], seen_p, self.params),
+                    (tables[1], seen_b, self.buffers),
+                ):
                     for name, real in list(table.items()):
                         if real is None:
                             continue
@@ -925,8 +1011,9 @@ class _FakeWorld:
                     continue
                 if value is before.get(key, _MISSING) or not holds_fake(value):
                     continue
-                logger.debug("memscale: restoring %s.%s after the simulation",
-                             type(module).__name__, key)
+                logger.debug(
+                    "memscale: restoring %s.%s after the simulation", type(module).__name__, key
+                )
                 if key in before:
                     module.__dict__[key] = before[key]
                 else:
@@ -955,13 +1042,13 @@ def default_loss(output: Any) -> torch.Tensor:
         return loss
     if isinstance(output, torch.Tensor) and output.dim() == 0 and output.requires_grad:
         return output
-    parts = [t for t in _tensors_in(output)
-             if t.requires_grad and t.is_floating_point()]
+    parts = [t for t in _tensors_in(output) if t.requires_grad and t.is_floating_point()]
     if not parts:
         raise ValueError(
             "the model's output holds no tensor that requires grad, so there "
             "is no training step to predict; pass loss_fn=... (a callable from "
-            "the output to a scalar loss)")
+            "the output to a scalar loss)"
+        )
     total = parts[0].pow(2).mean()
     for t in parts[1:]:
         total = total + t.pow(2).mean()
@@ -975,9 +1062,11 @@ def _foreach_default(device_type: str) -> bool:
     return device_type in ("cuda", "xpu")
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer,
-                      param: Callable[[torch.Tensor], torch.Tensor] = lambda p: p,
-                      foreach: bool | None = None) -> torch.optim.Optimizer:
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer,
+    param: Callable[[torch.Tensor], torch.Tensor] = lambda p: p,
+    foreach: bool | None = None,
+) -> torch.optim.Optimizer:
     """A new optimizer of ``optimizer``'s class with the same parameter
     groups and settings and no state; ``param`` maps each parameter to the
     one to use.  With ``foreach`` given, a group whose ``foreach`` is unset
@@ -989,20 +1078,24 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer,
     for group in optimizer.param_groups:
         new = {k: v for k, v in group.items() if k != "params"}
         new["params"] = [param(p) for p in group["params"]]
-        if (foreach is not None and "foreach" in new and new["foreach"] is None
-                and not new.get("fused") and not new.get("differentiable")):
+        if (
+            foreach is not None
+            and "foreach" in new
+            and new["foreach"] is None
+            and not new.get("fused")
+            and not new.get("differentiable")
+        ):
             new["foreach"] = foreach
         groups.append(new)
     sig = inspect.signature(cls.__init__)
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD
-                    for p in sig.parameters.values())
-    kwargs = {k: v for k, v in optimizer.defaults.items()
-              if takes_any or k in sig.parameters}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in sig.parameters}
     return cls(groups, **kwargs)
 
 
-def _fake_optimizer(optimizer: torch.optim.Optimizer | None, world: _FakeWorld,
-                    target_type: str) -> tuple[torch.optim.Optimizer | None, str]:
+def _fake_optimizer(
+    optimizer: torch.optim.Optimizer | None, world: _FakeWorld, target_type: str
+) -> tuple[torch.optim.Optimizer | None, str]:
     """An optimizer of the same class and settings over the fake parameters
     (AdamW with its defaults when none is given); None when the class cannot
     be rebuilt.  An unset ``foreach`` is decided as torch decides it for the
@@ -1015,14 +1108,19 @@ def _fake_optimizer(optimizer: torch.optim.Optimizer | None, world: _FakeWorld,
     try:
         return rebuild_optimizer(optimizer, world.fake, foreach), cls.__name__
     except Exception as exc:  # noqa: BLE001 - reported, estimated instead
-        logger.info("memscale: cannot rebuild %s on fake tensors (%s: %s); its "
-                    "state is estimated from its class", cls.__name__,
-                    type(exc).__name__, exc)
+        logger.info(
+            "memscale: cannot rebuild %s on fake tensors (%s: %s); its "
+            "state is estimated from its class",
+            cls.__name__,
+            type(exc).__name__,
+            exc,
+        )
         return None, cls.__name__
 
 
-def _estimated_state(world: _FakeWorld, optimizer: torch.optim.Optimizer | None,
-                     model: nn.Module) -> list[torch.Tensor]:
+def _estimated_state(
+    world: _FakeWorld, optimizer: torch.optim.Optimizer | None, model: nn.Module
+) -> list[torch.Tensor]:
     """Fake state tensors for an optimizer that cannot run on fake tensors:
     as many parameter-sized tensors as ``_planning.optimizer_state_bytes``
     counts."""
@@ -1039,16 +1137,18 @@ def _rng_state_bytes() -> int:
     is initialized."""
     total = torch.get_rng_state().untyped_storage().nbytes()
     if torch.cuda.is_initialized():
-        total += sum(s.untyped_storage().nbytes()
-                     for s in torch.cuda.get_rng_state_all())
+        total += sum(s.untyped_storage().nbytes() for s in torch.cuda.get_rng_state_all())
     return total
 
 
 def _leaves_reached(loss: torch.Tensor) -> set[int]:
     """ids of the leaf tensors backward from ``loss`` would accumulate a
     gradient into (the AccumulateGrad nodes of its graph)."""
-    return {id(node.variable) for node in _torch_compat.autograd_nodes(loss)
-            if isinstance(getattr(node, "variable", None), torch.Tensor)}
+    return {
+        id(node.variable)
+        for node in _torch_compat.autograd_nodes(loss)
+        if isinstance(getattr(node, "variable", None), torch.Tensor)
+    }
 
 
 @dataclasses.dataclass
@@ -1061,8 +1161,10 @@ class _Trace:
     def signatures(self) -> dict[Any, int]:
         """Recorded kernel calls, each with the bytes it returned."""
         sizes = self.tracker.sizes_at_birth
-        return {sig: sum(sizes[s] for s in serials if s is not None)
-                for _, sig, serials in self.tracker.kernel_calls or ()}
+        return {
+            sig: sum(sizes[s] for s in serials if s is not None)
+            for _, sig, serials in self.tracker.kernel_calls or ()
+        }
 
     def breakdown(self, workspace: Mapping[Any, _Kernel]) -> PeakBreakdown:
         return self.tracker.breakdown(self.recategorize, workspace)
@@ -1071,11 +1173,15 @@ class _Trace:
 class _Step:
     """One simulated training step at a time over a _FakeWorld."""
 
-    def __init__(self, world: _FakeWorld, inputs: tuple[Any, Any],
-                 strict_inputs: tuple[Any, Any],
-                 loss_fn: Callable[[Any], Any] | None,
-                 optimizer: torch.optim.Optimizer | None,
-                 fallback_state: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        world: _FakeWorld,
+        inputs: tuple[Any, Any],
+        strict_inputs: tuple[Any, Any],
+        loss_fn: Callable[[Any], Any] | None,
+        optimizer: torch.optim.Optimizer | None,
+        fallback_state: list[torch.Tensor],
+    ) -> None:
         self.world = world
         # Inputs of the tracked steps (small integer tensors real), and of
         # the warm-up, all fake as in wrap()'s static profiling.
@@ -1088,8 +1194,7 @@ class _Step:
     def _loss(self, output: Any) -> torch.Tensor:
         loss = self.loss_fn(output) if self.loss_fn is not None else default_loss(output)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError("loss_fn must return a scalar tensor, got "
-                             f"{type(loss).__name__}")
+            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
         return loss
 
     def _zero_grad(self) -> None:
@@ -1143,12 +1248,12 @@ class _Step:
         """Tensors alive when a step starts, with their category."""
         out: list[tuple[torch.Tensor, str]] = []
         out += [(t, "parameters") for t in self.world.params + self.world.buffers]
-        out += [(p.grad, "gradients") for p in self.world.params
-                if p.grad is not None]
+        out += [(p.grad, "gradients") for p in self.world.params if p.grad is not None]
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
-                out += [(v, "optimizer_state") for v in state.values()
-                        if isinstance(v, torch.Tensor)]
+                out += [
+                    (v, "optimizer_state") for v in state.values() if isinstance(v, torch.Tensor)
+                ]
         out += [(t, "optimizer_state") for t in self.fallback_state]
         out += [(t, "inputs") for t in _tensors_in((self.args, self.kwargs))]
         return out
@@ -1176,11 +1281,10 @@ class _Step:
                     done.clear()
                 tracker.recompute_depth += 1
             elif tracker.phase == "forward":
-                if (nesting[0] == 0 and module.training
-                        and torch.is_grad_enabled()):
+                if nesting[0] == 0 and module.training and torch.is_grad_enabled():
                     held.setdefault(id(module), []).append(
-                        torch.empty(rng_bytes, dtype=torch.uint8,
-                                    device=self.world.device))
+                        torch.empty(rng_bytes, dtype=torch.uint8, device=self.world.device)
+                    )
                 nesting[0] += 1
 
         def leave(module: nn.Module, *_: Any) -> None:
@@ -1243,33 +1347,34 @@ class _Step:
 # --------------------------------------------------------------------------
 
 
-def _check_args(model: Any, sample_input: Any, config: Any, optimizer: Any,
-                loss_fn: Any, what: str) -> Config:
+def _check_args(
+    model: Any, sample_input: Any, config: Any, optimizer: Any, loss_fn: Any, what: str
+) -> Config:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"{what}() needs a torch.nn.Module, got "
-                        f"{type(model).__name__}")
+        raise TypeError(f"{what}() needs a torch.nn.Module, got {type(model).__name__}")
     if sample_input is None:
         raise ValueError(
             f"{what}() needs sample_input (a batch as the model takes it: a "
             "tensor, a tuple of positional inputs or a dict of keyword inputs) "
-            "to simulate a training step; it allocates none of its memory")
+            "to simulate a training step; it allocates none of its memory"
+        )
     _planning.split_input(sample_input)  # TypeError for anything else
     if config is None:
         config = Config()
     elif not isinstance(config, Config):
-        raise TypeError("config must be a memscale.Config or None, got "
-                        f"{type(config).__name__}")
+        raise TypeError(f"config must be a memscale.Config or None, got {type(config).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError("optimizer must be a torch.optim.Optimizer or None, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
     if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable or None, got "
-                        f"{type(loss_fn).__name__}")
+        raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
     if model.__dict__.get("_memscale_executor") is not None:
         raise RuntimeError(
             f"{what}() predicts for a model memscale has not wrapped (its hooks "
             "would run in the simulation); call it before memscale.wrap(model), "
-            "or after memscale.detach(model)")
+            "or after memscale.detach(model)"
+        )
     return config
 
 
@@ -1277,10 +1382,15 @@ class _Simulation:
     """Everything one prediction needs, set up once: the fake world, the
     fake optimizer warmed up, and the profile measured in the warm-up."""
 
-    def __init__(self, model: nn.Module, sample_input: Any,
-                 optimizer: torch.optim.Optimizer | None,
-                 loss_fn: Callable[[Any], Any] | None,
-                 device: torch.device, target_type: str) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        sample_input: Any,
+        optimizer: torch.optim.Optimizer | None,
+        loss_fn: Callable[[Any], Any] | None,
+        device: torch.device,
+        target_type: str,
+    ) -> None:
         self.model = model
         self.target_type = target_type
         self.sample_input = sample_input
@@ -1296,15 +1406,20 @@ class _Simulation:
         try:
             args, kwargs = _planning.split_input(self.sample_input)
             strict = (self.world.fake_tree(args), self.world.fake_tree(kwargs))
-            hybrid = (self.world.fake_tree(args, REAL_VALUE_LIMIT),
-                      self.world.fake_tree(kwargs, REAL_VALUE_LIMIT))
+            hybrid = (
+                self.world.fake_tree(args, REAL_VALUE_LIMIT),
+                self.world.fake_tree(kwargs, REAL_VALUE_LIMIT),
+            )
             opt, self.optimizer_name = _fake_optimizer(
-                self.real_optimizer, self.world, self.target_type)
+                self.real_optimizer, self.world, self.target_type
+            )
             self.optimizer_simulated = opt is not None
-            fallback = ([] if opt is not None else
-                        _estimated_state(self.world, self.real_optimizer, self.model))
-            self.step = _Step(self.world, hybrid, strict, self.loss_fn, opt,
-                              fallback)
+            fallback = (
+                []
+                if opt is not None
+                else _estimated_state(self.world, self.real_optimizer, self.model)
+            )
+            self.step = _Step(self.world, hybrid, strict, self.loss_fn, opt, fallback)
             self.profile = self._warm_up()
         except BaseException:
             self.__exit__(None, None, None)
@@ -1321,8 +1436,7 @@ class _Simulation:
 
         class _Pass:
             def __enter__(self_inner) -> Any:
-                prof = _core.Profiler([m for _, m in units], params,
-                                      FlopCounterMode(display=False))
+                prof = _core.Profiler([m for _, m in units], params, FlopCounterMode(display=False))
                 prof.attach()
                 holder["profiler"] = prof
                 try:
@@ -1351,8 +1465,7 @@ class _Simulation:
     def unoptimized(self) -> _Trace:
         return self.step.tracked([])
 
-    def under(self, plan: Any, config: Config, hardware: dict[str, Any]
-              ) -> _Trace:
+    def under(self, plan: Any, config: Config, hardware: dict[str, Any]) -> _Trace:
         """The step with the C executor applying ``plan`` to the model, and
         the settings wrap() makes with it (a Hugging Face model trains with
         ``config.use_cache=False`` under checkpointing)."""
@@ -1367,13 +1480,16 @@ class _Simulation:
                 from .offload import SimulatedTier, async_settings
 
                 settings = async_settings(config)
-                executor.set_offload(None, SimulatedTier(
-                    settings.min_offload_bytes,
-                    settings.prefetch_depth if config.async_offload else 0))
+                executor.set_offload(
+                    None,
+                    SimulatedTier(
+                        settings.min_offload_bytes,
+                        settings.prefetch_depth if config.async_offload else 0,
+                    ),
+                )
             if plan.technique_counts["checkpoint"]:
                 undo_cache = _hf_cache.disable_use_cache(self.model)[1]
-            chosen = [m for (_, m), layer in zip(self.units, plan.layers)
-                      if layer.techniques]
+            chosen = [m for (_, m), layer in zip(self.units, plan.layers) if layer.techniques]
             return self.step.tracked(chosen)
         finally:
             if undo_cache is not None:
@@ -1392,18 +1508,24 @@ class PredictionSession:
     ``session.predict(...)`` calls (the AutoTuner does).
     """
 
-    def __init__(self, model: nn.Module, sample_input: Any,
-                 optimizer: torch.optim.Optimizer | None = None, device: Any = None,
-                 *, loss_fn: Callable[[Any], Any] | None = None,
-                 config: Config | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        sample_input: Any,
+        optimizer: torch.optim.Optimizer | None = None,
+        device: Any = None,
+        *,
+        loss_fn: Callable[[Any], Any] | None = None,
+        config: Config | None = None,
+    ) -> None:
         self._start = time.perf_counter()
-        config = _check_args(model, sample_input, config, optimizer, loss_fn,
-                             "predict_peak")
+        config = _check_args(model, sample_input, config, optimizer, loss_fn, "predict_peak")
         self.model = model
         self.optimizer = optimizer
         self.hardware, self.sim_device = _resolve_device(model, device, config)
-        self._sim = _Simulation(model, sample_input, optimizer, loss_fn,
-                                self.sim_device, self.hardware["device"])
+        self._sim = _Simulation(
+            model, sample_input, optimizer, loss_fn, self.sim_device, self.hardware["device"]
+        )
         self._traces: dict[str, _Trace] = {}
         # Configs whose plan is every layer checkpointed alone, because the
         # planner's did not fit when simulated (see plan_offsets).
@@ -1427,7 +1549,8 @@ class PredictionSession:
                 f"{type(exc).__name__}: {exc}). Check that a real step runs "
                 "with this sample_input; an operator without a fake "
                 "implementation, or a model that reads tensor values to "
-                "choose what to do, cannot be predicted") from exc
+                "choose what to do, cannot be predicted"
+            ) from exc
 
     def __enter__(self) -> PredictionSession:
         self._guard(self._sim.__enter__)
@@ -1462,16 +1585,23 @@ class PredictionSession:
             from . import api, policy  # api imports this module
 
             context = policy.StrategyContext.build(
-                config, self.hardware,
+                config,
+                self.hardware,
                 profile if policy.needs_profile(config, self.hardware) else None,
-                fixed)
+                fixed,
+            )
             _, config = api._select_strategy(config, context)
         # The engine plans from the predicted peaks (as wrap() does with
         # sample_input): the same corrections, the same plan.
         offset, plan_offset = self.plan_offsets(config, profile, fixed)
-        return _planning.make_plan(profile, _planning.fallback_config(
-            config, self._fallback.get(config)), self.hardware, fixed,
-            peak_offset=offset, plan_offset=plan_offset)
+        return _planning.make_plan(
+            profile,
+            _planning.fallback_config(config, self._fallback.get(config)),
+            self.hardware,
+            fixed,
+            peak_offset=offset,
+            plan_offset=plan_offset,
+        )
 
     # Rounds of "simulate the plan, correct, plan again" at most.
     CALIBRATION_ROUNDS = 5
@@ -1485,16 +1615,16 @@ class PredictionSession:
 
             key += f"/prefetch{async_settings(config).prefetch_depth}"
         if key not in self._traces:
-            self._traces[key] = self._guard(
-                lambda: self._sim.under(plan, config, self.hardware))
+            self._traces[key] = self._guard(lambda: self._sim.under(plan, config, self.hardware))
             self._probe(self._traces[key], key)
         return key, self._traces[key]
 
     def _simulated_peak(self, plan: Any, config: Config) -> int:
         return int(self._trace(plan, config)[1].breakdown(self._workspace).peak_bytes)
 
-    def plan_offsets(self, config: Config, profile: Any = None,
-                     fixed: int | None = None) -> tuple[int, int]:
+    def plan_offsets(
+        self, config: Config, profile: Any = None, fixed: int | None = None
+    ) -> tuple[int, int]:
         """The engine's two corrections for ``config`` (its effective,
         post-Stage-1 form): of the unoptimized peak (predicted minus the
         engine's), and of its plans' peaks.
@@ -1516,26 +1646,34 @@ class PredictionSession:
         offset = self.unoptimized_peak() - base.peak_unoptimized_bytes
         plan = _planning.make_plan(profile, config, hw, fixed, peak_offset=offset)
         self._fallback.pop(config, None)
-        if (plan.skipped or config.force_optimize
-                or not plan.technique_counts["checkpoint"] and plan.fits):
+        if (
+            plan.skipped
+            or config.force_optimize
+            or (not plan.technique_counts["checkpoint"] and plan.fits)
+        ):
             return offset, offset
         # Calibrate on every layer checkpointed (what the least budgets
         # are made of).
         forced = _planning.make_plan(
-            profile, config.replace(force_optimize=True, mode=OptimizationMode.CONSERVATIVE,
-                                    enable_tiling=False),
-            hw, fixed, peak_offset=offset)
+            profile,
+            config.replace(
+                force_optimize=True, mode=OptimizationMode.CONSERVATIVE, enable_tiling=False
+            ),
+            hw,
+            fixed,
+            peak_offset=offset,
+        )
         plan_offset = forced_offset = offset
         forced_peak = None
         if forced.technique_counts["checkpoint"]:
             forced_peak = self._simulated_peak(forced, config)
             self.forced_peak = forced_peak
-            plan_offset = forced_offset = offset + (forced_peak
-                                                    - forced.peak_projected_bytes)
+            plan_offset = forced_offset = offset + (forced_peak - forced.peak_projected_bytes)
         verified = untestable = False
         for _ in range(self.CALIBRATION_ROUNDS):
-            plan = _planning.make_plan(profile, config, hw, fixed, peak_offset=offset,
-                                       plan_offset=plan_offset)
+            plan = _planning.make_plan(
+                profile, config, hw, fixed, peak_offset=offset, plan_offset=plan_offset
+            )
             if not plan.fits or not plan.technique_counts["checkpoint"]:
                 break
             if plan.technique_counts["tiling"]:
@@ -1548,8 +1686,12 @@ class PredictionSession:
                 verified = True
                 break
             plan_offset += max(miss, 1)
-        if (not verified and not untestable and forced_peak is not None
-                and forced_peak <= _planning.budget_bytes(config, hw)):
+        if (
+            not verified
+            and not untestable
+            and forced_peak is not None
+            and forced_peak <= _planning.budget_bytes(config, hw)
+        ):
             # The planner's plans did not fit when simulated, but every
             # layer checkpointed alone does: that plan, then.
             self._fallback[config] = True
@@ -1559,20 +1701,24 @@ class PredictionSession:
     def unoptimized_peak(self) -> int:
         """The predicted peak bytes of the unoptimized step."""
         if not self._open:
-            raise RuntimeError("PredictionSession.unoptimized_peak() runs inside "
-                               "'with PredictionSession(...) as session:'")
+            raise RuntimeError(
+                "PredictionSession.unoptimized_peak() runs inside "
+                "'with PredictionSession(...) as session:'"
+            )
         return int(self._unoptimized.breakdown(self._workspace).peak_bytes)
 
     def predict(self, config: Config | None = None) -> PeakPrediction:
         if not self._open:
-            raise RuntimeError("PredictionSession.predict() runs inside "
-                               "'with PredictionSession(...) as session:'")
+            raise RuntimeError(
+                "PredictionSession.predict() runs inside 'with PredictionSession(...) as session:'"
+            )
         t0 = time.perf_counter()
         if config is None:
             config = Config()
         elif not isinstance(config, Config):
-            raise TypeError("config must be a memscale.Config or None, got "
-                            f"{type(config).__name__}")
+            raise TypeError(
+                f"config must be a memscale.Config or None, got {type(config).__name__}"
+            )
         plan = self.plan(config)
         key, trace = "", self._unoptimized
         if plan.technique_counts["checkpoint"]:
@@ -1587,8 +1733,10 @@ class PredictionSession:
             capacity_bytes=int(self.hardware["capacity_bytes"]),
             budget_bytes=_planning.budget_bytes(config, self.hardware),
             simulated_on=self.sim_device.type,
-            plan_hash=plan.hash, plan_skipped=bool(plan.skipped),
-            checkpointed_layers=chosen, layer_count=len(plan),
+            plan_hash=plan.hash,
+            plan_skipped=bool(plan.skipped),
+            checkpointed_layers=chosen,
+            layer_count=len(plan),
             recompute_ratio=float(plan.recompute_ratio),
             forward_flops=float(sim.profile.total_flops),
             engine_unoptimized_bytes=int(plan.peak_unoptimized_bytes),
@@ -1596,7 +1744,9 @@ class PredictionSession:
             optimizer=sim.optimizer_name,
             optimizer_simulated=sim.optimizer_simulated,
             unprobed_calls=self._unprobed[""] + self._unprobed.get(key, 0),
-            seconds=self._setup_seconds + time.perf_counter() - t0, plan=plan)
+            seconds=self._setup_seconds + time.perf_counter() - t0,
+            plan=plan,
+        )
         _report_disagreement(result, plan)
         return result
 
@@ -1610,20 +1760,30 @@ def _report_disagreement(p: PeakPrediction, plan: Any) -> None:
             "and leaves the model alone (smart-skip), but the simulated step "
             "needs %s, over the usable %s. Use force_optimize=True, or the "
             "Config memscale.autotuning.AutoTuner finds",
-            _fmt(p.engine_unoptimized_bytes), _fmt(p.unoptimized.peak_bytes),
-            _fmt(p.budget_bytes))
+            _fmt(p.engine_unoptimized_bytes),
+            _fmt(p.unoptimized.peak_bytes),
+            _fmt(p.budget_bytes),
+        )
     elif not plan.skipped and plan.fits and not p.fits:
         logger.warning(
             "memscale: the decision engine projects the planned step at %s, "
             "within the usable %s, but the simulated step needs %s; the "
             "memscale.autotuning.AutoTuner finds a Config whose plan fits",
-            _fmt(p.engine_projected_bytes), _fmt(p.budget_bytes),
-            _fmt(p.optimized.peak_bytes))
+            _fmt(p.engine_projected_bytes),
+            _fmt(p.budget_bytes),
+            _fmt(p.optimized.peak_bytes),
+        )
 
 
-def predict_peak(model: nn.Module, sample_input: Any, config: Config | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, device: Any = None,
-                 *, loss_fn: Callable[[Any], Any] | None = None) -> PeakPrediction:
+def predict_peak(
+    model: nn.Module,
+    sample_input: Any,
+    config: Config | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: Any = None,
+    *,
+    loss_fn: Callable[[Any], Any] | None = None,
+) -> PeakPrediction:
     """Predict the peak memory of one training step, without and with
     memscale's plan, on fake tensors: no memory of the step is allocated,
     so a model larger than this machine can be predicted (build it under
@@ -1645,16 +1805,21 @@ def predict_peak(model: nn.Module, sample_input: Any, config: Config | None = No
     attributes, RNG state and training flags are as before when this
     returns, also when it raises.
     """
-    with PredictionSession(model, sample_input, optimizer, device,
-                           loss_fn=loss_fn, config=config) as session:
+    with PredictionSession(
+        model, sample_input, optimizer, device, loss_fn=loss_fn, config=config
+    ) as session:
         return session.predict(config)
 
 
-def estimate_savings(model: nn.Module, sample_input: Any = None,
-                     config: Config | None = None,
-                     optimizer: torch.optim.Optimizer | None = None, *,
-                     device: Any = None,
-                     loss_fn: Callable[[Any], Any] | None = None) -> SavingsEstimate:
+def estimate_savings(
+    model: nn.Module,
+    sample_input: Any = None,
+    config: Config | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    device: Any = None,
+    loss_fn: Callable[[Any], Any] | None = None,
+) -> SavingsEstimate:
     """Predicted peak memory without and with memscale's plan on the same
     hardware, the bytes saved, and the predicted step-time ratio
     (``1 + recompute FLOPs / (3 x forward FLOPs)``).  Computed by
@@ -1664,14 +1829,23 @@ def estimate_savings(model: nn.Module, sample_input: Any = None,
         raise ValueError(
             "estimate_savings() needs sample_input: the estimate simulates one "
             "training step on that batch (on fake tensors, with no memory). "
-            "Pass one batch: estimate_savings(model, sample_input=batch)")
+            "Pass one batch: estimate_savings(model, sample_input=batch)"
+        )
     p = predict_peak(model, sample_input, config, optimizer, device, loss_fn=loss_fn)
     unopt, opt = p.unoptimized.peak_bytes, p.optimized.peak_bytes
     return SavingsEstimate(
-        peak_unoptimized_bytes=unopt, peak_optimized_bytes=opt,
-        saved_bytes=unopt - opt, saved_fraction=(unopt - opt) / unopt if unopt else 0.0,
-        time_ratio=p.time_ratio, recompute_ratio=p.recompute_ratio,
-        device=p.device, capacity_bytes=p.capacity_bytes, budget_bytes=p.budget_bytes,
-        fits_unoptimized=p.fits_unoptimized, fits_optimized=p.fits,
-        plan_hash=p.plan_hash, checkpointed_layers=len(p.checkpointed_layers),
-        layer_count=p.layer_count)
+        peak_unoptimized_bytes=unopt,
+        peak_optimized_bytes=opt,
+        saved_bytes=unopt - opt,
+        saved_fraction=(unopt - opt) / unopt if unopt else 0.0,
+        time_ratio=p.time_ratio,
+        recompute_ratio=p.recompute_ratio,
+        device=p.device,
+        capacity_bytes=p.capacity_bytes,
+        budget_bytes=p.budget_bytes,
+        fits_unoptimized=p.fits_unoptimized,
+        fits_optimized=p.fits,
+        plan_hash=p.plan_hash,
+        checkpointed_layers=len(p.checkpointed_layers),
+        layer_count=p.layer_count,
+    )

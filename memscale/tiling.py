@@ -44,21 +44,30 @@ __all__ = ["declare_row_independent", "is_candidate"]
 # Leaves whose output row i depends on input row i only (rows: every
 # dimension but the last).
 _ROW_LEAVES: tuple[type, ...] = (
-    nn.Linear, nn.LayerNorm, nn.Identity, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh,
-    nn.Sigmoid, nn.Mish, nn.LeakyReLU, nn.ELU, nn.Softplus, nn.Hardswish,
-    nn.ReLU6, nn.GLU,
+    nn.Linear,
+    nn.LayerNorm,
+    nn.Identity,
+    nn.GELU,
+    nn.ReLU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Mish,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Softplus,
+    nn.Hardswish,
+    nn.ReLU6,
+    nn.GLU,
 ) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 
-_BATCH_COUPLED: tuple[type, ...] = (nn.modules.batchnorm._BatchNorm,
-                                    nn.SyncBatchNorm)
+_BATCH_COUPLED: tuple[type, ...] = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
 
-_declared_modules: "weakref.WeakKeyDictionary[nn.Module, int | None]" = (
-    weakref.WeakKeyDictionary())
+_declared_modules: weakref.WeakKeyDictionary[nn.Module, int | None] = weakref.WeakKeyDictionary()
 _declared_classes: dict[type, int | None] = {}
 
 # Relative tolerance of the verification, by the output's dtype.
-_RTOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 2e-2,
-         torch.float16: 2e-3}
+_RTOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 def declare_row_independent(target: nn.Module | type, dim: int | None = None) -> None:
@@ -74,8 +83,10 @@ def declare_row_independent(target: nn.Module | type, dim: int | None = None) ->
     elif isinstance(target, type) and issubclass(target, nn.Module):
         _declared_classes[target] = dim
     else:
-        raise TypeError("declare_row_independent() takes an nn.Module or an "
-                        f"nn.Module subclass, got {type(target).__name__}")
+        raise TypeError(
+            "declare_row_independent() takes an nn.Module or an "
+            f"nn.Module subclass, got {type(target).__name__}"
+        )
 
 
 def _declared(unit: nn.Module) -> tuple[bool, int | None]:
@@ -92,9 +103,7 @@ def _structural(unit: nn.Module) -> bool:
         return True
     if type(unit) is nn.Sequential:
         return all(_structural(m) for m in unit)
-    if isinstance(unit, nn.Dropout) and unit.p == 0:
-        return True
-    return False
+    return isinstance(unit, nn.Dropout) and unit.p == 0
 
 
 def is_candidate(unit: nn.Module) -> bool:
@@ -125,8 +134,9 @@ def _default_dim(x: torch.Tensor) -> int:
     return 1 if x.dim() >= 3 else 0
 
 
-def _disagreement(unit: nn.Module, forward: Any, args: tuple, kwargs: dict,
-                  dim: int, tiles: int) -> str | None:
+def _disagreement(
+    unit: nn.Module, forward: Any, args: tuple, kwargs: dict, dim: int, tiles: int
+) -> str | None:
     """None when tiling ``unit`` along ``dim`` gives its untiled output on
     this input, else why not.  Leaves RNG streams and buffers as found."""
     rng = rng_state()
@@ -137,9 +147,9 @@ def _disagreement(unit: nn.Module, forward: Any, args: tuple, kwargs: dict,
             cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
             ref = forward(*args, **kwargs)
             if not torch.equal(before, torch.get_rng_state()) or (
-                    cuda is not None and any(
-                        not torch.equal(a, b)
-                        for a, b in zip(cuda, torch.cuda.get_rng_state_all()))):
+                cuda is not None
+                and any(not torch.equal(a, b) for a, b in zip(cuda, torch.cuda.get_rng_state_all()))
+            ):
                 return "it draws random numbers (dropout?), which tiling would change"
             set_rng_state(rng)
             for b, saved in buffers:
@@ -166,21 +176,21 @@ def _disagreement(unit: nn.Module, forward: Any, args: tuple, kwargs: dict,
         scale = float(a.detach().abs().max()) if a.numel() else 0.0
         absolute, _ = _diff(b, a)
         if absolute > rtol * max(scale, torch.finfo(a.dtype).tiny):
-            return (f"{name} differs by {absolute:.3g} when tiled (largest "
-                    f"value {scale:.3g}, tolerance {rtol:g} relative)")
+            return (
+                f"{name} differs by {absolute:.3g} when tiled (largest "
+                f"value {scale:.3g}, tolerance {rtol:g} relative)"
+            )
     return None
 
 
-def verify(unit: nn.Module, forward: Any, args: tuple, kwargs: dict,
-           tiles: int) -> int | None:
+def verify(unit: nn.Module, forward: Any, args: tuple, kwargs: dict, tiles: int) -> int | None:
     """The executor's tile verifier, called at a tiled layer's first tiled
     call: the dimension to tile ``unit`` along, None to checkpoint it whole
     from now on, or -1 when this input cannot tell (no dimension with two
     or more rows): the call runs whole and the next one asks again."""
     x = _lead(args, kwargs)
     if x is None:
-        logger.info("memscale: %s is not tiled: it has no tensor input",
-                    type(unit).__name__)
+        logger.info("memscale: %s is not tiled: it has no tensor input", type(unit).__name__)
         return None
     declared, dim = _declared(unit)
     if declared or _structural(unit):
@@ -191,17 +201,23 @@ def verify(unit: nn.Module, forward: Any, args: tuple, kwargs: dict,
     reasons = []
     for dim in candidates:
         # As many tiles as the call will make (no more than rows).
-        why = _disagreement(unit, forward, args, kwargs, dim,
-                            min(tiles, int(x.shape[dim])))
+        why = _disagreement(unit, forward, args, kwargs, dim, min(tiles, int(x.shape[dim])))
         if why is None:
-            logger.info("memscale: %s verified row-independent along dim %d; "
-                        "tiled in %d", type(unit).__name__, dim, tiles)
+            logger.info(
+                "memscale: %s verified row-independent along dim %d; tiled in %d",
+                type(unit).__name__,
+                dim,
+                tiles,
+            )
             return dim
         reasons.append(f"dim {dim}: {why}")
-    logger.warning("memscale: %s is not tiled (checkpointed whole instead): "
-                   "%s. If it is row-independent, say so with "
-                   "memscale.tiling.declare_row_independent().",
-                   type(unit).__name__, "; ".join(reasons))
+    logger.warning(
+        "memscale: %s is not tiled (checkpointed whole instead): "
+        "%s. If it is row-independent, say so with "
+        "memscale.tiling.declare_row_independent().",
+        type(unit).__name__,
+        "; ".join(reasons),
+    )
     return None
 
 
@@ -235,8 +251,9 @@ def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> Non
         executor.on_detach(restore)
         if previous is not _MISSING:  # the copy gets the user's own forward
 
-            def restore_copy(copy_of: Any, unit: nn.Module = unit,
-                             previous: Any = previous) -> None:
+            def restore_copy(
+                copy_of: Any, unit: nn.Module = unit, previous: Any = previous
+            ) -> None:
                 copy_of(unit).__dict__["forward"] = copy_of(previous)
 
             executor.on_copy(restore_copy)

@@ -24,9 +24,19 @@ from memscale.benchmarks.measure import format_bytes, measure_peak  # noqa: E402
 
 def build() -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(
-        n_layer=2, n_embd=32, n_head=8, vocab_size=128, n_positions=256,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=8,
+            vocab_size=128,
+            n_positions=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+        )
+    )
     model.config._attn_implementation = "eager"
     return model
 
@@ -34,15 +44,17 @@ def build() -> GPT2LMHeadModel:
 def main() -> None:
     logging.getLogger("memscale").setLevel(logging.ERROR)
     ids = torch.randint(0, 128, (1, 256))
-    config = memscale.Config(mode="aggressive", force_optimize=True,
-                             enable_offloading=False, enable_logging=False)
+    config = memscale.Config(
+        mode="aggressive", force_optimize=True, enable_offloading=False, enable_logging=False
+    )
     real = attention.attach
     print("| query tiles | peak above the model |")
     print("| --- | --- |")
     try:
         for tiles in (1, 2, 4, 8):
-            attention.attach = (lambda ex, m, t, n=tiles: real(ex, m, n)) if tiles > 1 \
-                else (lambda *a: False)
+            attention.attach = (
+                (lambda ex, m, t, n=tiles: real(ex, m, n)) if tiles > 1 else (lambda *a: False)
+            )
             model = build()
             memscale.wrap(model, config, sample_input={"input_ids": ids})
 
@@ -51,8 +63,9 @@ def main() -> None:
 
             model.zero_grad(set_to_none=True)
             peak = measure_peak(step, model=model, inputs=(ids,), warmup=1)
-            print(f"| {tiles if tiles > 1 else 'untiled'} | "
-                  f"{format_bytes(peak.peak_delta_bytes)} |")
+            print(
+                f"| {tiles if tiles > 1 else 'untiled'} | {format_bytes(peak.peak_delta_bytes)} |"
+            )
             memscale.detach(model)
     finally:
         attention.attach = real

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 warnings.filterwarnings("ignore")
 
@@ -32,8 +33,9 @@ def _vmhwm() -> int:
     raise RuntimeError("no VmHWM")
 
 
-def rank_main(rank: int, world: int, port: int, model_name: str, mode: str,
-              use_memscale: bool, out: str) -> None:
+def rank_main(
+    rank: int, world: int, port: int, model_name: str, mode: str, use_memscale: bool, out: str
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -54,9 +56,11 @@ def rank_main(rank: int, world: int, port: int, model_name: str, mode: str,
         fully_shard(model)
     plan = None
     if use_memscale:
-        memscale.wrap(model, memscale.Config(mode="conservative", force_optimize=True,
-                                             enable_logging=False),
-                      sample_input=batch.sample_input)
+        memscale.wrap(
+            model,
+            memscale.Config(mode="conservative", force_optimize=True, enable_logging=False),
+            sample_input=batch.sample_input,
+        )
         plan = model._memscale_executor.plan.hash
     target = model
     if mode == "ddp":
@@ -75,9 +79,13 @@ def rank_main(rank: int, world: int, port: int, model_name: str, mode: str,
         loss = batch.loss_fn(target(*batch.args, **batch.kwargs))
         loss.backward()
         optimizer.step()
-    result = {"rank": rank, "rss_peak_bytes": _vmhwm(), "setup_peak_bytes": setup_peak,
-              "plan": plan,
-              "loss": float(loss.detach())}
+    result = {
+        "rank": rank,
+        "rss_peak_bytes": _vmhwm(),
+        "setup_peak_bytes": setup_peak,
+        "plan": plan,
+        "loss": float(loss.detach()),
+    }
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -107,19 +115,36 @@ def main() -> None:
     for mode in ("ddp", "fsdp2"):
         for use in ("0", "1"):
             out = f"{args.out}-{mode}-{use}"
-            subprocess.run([sys.executable, __file__, "--rank-of", str(_free_port()),
-                            args.model, mode, use, out, "x"], check=True, env=env)
-            ranks = [json.load(open(f"{out}.rank{r}.json")) for r in range(2)]
+            subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--rank-of",
+                    str(_free_port()),
+                    args.model,
+                    mode,
+                    use,
+                    out,
+                    "x",
+                ],
+                check=True,
+                env=env,
+            )
+            ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
             rows.append((mode, use, ranks))
-    print("| mode | variant | rank 0 RSS peak, training | rank 1 | set-up peak (rank 0) "
-          "| plan hash (both ranks) |")
+    print(
+        "| mode | variant | rank 0 RSS peak, training | rank 1 | set-up peak (rank 0) "
+        "| plan hash (both ranks) |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for mode, use, ranks in rows:
         gib = [f"{r['rss_peak_bytes'] / 2**20:.1f} MiB" for r in ranks]
         hashes = {r["plan"] for r in ranks}
-        print(f"| {mode} | {'memscale CONSERVATIVE' if use == '1' else 'unoptimized'} | "
-              f"{gib[0]} | {gib[1]} | {ranks[0]['setup_peak_bytes'] / 2**20:.1f} MiB | "
-              f"{'-' if None in hashes else ', '.join(h[:12] for h in hashes)} |")
+        print(
+            f"| {mode} | {'memscale CONSERVATIVE' if use == '1' else 'unoptimized'} | "
+            f"{gib[0]} | {gib[1]} | {ranks[0]['setup_peak_bytes'] / 2**20:.1f} MiB | "
+            f"{'-' if None in hashes else ', '.join(h[:12] for h in hashes)} |"
+        )
 
 
 if __name__ == "__main__":

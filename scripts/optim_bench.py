@@ -23,8 +23,12 @@ from memscale.optim import AdamW8bit  # noqa: E402
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(t.numel() * t.element_size() for s in opt.state.values()
-               for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
 
 
 def main() -> None:
@@ -38,14 +42,17 @@ def main() -> None:
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     n = sum(p.numel() for p in params)
-    print(f"{args.model}: {n:,} parameters, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads\n")
+    print(
+        f"{args.model}: {n:,} parameters, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads\n"
+    )
     print("| optimizer | state | step time (median) |")
     print("| --- | --- | --- |")
     makers = {
         "torch.optim.AdamW (foreach)": lambda: torch.optim.AdamW(params, lr=1e-4, foreach=True),
-        "torch.optim.AdamW (single tensor)": lambda: torch.optim.AdamW(params, lr=1e-4,
-                                                                       foreach=False),
+        "torch.optim.AdamW (single tensor)": lambda: torch.optim.AdamW(
+            params, lr=1e-4, foreach=False
+        ),
         "memscale AdamW8bit (C kernel)": lambda: AdamW8bit(params, lr=1e-4),
     }
     for name, make in makers.items():
@@ -58,8 +65,10 @@ def main() -> None:
             t0 = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - t0)
-        print(f"| {name} | {state_bytes(opt) / 2**20:.1f} MiB | "
-              f"{statistics.median(times) * 1e3:.1f} ms |")
+        print(
+            f"| {name} | {state_bytes(opt) / 2**20:.1f} MiB | "
+            f"{statistics.median(times) * 1e3:.1f} ms |"
+        )
         with torch.no_grad():
             for p, s in zip(params, saved):
                 p.copy_(s)

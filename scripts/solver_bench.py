@@ -23,37 +23,65 @@ GIB = 1 << 30
 
 def chain(n: int, seed: int) -> list[tuple]:
     rng = random.Random(seed)
-    return [(f"h.{i}", "Block", 1 << 20, rng.randint(20, 28) << 20, 2 << 20,
-             rng.randint(8, 12) * 1e9, _core.LAYER_TILEABLE) for i in range(n)]
+    return [
+        (
+            f"h.{i}",
+            "Block",
+            1 << 20,
+            rng.randint(20, 28) << 20,
+            2 << 20,
+            rng.randint(8, 12) * 1e9,
+            _core.LAYER_TILEABLE,
+        )
+        for i in range(n)
+    ]
 
 
 def main() -> None:
     hardware = {"device": "cpu", "count": 1, "capacity_bytes": 1 << 50}
     config = Config(mode="aggressive", async_offload=True)
-    print("| layers | budget (% of activations) | solve time (median of 5) | plan fits "
-          "| segments | predicted slowdown |")
+    print(
+        "| layers | budget (% of activations) | solve time (median of 5) | plan fits "
+        "| segments | predicted slowdown |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for n in (1_000, 10_000):
         layers = chain(n, seed=n)
         acts = sum(layer[3] for layer in layers)
         fixed = 4 * GIB
         for frac in (0.2, 0.4, 0.6, 0.8):
-            offload_in = {"min_offload_bytes": 1 << 20, "host_tier": False,
-                          "host_cap_bytes": -1, "disk_tier": True}
-            kwargs = dict(layers=layers, mode="aggressive", allowed=7, force=False,
-                          budget_bytes=fixed + int(frac * acts), fixed_bytes=fixed,
-                          activation_bytes=acts, total_flops=sum(l[5] for l in layers),
-                          device="cpu", device_count=1, capacity_bytes=1 << 50,
-                          peak_offset_bytes=0, **offload_in,
-                          **_planning.solver_inputs(config, hardware, offload_in))
+            offload_in = {
+                "min_offload_bytes": 1 << 20,
+                "host_tier": False,
+                "host_cap_bytes": -1,
+                "disk_tier": True,
+            }
+            kwargs = dict(
+                layers=layers,
+                mode="aggressive",
+                allowed=7,
+                force=False,
+                budget_bytes=fixed + int(frac * acts),
+                fixed_bytes=fixed,
+                activation_bytes=acts,
+                total_flops=sum(layer[5] for layer in layers),
+                device="cpu",
+                device_count=1,
+                capacity_bytes=1 << 50,
+                peak_offset_bytes=0,
+                **offload_in,
+                **_planning.solver_inputs(config, hardware, offload_in),
+            )
             times = []
             for _ in range(5):
                 t0 = time.perf_counter()
                 plan = _core.build_plan(**kwargs)
                 times.append(time.perf_counter() - t0)
-            segments = len({l.segment for l in plan.layers if l.segment >= 0})
-            print(f"| {n:,} | {frac:.0%} | {statistics.median(times) * 1e3:.1f} ms | "
-                  f"{plan.fits} | {segments} | {plan.predicted_slowdown:.3f}x |")
+            segments = len({lp.segment for lp in plan.layers if lp.segment >= 0})
+            print(
+                f"| {n:,} | {frac:.0%} | {statistics.median(times) * 1e3:.1f} ms | "
+                f"{plan.fits} | {segments} | {plan.predicted_slowdown:.3f}x |"
+            )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,7 @@ def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def run(model: nn.Module, x: torch.Tensor) -> tuple[int, float, torch.Tensor, list]:
     model.zero_grad(set_to_none=True)
-    report = measure_peak(lambda: step(model, x), model=model, inputs=(x,),
-                          warmup=1)
+    report = measure_peak(lambda: step(model, x), model=model, inputs=(x,), warmup=1)
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     out = step(model, x)
@@ -67,21 +66,26 @@ def main() -> None:
     base = build()
     peak0, t0, out0, grads0 = run(base, x)
     print(f"model: 2 x MLP(h={H}, 4x), input {B}x{S}x{H} float32")
-    print(f"{'variant':32} {'tiles':>5} {'peak above start':>17} {'ratio':>6} "
-          f"{'max rel err out':>15} {'max rel err grad':>16} {'step s':>7}")
+    print(
+        f"{'variant':32} {'tiles':>5} {'peak above start':>17} {'ratio':>6} "
+        f"{'max rel err out':>15} {'max rel err grad':>16} {'step s':>7}"
+    )
 
-    def row(name: str, tiles: str, peak: int, secs: float, out: torch.Tensor,
-            grads: list) -> None:
-        e_out = float(((out - out0).abs().max() / out0.abs().max()))
-        e_grad = max(float((g - g0).abs().max() / g0.abs().max())
-                     for g, g0 in zip(grads, grads0))
-        print(f"{name:32} {tiles:>5} {format_bytes(peak):>17} {peak / peak0:6.2f} "
-              f"{e_out:15.2e} {e_grad:16.2e} {secs:7.3f}")
+    def row(name: str, tiles: str, peak: int, secs: float, out: torch.Tensor, grads: list) -> None:
+        e_out = float((out - out0).abs().max() / out0.abs().max())
+        e_grad = max(float((g - g0).abs().max() / g0.abs().max()) for g, g0 in zip(grads, grads0))
+        print(
+            f"{name:32} {tiles:>5} {format_bytes(peak):>17} {peak / peak0:6.2f} "
+            f"{e_out:15.2e} {e_grad:16.2e} {secs:7.3f}"
+        )
 
     row("unoptimized", "-", peak0, t0, out0, grads0)
     model = build()
-    memscale.wrap(model, memscale.Config(mode=memscale.OptimizationMode.CONSERVATIVE,
-                                         force_optimize=True), sample_input=x)
+    memscale.wrap(
+        model,
+        memscale.Config(mode=memscale.OptimizationMode.CONSERVATIVE, force_optimize=True),
+        sample_input=x,
+    )
     row("checkpointing", "-", *run(model, x))
     memscale.detach(model)
 
@@ -90,8 +94,9 @@ def main() -> None:
     # them, by asking for a budget nothing fits), in four steps; the engine
     # chooses the tiles at each.
     def least(tiling: bool) -> int:
-        cfg = memscale.Config(enable_tiling=tiling, enable_offloading=False,
-                              memory_budget_gb=1 / 1024)
+        cfg = memscale.Config(
+            enable_tiling=tiling, enable_offloading=False, memory_budget_gb=1 / 1024
+        )
         try:
             memscale.wrap(build(), cfg, sample_input=x)
         except memscale.MemoryBudgetError as err:
@@ -102,17 +107,19 @@ def main() -> None:
     for frac in (0.75, 0.5, 0.25, 0.0):
         budget = bottom + int((top - bottom) * frac)
         model = build()
-        cfg = memscale.Config(enable_tiling=True, enable_offloading=False,
-                              memory_budget_gb=budget / 2**30)
+        cfg = memscale.Config(
+            enable_tiling=True, enable_offloading=False, memory_budget_gb=budget / 2**30
+        )
         memscale.wrap(model, cfg, sample_input=x)
         plan = model._memscale_executor.plan
         chosen = [layer.tiles for layer in plan.layers]
-        row(f"tiling (budget {format_bytes(budget)})", "/".join(map(str, chosen)),
-            *run(model, x))
+        row(f"tiling (budget {format_bytes(budget)})", "/".join(map(str, chosen)), *run(model, x))
         assert model._memscale_executor.stats["tiled_calls"] > 0
         memscale.detach(model)
-    print(f"(least budget with checkpointing alone {format_bytes(top)}, with tiling "
-          f"{format_bytes(bottom)}; max tiles {_core.MAX_TILES})")
+    print(
+        f"(least budget with checkpointing alone {format_bytes(top)}, with tiling "
+        f"{format_bytes(bottom)}; max tiles {_core.MAX_TILES})"
+    )
 
 
 if __name__ == "__main__":

@@ -55,11 +55,18 @@ import memscale  # noqa: E402
 from memscale import _core, _planning  # noqa: E402
 from memscale.benchmarks.measure import measure_peak  # noqa: E402
 from memscale.benchmarks.models import BenchmarkModel  # noqa: E402
-from memscale.policy import (ARTIFACT_FORMAT, FEATURES, STRATEGIES, RulePolicy,  # noqa: E402
-                             StrategyContext, StrategyDecision, TrainedPolicy)
+from memscale.policy import (  # noqa: E402
+    ARTIFACT_FORMAT,
+    FEATURES,
+    STRATEGIES,
+    RulePolicy,
+    StrategyContext,
+    StrategyDecision,
+    TrainedPolicy,
+)
 
 GIB = 1 << 30
-MISS_COST = 1.0          # a pick that does not fit costs as much as a 2x slowdown
+MISS_COST = 1.0  # a pick that does not fit costs as much as a 2x slowdown
 MAX_DEPTH = 3
 MIN_LEAF = 12
 PRESSURES = [round(0.60 + 0.05 * i, 2) for i in range(29)]  # 0.60 .. 2.00
@@ -76,31 +83,62 @@ MODELS: list[tuple[str, str, dict[str, int]]] = [
     ("cnn-c32-d4-b16", "cnn", dict(channels=32, depth=4, image=32, batch=16)),
     ("cnn-c16-d6-b16", "cnn", dict(channels=16, depth=6, image=32, batch=16)),
     ("cnn-c32-d6-i16-b32", "cnn", dict(channels=32, depth=6, image=16, batch=32)),
-    ("gpt2-l4-h128-v2k-s64-b4", "gpt2", dict(layers=4, hidden=128, heads=4, vocab=2048,
-                                             seq=64, batch=4)),
-    ("gpt2-l6-h128-v4k-s128-b2", "gpt2", dict(layers=6, hidden=128, heads=4, vocab=4096,
-                                              seq=128, batch=2)),
-    ("gpt2-l4-h64-v8k-s64-b4", "gpt2", dict(layers=4, hidden=64, heads=4, vocab=8192,
-                                            seq=64, batch=4)),
-    ("gpt2-l8-h64-v1k-s128-b4", "gpt2", dict(layers=8, hidden=64, heads=4, vocab=1024,
-                                             seq=128, batch=4)),
-    ("bert-l4-h128-v2k-s64-b4", "bert", dict(layers=4, hidden=128, heads=4, vocab=2048,
-                                             seq=64, batch=4)),
-    ("bert-l6-h64-v4k-s128-b4", "bert", dict(layers=6, hidden=64, heads=4, vocab=4096,
-                                             seq=128, batch=4)),
-    ("bert-l3-h128-v1k-s128-b8", "bert", dict(layers=3, hidden=128, heads=4, vocab=1024,
-                                              seq=128, batch=8)),
-    ("llama-l4-h128-v2k-s64-b4", "llama", dict(layers=4, hidden=128, heads=4, vocab=2048,
-                                               seq=64, batch=4)),
-    ("llama-l6-h64-v4k-s128-b2", "llama", dict(layers=6, hidden=64, heads=4, vocab=4096,
-                                               seq=128, batch=2)),
-    ("llama-l3-h128-v1k-s128-b8", "llama", dict(layers=3, hidden=128, heads=4, vocab=1024,
-                                                seq=128, batch=8)),
+    (
+        "gpt2-l4-h128-v2k-s64-b4",
+        "gpt2",
+        dict(layers=4, hidden=128, heads=4, vocab=2048, seq=64, batch=4),
+    ),
+    (
+        "gpt2-l6-h128-v4k-s128-b2",
+        "gpt2",
+        dict(layers=6, hidden=128, heads=4, vocab=4096, seq=128, batch=2),
+    ),
+    (
+        "gpt2-l4-h64-v8k-s64-b4",
+        "gpt2",
+        dict(layers=4, hidden=64, heads=4, vocab=8192, seq=64, batch=4),
+    ),
+    (
+        "gpt2-l8-h64-v1k-s128-b4",
+        "gpt2",
+        dict(layers=8, hidden=64, heads=4, vocab=1024, seq=128, batch=4),
+    ),
+    (
+        "bert-l4-h128-v2k-s64-b4",
+        "bert",
+        dict(layers=4, hidden=128, heads=4, vocab=2048, seq=64, batch=4),
+    ),
+    (
+        "bert-l6-h64-v4k-s128-b4",
+        "bert",
+        dict(layers=6, hidden=64, heads=4, vocab=4096, seq=128, batch=4),
+    ),
+    (
+        "bert-l3-h128-v1k-s128-b8",
+        "bert",
+        dict(layers=3, hidden=128, heads=4, vocab=1024, seq=128, batch=8),
+    ),
+    (
+        "llama-l4-h128-v2k-s64-b4",
+        "llama",
+        dict(layers=4, hidden=128, heads=4, vocab=2048, seq=64, batch=4),
+    ),
+    (
+        "llama-l6-h64-v4k-s128-b2",
+        "llama",
+        dict(layers=6, hidden=64, heads=4, vocab=4096, seq=128, batch=2),
+    ),
+    (
+        "llama-l3-h128-v1k-s128-b8",
+        "llama",
+        dict(layers=3, hidden=128, heads=4, vocab=1024, seq=128, batch=8),
+    ),
 ]
 
 
 # --------------------------------------------------------------------------
 # Data: plans predicted by the engine, peaks measured.
+
 
 @dataclass
 class Case:
@@ -121,13 +159,20 @@ def _checkpointed(plan: Any) -> tuple[int, ...]:
     return tuple(layer.index for layer in plan.layers if "checkpoint" in layer.techniques)
 
 
-def _measure(entry: BenchmarkModel, profile: Any, plan_config: memscale.Config,
-             fixed: int, budget: int, expected: tuple[int, ...]) -> int:
+def _measure(
+    entry: BenchmarkModel,
+    profile: Any,
+    plan_config: memscale.Config,
+    fixed: int,
+    budget: int,
+    expected: tuple[int, ...],
+) -> int:
     """Measured peak bytes of one training step with the checkpoint set
     ``expected`` applied (memscale.wrap with the same budget on the CPU)."""
     model, batch = entry.build(seed=0)
-    config = plan_config.replace(memory_budget_gb=budget / GIB, enable_logging=False,
-                                 auto_policy=False)
+    config = plan_config.replace(
+        memory_budget_gb=budget / GIB, enable_logging=False, auto_policy=False
+    )
     if expected:
         memscale.wrap(model, config, sample_input=batch.sample_input)
         got = _checkpointed(model._memscale_executor.plan)
@@ -142,8 +187,9 @@ def _measure(entry: BenchmarkModel, profile: Any, plan_config: memscale.Config,
         optimizer.step()
 
     try:
-        report = measure_peak(step, model=model,
-                              inputs=(batch.args, batch.kwargs, optimizer.state), warmup=1)
+        report = measure_peak(
+            step, model=model, inputs=(batch.args, batch.kwargs, optimizer.state), warmup=1
+        )
     finally:
         if "_memscale_executor" in model.__dict__:
             memscale.detach(model)
@@ -152,28 +198,40 @@ def _measure(entry: BenchmarkModel, profile: Any, plan_config: memscale.Config,
     return int(report.peak_bytes)
 
 
-def generate(models: list[tuple[str, str, dict[str, int]]], pressures: list[float],
-             cache: dict[str, int], save: Any) -> list[Case]:
+def generate(
+    models: list[tuple[str, str, dict[str, int]]],
+    pressures: list[float],
+    cache: dict[str, int],
+    save: Any,
+) -> list[Case]:
     cases: list[Case] = []
     for name, family, params in models:
         t0 = time.monotonic()
-        entry = BenchmarkModel(name, family, "policy", name, params,
-                               hf=family in ("gpt2", "bert", "llama"))
+        entry = BenchmarkModel(
+            name, family, "policy", name, params, hf=family in ("gpt2", "bert", "llama")
+        )
         model, batch = entry.build(seed=0)
         units = _core.find_units(model)
         base = memscale.Config(enable_logging=False, auto_policy=True)
         profile = _planning.profile_upfront(model, units, batch.sample_input, base)
         fixed = _planning.fixed_bytes(model, None)
         del model
-        probe = StrategyContext.build(base, {"device": "cuda", "count": 1,
-                                             "capacity_bytes": GIB}, profile, fixed)
+        probe = StrategyContext.build(
+            base, {"device": "cuda", "count": 1, "capacity_bytes": GIB}, profile, fixed
+        )
         unoptimized = probe.peak_unoptimized_bytes
         measured_here = 0
         for pressure in pressures:
             budget = int(unoptimized / pressure)
             # A GPU whose usable memory (capacity x 0.85) is this budget.
-            hardware = {"device": "cuda", "index": 0, "count": 1, "bf16": True,
-                        "name": "policy sweep", "capacity_bytes": int(budget / 0.85) + 1}
+            hardware = {
+                "device": "cuda",
+                "index": 0,
+                "count": 1,
+                "bf16": True,
+                "name": "policy sweep",
+                "capacity_bytes": int(budget / 0.85) + 1,
+            }
             context = StrategyContext.build(base, hardware, profile, fixed)
             outcomes = {}
             for strategy in ORDER:
@@ -183,22 +241,29 @@ def generate(models: list[tuple[str, str, dict[str, int]]], pressures: list[floa
                 ckpt = _checkpointed(plan)
                 key = f"{name}|{','.join(map(str, ckpt))}"
                 if key not in cache:
-                    cache[key] = _measure(entry, profile, effective, fixed,
-                                          plan.budget_bytes, ckpt)
+                    cache[key] = _measure(entry, profile, effective, fixed, plan.budget_bytes, ckpt)
                     measured_here += 1
                     save()
                 peak = cache[key]
                 slowdown = 1.0 + plan.recompute_ratio / 3.0
-                outcomes[strategy] = (peak <= context.budget_bytes, peak,
-                                      int(plan.peak_projected_bytes), slowdown)
+                outcomes[strategy] = (
+                    peak <= context.budget_bytes,
+                    peak,
+                    int(plan.peak_projected_bytes),
+                    slowdown,
+                )
             cases.append(Case(name, family, pressure, context.features(), outcomes, context))
-        print(f"  {name:28s} {len(units):2d} units, {measured_here:2d} plans measured, "
-              f"{time.monotonic() - t0:5.1f} s", flush=True)
+        print(
+            f"  {name:28s} {len(units):2d} units, {measured_here:2d} plans measured, "
+            f"{time.monotonic() - t0:5.1f} s",
+            flush=True,
+        )
     return cases
 
 
 # --------------------------------------------------------------------------
 # A cost-minimizing decision tree, in pure Python.
+
 
 def _leaf(cases: list[Case]) -> dict[str, Any]:
     totals = {s: sum(c.cost(s) for c in cases) for s in ORDER}
@@ -214,7 +279,7 @@ def _split(cases: list[Case]) -> tuple[float, str, float] | None:
         ordered = sorted(cases, key=lambda c: c.features[feature])
         n = len(ordered)
         right = {s: sum(c.cost(s) for c in ordered) for s in ORDER}
-        left = {s: 0.0 for s in ORDER}
+        left = dict.fromkeys(ORDER, 0.0)
         for i in range(n - 1):
             for s in ORDER:
                 cost = ordered[i].cost(s)
@@ -252,36 +317,49 @@ def _oracle(case: Case) -> str:
 # --------------------------------------------------------------------------
 # Evaluation.
 
+
 def evaluate(name: str, pick: Any, cases: list[Case]) -> dict[str, Any]:
     picks = [pick(c) for c in cases]
     fits = [c.outcomes[p][0] for c, p in zip(cases, picks)]
     predicted_fits = [c.outcomes[p][2] <= c.context.budget_bytes for c, p in zip(cases, picks)]
     slow = [c.outcomes[p][3] for c, p in zip(cases, picks)]
-    return {"policy": name, "cases": len(cases),
-            "fits_share": sum(fits) / len(cases),
-            "engine_predicted_fits_share": sum(predicted_fits) / len(cases),
-            "mean_predicted_slowdown": sum(slow) / len(cases),
-            "picks": {s: picks.count(s) for s in ORDER}}
+    return {
+        "policy": name,
+        "cases": len(cases),
+        "fits_share": sum(fits) / len(cases),
+        "engine_predicted_fits_share": sum(predicted_fits) / len(cases),
+        "mean_predicted_slowdown": sum(slow) / len(cases),
+        "picks": {s: picks.count(s) for s in ORDER},
+    }
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"  {'policy':22s} {'fits (measured)':>16s} {'mean slowdown':>14s} "
-          f"{'fits (engine)':>14s}  picks (cons/bal/aggr)")
+    print(
+        f"  {'policy':22s} {'fits (measured)':>16s} {'mean slowdown':>14s} "
+        f"{'fits (engine)':>14s}  picks (cons/bal/aggr)"
+    )
     for r in rows:
         picks = "/".join(str(r["picks"][s]) for s in ORDER)
-        print(f"  {r['policy']:22s} {r['fits_share']:16.1%} "
-              f"{r['mean_predicted_slowdown']:13.3f}x {r['engine_predicted_fits_share']:14.1%}"
-              f"  {picks}")
+        print(
+            f"  {r['policy']:22s} {r['fits_share']:16.1%} "
+            f"{r['mean_predicted_slowdown']:13.3f}x {r['engine_predicted_fits_share']:14.1%}"
+            f"  {picks}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "memscale/policy/artifacts/strategy_tree.json"),
-                        help="where to write the tree (default: the shipped artifact)")
-    parser.add_argument("--cache", default=None,
-                        help="JSON file of measured peaks, read and extended")
-    parser.add_argument("--quick", action="store_true",
-                        help="every other model and pressure (a smoke run)")
+    parser.add_argument(
+        "--out",
+        default=str(ROOT / "memscale/policy/artifacts/strategy_tree.json"),
+        help="where to write the tree (default: the shipped artifact)",
+    )
+    parser.add_argument(
+        "--cache", default=None, help="JSON file of measured peaks, read and extended"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="every other model and pressure (a smoke run)"
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -296,16 +374,20 @@ def main(argv: list[str] | None = None) -> int:
         if cache_path is not None:
             cache_path.write_text(json.dumps(cache, indent=0, sort_keys=True))
 
-    print(f"memscale {memscale.__version__}, torch {torch.__version__}: {len(models)} "
-          f"models x {len(pressures)} budgets x {len(ORDER)} strategies")
+    print(
+        f"memscale {memscale.__version__}, torch {torch.__version__}: {len(models)} "
+        f"models x {len(pressures)} budgets x {len(ORDER)} strategies"
+    )
     t0 = time.monotonic()
     cases = generate(models, pressures, cache, save)
     names = sorted({c.model for c in cases})
     held_out = set(names[3::4])
     train = [c for c in cases if c.model not in held_out]
     test = [c for c in cases if c.model in held_out]
-    print(f"{len(cases)} cases ({len(train)} train, {len(test)} held out: "
-          f"{', '.join(sorted(held_out))}); data in {time.monotonic() - t0:.0f} s")
+    print(
+        f"{len(cases)} cases ({len(train)} train, {len(test)} held out: "
+        f"{', '.join(sorted(held_out))}); data in {time.monotonic() - t0:.0f} s"
+    )
 
     tree = grow(train)
     artifact = {
@@ -336,16 +418,22 @@ def main(argv: list[str] | None = None) -> int:
     cv_tree, cv_rule = [], []
     for k in range(4):
         fold = set(names[k::4])
-        fold_tree = TrainedPolicy({"format": ARTIFACT_FORMAT, "features": list(FEATURES),
-                                   "tree": grow([c for c in cases if c.model not in fold])})
+        fold_tree = TrainedPolicy(
+            {
+                "format": ARTIFACT_FORMAT,
+                "features": list(FEATURES),
+                "tree": grow([c for c in cases if c.model not in fold]),
+            }
+        )
         fold_cases = [c for c in cases if c.model in fold]
         cv_tree += [(c, fold_tree.choose(c.context)[0]) for c in fold_cases]
         cv_rule += [(c, rules.choose(c.context)[0]) for c in fold_cases]
     cv_rows = []
     for name, picks in (("trained trees (CV)", cv_tree), ("rule policy", cv_rule)):
         chosen = {id(c): p for c, p in picks}
-        cv_rows.append(evaluate(name, lambda c, chosen=chosen: chosen[id(c)],
-                                [c for c, _ in picks]))
+        cv_rows.append(
+            evaluate(name, lambda c, chosen=chosen: chosen[id(c)], [c for c, _ in picks])
+        )
     print("\n4-fold cross-validation by model (every case held out once):")
     print_table(cv_rows)
 
@@ -353,16 +441,29 @@ def main(argv: list[str] | None = None) -> int:
         "generated_by": "scripts/train_policy.py" + (" --quick" if args.quick else ""),
         "memscale_version": memscale.__version__,
         "torch_version": torch.__version__,
-        "miss_cost": MISS_COST, "max_depth": MAX_DEPTH, "min_leaf": MIN_LEAF,
+        "miss_cost": MISS_COST,
+        "max_depth": MAX_DEPTH,
+        "min_leaf": MIN_LEAF,
         "pressures": [pressures[0], pressures[-1], len(pressures)],
-        "models": names, "held_out_models": sorted(held_out),
+        "models": names,
+        "held_out_models": sorted(held_out),
         "cases": {"train": len(train), "held_out": len(test)},
-        "held_out": {r["policy"]: {k: (round(v, 4) if isinstance(v, float) else v)
-                                   for k, v in r.items() if k != "policy"}
-                     for r in rows[:2]},
-        "cross_validation_by_model": {r["policy"]: {
-            k: (round(v, 4) if isinstance(v, float) else v)
-            for k, v in r.items() if k != "policy"} for r in cv_rows},
+        "held_out": {
+            r["policy"]: {
+                k: (round(v, 4) if isinstance(v, float) else v)
+                for k, v in r.items()
+                if k != "policy"
+            }
+            for r in rows[:2]
+        },
+        "cross_validation_by_model": {
+            r["policy"]: {
+                k: (round(v, 4) if isinstance(v, float) else v)
+                for k, v in r.items()
+                if k != "policy"
+            }
+            for r in cv_rows
+        },
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

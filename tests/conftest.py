@@ -65,9 +65,17 @@ def tiny_gpt2(dropout: float = 0.1):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=256,
-                     n_positions=64, resid_pdrop=dropout, embd_pdrop=dropout,
-                     attn_pdrop=dropout, use_cache=False)
+    cfg = GPT2Config(
+        n_layer=3,
+        n_embd=64,
+        n_head=4,
+        vocab_size=256,
+        n_positions=64,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        use_cache=False,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -75,10 +83,16 @@ def tiny_bert(dropout: float = 0.1):
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=3,
-                     num_attention_heads=4, intermediate_size=128,
-                     max_position_embeddings=64, hidden_dropout_prob=dropout,
-                     attention_probs_dropout_prob=dropout)
+    cfg = BertConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
     return BertForMaskedLM(cfg)
 
 
@@ -100,12 +114,15 @@ def assert_same_grads(a: nn.Module, b: nn.Module) -> None:
             assert p.grad is None and q.grad is None, name
             continue
         assert torch.equal(p.grad, q.grad), (
-            f"{name}: max diff {(p.grad - q.grad).abs().max().item()}")
+            f"{name}: max diff {(p.grad - q.grad).abs().max().item()}"
+        )
 
 
 def hook_count(model: nn.Module) -> int:
-    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
-               + len(m._backward_hooks) for m in model.modules())
+    return sum(
+        len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
+        for m in model.modules()
+    )
 
 
 # Checkpointing on every eligible layer, whatever the memory pressure.
@@ -123,8 +140,9 @@ def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).float().pow(2).mean()
 
 
-def train_step(model: nn.Module, x: torch.Tensor, seed: int = 0, loss_fn=loss_of,
-               retain_graph: bool = False) -> torch.Tensor:
+def train_step(
+    model: nn.Module, x: torch.Tensor, seed: int = 0, loss_fn=loss_of, retain_graph: bool = False
+) -> torch.Tensor:
     """One forward and backward from cleared gradients and RNG seed ``seed``
     (dropout draws the same masks in twins); with ``retain_graph`` backward
     runs twice through the same graph.  Returns the loss, detached."""
@@ -137,8 +155,14 @@ def train_step(model: nn.Module, x: torch.Tensor, seed: int = 0, loss_fn=loss_of
     return loss.detach()
 
 
-def assert_same_step(model: nn.Module, ref: nn.Module, x: torch.Tensor, seed: int = 0,
-                     loss_fn=loss_of, retain_graph: bool = False) -> None:
+def assert_same_step(
+    model: nn.Module,
+    ref: nn.Module,
+    x: torch.Tensor,
+    seed: int = 0,
+    loss_fn=loss_of,
+    retain_graph: bool = False,
+) -> None:
     """The same training step on a wrapped model and its unwrapped twin
     gives the same loss and the same gradients, bit for bit."""
     a = train_step(model, x, seed, loss_fn, retain_graph)
@@ -164,9 +188,14 @@ def run_blocked(blocked, code):
                 return None
         sys.meta_path.insert(0, Block())
     """)
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
-                          cwd=_ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": _ROOT})
+    proc = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": _ROOT},
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -177,27 +206,37 @@ def run_blocked(blocked, code):
 # says what the quick tier leaves out; tests written since carry
 # @pytest.mark.slow themselves.
 SLOW = {
-    "test_benchmarks.py": {"test_json_schema", "test_every_variant_agrees_with_the_baseline",
-                           "test_memscale_uses_no_more_memory_than_torch_checkpoint",
-                           "test_table_progress_lines_and_default_plot",
-                           "test_memory_figures_are_reproducible",
-                           "test_unknown_model_is_a_usage_error"},
-    "test_optim.py": {"test_trains_a_small_language_model_as_fp32_adamw_does",
-                      "test_state_is_at_most_30_percent_of_adamw_on_the_benchmark_gpt2"},
-    "test_distributed.py": {"test_same_losses_gradients_and_plan",
-                            "test_fsdp2_counts_sharded_parameters",
-                            "test_a_rank_with_another_budget_gets_the_shared_plan",
-                            "test_a_missing_rank_is_named_not_waited_for"},
+    "test_benchmarks.py": {
+        "test_json_schema",
+        "test_every_variant_agrees_with_the_baseline",
+        "test_memscale_uses_no_more_memory_than_torch_checkpoint",
+        "test_table_progress_lines_and_default_plot",
+        "test_memory_figures_are_reproducible",
+        "test_unknown_model_is_a_usage_error",
+    },
+    "test_optim.py": {
+        "test_trains_a_small_language_model_as_fp32_adamw_does",
+        "test_state_is_at_most_30_percent_of_adamw_on_the_benchmark_gpt2",
+    },
+    "test_distributed.py": {
+        "test_same_losses_gradients_and_plan",
+        "test_fsdp2_counts_sharded_parameters",
+        "test_a_rank_with_another_budget_gets_the_shared_plan",
+        "test_a_missing_rank_is_named_not_waited_for",
+    },
     "test_core_module.py": {"test_wrap_detach_cycles_do_not_leak"},
-    "test_amp.py": {"test_bf16_loss_within_tolerance_of_float32",
-                    "test_fp16_training_with_the_scaler_learns"},
+    "test_amp.py": {
+        "test_bf16_loss_within_tolerance_of_float32",
+        "test_fp16_training_with_the_scaler_learns",
+    },
     "test_engine_c.py": {"test_solver_program"},
-    "test_integrations_hf.py": {"test_hf_gradient_checkpointing_is_taken_over",
-                                "test_train_that_raises_is_cleaned_up",
-                                "test_trainer_trains_with_memscale",
-                                "test_callback_with_sample_input_plans_before_the_first_step"},
-    "test_integrations_lightning.py": {
-        "test_subclasses_the_callback_of_the_installed_package"},
+    "test_integrations_hf.py": {
+        "test_hf_gradient_checkpointing_is_taken_over",
+        "test_train_that_raises_is_cleaned_up",
+        "test_trainer_trains_with_memscale",
+        "test_callback_with_sample_input_plans_before_the_first_step",
+    },
+    "test_integrations_lightning.py": {"test_subclasses_the_callback_of_the_installed_package"},
     "test_tiling.py": {"test_query_tiles_lower_the_attention_peak"},
 }
 
@@ -214,7 +253,11 @@ def pytest_collection_modifyitems(config, items):
             seen.add(key)
     # A renamed test must not drop out of the slow tier unnoticed (checked
     # only when every file was collected).
-    if not config.args or config.args == ["tests"] or config.args == [str(config.rootpath / "tests")]:
+    if (
+        not config.args
+        or config.args == ["tests"]
+        or config.args == [str(config.rootpath / "tests")]
+    ):
         collected = {item.path.name for item in items}
         stale = {k for k in known - seen if k[0] in collected}
         if stale:

@@ -41,9 +41,10 @@ def _train(rank, scenario, use_memscale, budget_gb=None):
     # "-first": no sample_input; the plan is made in the first training forward.
     first = scenario.endswith("-first")
     scenario = scenario.removesuffix("-first")
-    import memscale
     from conftest import tiny_gpt2, token_batch
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import memscale
 
     model = tiny_gpt2(dropout=0.0)  # same seed: same weights on every rank
     model.train()
@@ -56,23 +57,32 @@ def _train(rank, scenario, use_memscale, budget_gb=None):
         for block in model.transformer.h:
             fully_shard(block)
         fully_shard(model)
-    config = memscale.Config(mode="balanced", force_optimize=True, enable_logging=False,
-                             memory_budget_gb=budget_gb,
-                             async_config=memscale.AsyncOffloadConfig(min_offload_bytes=0))
+    config = memscale.Config(
+        mode="balanced",
+        force_optimize=True,
+        enable_logging=False,
+        memory_budget_gb=budget_gb,
+        async_config=memscale.AsyncOffloadConfig(min_offload_bytes=0),
+    )
     wrapped = model
     if scenario == "ddp-outer":  # DDP first, then memscale on the DDP module
         model = DDP(model)
         wrapped = model
     if use_memscale:
-        memscale.wrap(wrapped, config,
-                      sample_input=None if first else {"input_ids": x, "labels": x})
+        memscale.wrap(
+            wrapped, config, sample_input=None if first else {"input_ids": x, "labels": x}
+        )
     target = DDP(model) if scenario == "ddp" else model
     losses = [_step(target, x) for _ in range(2)]  # grads accumulate twice
     info.update(losses=losses, grads=_grads(model))
     if use_memscale:
         plan = wrapped._memscale_executor.plan
-        info.update(hash=plan.hash, budget=plan.budget_bytes, fixed=plan.fixed_bytes,
-                    techniques=plan.technique_counts)
+        info.update(
+            hash=plan.hash,
+            budget=plan.budget_bytes,
+            fixed=plan.fixed_bytes,
+            techniques=plan.technique_counts,
+        )
         info["recomputes"] = wrapped._memscale_executor.stats["recomputes"]
         info["spilled"] = wrapped._memscale_executor.offload_store.stats["tensors_written"]
         memscale.detach(wrapped)
@@ -90,8 +100,12 @@ def run(rank, world, scenario, port, out_dir):
             result["memscale"] = _train(rank, scenario, True)
         elif scenario == "budgets":
             # Rank 1 is told it has far less memory: the plan is still one.
-            result["memscale"] = _train(rank, os.environ.get("DIST_SCENARIO", "ddp"), True,
-                                        budget_gb=8.0 if rank == 0 else 0.001)
+            result["memscale"] = _train(
+                rank,
+                os.environ.get("DIST_SCENARIO", "ddp"),
+                True,
+                budget_gb=8.0 if rank == 0 else 0.001,
+            )
         elif scenario == "absent":
             # Rank 1 never calls wrap: rank 0 must fail with a clear error.
             if rank == 0:

@@ -5,17 +5,15 @@ agreement with float32, and detach."""
 from __future__ import annotations
 
 import logging
-
 import warnings
 
 import pytest
 import torch
+from conftest import mlp, tiny_bert, tiny_gpt2
 from torch import nn
 
 import memscale
 from memscale import Config, _core, amp
-
-from conftest import mlp, tiny_bert, tiny_gpt2
 
 MP = Config(use_mixed_precision=True)
 MP_CKPT = Config(use_mixed_precision=True, mode="conservative", force_optimize=True)
@@ -23,8 +21,11 @@ MP_CKPT = Config(use_mixed_precision=True, mode="conservative", force_optimize=T
 
 def inner_dtypes(model, x):
     seen = []
-    handles = [m.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
-               for m in model.modules() if isinstance(m, nn.Linear)]
+    handles = [
+        m.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
+        for m in model.modules()
+        if isinstance(m, nn.Linear)
+    ]
     try:
         out = model(x)
     finally:
@@ -212,6 +213,7 @@ def test_an_interrupted_forward_does_not_leave_autocast_on():
     """KeyboardInterrupt skips torch's always-called hooks: the autocast the
     interrupted forward entered is left at the next forward, and at detach
     (left on, autocast would also keep serving stale bf16 weight copies)."""
+
     class Interrupting(nn.Module):
         def __init__(self):
             super().__init__()

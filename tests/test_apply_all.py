@@ -7,26 +7,33 @@ import logging
 
 import pytest
 import torch
+from conftest import mlp, tiny_gpt2
 
 import memscale
 from memscale import Config, optim
 from memscale.optim import AdamW8bit
 
-from conftest import mlp, tiny_gpt2
-
 
 def groups_of(opt):
-    return [{k: v for k, v in g.items() if k != "params"} | {"n": len(g["params"])}
-            for g in opt.param_groups]
+    return [
+        {k: v for k, v in g.items() if k != "params"} | {"n": len(g["params"])}
+        for g in opt.param_groups
+    ]
 
 
 def test_to_8bit_keeps_groups_and_hyper_parameters():
     model = mlp(width=64)
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1, "lr": 2e-3},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.8, 0.95), eps=1e-7)
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": 0.1, "lr": 2e-3},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=1e-3,
+        betas=(0.8, 0.95),
+        eps=1e-7,
+    )
     for g in opt.param_groups:
         g["initial_lr"] = g["lr"]  # as an LR scheduler leaves it
     new = optim.to_8bit(opt)
@@ -34,7 +41,12 @@ def test_to_8bit_keeps_groups_and_hyper_parameters():
     assert [g["params"] for g in new.param_groups] == [g["params"] for g in opt.param_groups]
     for g, want in zip(new.param_groups, opt.param_groups):
         assert (g["lr"], g["betas"], g["eps"], g["weight_decay"], g["initial_lr"]) == (
-            want["lr"], want["betas"], want["eps"], want["weight_decay"], want["initial_lr"])
+            want["lr"],
+            want["betas"],
+            want["eps"],
+            want["weight_decay"],
+            want["initial_lr"],
+        )
     assert optim.to_8bit(new) is new
     assert optim.is_8bit(new) and not optim.is_8bit(opt)
 
@@ -45,12 +57,15 @@ def test_adam_without_weight_decay_is_replaced():
     assert new.param_groups[0]["weight_decay"] == 0.0 and new.param_groups[0]["lr"] == 5e-4
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda ps: torch.optim.SGD(ps, lr=0.1), "not an Adam-family"),
-    (lambda ps: torch.optim.Adam(ps, weight_decay=0.01), "L2 weight decay"),
-    (lambda ps: torch.optim.AdamW(ps, amsgrad=True), "amsgrad=True"),
-    (lambda ps: torch.optim.AdamW(ps, maximize=True), "maximize=True"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), "not an Adam-family"),
+        (lambda ps: torch.optim.Adam(ps, weight_decay=0.01), "L2 weight decay"),
+        (lambda ps: torch.optim.AdamW(ps, amsgrad=True), "amsgrad=True"),
+        (lambda ps: torch.optim.AdamW(ps, maximize=True), "maximize=True"),
+    ],
+)
 def test_to_8bit_refuses_what_it_cannot_replace(make, match):
     with pytest.raises(ValueError, match=match):
         optim.to_8bit(make(mlp(width=8).parameters()))
@@ -73,8 +88,12 @@ def test_wrap_replaces_the_optimizer_and_plans_with_its_state(caplog):
         model = mlp(width=64)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         with caplog.at_level(logging.INFO, logger="memscale"):
-            memscale.wrap(model, Config(use_8bit_optimizer=eight, force_optimize=True),
-                          sample_input=x, optimizer=opt)
+            memscale.wrap(
+                model,
+                Config(use_8bit_optimizer=eight, force_optimize=True),
+                sample_input=x,
+                optimizer=opt,
+            )
         ex = model._memscale_executor
         fixed[eight] = ex.plan.fixed_bytes
         assert (ex.optimizer is opt) == (not eight)
@@ -106,8 +125,7 @@ def test_optimize_yields_the_replacement():
         assert isinstance(new, AdamW8bit)
         model(x).square().mean().backward()
         new.step()
-        assert new.state_bytes() < 0.3 * 2 * sum(
-            p.numel() * 4 for p in model.parameters())
+        assert new.state_bytes() < 0.3 * 2 * sum(p.numel() * 4 for p in model.parameters())
     assert "_memscale_executor" not in model.__dict__
 
 

@@ -14,9 +14,9 @@ import sys
 
 import pytest
 import torch
+from conftest import CNN, hook_count, mlp
 
 import memscale
-from conftest import CNN, hook_count, mlp
 from memscale.autotuning import AutoTuner, NoConfigFits, measure_step, tuner
 from memscale.predictor import PredictionSession
 
@@ -51,8 +51,10 @@ def test_tune_finds_the_cheapest_plan_that_fits_and_confirms_it():
     assert round(result.config.memory_budget_gb * 2**30) == budget
     assert not result.config.force_optimize
     # Checkpointing everything also fits, but recomputes more: a runner-up.
-    assert any(c.status == "runner-up" and c.predicted_time_ratio
-               > result.prediction.time_ratio for c in result.runner_ups)
+    assert any(
+        c.status == "runner-up" and c.predicted_time_ratio > result.prediction.time_ratio
+        for c in result.runner_ups
+    )
     # Fed the predicted peak, the engine's own plans fit here: no candidate
     # is predicted over budget (before, the engine's low estimate made the
     # tuner search for a smaller engine budget).
@@ -138,7 +140,8 @@ def test_max_batch_size_is_the_largest_predicted_to_fit_and_measured():
     with PredictionSession(model, make(40)) as session:
         at40 = session.predict(config).optimized.peak_bytes
     result = AutoTuner(model, make(1), budget_bytes=at40).max_batch_size(
-        make, config, low=1, high=1000)
+        make, config, low=1, high=1000
+    )
     assert result.batch_size == 40
     assert result.confirmed and result.measured_peak_bytes <= at40
     assert result.predicted_peak_bytes == at40

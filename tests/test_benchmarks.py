@@ -16,10 +16,24 @@ from memscale.benchmarks.runner import VARIANTS, run_model
 ROOT = Path(__file__).resolve().parents[1]
 
 RESULT_KEYS = {
-    "model", "variant", "description", "peak_bytes", "start_bytes",
-    "peak_delta_bytes", "rss_peak_bytes", "step_seconds", "step_median_s",
-    "time_ratio", "time_ratio_spread", "loss", "loss_abs_diff", "grad_max_abs_diff", "plan_hash",
-    "techniques", "timing", "offload",
+    "model",
+    "variant",
+    "description",
+    "peak_bytes",
+    "start_bytes",
+    "peak_delta_bytes",
+    "rss_peak_bytes",
+    "step_seconds",
+    "step_median_s",
+    "time_ratio",
+    "time_ratio_spread",
+    "loss",
+    "loss_abs_diff",
+    "grad_max_abs_diff",
+    "plan_hash",
+    "techniques",
+    "timing",
+    "offload",
 }
 
 
@@ -34,9 +48,23 @@ def suite_run(tmp_path_factory):
     json_path, png_path = out / "r.json", out / "r.png"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "memscale.benchmarks", "--models", _smallest(),
-         "--repeats", "2", "--json", str(json_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+        [
+            sys.executable,
+            "-m",
+            "memscale.benchmarks",
+            "--models",
+            _smallest(),
+            "--repeats",
+            "2",
+            "--json",
+            str(json_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout, json.loads(json_path.read_text()), png_path
 
@@ -82,8 +110,9 @@ def test_table_progress_lines_and_default_plot(suite_run):
     assert "conservative" in stdout and "time ratio" in stdout
     # Not a terminal: a line per finished row, before the table.
     model = doc["results"][0]["model"]
-    rows = [line for line in stdout.splitlines()
-            if line.startswith(f"{model} ") and ": peak " in line]
+    rows = [
+        line for line in stdout.splitlines() if line.startswith(f"{model} ") and ": peak " in line
+    ]
     assert len(rows) == len(doc["results"])
     assert stdout.index(rows[-1]) < stdout.index("reduction")
     # The PNG is written beside the JSON without --plot.
@@ -101,9 +130,14 @@ def test_memory_figures_are_reproducible():
 
 def test_unknown_model_is_a_usage_error():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "memscale.benchmarks", "--models",
-                           "nope"], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "memscale.benchmarks", "--models", "nope"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "unknown benchmark model" in proc.stderr
 
 
@@ -111,5 +145,10 @@ def test_registry_covers_the_documented_families():
     families = {m.family for m in BENCHMARK_MODELS.values()}
     assert {"mlp", "gpt2", "bert", "llama", "cnn"} <= families
     refs = {m.reference for m in BENCHMARK_MODELS.values() if m.reference}
-    assert refs == {"BERT-Base 16x128", "BERT-Large 16x128", "GPT-2 Medium 4x512",
-                    "GPT-2 Large 2x512", "GPT-2 XL 1x512"}
+    assert refs == {
+        "BERT-Base 16x128",
+        "BERT-Large 16x128",
+        "GPT-2 Medium 4x512",
+        "GPT-2 Large 2x512",
+        "GPT-2 XL 1x512",
+    }

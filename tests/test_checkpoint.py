@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import (
+    CNN,
+    FORCE,
+    Block,
+    assert_same_grads,
+    assert_same_step,
+    mlp,
+    tiny_bert,
+    tiny_gpt2,
+    token_batch,
+    twins,
+)
 from torch import nn
 
 import memscale
-from conftest import (CNN, FORCE, Block, assert_same_grads, assert_same_step, mlp,
-                      tiny_bert, tiny_gpt2, token_batch, twins)
-
 
 CASES = {
     "mlp": (lambda: mlp(p=0.0), lambda: torch.randn(8, 32)),
@@ -60,8 +69,7 @@ def test_plan_is_applied_to_every_block_of_gpt2():
     memscale.wrap(model, FORCE, sample_input={"input_ids": token_batch()})
     plan = model._memscale_executor.plan
     assert [l.name for l in plan.layers] == [f"transformer.h.{i}" for i in range(3)]
-    assert all(l.techniques == ("checkpoint",) and l.rule == "force-all"
-               for l in plan.layers)
+    assert all(l.techniques == ("checkpoint",) and l.rule == "force-all" for l in plan.layers)
     memscale.detach(model)
 
 

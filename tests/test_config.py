@@ -14,22 +14,50 @@ import pytest
 from memscale.config import AsyncOffloadConfig, Config, OptimizationMode
 
 CONFIG_FIELDS = [
-    "mode", "enable_checkpointing", "enable_offloading", "enable_tiling",
-    "use_mixed_precision", "use_8bit_optimizer", "max_cpu_offload_gb",
-    "target_gpu_utilization", "force_optimize", "memory_budget_gb",
-    "use_static_profiling", "use_empirical_fallback", "warmup_steps",
-    "enable_logging", "log_file", "observability_port", "verify_correctness",
-    "async_offload", "async_config", "auto_policy", "strict_recompute",
+    "mode",
+    "enable_checkpointing",
+    "enable_offloading",
+    "enable_tiling",
+    "use_mixed_precision",
+    "use_8bit_optimizer",
+    "max_cpu_offload_gb",
+    "target_gpu_utilization",
+    "force_optimize",
+    "memory_budget_gb",
+    "use_static_profiling",
+    "use_empirical_fallback",
+    "warmup_steps",
+    "enable_logging",
+    "log_file",
+    "observability_port",
+    "verify_correctness",
+    "async_offload",
+    "async_config",
+    "auto_policy",
+    "strict_recompute",
 ]
 ASYNC_FIELDS = [
-    "pinned_pool_mb", "prefetch_depth", "min_offload_bytes", "spill_dir",
-    "max_disk_gb", "debug",
+    "pinned_pool_mb",
+    "prefetch_depth",
+    "min_offload_bytes",
+    "spill_dir",
+    "max_disk_gb",
+    "debug",
 ]
 BOOL_FIELDS = [
-    "enable_checkpointing", "enable_offloading", "enable_tiling", "use_mixed_precision",
-    "use_8bit_optimizer", "force_optimize", "use_static_profiling",
-    "use_empirical_fallback", "enable_logging", "verify_correctness", "async_offload",
-    "auto_policy", "strict_recompute",
+    "enable_checkpointing",
+    "enable_offloading",
+    "enable_tiling",
+    "use_mixed_precision",
+    "use_8bit_optimizer",
+    "force_optimize",
+    "use_static_profiling",
+    "use_empirical_fallback",
+    "enable_logging",
+    "verify_correctness",
+    "async_offload",
+    "auto_policy",
+    "strict_recompute",
 ]
 
 
@@ -197,10 +225,12 @@ def test_config_accepts_bounds(name: str, value: object) -> None:
 
 
 BAD_ASYNC = [
-    *[(name, bad, TypeError) for name in ("pinned_pool_mb", "prefetch_depth",
-                                          "min_offload_bytes") for bad in (1.0, "1", True, None)],
-    *[(name, -1, ValueError) for name in ("pinned_pool_mb", "prefetch_depth",
-                                          "min_offload_bytes")],
+    *[
+        (name, bad, TypeError)
+        for name in ("pinned_pool_mb", "prefetch_depth", "min_offload_bytes")
+        for bad in (1.0, "1", True, None)
+    ],
+    *[(name, -1, ValueError) for name in ("pinned_pool_mb", "prefetch_depth", "min_offload_bytes")],
     ("spill_dir", 1, TypeError),
     ("spill_dir", "", ValueError),
     ("max_disk_gb", "1", TypeError),
@@ -222,8 +252,9 @@ def test_async_rejects(name: str, value: object, exc: type[Exception]) -> None:
 
 
 def test_async_accepts_zero_and_values() -> None:
-    a = AsyncOffloadConfig(pinned_pool_mb=0, prefetch_depth=0, min_offload_bytes=0,
-                           max_disk_gb=2, debug=True)
+    a = AsyncOffloadConfig(
+        pinned_pool_mb=0, prefetch_depth=0, min_offload_bytes=0, max_disk_gb=2, debug=True
+    )
     assert (a.pinned_pool_mb, a.prefetch_depth, a.min_offload_bytes) == (0, 0, 0)
     assert a.max_disk_gb == 2.0 and isinstance(a.max_disk_gb, float)
     assert Config(async_offload=True, async_config=a).async_config is a

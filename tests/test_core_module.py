@@ -27,9 +27,18 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-PLAN_ARGS = dict(mode="balanced", allowed=1, force=False, budget_bytes=100,
-                 fixed_bytes=10, activation_bytes=200, total_flops=3.0,
-                 device="cpu", device_count=1, capacity_bytes=1000)
+PLAN_ARGS = dict(
+    mode="balanced",
+    allowed=1,
+    force=False,
+    budget_bytes=100,
+    fixed_bytes=10,
+    activation_bytes=200,
+    total_flops=3.0,
+    device="cpu",
+    device_count=1,
+    capacity_bytes=1000,
+)
 PLAN_LAYERS = [("a", "L", 0, 100, 10, 1.0, 0), ("b", "L", 0, 100, 10, 2.0, 0)]
 
 
@@ -125,8 +134,7 @@ def test_module_constants():
 def test_signatures():
     P = inspect.Parameter
     sig = inspect.signature(_core.find_units)
-    assert [(p.name, p.kind) for p in sig.parameters.values()] == [
-        ("model", P.POSITIONAL_ONLY)]
+    assert [(p.name, p.kind) for p in sig.parameters.values()] == [("model", P.POSITIONAL_ONLY)]
 
     sig = inspect.signature(_core.detect_hardware)
     params = list(sig.parameters.values())
@@ -139,11 +147,21 @@ def test_signatures():
     assert params[0].name == "layers"
     assert params[0].kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
     keyword = {p.name for p in params[1:]}
-    optional = {"min_offload_bytes": 0, "host_tier": False, "host_cap_bytes": -1,
-                "disk_tier": True, "peak_offset_bytes": 0, "plan_offset_bytes": None,
-                "solver": False, "async_offload": False, "flop_rate": 0.0,
-                "offload_bandwidth": 0.0, "tile_overhead": 0.0, "max_segment": 64,
-                "resolution": 512}
+    optional = {
+        "min_offload_bytes": 0,
+        "host_tier": False,
+        "host_cap_bytes": -1,
+        "disk_tier": True,
+        "peak_offset_bytes": 0,
+        "plan_offset_bytes": None,
+        "solver": False,
+        "async_offload": False,
+        "flop_rate": 0.0,
+        "offload_bandwidth": 0.0,
+        "tile_overhead": 0.0,
+        "max_segment": 64,
+        "resolution": 512,
+    }
     assert keyword == set(PLAN_ARGS) | set(optional)
     assert all(p.kind is P.KEYWORD_ONLY for p in params[1:])
     assert {p.name: p.default for p in params[1:] if p.name in optional} == optional
@@ -152,8 +170,10 @@ def test_signatures():
     _core.build_plan(PLAN_LAYERS, **PLAN_ARGS)
     # Every documented default is the one the parser applies.
     defaults = {p.name: p.default for p in params[1:] if p.name in optional}
-    assert (_core.build_plan(PLAN_LAYERS, **PLAN_ARGS, **defaults).to_json()
-            == _core.build_plan(PLAN_LAYERS, **PLAN_ARGS).to_json())
+    assert (
+        _core.build_plan(PLAN_LAYERS, **PLAN_ARGS, **defaults).to_json()
+        == _core.build_plan(PLAN_LAYERS, **PLAN_ARGS).to_json()
+    )
 
     assert str(inspect.signature(_core.Plan.to_json)) == "(self, /)"
 
@@ -170,8 +190,7 @@ def _expected_host_memory() -> tuple[int, bool]:
     """Host RAM, lowered to a cgroup limit: (bytes, limited by a cgroup)."""
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     limited = False
-    for path in ("/sys/fs/cgroup/memory.max",
-                 "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
             text = pathlib.Path(path).read_text().split()
             limit = int(text[0]) if text else 0
@@ -194,8 +213,7 @@ def _mem_total() -> int | None:
 
 def test_detect_hardware_cpu():
     hw = _core.detect_hardware("cpu")
-    assert set(hw) == {"device", "index", "count", "capacity_bytes", "bf16",
-                       "name"}
+    assert set(hw) == {"device", "index", "count", "capacity_bytes", "bf16", "name"}
     assert hw["device"] == "cpu" and hw["index"] == 0 and hw["count"] == 1
     assert isinstance(hw["capacity_bytes"], int) and hw["capacity_bytes"] > 0
     expected, limited = _expected_host_memory()
@@ -229,13 +247,21 @@ def test_detect_hardware_cuda_without_devices():
 
 
 def test_detect_hardware_bad_device_by_keyword():
-    code = ("import memscale._core as C\n"
-            "try:\n"
-            "    C.detect_hardware(device_type='tpu')\n"
-            "except ValueError as e:\n"
-            "    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                         text=True, cwd=ROOT, env=_child_env(), timeout=120)
+    code = (
+        "import memscale._core as C\n"
+        "try:\n"
+        "    C.detect_hardware(device_type='tpu')\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_child_env(),
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "'tpu'" in out.stdout
 
@@ -247,11 +273,11 @@ def test_find_units_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2,
-                                       vocab_size=128, n_positions=32))
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=128, n_positions=32)
+    )
     units = _core.find_units(model)
-    assert names(units) == ["transformer.h.0", "transformer.h.1",
-                            "transformer.h.2"]
+    assert names(units) == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
     assert [m for _, m in units] == list(model.transformer.h)
     assert all(type(m).__name__ == "GPT2Block" for _, m in units)
 
@@ -260,10 +286,16 @@ def test_find_units_bert():
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
-    model = BertModel(BertConfig(vocab_size=128, hidden_size=32,
-                                 num_hidden_layers=2, num_attention_heads=2,
-                                 intermediate_size=64,
-                                 max_position_embeddings=64))
+    model = BertModel(
+        BertConfig(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        )
+    )
     units = _core.find_units(model)
     assert names(units) == ["encoder.layer.0", "encoder.layer.1"]
     assert [m for _, m in units] == list(model.encoder.layer)
@@ -287,8 +319,7 @@ def test_find_units_nested_repeating_container():
             self.head = nn.Linear(8, 2)
 
     model = Net()
-    assert names(_core.find_units(model)) == ["blocks.0", "blocks.1",
-                                              "blocks.2"]
+    assert names(_core.find_units(model)) == ["blocks.0", "blocks.1", "blocks.2"]
 
 
 def test_find_units_shared_block_is_one_unit():
@@ -326,8 +357,7 @@ def test_find_units_without_repeats_splits_the_biggest_child():
     total = sum(p.numel() for p in model.parameters())
     assert 2 * sum(p.numel() for p in model.body.parameters()) > total
     units = _core.find_units(model)
-    assert names(units) == ["stem", "body.fc1", "body.act", "body.fc2",
-                            "norm", "head"]
+    assert names(units) == ["stem", "body.fc1", "body.act", "body.fc2", "norm", "head"]
     assert units[1][1] is model.body.fc1
 
 
@@ -339,8 +369,9 @@ def test_find_units_without_repeats_top_level_children():
             self.fc2 = nn.Linear(4, 8)
 
     model = NoRepeats(Small())  # no child holds more than half
-    assert 2 * sum(p.numel() for p in model.body.parameters()) <= \
-        sum(p.numel() for p in model.parameters())
+    assert 2 * sum(p.numel() for p in model.body.parameters()) <= sum(
+        p.numel() for p in model.parameters()
+    )
     assert names(_core.find_units(model)) == ["stem", "body", "norm", "head"]
 
 
@@ -367,7 +398,8 @@ def test_find_units_arity():
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
     return env
 
 
@@ -426,9 +458,14 @@ LEAK_SCRIPT = textwrap.dedent("""
 
 
 def test_wrap_detach_cycles_do_not_leak():
-    out = subprocess.run([sys.executable, "-c", LEAK_SCRIPT],
-                         capture_output=True, text=True, cwd=ROOT,
-                         env=_child_env(), timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", LEAK_SCRIPT],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_child_env(),
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     counts = {int(k): v for k, v in result["counts"].items()}

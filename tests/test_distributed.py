@@ -30,10 +30,19 @@ def free_port() -> int:
 
 def run_ranks(scenario: str, tmp_path, timeout: float = 600, env=None) -> list[dict]:
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "dist_worker.py"), scenario,
-         str(free_port()), str(tmp_path)],
-        capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-        env=dict(os.environ, **(env or {})))
+        [
+            sys.executable,
+            os.path.join(HERE, "dist_worker.py"),
+            scenario,
+            str(free_port()),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+        env=dict(os.environ, **(env or {})),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
@@ -44,8 +53,7 @@ def assert_equal_grads(a, b):
         assert torch.equal(x, y), (x - y).abs().max().item()
 
 
-@pytest.mark.parametrize("scenario", ["ddp", "ddp-outer", "fsdp2", "ddp-first",
-                                      "ddp-outer-first"])
+@pytest.mark.parametrize("scenario", ["ddp", "ddp-outer", "fsdp2", "ddp-first", "ddp-outer-first"])
 def test_same_losses_gradients_and_plan(scenario, tmp_path):
     # "-first": without sample_input, every rank plans in its first training
     # forward (the plan exchanged then, once), which already runs under it.
@@ -77,8 +85,7 @@ def test_fsdp2_counts_sharded_parameters(tmp_path):
 
 @pytest.mark.parametrize("first", [False, True], ids=["sample", "first-forward"])
 def test_a_rank_with_another_budget_gets_the_shared_plan(first, tmp_path):
-    ranks = run_ranks("budgets", tmp_path,
-                      env={"DIST_SCENARIO": "ddp-first" if first else "ddp"})
+    ranks = run_ranks("budgets", tmp_path, env={"DIST_SCENARIO": "ddp-first" if first else "ddp"})
     a, b = ranks[0]["memscale"], ranks[1]["memscale"]
     assert a["hash"] == b["hash"]
     assert a["budget"] == b["budget"] == int(0.001 * (1 << 30))  # the smallest
@@ -88,10 +95,19 @@ def test_a_rank_with_another_budget_gets_the_shared_plan(first, tmp_path):
 def test_a_missing_rank_is_named_not_waited_for(tmp_path):
     ranks_dir = tmp_path
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "dist_worker.py"), "absent",
-         str(free_port()), str(ranks_dir)],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-        env=dict(os.environ, MEMSCALE_DIST_TIMEOUT="5"))
+        [
+            sys.executable,
+            os.path.join(HERE, "dist_worker.py"),
+            "absent",
+            str(free_port()),
+            str(ranks_dir),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=dict(os.environ, MEMSCALE_DIST_TIMEOUT="5"),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     error = torch.load(ranks_dir / "rank0.pt")["error"]
     assert "rank 0: not every rank reached memscale's plan exchange within 5 s" in error
@@ -100,10 +116,19 @@ def test_a_missing_rank_is_named_not_waited_for(tmp_path):
 
 def test_single_process_is_untouched():
     assert not distributed.active()
-    plan_inputs = dict(layers=[("a", "Block", 0, 100, 10, 1.0, 0)], mode="balanced",
-                       allowed=1, force=True, budget_bytes=1 << 20, fixed_bytes=0,
-                       activation_bytes=100, total_flops=1.0, device="cpu",
-                       device_count=1, capacity_bytes=1 << 20)
+    plan_inputs = dict(
+        layers=[("a", "Block", 0, 100, 10, 1.0, 0)],
+        mode="balanced",
+        allowed=1,
+        force=True,
+        budget_bytes=1 << 20,
+        fixed_bytes=0,
+        activation_bytes=100,
+        total_flops=1.0,
+        device="cpu",
+        device_count=1,
+        capacity_bytes=1 << 20,
+    )
     plan = distributed.shared_plan(plan_inputs)
     assert plan.hash == memscale._core.build_plan(**plan_inputs).hash
 

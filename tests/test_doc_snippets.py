@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
+from conftest import tiny_gpt2
 from torch import nn
 
 import memscale
-from conftest import tiny_gpt2
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")])
@@ -43,11 +44,16 @@ def _gpt2(tmp_path: Path) -> dict[str, Any]:
         rows = torch.randint(0, 256, (n, 16), generator=torch.Generator().manual_seed(n))
         return {"input_ids": rows, "labels": rows}
 
-    return {"torch": torch, "memscale": memscale, "model": model,
-            "batch": {"input_ids": ids, "labels": ids},
-            "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4),
-            "make_batch": make_batch, "build_model": lambda: tiny_gpt2(dropout=0.0),
-            "device": torch.device("cpu")}
+    return {
+        "torch": torch,
+        "memscale": memscale,
+        "model": model,
+        "batch": {"input_ids": ids, "labels": ids},
+        "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4),
+        "make_batch": make_batch,
+        "build_model": lambda: tiny_gpt2(dropout=0.0),
+        "device": torch.device("cpu"),
+    }
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -68,8 +74,9 @@ def _integrations(tmp_path: Path) -> dict[str, Any]:
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh())
-                                       for _ in range(4)], nn.Linear(32, 1))
+            self.net = nn.Sequential(
+                *[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)], nn.Linear(32, 1)
+            )
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
@@ -79,15 +86,27 @@ def _integrations(tmp_path: Path) -> dict[str, Any]:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     g = torch.Generator().manual_seed(2)
-    data = torch.utils.data.TensorDataset(torch.randn(32, 32, generator=g),
-                                          torch.randn(32, 1, generator=g))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(32, 32, generator=g), torch.randn(32, 1, generator=g)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True,
-                                 report_to="none", save_strategy="no", max_steps=2,
-                                 per_device_train_batch_size=2, disable_tqdm=True)
-    return dict(_gpt2(tmp_path), args=args, data=_Tokens(), module=Module(),
-                loader=torch.utils.data.DataLoader(data, batch_size=8))
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"),
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            max_steps=2,
+            per_device_train_batch_size=2,
+            disable_tqdm=True,
+        )
+    return dict(
+        _gpt2(tmp_path),
+        args=args,
+        data=_Tokens(),
+        module=Module(),
+        loader=torch.utils.data.DataLoader(data, batch_size=8),
+    )
 
 
 # page -> (the names its snippets may use, whether its snippets build on each
@@ -137,8 +156,7 @@ def process_group(tmp_path):
     """A one-process gloo group, as a launcher would make for rank 0."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
-                            world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

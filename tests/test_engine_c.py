@@ -18,16 +18,36 @@ import subprocess
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "tests" / "c" / "test_engine.c", ROOT / "csrc" / "engine.c",
-           ROOT / "csrc" / "solver.c", ROOT / "csrc" / "memory.c"]
+SOURCES = [
+    ROOT / "tests" / "c" / "test_engine.c",
+    ROOT / "csrc" / "engine.c",
+    ROOT / "csrc" / "solver.c",
+    ROOT / "csrc" / "memory.c",
+]
 BASE_FLAGS = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-g"]
-SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
-                  "-fno-sanitize-recover=undefined"]
-GROUPS = ["names", "smart-skip", "force-all", "ineligible", "greedy",
-          "nothing-fits", "disabled", "empty", "determinism", "exhaustive",
-          "fuzz"]
-SOLVER_SOURCES = [ROOT / "tests" / "c" / "test_solver.c", ROOT / "csrc" / "solver.c",
-                  ROOT / "csrc" / "memory.c"]
+SANITIZE_FLAGS = [
+    "-fsanitize=address,undefined",
+    "-fno-omit-frame-pointer",
+    "-fno-sanitize-recover=undefined",
+]
+GROUPS = [
+    "names",
+    "smart-skip",
+    "force-all",
+    "ineligible",
+    "greedy",
+    "nothing-fits",
+    "disabled",
+    "empty",
+    "determinism",
+    "exhaustive",
+    "fuzz",
+]
+SOLVER_SOURCES = [
+    ROOT / "tests" / "c" / "test_solver.c",
+    ROOT / "csrc" / "solver.c",
+    ROOT / "csrc" / "memory.c",
+]
 SOLVER_GROUPS = ["model", "known", "exhaustive", "fuzz", "min-budget", "timing"]
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed$")
 
@@ -68,13 +88,15 @@ def _try_sanitizer(cc: str, tmp: pathlib.Path) -> tuple[bool, bool]:
     src = tmp / "probe.c"
     exe = tmp / "probe"
     src.write_text(PROBE)
-    built = subprocess.run([cc, *BASE_FLAGS, *SANITIZE_FLAGS, str(src), "-o",
-                            str(exe)], capture_output=True, text=True)
+    built = subprocess.run(
+        [cc, *BASE_FLAGS, *SANITIZE_FLAGS, str(src), "-o", str(exe)], capture_output=True, text=True
+    )
     if built.returncode != 0:
         return False, False
     for leaks in (True, False):
-        ran = subprocess.run([str(exe)], capture_output=True, text=True,
-                             env=_run_env(True, leaks), timeout=60)
+        ran = subprocess.run(
+            [str(exe)], capture_output=True, text=True, env=_run_env(True, leaks), timeout=60
+        )
         if ran.returncode == 0 and ran.stdout.strip() == "x":
             return True, leaks
     return False, False
@@ -88,16 +110,22 @@ def _build_and_run(tmp_path_factory, name, sources):
     sanitized, leaks = _try_sanitizer(cc, tmp)
     exe = tmp / name
     flags = BASE_FLAGS + (SANITIZE_FLAGS if sanitized else [])
-    built = subprocess.run([cc, *flags, *map(str, sources), "-o", str(exe),
-                            "-lm"], capture_output=True, text=True)
+    built = subprocess.run(
+        [cc, *flags, *map(str, sources), "-o", str(exe), "-lm"], capture_output=True, text=True
+    )
     assert built.returncode == 0, (
-        f"compiling the engine test failed ({cc} {' '.join(flags)}):\n"
-        f"{built.stdout}{built.stderr}")
+        f"compiling the engine test failed ({cc} {' '.join(flags)}):\n{built.stdout}{built.stderr}"
+    )
     # -Werror: a warning is an error, so the build is clean if it built.
-    ran = subprocess.run([str(exe)], capture_output=True, text=True,
-                         env=_run_env(sanitized, leaks), timeout=120)
-    return {"rc": ran.returncode, "stdout": ran.stdout, "stderr": ran.stderr,
-            "sanitized": sanitized}
+    ran = subprocess.run(
+        [str(exe)], capture_output=True, text=True, env=_run_env(sanitized, leaks), timeout=120
+    )
+    return {
+        "rc": ran.returncode,
+        "stdout": ran.stdout,
+        "stderr": ran.stderr,
+        "sanitized": sanitized,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +139,10 @@ def solver_run(tmp_path_factory):
 
 
 def _explain(run) -> str:
-    return (f"(sanitizers {'on' if run['sanitized'] else 'off'})\n"
-            f"--- stdout\n{run['stdout']}\n--- stderr\n{run['stderr']}")
+    return (
+        f"(sanitizers {'on' if run['sanitized'] else 'off'})\n"
+        f"--- stdout\n{run['stdout']}\n--- stderr\n{run['stderr']}"
+    )
 
 
 def test_engine_program_exits_zero(engine_run):
@@ -133,10 +163,11 @@ def test_engine_program_summary(engine_run):
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_engine_group(engine_run, group):
-    pattern = re.compile(rf"^(ok  |FAIL) {re.escape(group)}\s+(\d+) checks, "
-                         rf"(\d+) failed$")
-    found = [m for m in map(pattern.match, engine_run["stdout"].splitlines())
-             if m]
+    pattern = re.compile(
+        rf"^(ok  |FAIL) {re.escape(group)}\s+(\d+) checks, "
+        rf"(\d+) failed$"
+    )
+    found = [m for m in map(pattern.match, engine_run["stdout"].splitlines()) if m]
     assert len(found) == 1, f"group {group!r} not reported\n" + _explain(engine_run)
     status, checks, failed = found[0].groups()
     assert status == "ok  " and failed == "0", _explain(engine_run)

@@ -15,10 +15,10 @@ import warnings
 
 import pytest
 import torch
+from conftest import FORCE, hook_count, run_blocked, tiny_bert, tiny_gpt2
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import memscale
-from conftest import FORCE, hook_count, run_blocked, tiny_bert, tiny_gpt2
 from memscale.integrations.hf import MemScaleCallback
 
 STEPS = 4  # the plan is made in step 1's forward and applies from it on
@@ -59,21 +59,25 @@ class Probe(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         ex = model.__dict__.get("_memscale_executor")
-        self.steps.append({
-            "state": ex.state if ex is not None else None,
-            "recomputes": ex.stats["recomputes"] if ex is not None else 0,
-            "hooks": hook_count(model),
-            "hf_checkpointing": any(getattr(m, "gradient_checkpointing", False)
-                                    for m in model.modules()),
-        })
+        self.steps.append(
+            {
+                "state": ex.state if ex is not None else None,
+                "recomputes": ex.stats["recomputes"] if ex is not None else 0,
+                "hooks": hook_count(model),
+                "hf_checkpointing": any(
+                    getattr(m, "gradient_checkpointing", False) for m in model.modules()
+                ),
+            }
+        )
 
 
 def hf_checkpointing_settings(model):
     # transformers 5 flags every layer, 4.x the base model only.
-    return [(name, m.gradient_checkpointing,
-             m.__dict__.get("_gradient_checkpointing_func"))
-            for name, m in model.named_modules()
-            if hasattr(m, "gradient_checkpointing")]
+    return [
+        (name, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func"))
+        for name, m in model.named_modules()
+        if hasattr(m, "gradient_checkpointing")
+    ]
 
 
 class FailAt(TrainerCallback):
@@ -94,18 +98,26 @@ def make_trainer(name, tmp_path, callbacks=(), gc=False, steps=STEPS):
         # still works, with a FutureWarning); 4.x knows only this one.
         warnings.simplefilter("ignore", FutureWarning)
         args = TrainingArguments(
-            output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none",
-            save_strategy="no", max_steps=steps, per_device_train_batch_size=2,
-            logging_steps=1, dataloader_num_workers=0, seed=0, disable_tqdm=True,
-            **extra)
-    trainer = Trainer(model=model, args=args, train_dataset=TokenData(masked),
-                      callbacks=list(callbacks))
+            output_dir=str(tmp_path / "out"),
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            max_steps=steps,
+            per_device_train_batch_size=2,
+            logging_steps=1,
+            dataloader_num_workers=0,
+            seed=0,
+            disable_tqdm=True,
+            **extra,
+        )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=TokenData(masked), callbacks=list(callbacks)
+    )
     return trainer
 
 
 def losses(trainer):
-    return [entry["loss"] for entry in trainer.state.log_history
-            if "loss" in entry]
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 def memscale_hooks_gone(model):
@@ -120,8 +132,7 @@ def baseline(tmp_path_factory):
     for name in MODELS:
         trainer = make_trainer(name, tmp_path_factory.mktemp(name))
         trainer.train()
-        out[name] = (losses(trainer), hook_count(trainer.model),
-                     trainer.model.config.use_cache)
+        out[name] = (losses(trainer), hook_count(trainer.model), trainer.model.config.use_cache)
     return out
 
 
@@ -135,8 +146,9 @@ def test_trainer_trains_with_memscale(name, how, baseline, tmp_path):
         assert memscale.wrap(trainer, FORCE) is trainer
     else:
         trainer = make_trainer(name, tmp_path, [MemScaleCallback(FORCE), probe])
-    callback = next(cb for cb in trainer.callback_handler.callbacks
-                    if isinstance(cb, MemScaleCallback))
+    callback = next(
+        cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MemScaleCallback)
+    )
     model = trainer.model
     trainer.train()
 
@@ -154,8 +166,11 @@ def test_trainer_trains_with_memscale(name, how, baseline, tmp_path):
     assert "memscale/peak_projected_bytes" in logged[0]
     last = logged[-1]
     assert last["memscale/checkpointed_layers"] == LAYERS
-    assert last["memscale/bytes_saved"] == (last["memscale/peak_unoptimized_bytes"]
-                                            - last["memscale/peak_projected_bytes"]) > 0
+    assert (
+        last["memscale/bytes_saved"]
+        == (last["memscale/peak_unoptimized_bytes"] - last["memscale/peak_projected_bytes"])
+        > 0
+    )
     # Nothing is left after train() returns.
     assert memscale_hooks_gone(model)
     assert hook_count(model) == ref_hooks
@@ -163,14 +178,12 @@ def test_trainer_trains_with_memscale(name, how, baseline, tmp_path):
     assert callback.executor is None
     # detach(trainer) takes the callback off; after that, nothing to do.
     memscale.detach(trainer)
-    assert not any(isinstance(cb, MemScaleCallback)
-                   for cb in trainer.callback_handler.callbacks)
+    assert not any(isinstance(cb, MemScaleCallback) for cb in trainer.callback_handler.callbacks)
     with pytest.warns(RuntimeWarning, match="nothing to do"):
         memscale.detach(trainer)
 
 
-def test_callback_with_sample_input_plans_before_the_first_step(baseline,
-                                                                tmp_path):
+def test_callback_with_sample_input_plans_before_the_first_step(baseline, tmp_path):
     ids = TokenData(masked=False).ids[:2]
     probe = Probe()
     callback = MemScaleCallback(FORCE, sample_input={"input_ids": ids})
@@ -207,12 +220,10 @@ def test_hf_gradient_checkpointing_is_taken_over(baseline, tmp_path, caplog):
     assert hook_count(model) == hook_count(hf.model)
 
 
-def test_hf_gradient_checkpointing_kept_without_memscale_checkpointing(
-        tmp_path, caplog):
+def test_hf_gradient_checkpointing_kept_without_memscale_checkpointing(tmp_path, caplog):
     probe = Probe()
     config = memscale.Config(enable_checkpointing=False)
-    trainer = make_trainer("gpt2", tmp_path, [MemScaleCallback(config), probe],
-                           gc=True, steps=3)
+    trainer = make_trainer("gpt2", tmp_path, [MemScaleCallback(config), probe], gc=True, steps=3)
     with caplog.at_level(logging.INFO, logger="memscale"):
         trainer.train()
     assert "leaves it on" in caplog.text
@@ -251,8 +262,7 @@ def test_train_that_raises_is_cleaned_up(baseline, tmp_path):
 def test_wrap_trainer_misuse(tmp_path):
     trainer = make_trainer("gpt2", tmp_path)
     with pytest.raises(TypeError, match="optimizer the Trainer builds"):
-        memscale.wrap(trainer, optimizer=torch.optim.SGD(
-            trainer.model.parameters(), lr=0.1))
+        memscale.wrap(trainer, optimizer=torch.optim.SGD(trainer.model.parameters(), lr=0.1))
     with pytest.raises(TypeError, match="Config"):
         memscale.wrap(trainer, {"mode": "balanced"})
     with pytest.warns(RuntimeWarning, match="nothing to do"):
@@ -292,8 +302,7 @@ def test_other_processes_wrap_quietly(tmp_path, caplog):
     model = tiny_gpt2()
     state = TrainerState(is_world_process_zero=False)
     with caplog.at_level(logging.INFO, logger="memscale"):
-        callback.on_train_begin(None, state, TrainerControl(), model=model,
-                                optimizer=None)
+        callback.on_train_begin(None, state, TrainerControl(), model=model, optimizer=None)
         config = model._memscale_executor.config
         callback.on_train_end(None, state, TrainerControl(), model=model)
     assert not config.enable_logging and config.log_file is None
@@ -302,7 +311,9 @@ def test_other_processes_wrap_quietly(tmp_path, caplog):
 
 
 def test_import_error_names_the_extra_without_transformers():
-    out = run_blocked(["transformers", "accelerate"], """
+    out = run_blocked(
+        ["transformers", "accelerate"],
+        """
         import torch, memscale
         assert "transformers" not in sys.modules
         model = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -311,6 +322,7 @@ def test_import_error_names_the_extra_without_transformers():
             from memscale.integrations.hf import MemScaleCallback
         except ImportError as exc:
             print("ERROR:", exc)
-    """)
+    """,
+    )
     assert "ERROR:" in out and "pip install 'memscale[hf]'" in out
     assert "transformers" in out

@@ -17,11 +17,11 @@ import pytest
 import pytorch_lightning as PL
 import torch
 import torch.nn.functional as F
+from conftest import FORCE, Block, hook_count, run_blocked
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import memscale
-from conftest import FORCE, Block, hook_count, run_blocked
 from memscale.integrations.lightning import MemScaleCallback
 
 STEPS = 4
@@ -59,9 +59,13 @@ def module_class(pkg):
                 out = self(x) if self.via_forward else self.head(self.net(x))
             loss = F.mse_loss(out, y)
             ex = self.__dict__.get("_memscale_executor")
-            self.seen.append((ex.state if ex is not None else None,
-                              ex.stats["recomputes"] if ex is not None else 0,
-                              hook_count(self)))
+            self.seen.append(
+                (
+                    ex.state if ex is not None else None,
+                    ex.stats["recomputes"] if ex is not None else 0,
+                    hook_count(self),
+                )
+            )
             self.losses.append(loss.item())
             return loss
 
@@ -76,17 +80,24 @@ Lit = module_class(L)
 
 def loader(batch_size=8):
     g = torch.Generator().manual_seed(3)
-    data = torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g),
-                                          torch.randn(64, 1, generator=g))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 32, generator=g), torch.randn(64, 1, generator=g)
+    )
     return torch.utils.data.DataLoader(data, batch_size=batch_size)
 
 
-def fit(module, callbacks=(), steps=STEPS, pkg=L, ckpt_path=None, batch_size=8,
-        **kwargs):
+def fit(module, callbacks=(), steps=STEPS, pkg=L, ckpt_path=None, batch_size=8, **kwargs):
     pkg.seed_everything(0, verbose=False)
-    trainer = pkg.Trainer(max_steps=steps, logger=False, enable_checkpointing=False,
-                          enable_progress_bar=False, enable_model_summary=False,
-                          accelerator="cpu", devices=1, callbacks=list(callbacks))
+    trainer = pkg.Trainer(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        callbacks=list(callbacks),
+    )
     with warnings.catch_warnings():
         # Lightning's own notes about its pytree use and resuming mid-epoch.
         warnings.filterwarnings("ignore", message=".*treespec")
@@ -96,8 +107,10 @@ def fit(module, callbacks=(), steps=STEPS, pkg=L, ckpt_path=None, batch_size=8,
 
 
 def no_contexts_left():
-    return (torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-            and not _get_current_dispatch_mode_stack())
+    return (
+        torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        and not _get_current_dispatch_mode_stack()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +124,7 @@ def baseline():
     return out
 
 
-@pytest.mark.parametrize("via_forward", [True, False],
-                         ids=["self-call", "submodule-call"])
+@pytest.mark.parametrize("via_forward", [True, False], ids=["self-call", "submodule-call"])
 def test_fit_with_memscale(via_forward, baseline):
     module = Lit(via_forward)
     hooks_before = hook_count(module)
@@ -125,8 +137,7 @@ def test_fit_with_memscale(via_forward, baseline):
     # self(x), or self.net(x) (which holds every block): planned inside the
     # first forward, applied from it on.
     assert states == ["applied"] * STEPS
-    assert all(hooks > hooks_before for state, _, hooks in module.seen
-               if state == "applied")
+    assert all(hooks > hooks_before for state, _, hooks in module.seen if state == "applied")
     # Checkpointed blocks recomputed in backward.
     figures = callback.figures()
     assert figures["memscale/checkpointed_layers"] == BLOCKS
@@ -146,7 +157,12 @@ def test_submodule_call_profiles_through_the_callback(baseline):
     module = Lit(via_forward="blockwise")
     fit(module, [MemScaleCallback(FORCE)], steps=5)
     assert [s for s, _, _ in module.seen] == [
-        "idle", "profiling", "profiling", "applied", "applied"]
+        "idle",
+        "profiling",
+        "profiling",
+        "applied",
+        "applied",
+    ]
     assert module.losses[:STEPS] == baseline["blockwise"]
 
 
@@ -171,8 +187,7 @@ def test_resume_replans_the_same_plan(tmp_path):
     # Other batch shapes give another plan: the resumed run says so.
     changed = MemScaleCallback()
     with pytest.warns(RuntimeWarning, match="differs from the plan stored"):
-        fit(Lit(), [changed], steps=2 * STEPS, ckpt_path=path, batch_size=4,
-            weights_only=True)
+        fit(Lit(), [changed], steps=2 * STEPS, ckpt_path=path, batch_size=4, weights_only=True)
     assert changed.plan_hash != first
 
 
@@ -216,33 +231,45 @@ def test_module_wrapped_by_hand_is_left_alone():
 def test_bad_config_and_wrap_of_a_lightning_trainer():
     with pytest.raises(TypeError, match="memscale.Config"):
         MemScaleCallback({"mode": "balanced"})
-    trainer = L.Trainer(logger=False, enable_progress_bar=False,
-                        enable_checkpointing=False, enable_model_summary=False,
-                        accelerator="cpu", devices=1)
+    trainer = L.Trainer(
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+    )
     with pytest.raises(TypeError, match="MemScaleCallback"):
         memscale.wrap(trainer)
 
 
 def test_import_error_names_the_extra_without_lightning():
-    out = run_blocked(["lightning", "pytorch_lightning"], """
+    out = run_blocked(
+        ["lightning", "pytorch_lightning"],
+        """
         import memscale
         try:
             import memscale.integrations.lightning
         except ImportError as exc:
             print("ERROR:", exc)
-    """)
+    """,
+    )
     assert "ERROR:" in out and "pip install 'memscale[lightning]'" in out
 
 
-@pytest.mark.parametrize("present,missing", [
-    ("pytorch_lightning", "lightning"), ("lightning", "pytorch_lightning")])
+@pytest.mark.parametrize(
+    "present,missing", [("pytorch_lightning", "lightning"), ("lightning", "pytorch_lightning")]
+)
 def test_subclasses_the_callback_of_the_installed_package(present, missing):
-    out = run_blocked([missing], f"""
+    out = run_blocked(
+        [missing],
+        f"""
         import importlib
         from memscale.integrations.lightning import MemScaleCallback
         pkg = importlib.import_module(
             "lightning.pytorch" if {present!r} == "lightning" else {present!r})
         print([b.__module__.split(".")[0] for b in MemScaleCallback.__bases__],
               isinstance(MemScaleCallback(), pkg.Callback))
-    """)
+    """,
+    )
     assert out.split() == [f"['{present}']", "True"]

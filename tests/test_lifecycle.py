@@ -8,11 +8,10 @@ import weakref
 
 import pytest
 import torch
+from conftest import FORCE, assert_same_grads, hook_count, mlp, tiny_gpt2, token_batch, twins
 from torch import nn
 
 import memscale
-from conftest import (FORCE, assert_same_grads, hook_count, mlp, tiny_gpt2,
-                      token_batch, twins)
 
 
 @pytest.mark.parametrize("with_sample", [True, False])
@@ -269,8 +268,9 @@ def test_config_is_never_mutated():
 def test_8bit_optimizer_without_an_optimizer_says_how_to_get_one(caplog):
     model = mlp()
     with caplog.at_level(logging.WARNING, logger="memscale"):
-        memscale.wrap(model, FORCE.replace(use_8bit_optimizer=True),
-                      sample_input=torch.randn(2, 32))
+        memscale.wrap(
+            model, FORCE.replace(use_8bit_optimizer=True), sample_input=torch.randn(2, 32)
+        )
     text = caplog.text
     assert "use_8bit_optimizer" in text
     assert "memscale.optim.make_8bit_adamw" in text  # how to get one
@@ -283,8 +283,11 @@ def test_aggressive_mode_tiles_and_detach_restores_forward(caplog):
     model = mlp()
     forwards = [m.forward for m in model]
     with caplog.at_level(logging.INFO, logger="memscale"):
-        memscale.wrap(model, memscale.Config(mode="aggressive", force_optimize=True),
-                      sample_input=torch.randn(2, 32))
+        memscale.wrap(
+            model,
+            memscale.Config(mode="aggressive", force_optimize=True),
+            sample_input=torch.randn(2, 32),
+        )
     plan = model._memscale_executor.plan
     assert "not available" not in caplog.text
     assert plan.technique_counts["checkpoint"] == 4
@@ -308,8 +311,7 @@ def test_plan_is_logged_as_a_table(caplog):
     memscale.detach(model)
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="memscale"):
-        memscale.wrap(model, FORCE.replace(enable_logging=False),
-                      sample_input=torch.randn(2, 32))
+        memscale.wrap(model, FORCE.replace(enable_logging=False), sample_input=torch.randn(2, 32))
     assert "force-all" not in caplog.text
     memscale.detach(model)
 

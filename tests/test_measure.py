@@ -151,7 +151,8 @@ def test_measure_peak_validates_arguments() -> None:
         measure_peak(lambda: None, warmup=1.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="model"):
         measure_peak(
-            lambda: None, model=torch.zeros(2)  # type: ignore[arg-type]
+            lambda: None,
+            model=torch.zeros(2),  # type: ignore[arg-type]
         )
 
 
@@ -217,9 +218,7 @@ def test_peak_rss_subprocess_reports_failures() -> None:
     with pytest.raises(RuntimeError, match="code 3"):
         peak_rss_subprocess("import sys; sys.stderr.write('bad'); sys.exit(3)")
     # A clean sys.exit still reports, and __name__ is __main__.
-    assert peak_rss_subprocess(
-        "import sys\nassert __name__ == '__main__'\nsys.exit(0)"
-    ) > 0
+    assert peak_rss_subprocess("import sys\nassert __name__ == '__main__'\nsys.exit(0)") > 0
     with pytest.raises(RuntimeError, match="did not finish"):
         peak_rss_subprocess("import time; time.sleep(30)", timeout=0.5)
 
@@ -296,9 +295,7 @@ def test_format_bytes_rejects_non_numbers() -> None:
 def test_module_imports_only_torch_and_stdlib() -> None:
     module = sys.modules[measure_peak.__module__]
     roots = {
-        value.__name__.split(".")[0]
-        for value in vars(module).values()
-        if type(value) is type(sys)
+        value.__name__.split(".")[0] for value in vars(module).values() if type(value) is type(sys)
     }
     allowed = set(sys.stdlib_module_names) | {"torch"}
     assert roots <= allowed, roots - allowed

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import hook_count, mlp
 
 import memscale
 from memscale import _planning, observability
 from memscale.observability import MetricsPortInUseError
-from conftest import hook_count, mlp
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -72,8 +72,12 @@ def test_scrape_during_training():
     x = torch.randn(8, 32)
     port = free_port()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port), sample_input=x,
-                  optimizer=optimizer)
+    memscale.wrap(
+        model,
+        memscale.Config(**FORCE, observability_port=port),
+        sample_input=x,
+        optimizer=optimizer,
+    )
     executor = model._memscale_executor
     server = executor.metrics_server
     assert server.url == f"http://127.0.0.1:{port}/metrics" and server.running
@@ -86,12 +90,19 @@ def test_scrape_during_training():
     assert value(before, "memscale_executor_state", state="applied") == 1
     assert value(before, "memscale_offloaded_bytes_total", tier="cpu") == 0
     assert value(before, "memscale_offloaded_bytes_total", tier="disk") == 0
-    assert value(before, "memscale_predicted_peak_bytes", plan="unoptimized") == \
-        executor.plan.peak_unoptimized_bytes
-    assert value(before, "memscale_predicted_peak_bytes", plan="optimized") == \
-        executor.plan.peak_projected_bytes
-    assert value(before, "memscale_activation_saved_bytes") == \
-        sum(layer.bytes_saved for layer in executor.plan.layers) > 0
+    assert (
+        value(before, "memscale_predicted_peak_bytes", plan="unoptimized")
+        == executor.plan.peak_unoptimized_bytes
+    )
+    assert (
+        value(before, "memscale_predicted_peak_bytes", plan="optimized")
+        == executor.plan.peak_projected_bytes
+    )
+    assert (
+        value(before, "memscale_activation_saved_bytes")
+        == sum(layer.bytes_saved for layer in executor.plan.layers)
+        > 0
+    )
     # Process and device memory apart: a CPU host has no device allocator.
     assert value(before, "memscale_process_peak_resident_bytes") > 0
     assert math.isnan(value(before, "memscale_device_peak_allocated_bytes"))
@@ -105,8 +116,7 @@ def test_scrape_during_training():
     # A scrape from inside each training step (a forward hook of the whole
     # model, before backward): the values are read at that moment.
     during = []
-    handle = model.register_forward_hook(
-        lambda *args: during.append(scrape(server.url)))
+    handle = model.register_forward_hook(lambda *args: during.append(scrape(server.url)))
     for _ in range(3):
         model(x).sum().backward()
         optimizer.step()
@@ -125,7 +135,8 @@ def test_scrape_during_training():
     assert value(after, "memscale_layer_recomputes_total") == 12
     assert value(after, "memscale_recompute_seconds_total") > 0
     assert value(after, "memscale_recompute_seconds_total") == pytest.approx(
-        executor.stats["recompute_seconds"])
+        executor.stats["recompute_seconds"]
+    )
 
     assert metrics_threads() == [f"memscale-metrics:{port}"]
     memscale.detach(model)
@@ -188,8 +199,12 @@ def test_warmup_metrics_follow_the_executor():
     model = mlp()
     x = torch.randn(8, 32)
     port = free_port()
-    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port, warmup_steps=2,
-                                         use_static_profiling=False))
+    memscale.wrap(
+        model,
+        memscale.Config(
+            **FORCE, observability_port=port, warmup_steps=2, use_static_profiling=False
+        ),
+    )
     url = model._memscale_executor.metrics_server.url
     first = scrape(url)
     assert value(first, "memscale_executor_state", state="profiling") == 1
@@ -212,17 +227,22 @@ def test_layer_and_segment_recomputes_are_counted_apart():
     model = tiny_gpt2(dropout=0.0).train()
     ids = token_batch()
     port = free_port()
-    memscale.wrap(model, memscale.Config(enable_logging=False, observability_port=port),
-                  sample_input=ids)
+    memscale.wrap(
+        model, memscale.Config(enable_logging=False, observability_port=port), sample_input=ids
+    )
     ex = model._memscale_executor
     # A plan with a segment of two blocks (the budget planner's, from the
     # profile with inflated inputs: see test_segments.py).
     inputs = _planning.plan_inputs(ex.profile, ex.config, ex.hardware, 0)
-    rows = [(n, k, pb, sb, sb * 9 // 10, fl, fg)
-            for (n, k, pb, sb, ib, fl, fg) in inputs["layers"]]
+    rows = [(n, k, pb, sb, sb * 9 // 10, fl, fg) for (n, k, pb, sb, ib, fl, fg) in inputs["layers"]]
     total = sum(row[3] for row in rows)
-    inputs.update(layers=rows, fixed_bytes=0, activation_bytes=total, peak_offset_bytes=0,
-                  budget_bytes=int(total * 0.7))
+    inputs.update(
+        layers=rows,
+        fixed_bytes=0,
+        activation_bytes=total,
+        peak_offset_bytes=0,
+        budget_bytes=int(total * 0.7),
+    )
     plan = _core.build_plan(**inputs)
     assert [layer.segment for layer in plan.layers] == [0, 0, -1]
     ex.apply(plan)
@@ -276,8 +296,11 @@ def test_failure_after_the_server_started_stops_it(monkeypatch):
     model = mlp()
     port = free_port()
     with pytest.raises(RuntimeError, match="planning failed"):
-        memscale.wrap(model, memscale.Config(**FORCE, observability_port=port),
-                      sample_input=torch.randn(4, 32))
+        memscale.wrap(
+            model,
+            memscale.Config(**FORCE, observability_port=port),
+            sample_input=torch.randn(4, 32),
+        )
     assert hook_count(model) == 0 and not hasattr(model, "_memscale_executor")
     assert port_is_free(port)
     assert metrics_threads() == []
@@ -327,6 +350,7 @@ def test_missing_prometheus_client_is_a_clear_error(monkeypatch):
 
 # ---- logging ------------------------------------------------------------------
 
+
 def ours(handler) -> bool:
     return getattr(handler, "_memscale_owned", False)
 
@@ -336,8 +360,9 @@ def test_log_file_gets_the_plan_and_is_closed_by_detach(tmp_path):
     logger = logging.getLogger("memscale")
     level = logger.level
     model = mlp()
-    memscale.wrap(model, memscale.Config(**FORCE, log_file=str(path)),
-                  sample_input=torch.randn(4, 32))
+    memscale.wrap(
+        model, memscale.Config(**FORCE, log_file=str(path)), sample_input=torch.randn(4, 32)
+    )
     handlers = [h for h in logger.handlers if ours(h)]
     assert len(handlers) == 1
     memscale.detach(model)
@@ -369,9 +394,11 @@ def test_unwritable_log_file_raises_and_leaves_nothing(tmp_path):
     model = mlp()
     bad = tmp_path / "missing-dir" / "x.log"
     with pytest.raises(OSError, match="log_file"):
-        memscale.wrap(model, memscale.Config(**FORCE, log_file=str(bad),
-                                             observability_port=free_port()),
-                      sample_input=torch.randn(4, 32))
+        memscale.wrap(
+            model,
+            memscale.Config(**FORCE, log_file=str(bad), observability_port=free_port()),
+            sample_input=torch.randn(4, 32),
+        )
     assert hook_count(model) == 0 and not hasattr(model, "_memscale_executor")
     assert not [h for h in logging.getLogger("memscale").handlers if ours(h)]
 
@@ -407,8 +434,9 @@ def test_stderr_unless_the_application_configured_logging(tmp_path):
     """)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(Path(memscale.__file__).resolve().parent.parent)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     err = done.stderr
     default = err.split("== default")[1].split("== disabled")[0]
@@ -429,10 +457,17 @@ def test_offloaded_bytes_are_scraped():
     model = mlp(depth=4)
     x = torch.randn(4, 8, 32)
     port = free_port()
-    memscale.wrap(model, memscale.Config(
-        mode="balanced", force_optimize=True, enable_logging=False,
-        observability_port=port,
-        async_config=memscale.AsyncOffloadConfig(min_offload_bytes=0)), sample_input=x)
+    memscale.wrap(
+        model,
+        memscale.Config(
+            mode="balanced",
+            force_optimize=True,
+            enable_logging=False,
+            observability_port=port,
+            async_config=memscale.AsyncOffloadConfig(min_offload_bytes=0),
+        ),
+        sample_input=x,
+    )
     server = model._memscale_executor.metrics_server
     assert value(scrape(server.url), "memscale_offloaded_bytes_total", tier="disk") == 0
     model(x).pow(2).mean().backward()

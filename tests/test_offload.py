@@ -18,13 +18,22 @@ import textwrap
 
 import pytest
 import torch
+from conftest import (
+    CNN,
+    assert_same_grads,
+    assert_same_step,
+    hook_count,
+    loss_of,
+    mlp,
+    tiny_bert,
+    tiny_gpt2,
+    token_batch,
+    twins,
+)
 
 import memscale
 from memscale import _core
 from memscale.offload import HostTier
-
-from conftest import (CNN, assert_same_grads, assert_same_step, hook_count, loss_of, mlp,
-                      tiny_bert, tiny_gpt2, token_batch, twins)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,9 +41,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def offload_config(async_offload=False, **settings):
     settings.setdefault("min_offload_bytes", 0)
     return memscale.Config(
-        mode="balanced", force_optimize=True, async_offload=async_offload,
+        mode="balanced",
+        force_optimize=True,
+        async_offload=async_offload,
         enable_logging=False,
-        async_config=memscale.AsyncOffloadConfig(**settings))
+        async_config=memscale.AsyncOffloadConfig(**settings),
+    )
 
 
 def spill_fds(path: str) -> list[int]:
@@ -133,8 +145,7 @@ def test_conservative_and_no_checkpointing_never_offload():
     assert all(layer.tier == "device" for layer in model._memscale_executor.plan.layers)
     assert model._memscale_executor.offload_store is None
     memscale.detach(model)
-    memscale.wrap(model, offload_config().replace(enable_offloading=False),
-                  sample_input=inp)
+    memscale.wrap(model, offload_config().replace(enable_offloading=False), sample_input=inp)
     assert model._memscale_executor.plan.technique_counts["offload"] == 0
     memscale.detach(model)
 
@@ -153,8 +164,9 @@ def test_min_offload_bytes_keeps_small_inputs():
 def test_plan_table_shows_the_tier(caplog):
     model = mlp(depth=2)
     with caplog.at_level(logging.DEBUG, logger="memscale"):
-        memscale.wrap(model, offload_config().replace(enable_logging=True),
-                      sample_input=torch.randn(4, 8, 32))
+        memscale.wrap(
+            model, offload_config().replace(enable_logging=True), sample_input=torch.randn(4, 8, 32)
+        )
     assert "tier" in caplog.text and "checkpoint+offload" in caplog.text
     assert "disk" in caplog.text
     assert "memscale offload: sync" in caplog.text
@@ -241,7 +253,7 @@ def test_directory_removed_when_model_is_collected():
 def test_directory_removed_at_interpreter_exit(tmp_path):
     code = textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
+        sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
         import memscale
         from conftest import mlp
         model = mlp(depth=3, width=32)
@@ -254,8 +266,9 @@ def test_directory_removed_at_interpreter_exit(tmp_path):
         loss = model(inp).pow(2).mean()  # spilled, never backward, never detached
         print(model._memscale_executor.offload_store.path, flush=True)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                         text=True, cwd=ROOT, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     path = out.stdout.strip().splitlines()[-1]
     assert path.startswith(str(tmp_path))
@@ -268,8 +281,11 @@ def test_unwritable_spill_dir_is_an_error_at_wrap(tmp_path):
     not_a_dir.write_text("x")
     model = mlp(depth=3, width=32)
     with pytest.raises(ValueError, match="spill directory.*spill_dir"):
-        memscale.wrap(model, offload_config(spill_dir=str(not_a_dir / "sub")),
-                      sample_input=torch.randn(4, 8, 32))
+        memscale.wrap(
+            model,
+            offload_config(spill_dir=str(not_a_dir / "sub")),
+            sample_input=torch.randn(4, 8, 32),
+        )
     assert hook_count(model) == 0
     assert "_memscale_executor" not in model.__dict__
 
@@ -283,8 +299,9 @@ def test_not_enough_disk_is_an_error_at_wrap(monkeypatch, tmp_path):
     monkeypatch.setattr(offload.os, "statvfs", lambda path: Tiny)
     model = mlp(depth=3, width=32)
     with pytest.raises(ValueError, match="GiB free.*max_disk_gb"):
-        memscale.wrap(model, offload_config(spill_dir=str(tmp_path)),
-                      sample_input=torch.randn(4, 8, 32))
+        memscale.wrap(
+            model, offload_config(spill_dir=str(tmp_path)), sample_input=torch.randn(4, 8, 32)
+        )
     assert hook_count(model) == 0
     assert os.listdir(tmp_path) == []  # the directory made for it is gone
 
@@ -316,7 +333,7 @@ def test_failed_writes_keep_tensors_in_memory(tmp_path):
     """A real write failure: a file-size limit below the tensor size."""
     code = textwrap.dedent(f"""
         import logging, resource, signal, sys, torch
-        sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
+        sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
         import memscale
         from conftest import mlp, twins, assert_same_grads
         logging.basicConfig(level=logging.WARNING)
@@ -339,8 +356,9 @@ def test_failed_writes_keep_tensors_in_memory(tmp_path):
             memscale.detach(a)
         print("OK")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                         text=True, cwd=ROOT, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("OK")
     assert out.stderr.count("writing to the spill directory") == 2  # once per store
@@ -385,8 +403,13 @@ def test_async_precedence(monkeypatch):
 
 def test_spill_store_round_trip_and_stats(tmp_path):
     logged = []
-    store = _core.SpillStore(str(tmp_path), async_io=True, min_bytes=64,
-                             prefetch_depth=1, log=lambda *a: logged.append(a))
+    store = _core.SpillStore(
+        str(tmp_path),
+        async_io=True,
+        min_bytes=64,
+        prefetch_depth=1,
+        log=lambda *a: logged.append(a),
+    )
     w = torch.randn(32, 32, requires_grad=True)
     acts = [w * i for i in range(4)]
     small = (w[:2, :2] * 2).contiguous()
@@ -426,8 +449,9 @@ def test_host_tier_accounting_on_cpu(tmp_path):
     """The CUDA host tier's bookkeeping (pool, pageable, cap, disk), run on
     CPU tensors; the copies themselves need a GPU and are not tested here."""
     store = _core.SpillStore(str(tmp_path), min_bytes=0)
-    tier = HostTier(pool_bytes=3000, cap_bytes=5000, min_bytes=0, store=store,
-                    async_copy=False, pin=False)
+    tier = HostTier(
+        pool_bytes=3000, cap_bytes=5000, min_bytes=0, store=store, async_copy=False, pin=False
+    )
     w = torch.randn(16, 16, requires_grad=True)  # 1 KiB tensors
     acts = [w * i for i in range(6)]
     recs = [tier._put_host(t, 1024) for t in acts]
@@ -440,8 +464,9 @@ def test_host_tier_accounting_on_cpu(tmp_path):
     recs.clear()
     gc.collect()
     assert tier.used == 0 and tier._pool_offset == 0
-    no_disk = HostTier(pool_bytes=0, cap_bytes=1024, min_bytes=0, store=None,
-                       async_copy=False, pin=False)
+    no_disk = HostTier(
+        pool_bytes=0, cap_bytes=1024, min_bytes=0, store=None, async_copy=False, pin=False
+    )
     kept = [no_disk._put_host(t, 1024) for t in acts[:2]]
     assert kept[1] is None and no_disk.stats["kept"] == 1
     assert no_disk.put(acts[0]) is None  # a CPU tensor is not its business
@@ -450,14 +475,21 @@ def test_host_tier_accounting_on_cpu(tmp_path):
 
 def test_engine_host_tier_when_the_device_has_one():
     layers = [(f"l{i}", "Block", 0, 1000, 100, 10.0, 0) for i in range(4)]
-    common = dict(mode="balanced", allowed=_core.TECH_CHECKPOINT | _core.TECH_OFFLOAD,
-                  force=True, budget_bytes=1 << 30, fixed_bytes=0,
-                  activation_bytes=4000, total_flops=40.0, device="cuda",
-                  device_count=1, capacity_bytes=1 << 30)
+    common = dict(
+        mode="balanced",
+        allowed=_core.TECH_CHECKPOINT | _core.TECH_OFFLOAD,
+        force=True,
+        budget_bytes=1 << 30,
+        fixed_bytes=0,
+        activation_bytes=4000,
+        total_flops=40.0,
+        device="cuda",
+        device_count=1,
+        capacity_bytes=1 << 30,
+    )
     plan = _core.build_plan(layers, **common, host_tier=True, host_cap_bytes=250)
     assert [l.tier for l in plan.layers] == ["host", "host", "disk", "disk"]
-    plan = _core.build_plan(layers, **common, host_tier=True, host_cap_bytes=250,
-                            disk_tier=False)
+    plan = _core.build_plan(layers, **common, host_tier=True, host_cap_bytes=250, disk_tier=False)
     assert [l.tier for l in plan.layers] == ["host", "host", "device", "device"]
     assert plan.layers[3].techniques == ("checkpoint",)
     with pytest.raises(ValueError, match="host_cap_bytes"):
@@ -467,8 +499,7 @@ def test_engine_host_tier_when_the_device_has_one():
 
 
 def test_async_cap_counts_writes_in_flight(tmp_path):
-    store = _core.SpillStore(str(tmp_path), async_io=True, min_bytes=0,
-                             max_bytes=3 * 4096)
+    store = _core.SpillStore(str(tmp_path), async_io=True, min_bytes=0, max_bytes=3 * 4096)
     w = torch.randn(32, 32, requires_grad=True)  # 4 KiB activations
     recs = [store.put(w * i) for i in range(6)]
     assert sum(r is not None for r in recs) == 3  # reserved at put()
@@ -506,8 +537,7 @@ def test_lazy_views_are_not_spilled(tmp_path):
 def test_concurrent_gets_of_one_record(tmp_path):
     import threading
 
-    store = _core.SpillStore(str(tmp_path), async_io=True, min_bytes=0,
-                             prefetch_depth=2)
+    store = _core.SpillStore(str(tmp_path), async_io=True, min_bytes=0, prefetch_depth=2)
     w = torch.randn(256, 256, requires_grad=True)
     for trial in range(20):
         acts = [w * (i + trial) for i in range(4)]
@@ -517,7 +547,7 @@ def test_concurrent_gets_of_one_record(tmp_path):
         store.flush()
         results: list = [None] * 8
 
-        def reader(k):
+        def reader(k, results=results, recs=recs):
             results[k] = recs[k % 4].get()
 
         threads = [threading.Thread(target=reader, args=(k,)) for k in range(8)]
@@ -653,6 +683,10 @@ def test_a_forked_child_trains_and_leaves_the_parent_working(async_offload):
     finalizer ran in the child), after which offload was silently off."""
     out = subprocess.run(
         [sys.executable, "-c", FORK_SCRIPT.format(async_offload=async_offload)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": ROOT})
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

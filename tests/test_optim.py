@@ -18,9 +18,19 @@ def markov_lm():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(
-        n_layer=2, n_embd=128, n_head=4, vocab_size=V, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=128,
+            n_head=4,
+            vocab_size=V,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+        )
+    )
 
 
 def markov_batches(steps, b=16, n=32):
@@ -70,8 +80,12 @@ def test_state_is_at_most_30_percent_of_adamw_on_the_benchmark_gpt2():
         opt = cls(m.parameters(), lr=1e-4)
         batch.loss_fn(m(*batch.args, **batch.kwargs)).backward()
         opt.step()
-        states[name] = sum(t.numel() * t.element_size() for s in opt.state.values()
-                           for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        states[name] = sum(
+            t.numel() * t.element_size()
+            for s in opt.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
     assert states["8bit"] <= 0.30 * states["adamw"], states
 
 
@@ -109,8 +123,13 @@ def test_param_groups_weight_decay_and_small_or_other_params():
     big = torch.nn.Parameter(torch.randn(8192))
     small = torch.nn.Parameter(torch.randn(10))  # under min_8bit_size: fp32 state
     double = torch.nn.Parameter(torch.randn(8192, dtype=torch.float64))
-    opt = AdamW8bit([{"params": [big, small], "weight_decay": 0.0},
-                     {"params": [double], "lr": 0.0, "weight_decay": 0.5}], lr=0.1)
+    opt = AdamW8bit(
+        [
+            {"params": [big, small], "weight_decay": 0.0},
+            {"params": [double], "lr": 0.0, "weight_decay": 0.5},
+        ],
+        lr=0.1,
+    )
     before = double.detach().clone()
     big_before = big.detach().clone()
     for p in (big, small, double):
@@ -145,8 +164,9 @@ def test_kernel_rejects_bad_arguments():
     p, g = torch.zeros(n), torch.zeros(n)
     qm, sm = torch.zeros(n, dtype=torch.int8), torch.zeros(2)
     qv, sv = torch.zeros(n, dtype=torch.uint8), torch.zeros(2)
-    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
-              block=64, threads=2)
+    kw = dict(
+        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, block=64, threads=2
+    )
     _core.adamw8bit_step(p, g, qm, sm, qv, sv, **kw)
     with pytest.raises(TypeError, match="grad must be torch.float32"):
         _core.adamw8bit_step(p, g.double(), qm, sm, qv, sv, **kw)
@@ -180,9 +200,22 @@ def test_threads_give_the_same_bits():
         sm, sv = torch.zeros(blocks), torch.zeros(blocks)
         for step in (1, 2, 3):
             g = torch.randn(n, generator=torch.Generator().manual_seed(step))
-            _core.adamw8bit_step(p, g, qm, sm, qv, sv, lr=1e-2, beta1=0.9,
-                                 beta2=0.999, eps=1e-8, weight_decay=0.01,
-                                 step=step, block=block, threads=threads)
+            _core.adamw8bit_step(
+                p,
+                g,
+                qm,
+                sm,
+                qv,
+                sv,
+                lr=1e-2,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.01,
+                step=step,
+                block=block,
+                threads=threads,
+            )
         out.append((p, qm, qv, sm, sv))
     for other in out[1:]:
         assert all(torch.equal(a, b) for a, b in zip(out[0], other))
@@ -223,7 +256,9 @@ def test_non_finite_gradients_do_not_corrupt_other_elements():
     state = opt.state[p]
     assert torch.isnan(p[3])
     others = torch.cat([p[:3], p[4:]]).detach()
-    assert torch.isfinite(others).all() and torch.allclose(others, torch.full((n - 1,), 0.99), atol=1e-4)
+    assert torch.isfinite(others).all() and torch.allclose(
+        others, torch.full((n - 1,), 0.99), atol=1e-4
+    )
     assert state["exp_avg"][3].item() == 0  # the NaN moment is not stored
     assert int(state["exp_avg"][0]) == 127
 
@@ -242,8 +277,11 @@ def test_one_non_finite_gradient_element_stays_in_its_element(bad):
     runs = {}
     for name in ("bad", "zero", "adamw"):
         p = torch.nn.Parameter(start.clone())
-        opt = (torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1) if name == "adamw"
-               else AdamW8bit([p], lr=1e-2, weight_decay=0.1, min_8bit_size=0))
+        opt = (
+            torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1)
+            if name == "adamw"
+            else AdamW8bit([p], lr=1e-2, weight_decay=0.1, min_8bit_size=0)
+        )
         for i, g in enumerate(grads):
             g = g.clone()
             if i == 0:

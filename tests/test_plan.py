@@ -22,17 +22,42 @@ from memscale import Config, _core
 GIB = 1 << 30
 
 PLAN_KEYS = [
-    "format", "mode", "allowed", "device", "device_count", "capacity_bytes",
-    "budget_bytes", "fixed_bytes", "activation_bytes", "peak_offset_bytes",
+    "format",
+    "mode",
+    "allowed",
+    "device",
+    "device_count",
+    "capacity_bytes",
+    "budget_bytes",
+    "fixed_bytes",
+    "activation_bytes",
+    "peak_offset_bytes",
     "plan_offset_bytes",
-    "peak_unoptimized_bytes", "peak_projected_bytes", "pressure",
-    "total_flops", "recompute_ratio", "predicted_slowdown", "skipped", "fits",
-    "min_budget_bytes", "layers",
+    "peak_unoptimized_bytes",
+    "peak_projected_bytes",
+    "pressure",
+    "total_flops",
+    "recompute_ratio",
+    "predicted_slowdown",
+    "skipped",
+    "fits",
+    "min_budget_bytes",
+    "layers",
 ]
 LAYER_KEYS = [
-    "index", "name", "kind", "techniques", "rule", "tier", "tiles", "segment",
+    "index",
+    "name",
+    "kind",
+    "techniques",
+    "rule",
+    "tier",
+    "tiles",
+    "segment",
     "bytes_saved",
-    "param_bytes", "saved_bytes", "input_bytes", "flops",
+    "param_bytes",
+    "saved_bytes",
+    "input_bytes",
+    "flops",
 ]
 TECHNIQUES = ["checkpoint", "offload", "tiling"]
 MODES = ("conservative", "balanced", "aggressive")
@@ -42,17 +67,25 @@ LAYERS = [
     ("blocks.0", "Block", 1000, 400, 40, 100.0, 0),
     ("blocks.1", "Block", 1000, 400, 40, 50.0, 0),
     ("blocks.2", "Block", 1000, 400, 400, 50.0, 0),  # no savings
-    ("blocks.3", "Block", 1000, 400, 40, 25.0, 1),   # in place
-    ("blocks.4", "Block", 1000, 400, 40, 25.0, 2),   # not called
+    ("blocks.3", "Block", 1000, 400, 40, 25.0, 1),  # in place
+    ("blocks.4", "Block", 1000, 400, 40, 25.0, 2),  # not called
     ("blocks.5", "Block", 1000, 400, 40, 0.0, 0),
 ]
 
 
 def plan_kwargs(**changes):
-    kw = dict(mode="balanced", allowed=_core.TECH_CHECKPOINT, force=False,
-              budget_bytes=1 << 20, fixed_bytes=3000, activation_bytes=2500,
-              total_flops=300.0, device="cpu", device_count=1,
-              capacity_bytes=1 << 21)
+    kw = dict(
+        mode="balanced",
+        allowed=_core.TECH_CHECKPOINT,
+        force=False,
+        budget_bytes=1 << 20,
+        fixed_bytes=3000,
+        activation_bytes=2500,
+        total_flops=300.0,
+        device="cpu",
+        device_count=1,
+        capacity_bytes=1 << 21,
+    )
     kw.update(changes)
     return kw
 
@@ -68,10 +101,9 @@ def ordered(text: str):
 
 def mlp_stack() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[
-        nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
-        for _ in range(4)
-    ])
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)]
+    )
 
 
 SAMPLE = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
@@ -109,10 +141,8 @@ def ref_peak(fixed, activation, layers, chosen):
 def ref_greedy(fixed, activation, budget, layers, offset=0):
     """Layer indices the engine should pick under pressure, in order
     (``offset``: the predictor's correction, added to every peak)."""
-    eligible = [i for i, l in enumerate(layers)
-                if not l[6] & 3 and l[3] > l[4]]
-    eligible.sort(key=lambda i: (-(layers[i][3] - layers[i][4])
-                                 / max(layers[i][5], 1.0), i))
+    eligible = [i for i, l in enumerate(layers) if not l[6] & 3 and l[3] > l[4]]
+    eligible.sort(key=lambda i: (-(layers[i][3] - layers[i][4]) / max(layers[i][5], 1.0), i))
     chosen: list[int] = []
     peak = ref_peak(fixed, activation, layers, set()) + offset
     for i in eligible:
@@ -124,8 +154,10 @@ def ref_greedy(fixed, activation, budget, layers, offset=0):
 
 
 def engine_layers(plan):
-    return [(l.name, l.kind, l.param_bytes, l.saved_bytes, l.input_bytes,
-             l.flops, 0) for l in plan.layers]
+    return [
+        (l.name, l.kind, l.param_bytes, l.saved_bytes, l.input_bytes, l.flops, 0)
+        for l in plan.layers
+    ]
 
 
 # ------------------------------------------------------------ JSON & hash
@@ -159,17 +191,20 @@ def test_json_matches_the_attributes():
 
 def test_json_is_canonical():
     """Compact separators, repr() floats: json.dumps gives the same bytes."""
-    for changes in ({}, {"budget_bytes": 5000}, {"force": True},
-                    {"total_flops": 1.0 / 3.0, "budget_bytes": 4321}):
+    for changes in (
+        {},
+        {"budget_bytes": 5000},
+        {"force": True},
+        {"total_flops": 1.0 / 3.0, "budget_bytes": 4321},
+    ):
         text = build(**changes).to_json()
-        again = json.dumps(json.loads(text), separators=(",", ":"),
-                           ensure_ascii=False)
+        again = json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
         assert again == text
 
 
 def test_json_escapes_names():
     weird = 'a"b\\c\nd\te\x01f é 字'
-    plan = build([(weird, "K\"ind", 0, 10, 1, 1.0, 0)], activation_bytes=10)
+    plan = build([(weird, 'K"ind', 0, 10, 1, 1.0, 0)], activation_bytes=10)
     doc = json.loads(plan.to_json())
     assert doc["layers"][0]["name"] == weird
     assert doc["layers"][0]["kind"] == 'K"ind'
@@ -194,11 +229,18 @@ def test_two_builds_identical():
     assert a.to_json() is a.to_json()  # cached, not rebuilt
 
 
-@pytest.mark.parametrize("change", [
-    {"mode": "aggressive"}, {"budget_bytes": 5000}, {"force": True},
-    {"fixed_bytes": 3001}, {"device": "cuda"}, {"capacity_bytes": 1 << 22},
-    {"allowed": 0},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"mode": "aggressive"},
+        {"budget_bytes": 5000},
+        {"force": True},
+        {"fixed_bytes": 3001},
+        {"device": "cuda"},
+        {"capacity_bytes": 1 << 22},
+        {"allowed": 0},
+    ],
+)
 def test_any_input_change_changes_the_hash(change):
     assert build(**change).hash != build().hash
 
@@ -242,8 +284,7 @@ def test_force_optimize_checkpoints_every_layer():
     assert plan.skipped is False
     assert all(l.rule == "force-all" for l in plan.layers)
     assert all(l.techniques == ("checkpoint",) for l in plan.layers)
-    assert all(l.bytes_saved == l.saved_bytes - l.input_bytes > 0
-               for l in plan.layers)
+    assert all(l.bytes_saved == l.saved_bytes - l.input_bytes > 0 for l in plan.layers)
     assert plan.technique_counts == {"checkpoint": 4, "offload": 0, "tiling": 0}
     assert plan.recompute_ratio == 1.0  # the units are the whole forward
     assert plan.peak_projected_bytes < plan.peak_unoptimized_bytes
@@ -260,16 +301,17 @@ def test_mode_changes_the_plan_not_the_decision(mode):
     # offload has nothing to move and every mode checkpoints the same;
     # AGGRESSIVE tiles every checkpointed layer on top (2 tiles at this
     # pressure).
-    assert [(tuple(t for t in l.techniques if t != "tiling"), l.rule)
-            for l in plan.layers] == [(l.techniques, l.rule) for l in base.layers]
+    assert [(tuple(t for t in l.techniques if t != "tiling"), l.rule) for l in plan.layers] == [
+        (l.techniques, l.rule) for l in base.layers
+    ]
     assert [l.tiles for l in plan.layers] == [
-        2 if mode == "aggressive" and l.techniques else 1 for l in plan.layers]
+        2 if mode == "aggressive" and l.techniques else 1 for l in plan.layers
+    ]
     assert (plan.hash == base.hash) == (mode == "conservative")
 
 
 def test_checkpointing_disabled():
-    plan, stats = wrapped_plan(quiet(force_optimize=True,
-                                     enable_checkpointing=False))
+    plan, stats = wrapped_plan(quiet(force_optimize=True, enable_checkpointing=False))
     assert json.loads(plan.to_json())["allowed"] == []
     assert all(l.rule == "disabled" for l in plan.layers)
     assert plan.technique_counts["checkpoint"] == 0
@@ -312,13 +354,13 @@ def test_tiny_budget_raises_with_the_least_budget_and_what_lowers_it():
     # Nothing is left behind.
     assert "_memscale_executor" not in model.__dict__
     assert not model._forward_hooks and not model._forward_pre_hooks
-    fits = memscale.wrap(model, quiet(memory_budget_gb=(least + 1) / GIB),
-                         sample_input=SAMPLE)._memscale_executor.plan
+    fits = memscale.wrap(
+        model, quiet(memory_budget_gb=(least + 1) / GIB), sample_input=SAMPLE
+    )._memscale_executor.plan
     assert fits.fits and fits.peak_projected_bytes <= least
     memscale.detach(model)
     with pytest.raises(memscale.MemoryBudgetError):
-        memscale.wrap(model, quiet(memory_budget_gb=0.97 * least / GIB),
-                      sample_input=SAMPLE)
+        memscale.wrap(model, quiet(memory_budget_gb=0.97 * least / GIB), sample_input=SAMPLE)
 
 
 def test_budget_error_suggests_only_what_lowers_the_least_budget():
@@ -326,8 +368,9 @@ def test_budget_error_suggests_only_what_lowers_the_least_budget():
     # error once suggested enable_tiling=True anyway, with a figure below the
     # simulated least budget that was only the planner's own figure.
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU())
-                            for _ in range(6)])
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU()) for _ in range(6)]
+    )
     with pytest.raises(memscale.MemoryBudgetError) as info:
         memscale.wrap(model, quiet(memory_budget_gb=1e-9), sample_input=torch.randn(64, 64))
     err = info.value
@@ -360,8 +403,9 @@ def test_budget_between_peaks_checkpoints_some_layers():
     assert stats["hooks"] == 2 + 2 * len(chosen)
     # The budget planner recomputes no more than the greedy rule of the
     # documented memory model would (equal layers here: as many).
-    want, _ = ref_greedy(plan.fixed_bytes, plan.activation_bytes, budget,
-                         engine_layers(plan), plan.peak_offset_bytes)
+    want, _ = ref_greedy(
+        plan.fixed_bytes, plan.activation_bytes, budget, engine_layers(plan), plan.peak_offset_bytes
+    )
     assert len(chosen) <= len(want)
     assert plan.recompute_ratio == pytest.approx(len(chosen) / len(plan))
     assert plan.predicted_slowdown == pytest.approx(1 + len(chosen) / len(plan) / 3)
@@ -373,14 +417,24 @@ def test_budget_between_peaks_checkpoints_some_layers():
 def test_build_plan_rules_per_layer():
     plan = build(budget_bytes=1)  # nothing fits
     rules = [l.rule for l in plan.layers]
-    assert rules == ["pressure", "pressure", "ineligible:no-savings",
-                     "ineligible:inplace-input", "ineligible:not-called",
-                     "pressure"]
+    assert rules == [
+        "pressure",
+        "pressure",
+        "ineligible:no-savings",
+        "ineligible:inplace-input",
+        "ineligible:not-called",
+        "pressure",
+    ]
     assert plan.fits is False
     forced = build(force=True)
     assert [l.rule for l in forced.layers] == [
-        "force-all", "force-all", "ineligible:no-savings",
-        "ineligible:inplace-input", "ineligible:not-called", "force-all"]
+        "force-all",
+        "force-all",
+        "ineligible:no-savings",
+        "ineligible:inplace-input",
+        "ineligible:not-called",
+        "force-all",
+    ]
     skipped = build()
     assert skipped.skipped is True
     assert {l.rule for l in skipped.layers} == {"smart-skip"}
@@ -409,7 +463,10 @@ def test_technique_counts():
     assert plan.technique_counts["checkpoint"] == 3  # a new dict each time
     assert plan.technique_counts is not plan.technique_counts
     assert build(allowed=0, budget_bytes=1).technique_counts == {
-        "checkpoint": 0, "offload": 0, "tiling": 0}
+        "checkpoint": 0,
+        "offload": 0,
+        "tiling": 0,
+    }
 
 
 def test_sequence_protocol_and_repr():
@@ -425,21 +482,43 @@ def test_sequence_protocol_and_repr():
 
 
 def test_allowed_lists_techniques_in_order():
-    plan = build(allowed=_core.TECH_TILING | _core.TECH_CHECKPOINT
-                 | _core.TECH_OFFLOAD)
+    plan = build(allowed=_core.TECH_TILING | _core.TECH_CHECKPOINT | _core.TECH_OFFLOAD)
     assert json.loads(plan.to_json())["allowed"] == TECHNIQUES
 
 
 # ------------------------------------------------------ immutability
 
 
-PLAN_ATTRS = ["layers", "mode", "device", "hash", "device_count",
-              "capacity_bytes", "budget_bytes", "fixed_bytes",
-              "activation_bytes", "peak_unoptimized_bytes",
-              "peak_projected_bytes", "pressure", "recompute_ratio",
-              "skipped", "fits", "technique_counts"]
-LAYER_ATTRS = ["index", "name", "kind", "techniques", "rule", "bytes_saved",
-               "param_bytes", "saved_bytes", "input_bytes", "flops"]
+PLAN_ATTRS = [
+    "layers",
+    "mode",
+    "device",
+    "hash",
+    "device_count",
+    "capacity_bytes",
+    "budget_bytes",
+    "fixed_bytes",
+    "activation_bytes",
+    "peak_unoptimized_bytes",
+    "peak_projected_bytes",
+    "pressure",
+    "recompute_ratio",
+    "skipped",
+    "fits",
+    "technique_counts",
+]
+LAYER_ATTRS = [
+    "index",
+    "name",
+    "kind",
+    "techniques",
+    "rule",
+    "bytes_saved",
+    "param_bytes",
+    "saved_bytes",
+    "input_bytes",
+    "flops",
+]
 
 
 @pytest.mark.parametrize("attr", PLAN_ATTRS)
@@ -481,8 +560,10 @@ def test_plan_types_cannot_be_instantiated():
         with pytest.raises(TypeError):
             tp.__new__(tp)
     with pytest.raises(TypeError):
+
         class Sub(_core.Plan):  # noqa: F841 - immutable, final types
             pass
+
     with pytest.raises(TypeError):
         _core.Plan.extra = 1
 
@@ -505,9 +586,17 @@ def test_bad_mode_names_the_allowed_modes():
         build(mode=memscale.OptimizationMode.BALANCED.value.encode())
 
 
-@pytest.mark.parametrize("position,value", [
-    (2, -1), (3, -1), (4, -1), (5, -1.0), (5, math.nan), (3, -(1 << 40)),
-])
+@pytest.mark.parametrize(
+    "position,value",
+    [
+        (2, -1),
+        (3, -1),
+        (4, -1),
+        (5, -1.0),
+        (5, math.nan),
+        (3, -(1 << 40)),
+    ],
+)
 def test_negative_layer_sizes(position, value):
     layer = list(LAYERS[0])
     layer[position] = value
@@ -515,23 +604,33 @@ def test_negative_layer_sizes(position, value):
         build([tuple(layer)])
 
 
-@pytest.mark.parametrize("change", [
-    {"fixed_bytes": -1}, {"activation_bytes": -1}, {"total_flops": -1.0},
-    {"total_flops": math.nan}, {"budget_bytes": 0}, {"budget_bytes": -5},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"fixed_bytes": -1},
+        {"activation_bytes": -1},
+        {"total_flops": -1.0},
+        {"total_flops": math.nan},
+        {"budget_bytes": 0},
+        {"budget_bytes": -5},
+    ],
+)
 def test_bad_problem_figures(change):
     with pytest.raises(ValueError):
         build(**change)
 
 
-@pytest.mark.parametrize("layer", [
-    ("a", "L", 0, 1, 0, 1.0),             # 6 items
-    ("a", "L", 0, 1, 0, 1.0, 0, 0),       # 8 items
-    (),
-    (1, "L", 0, 1, 0, 1.0, 0),            # name not a str
-    ("a", "L", "0", 1, 0, 1.0, 0),        # size not an int
-    ("a", "L", 0, 1, 0, "1.0", 0),        # flops not a number
-])
+@pytest.mark.parametrize(
+    "layer",
+    [
+        ("a", "L", 0, 1, 0, 1.0),  # 6 items
+        ("a", "L", 0, 1, 0, 1.0, 0, 0),  # 8 items
+        (),
+        (1, "L", 0, 1, 0, 1.0, 0),  # name not a str
+        ("a", "L", "0", 1, 0, 1.0, 0),  # size not an int
+        ("a", "L", 0, 1, 0, "1.0", 0),  # flops not a number
+    ],
+)
 def test_wrong_layer_shape(layer):
     with pytest.raises(TypeError):
         build([layer])
@@ -555,8 +654,9 @@ def test_missing_and_positional_arguments():
     with pytest.raises(TypeError):
         _core.build_plan(LAYERS, **kw)
     with pytest.raises(TypeError):
-        _core.build_plan(LAYERS, "balanced", **{k: v for k, v in plan_kwargs().items()
-                                                if k != "mode"})
+        _core.build_plan(
+            LAYERS, "balanced", **{k: v for k, v in plan_kwargs().items() if k != "mode"}
+        )
     with pytest.raises(TypeError):
         _core.build_plan(LAYERS, **plan_kwargs(), unknown=1)
     with pytest.raises(TypeError):
@@ -569,32 +669,35 @@ def test_infinite_or_nan_flops_are_rejected(bad):
     # the plan's JSON, meaningless: the engine refuses it, in the model's
     # total and in a layer's.
     with pytest.raises(ValueError, match=r"total_flops must be a finite number >= 0"):
-        build([("a", "L", 0, 100, 10, 1.0, 0)], total_flops=bad,
-              activation_bytes=100, budget_bytes=50)
+        build(
+            [("a", "L", 0, 100, 10, 1.0, 0)], total_flops=bad, activation_bytes=100, budget_bytes=50
+        )
     with pytest.raises(ValueError, match=r"flops must be a finite number >= 0"):
-        build([("a", "L", 0, 100, 10, bad, 0)], activation_bytes=100,
-              budget_bytes=50)
+        build([("a", "L", 0, 100, 10, bad, 0)], activation_bytes=100, budget_bytes=50)
 
 
 def test_sizes_beyond_2_pow_50_are_rejected_and_the_largest_do_not_wrap_around():
     # Byte counts are capped at 2**50 (1 PiB) so that sums of them cannot
     # overflow; beyond it the engine refuses, at it the sums are exact.
     with pytest.raises(ValueError, match=r"fixed_bytes must be >= 0 and <= 2\*\*50 bytes"):
-        build([("a", "L", 0, 100, 0, 1.0, 0)] * 2, fixed_bytes=1 << 62,
-              activation_bytes=0, budget_bytes=1000)
+        build(
+            [("a", "L", 0, 100, 0, 1.0, 0)] * 2,
+            fixed_bytes=1 << 62,
+            activation_bytes=0,
+            budget_bytes=1000,
+        )
     with pytest.raises(ValueError, match=r"saved_bytes must be >= 0 and <= 2\*\*50 bytes"):
-        build([("a", "L", 0, 1 << 62, 0, 1.0, 0)] * 2, activation_bytes=0,
-              budget_bytes=1000)
+        build([("a", "L", 0, 1 << 62, 0, 1.0, 0)] * 2, activation_bytes=0, budget_bytes=1000)
     top = 1 << 50
-    plan = build([("a", "L", 0, top, 0, 1.0, 0)] * 2, fixed_bytes=top,
-                 activation_bytes=0, budget_bytes=1000)
+    plan = build(
+        [("a", "L", 0, top, 0, 1.0, 0)] * 2, fixed_bytes=top, activation_bytes=0, budget_bytes=1000
+    )
     assert plan.peak_unoptimized_bytes == 3 * top
     assert plan.skipped is False
     assert plan.fits is False
 
 
-@pytest.mark.parametrize("change", [{"capacity_bytes": -1},
-                                   {"device_count": -1}])
+@pytest.mark.parametrize("change", [{"capacity_bytes": -1}, {"device_count": -1}])
 def test_negative_device_figures(change):
     with pytest.raises(ValueError):
         build(**change)

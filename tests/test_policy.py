@@ -12,19 +12,32 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import hook_count, mlp
 
 import memscale
 from memscale import _core, _planning, api, policy
-from memscale.policy import (FEATURES, STRATEGIES, PolicyFallbackNeeded, RulePolicy,
-                             StrategyContext, StrategyDecision, TrainedPolicy)
-from conftest import hook_count, mlp
+from memscale.policy import (
+    FEATURES,
+    STRATEGIES,
+    PolicyFallbackNeeded,
+    RulePolicy,
+    StrategyContext,
+    StrategyDecision,
+    TrainedPolicy,
+)
 
 GIB = 1 << 30
 
 
 def gpu(capacity: int, count: int = 1) -> dict:
-    return {"device": "cuda", "index": 0, "count": count, "capacity_bytes": int(capacity),
-            "bf16": True, "name": "injected GPU"}
+    return {
+        "device": "cuda",
+        "index": 0,
+        "count": count,
+        "capacity_bytes": int(capacity),
+        "bf16": True,
+        "name": "injected GPU",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +65,7 @@ def clean_env(monkeypatch):
 
 
 # ---- _select_strategy ----------------------------------------------------
+
 
 def test_auto_policy_off_uses_config_bit_for_bit(profiled):
     config = memscale.Config(mode="aggressive", memory_budget_gb=3.0)
@@ -102,28 +116,49 @@ def test_missing_artifact_falls_back_to_rules(profiled, monkeypatch, tmp_path, c
     assert effective.target_gpu_utilization == pytest.approx(0.85 * 0.85)
 
 
-@pytest.mark.parametrize("content", [
-    "not json",
-    json.dumps({"format": "other/1", "features": ["pressure"], "tree": {"leaf": "balanced"}}),
-    json.dumps({"format": policy.ARTIFACT_FORMAT, "features": ["hostname"],
-                "tree": {"leaf": "balanced"}}),
-    json.dumps({"format": policy.ARTIFACT_FORMAT, "features": ["pressure"],
-                "tree": {"leaf": "yolo"}}),
-    json.dumps({"format": policy.ARTIFACT_FORMAT, "features": ["pressure"],
-                "tree": {"feature": "pressure", "threshold": "1", "le": {"leaf": "balanced"},
-                         "gt": {"leaf": "balanced"}}}),
-    json.dumps({"format": policy.ARTIFACT_FORMAT, "features": ["pressure"],
-                "tree": {"feature": "pressure", "threshold": 1.0,
-                         "le": {"leaf": "balanced"}}}),
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "not json",
+        json.dumps({"format": "other/1", "features": ["pressure"], "tree": {"leaf": "balanced"}}),
+        json.dumps(
+            {
+                "format": policy.ARTIFACT_FORMAT,
+                "features": ["hostname"],
+                "tree": {"leaf": "balanced"},
+            }
+        ),
+        json.dumps(
+            {"format": policy.ARTIFACT_FORMAT, "features": ["pressure"], "tree": {"leaf": "yolo"}}
+        ),
+        json.dumps(
+            {
+                "format": policy.ARTIFACT_FORMAT,
+                "features": ["pressure"],
+                "tree": {
+                    "feature": "pressure",
+                    "threshold": "1",
+                    "le": {"leaf": "balanced"},
+                    "gt": {"leaf": "balanced"},
+                },
+            }
+        ),
+        json.dumps(
+            {
+                "format": policy.ARTIFACT_FORMAT,
+                "features": ["pressure"],
+                "tree": {"feature": "pressure", "threshold": 1.0, "le": {"leaf": "balanced"}},
+            }
+        ),
+    ],
+)
 def test_corrupt_artifact_falls_back(profiled, monkeypatch, tmp_path, content):
     path = tmp_path / "tree.json"
     path.write_text(content)
     with pytest.raises(PolicyFallbackNeeded):
         TrainedPolicy.load(path)
     monkeypatch.setenv("MEMSCALE_POLICY_ARTIFACT", str(path))
-    decision, _ = api._select_strategy(memscale.Config(auto_policy=True),
-                                       context_at(2.0, profiled))
+    decision, _ = api._select_strategy(memscale.Config(auto_policy=True), context_at(2.0, profiled))
     assert decision.decision_source == "rule_fallback"
     assert decision.strategy == "aggressive"
 
@@ -133,14 +168,12 @@ def test_too_deep_tree_is_rejected():
     for _ in range(40):
         node = {"feature": "pressure", "threshold": 1.0, "le": node, "gt": {"leaf": "balanced"}}
     with pytest.raises(PolicyFallbackNeeded, match="deeper"):
-        TrainedPolicy({"format": policy.ARTIFACT_FORMAT, "features": ["pressure"],
-                       "tree": node})
+        TrainedPolicy({"format": policy.ARTIFACT_FORMAT, "features": ["pressure"], "tree": node})
 
 
 def test_rule_policy_on_purpose(profiled, monkeypatch):
     monkeypatch.setenv("MEMSCALE_POLICY", "rule")
-    decision, _ = api._select_strategy(memscale.Config(auto_policy=True),
-                                       context_at(0.8, profiled))
+    decision, _ = api._select_strategy(memscale.Config(auto_policy=True), context_at(0.8, profiled))
     assert decision.decision_source == "rule"
     assert decision.strategy == "conservative"
 
@@ -160,9 +193,18 @@ def test_unprofiled_gpu_context_is_refused():
 
 # ---- the policies and the decision ---------------------------------------
 
-@pytest.mark.parametrize("pressure,expected", [
-    (0.5, "conservative"), (0.99, "conservative"), (1.2, "balanced"),
-    (1.49, "balanced"), (1.6, "aggressive"), (3.5, "aggressive")])
+
+@pytest.mark.parametrize(
+    "pressure,expected",
+    [
+        (0.5, "conservative"),
+        (0.99, "conservative"),
+        (1.2, "balanced"),
+        (1.49, "balanced"),
+        (1.6, "aggressive"),
+        (3.5, "aggressive"),
+    ],
+)
 def test_rule_policy_follows_the_pressure_guidance(profiled, pressure, expected):
     strategy, reason = RulePolicy().choose(context_at(pressure, profiled))
     assert strategy == expected
@@ -194,7 +236,8 @@ def test_effective_config_applies_the_strategy():
     # A technique the user turned off stays off.
     off = memscale.Config(enable_checkpointing=False, enable_offloading=False)
     assert StrategyDecision.from_strategy("aggressive", off, "ml", "t", None).techniques == (
-        "tiling",)
+        "tiling",
+    )
     with pytest.raises(ValueError, match="unknown strategy"):
         StrategyDecision.from_strategy("reckless", config, "ml", "t", None)
     with pytest.raises(ValueError, match="decision_source"):
@@ -220,9 +263,11 @@ def test_shipped_artifact():
 
 # ---- wrap, end to end, with the hardware injected --------------------------
 
+
 @pytest.fixture
 def injected_gpu(monkeypatch):
     """A 64 MiB GPU as far as memscale can tell; the model stays on the CPU."""
+
     def detect(device_type, index=0):
         return gpu(64 << 20)
 
@@ -288,6 +333,7 @@ def test_cpu_wrap_plans_exactly_as_configured(auto_policy):
 
 # ---- the training script's tree ---------------------------------------------
 
+
 def _load_script():
     path = Path(__file__).resolve().parent.parent / "scripts" / "train_policy.py"
     spec = importlib.util.spec_from_file_location("train_policy", path)
@@ -305,13 +351,16 @@ def test_tree_learner_is_deterministic_and_cost_minimizing():
         features = dict.fromkeys(FEATURES, 0.5)
         features["pressure"] = pressure
         # conservative fits below 1.0, balanced below 1.6, aggressive always.
-        outcomes = {"conservative": (pressure <= 1.0, 0, 0, 1.0),
-                    "balanced": (pressure <= 1.6, 0, 0, 1.1),
-                    "aggressive": (True, 0, 0, 1.3)}
+        outcomes = {
+            "conservative": (pressure <= 1.0, 0, 0, 1.0),
+            "balanced": (pressure <= 1.6, 0, 0, 1.1),
+            "aggressive": (True, 0, 0, 1.3),
+        }
         cases.append(tp.Case("m", "mlp", pressure, features, outcomes, None))
     tree = tp.grow(cases)
     assert tree == tp.grow(list(reversed(cases)))
-    trained = TrainedPolicy({"format": policy.ARTIFACT_FORMAT, "features": list(FEATURES),
-                             "tree": tree})
+    trained = TrainedPolicy(
+        {"format": policy.ARTIFACT_FORMAT, "features": list(FEATURES), "tree": tree}
+    )
     picks = [trained.predict(c.features)[0] for c in cases]
     assert picks == [tp._oracle(c) for c in cases]

@@ -14,17 +14,15 @@ import random
 
 import pytest
 import torch
+from conftest import CNN, hook_count, mlp, tiny_gpt2, token_batch
 from torch import nn
 
 import memscale
-from conftest import CNN, hook_count, mlp, tiny_gpt2, token_batch
 from memscale import _torch_compat, predictor
 from memscale.autotuning import measure_step
-from memscale.predictor import (DeviceSpec, PeakPrediction, PredictionSession,
-                                predict_peak)
+from memscale.predictor import DeviceSpec, PeakPrediction, PredictionSession, predict_peak
 
-FORCE = memscale.Config(mode="conservative", force_optimize=True,
-                        enable_logging=False)
+FORCE = memscale.Config(mode="conservative", force_optimize=True, enable_logging=False)
 QUIET = memscale.Config(enable_logging=False)
 TOLERANCE = 0.005
 
@@ -33,11 +31,19 @@ def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64,
-                      use_cache=False, bos_token_id=0, eos_token_id=0,
-                      pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -45,21 +51,37 @@ def _mse_target():
     return torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
 
 
+def _mse_loss():
+    """The MLP case's loss function, against a fixed target."""
+    target = _mse_target()
+    return lambda out: nn.functional.mse_loss(out, target)
+
+
 CASES = {
     # model factory, sample input, loss_fn
-    "mlp": (lambda: mlp(depth=4, width=32),
-            lambda: torch.randn(64, 32, generator=torch.Generator().manual_seed(2)),
-            lambda target=_mse_target(): (lambda out: nn.functional.mse_loss(out, target))),
-    "cnn": (CNN, lambda: torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(2)),
-            lambda: None),
-    "gpt2": (tiny_gpt2, lambda: {"input_ids": token_batch(), "labels": token_batch()},
-             lambda: None),
+    "mlp": (
+        lambda: mlp(depth=4, width=32),
+        lambda: torch.randn(64, 32, generator=torch.Generator().manual_seed(2)),
+        _mse_loss,
+    ),
+    "cnn": (
+        CNN,
+        lambda: torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(2)),
+        lambda: None,
+    ),
+    "gpt2": (
+        tiny_gpt2,
+        lambda: {"input_ids": token_batch(), "labels": token_batch()},
+        lambda: None,
+    ),
     # Its attention-mask code branches on the values of the position ids,
     # which the predictor keeps real: all-fake, the step would build an
     # explicit mask and copy the key/value heads, a few percent more.
-    "llama": (tiny_llama, lambda: {"input_ids": token_batch(batch=4, seq=64),
-                                   "labels": token_batch(batch=4, seq=64)},
-              lambda: None),
+    "llama": (
+        tiny_llama,
+        lambda: {"input_ids": token_batch(batch=4, seq=64), "labels": token_batch(batch=4, seq=64)},
+        lambda: None,
+    ),
 }
 
 
@@ -77,7 +99,7 @@ def test_prediction_matches_the_measured_step(name):
         predictions = {None: session.predict(QUIET), FORCE: session.predict(FORCE)}
     for config, prediction in predictions.items():
         measured = measure_step(model, x, config, loss_fn=loss_fn).peak_bytes
-        got = (prediction.unoptimized if config is None else prediction.optimized)
+        got = prediction.unoptimized if config is None else prediction.optimized
         error = abs(got.peak_bytes - measured) / measured
         assert error <= TOLERANCE, (name, config, got, measured)
     # Under the plan every unit is checkpointed, and that never costs memory
@@ -120,8 +142,9 @@ def test_a_model_on_the_meta_device_is_predicted_without_its_memory():
     assert params > 500 << 20
     spec = DeviceSpec("cpu", capacity_bytes=64 << 30, name="a 64 GiB host")
     box = []
-    report = measure_peak(lambda: box.append(
-        predict_peak(model, torch.randn(8, 2048), FORCE, device=spec)))
+    report = measure_peak(
+        lambda: box.append(predict_peak(model, torch.randn(8, 2048), FORCE, device=spec))
+    )
     prediction = box[0]
     # Parameters, gradients and AdamW's two moments: 4x the parameters,
     # and the step allocated a small fraction of one of them for real.
@@ -205,8 +228,7 @@ def test_a_step_that_cannot_be_simulated_raises_and_restores():
     with pytest.raises(RuntimeError, match="could not simulate.*Sequential"):
         predict_peak(model, torch.randn(2, 8), FORCE)
     assert [id(p) for p in model.parameters()] == params
-    assert not any(predictor._torch_compat.fake_tensor_tools()[0](p)
-                   for p in model.parameters())
+    assert not any(predictor._torch_compat.fake_tensor_tools()[0](p) for p in model.parameters())
     assert hook_count(model) == 0
     model(torch.randn(2, 8)).sum().backward()  # still an ordinary model
 
@@ -316,8 +338,9 @@ def test_arguments_are_checked():
 
 def test_a_device_description_as_a_dict():
     model, x, loss_fn = _case("mlp")
-    prediction = predict_peak(model, x, QUIET, loss_fn=loss_fn,
-                              device={"type": "cpu", "capacity_bytes": 1 << 30})
+    prediction = predict_peak(
+        model, x, QUIET, loss_fn=loss_fn, device={"type": "cpu", "capacity_bytes": 1 << 30}
+    )
     assert prediction.capacity_bytes == 1 << 30 and prediction.simulated_on == "cpu"
 
 
@@ -342,8 +365,11 @@ def test_estimate_savings():
     prediction = predict_peak(model, x, FORCE, loss_fn=loss_fn)
     assert estimate.peak_unoptimized_bytes == prediction.unoptimized.peak_bytes
     assert estimate.peak_optimized_bytes == prediction.optimized.peak_bytes
-    assert estimate.saved_bytes == (estimate.peak_unoptimized_bytes
-                                    - estimate.peak_optimized_bytes) > 0
+    assert (
+        estimate.saved_bytes
+        == (estimate.peak_unoptimized_bytes - estimate.peak_optimized_bytes)
+        > 0
+    )
     assert estimate.time_ratio == pytest.approx(1 + estimate.recompute_ratio / 3)
     assert 0 < estimate.recompute_ratio <= 1
     assert estimate.checkpointed_layers == estimate.layer_count == 4
@@ -404,8 +430,9 @@ def test_the_result_type():
     with pytest.raises(AttributeError):
         prediction.budget_bytes = 1  # frozen
     assert prediction.time_ratio == pytest.approx(1 + prediction.recompute_ratio / 3)
-    assert prediction.saved_bytes == (prediction.unoptimized.peak_bytes
-                                      - prediction.optimized.peak_bytes)
+    assert prediction.saved_bytes == (
+        prediction.unoptimized.peak_bytes - prediction.optimized.peak_bytes
+    )
 
 
 def test_wrap_plans_from_the_predicted_peak():

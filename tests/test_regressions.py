@@ -8,11 +8,11 @@ import weakref
 
 import pytest
 import torch
+from conftest import FORCE, assert_same_grads, hook_count, mlp, twins
 from torch import nn
 
 import memscale
 from memscale import _core
-from conftest import FORCE, assert_same_grads, hook_count, mlp, twins
 
 
 def _top_hooks():
@@ -20,11 +20,19 @@ def _top_hooks():
 
 
 def _force_plan(names):
-    return _core.build_plan([(n, "L", 0, 100, 1, 1.0, 0) for n in names],
-                            mode="conservative", allowed=_core.TECH_CHECKPOINT,
-                            force=True, budget_bytes=1, fixed_bytes=0,
-                            activation_bytes=100 * len(names), total_flops=1.0,
-                            device="cpu", device_count=1, capacity_bytes=1)
+    return _core.build_plan(
+        [(n, "L", 0, 100, 1, 1.0, 0) for n in names],
+        mode="conservative",
+        allowed=_core.TECH_CHECKPOINT,
+        force=True,
+        budget_bytes=1,
+        fixed_bytes=0,
+        activation_bytes=100 * len(names),
+        total_flops=1.0,
+        device="cpu",
+        device_count=1,
+        capacity_bytes=1,
+    )
 
 
 class GradInForward(nn.Module):
@@ -95,20 +103,30 @@ class Evil:
 
 def test_build_plan_survives_a_list_mutated_while_parsed():
     layers: list = []
-    layers.extend([("a", "L", 0, Evil(layers), 0, 1.0, 0)]
-                  + [("b", "L", 0, 1, 0, 1.0, 0)] * 3)
-    plan = _core.build_plan(layers, mode="conservative", allowed=1, force=False,
-                            budget_bytes=1, fixed_bytes=0, activation_bytes=0,
-                            total_flops=1.0, device="cpu", device_count=1,
-                            capacity_bytes=1)
+    layers.extend([("a", "L", 0, Evil(layers), 0, 1.0, 0)] + [("b", "L", 0, 1, 0, 1.0, 0)] * 3)
+    plan = _core.build_plan(
+        layers,
+        mode="conservative",
+        allowed=1,
+        force=False,
+        budget_bytes=1,
+        fixed_bytes=0,
+        activation_bytes=0,
+        total_flops=1.0,
+        device="cpu",
+        device_count=1,
+        capacity_bytes=1,
+    )
     assert len(plan) == 4
 
 
 @pytest.mark.parametrize("units", [[["0", None]], [("0", None), ("0b", None)]])
 def test_executor_units_are_checked(units):
     model = nn.Sequential(nn.Linear(2, 2))
-    units = [(n, model[0]) if isinstance(u, tuple) else [n, model[0]]
-             for n, u in ((u[0], u) for u in units)]
+    units = [
+        (n, model[0]) if isinstance(u, tuple) else [n, model[0]]
+        for n, u in ((u[0], u) for u in units)
+    ]
     with pytest.raises((TypeError, ValueError)):
         _core.Executor(model, units)
 
@@ -137,8 +155,7 @@ class PairModel(nn.Module):
 def test_in_place_change_of_a_nested_input_is_detected():
     torch.manual_seed(0)
     model = PairModel().train()
-    ex = _core.Executor(model, [("blocks.0", model.blocks[0]),
-                                ("blocks.1", model.blocks[1])])
+    ex = _core.Executor(model, [("blocks.0", model.blocks[0]), ("blocks.1", model.blocks[1])])
     ex.apply(_force_plan(["blocks.0", "blocks.1"]))
     x, y = torch.randn(2, 4), torch.randn(2, 4)
     with pytest.raises(RuntimeError, match="modified in place"):
@@ -292,9 +309,11 @@ def test_empirical_profiling_keeps_no_activation_alive():
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[Spy() for _ in range(3)])
-    memscale.wrap(model, memscale.Config(use_static_profiling=False,
-                                         force_optimize=True, enable_logging=False),
-                  sample_input=torch.randn(4, 32))
+    memscale.wrap(
+        model,
+        memscale.Config(use_static_profiling=False, force_optimize=True, enable_logging=False),
+        sample_input=torch.randn(4, 32),
+    )
     gc.collect()
     assert refs and all(r() is None for r in refs)
     memscale.detach(model)

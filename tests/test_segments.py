@@ -9,13 +9,11 @@ import warnings
 
 import pytest
 import torch
+from conftest import CNN, Block, assert_same_step, hook_count, mlp, tiny_gpt2, token_batch
 from torch import nn
 
 import memscale
 from memscale import _core, _planning
-
-from conftest import (CNN, Block, assert_same_step, hook_count, mlp,
-                      token_batch, tiny_gpt2)
 
 W = 32
 
@@ -59,21 +57,26 @@ class Chain(nn.Module):
         return self.head(x)
 
 
-def segment_plan(model, sample, frac=0.9, inflate=9, config=None, layers=None,
-                 **extra):
+def segment_plan(model, sample, frac=0.9, inflate=9, config=None, layers=None, **extra):
     """Wrap ``model``; return its executor and a plan (not yet applied)
     made from its profile with inflated input sizes, so that the budget
     planner makes segments."""
-    memscale.wrap(model, config or memscale.Config(enable_logging=False),
-                  sample_input=sample)
+    memscale.wrap(model, config or memscale.Config(enable_logging=False), sample_input=sample)
     ex = model.__dict__["_memscale_executor"]
     inputs = _planning.plan_inputs(ex.profile, ex.config, ex.hardware, 0)
-    rows = [(n, k, pb, sb, sb * inflate // 10, fl, fg)
-            for (n, k, pb, sb, ib, fl, fg) in inputs["layers"]]
+    rows = [
+        (n, k, pb, sb, sb * inflate // 10, fl, fg)
+        for (n, k, pb, sb, ib, fl, fg) in inputs["layers"]
+    ]
     inputs["layers"] = layers(rows) if layers is not None else rows
     tot = sum(row[3] for row in inputs["layers"])
-    inputs.update(fixed_bytes=0, activation_bytes=tot, peak_offset_bytes=0,
-                  budget_bytes=int(tot * frac), **extra)
+    inputs.update(
+        fixed_bytes=0,
+        activation_bytes=tot,
+        peak_offset_bytes=0,
+        budget_bytes=int(tot * frac),
+        **extra,
+    )
     plan = _core.build_plan(**inputs)
     assert plan.fits
     return ex, plan
@@ -85,8 +88,7 @@ def segments(plan):
 
 def counters(ex, before=(0, 0)):
     """(frames opened, recomputes run) since ``before``."""
-    return (ex.stats["checkpoint_frames"] - before[0],
-            ex.stats["recomputes"] - before[1])
+    return (ex.stats["checkpoint_frames"] - before[0], ex.stats["recomputes"] - before[1])
 
 
 def same_buffers(a, b):
@@ -142,12 +144,15 @@ def test_segment_covers_every_block_of_mlp():
     assert counters(ex, before) == (1, 1)
 
 
-@pytest.mark.parametrize("glue, frac, inflate, expected, frames", [
-    (None, 0.9, 20, [0, 0, 0, -1], 1),  # the chain holds: one frame
-    (None, 0.6, 5, [0, 0, 2, -1], 2),   # two segments back to back
-    (lambda x: x * 1.0, 0.9, 20, [0, 0, 0, -1], 3),  # a new tensor: split
-    (lambda x: x + 0.5, 0.9, 20, [0, 0, 0, -1], 3),
-])
+@pytest.mark.parametrize(
+    "glue, frac, inflate, expected, frames",
+    [
+        (None, 0.9, 20, [0, 0, 0, -1], 1),  # the chain holds: one frame
+        (None, 0.6, 5, [0, 0, 2, -1], 2),  # two segments back to back
+        (lambda x: x * 1.0, 0.9, 20, [0, 0, 0, -1], 3),  # a new tensor: split
+        (lambda x: x + 0.5, 0.9, 20, [0, 0, 0, -1], 3),
+    ],
+)
 def test_glue_between_units_splits_segment(glue, frac, inflate, expected, frames):
     model = Chain(glue=glue).train()
     ref = copy.deepcopy(model)
@@ -164,6 +169,7 @@ def test_inplace_glue_between_units():
     tensor object: the segment ends there (its version changed), since the
     replay would feed the next unit the unchanged output (found by review:
     silently wrong gradients before the version check)."""
+
     def glue(x):
         return x.add_(0.5)
 
@@ -281,18 +287,26 @@ def test_segment_input_offloaded_to_disk(tmp_path, async_io):
     model = Chain().train()
     ref = copy.deepcopy(model)
     config = memscale.Config(
-        enable_logging=False, mode="balanced", async_offload=async_io,
-        async_config=memscale.AsyncOffloadConfig(min_offload_bytes=0,
-                                                 spill_dir=str(tmp_path)))
+        enable_logging=False,
+        mode="balanced",
+        async_offload=async_io,
+        async_config=memscale.AsyncOffloadConfig(min_offload_bytes=0, spill_dir=str(tmp_path)),
+    )
     # The tightest budget that still fits makes the planner offload.
     for frac in (0.7, 0.6, 0.5, 0.45, 0.4, 0.35):
         if "_memscale_executor" in model.__dict__:
             memscale.detach(model)
         try:
             ex, plan = segment_plan(
-                model, X, frac=frac, config=config, mode="balanced", disk_tier=True,
+                model,
+                X,
+                frac=frac,
+                config=config,
+                mode="balanced",
+                disk_tier=True,
                 min_offload_bytes=0,
-                allowed=_core.TECH_CHECKPOINT | _core.TECH_OFFLOAD)
+                allowed=_core.TECH_CHECKPOINT | _core.TECH_OFFLOAD,
+            )
         except AssertionError:  # no plan fits this one
             break
         if any(lay.tier == "disk" for lay in plan.layers):

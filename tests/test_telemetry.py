@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CNN, FORCE, hook_count, mlp, tiny_gpt2, token_batch
 from torch import nn
 
 import memscale
 from memscale import _telemetry
-from conftest import CNN, FORCE, hook_count, mlp, tiny_gpt2, token_batch
 
 
 @pytest.fixture(autouse=True)
@@ -106,8 +106,12 @@ def test_warmup_wrap_emits_plan_built(tmp_path):
     sink = tmp_path / "warm.jsonl"
     _telemetry.enable(str(sink))
     model = mlp()
-    memscale.wrap(model, memscale.Config(mode="conservative", force_optimize=True,
-                                         warmup_steps=1, use_static_profiling=False))
+    memscale.wrap(
+        model,
+        memscale.Config(
+            mode="conservative", force_optimize=True, warmup_steps=1, use_static_profiling=False
+        ),
+    )
     x = torch.randn(4, 32)
     for _ in range(2):
         model(x).sum().backward()
@@ -141,17 +145,33 @@ def test_payload_holds_nothing_identifying(tmp_path, monkeypatch):
     _telemetry.enable(sink)
     model = AcmeSecretNet()
     x = torch.full((4, 16), 987.654321)
-    memscale.wrap(model, memscale.Config(mode="conservative", force_optimize=True,
-                                         log_file=str(secret_dir / "run.log")),
-                  sample_input=x)
+    memscale.wrap(
+        model,
+        memscale.Config(
+            mode="conservative", force_optimize=True, log_file=str(secret_dir / "run.log")
+        ),
+        sample_input=x,
+    )
     out = model(x)
     memscale.detach(model)
     text = sink.read_text()
     forbidden = {
-        "paths": [str(tmp_path), str(secret_dir), "user-secret-project", "telemetry.jsonl",
-                  "run.log", str(Path.home()), os.getcwd()],
-        "names": ["AcmeSecretNet", "zz_private_encoder", "Linear", "Sequential",
-                  "zz_private_encoder.0"],
+        "paths": [
+            str(tmp_path),
+            str(secret_dir),
+            "user-secret-project",
+            "telemetry.jsonl",
+            "run.log",
+            str(Path.home()),
+            os.getcwd(),
+        ],
+        "names": [
+            "AcmeSecretNet",
+            "zz_private_encoder",
+            "Linear",
+            "Sequential",
+            "zz_private_encoder.0",
+        ],
         "host and user": [socket.gethostname(), getpass.getuser()],
         "tensor values": ["987.65", "0.12345", f"{out.flatten()[0].item():.4f}"],
     }
@@ -175,11 +195,14 @@ def test_validate_rejects_anything_outside_the_schema(tmp_path):
     memscale.wrap(model, FORCE, sample_input=torch.randn(4, 32))
     event = events(sink)[0]
     memscale.detach(model)
-    for bad in ({**event, "model_name": "gpt2"}, {**event, "arch_class": "/home/me/model.py"},
-                {**event, "techniques": ["checkpoint", "secret"]},
-                {**event, "torch_version": "2.13 on my-laptop"},
-                {k: v for k, v in event.items() if k != "mode"},
-                {**event, "planned": 1}):
+    for bad in (
+        {**event, "model_name": "gpt2"},
+        {**event, "arch_class": "/home/me/model.py"},
+        {**event, "techniques": ["checkpoint", "secret"]},
+        {**event, "torch_version": "2.13 on my-laptop"},
+        {k: v for k, v in event.items() if k != "mode"},
+        {**event, "planned": 1},
+    ):
         with pytest.raises(ValueError):
             _telemetry.validate(bad)
         assert _telemetry.emit(bad) is False

@@ -10,13 +10,12 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import Block, mlp, tiny_gpt2
 from torch import nn
 
 import memscale
 from memscale import Config, _core, tiling
 from memscale.benchmarks.measure import measure_peak
-
-from conftest import Block, mlp, tiny_gpt2
 
 FORCE_TILE = Config(mode="aggressive", force_optimize=True, enable_offloading=False)
 
@@ -47,6 +46,7 @@ def assert_agrees(model, ref, x, tol=1e-5):
 
 # ---- tile_call ------------------------------------------------------------
 
+
 def test_tile_call_slices_what_follows_the_lead_and_joins():
     seen = []
 
@@ -68,10 +68,16 @@ def test_tile_call_slices_what_follows_the_lead_and_joins():
     assert [s[1] for s in seen] == [(1, 1, 6, 6)] * 2 and torch.equal(out, x * 2)
 
 
-@pytest.mark.parametrize("dim,tiles,match", [
-    (-1, 2, "dim must be"), (0, 0, "tiles in"), (0, _core.MAX_TILES + 1, "tiles in"),
-    (3, 2, "no dimension 3"), (0, 5, "at least 5"),
-])
+@pytest.mark.parametrize(
+    "dim,tiles,match",
+    [
+        (-1, 2, "dim must be"),
+        (0, 0, "tiles in"),
+        (0, _core.MAX_TILES + 1, "tiles in"),
+        (3, 2, "no dimension 3"),
+        (0, 5, "at least 5"),
+    ],
+)
 def test_tile_call_rejects_bad_requests(dim, tiles, match):
     with pytest.raises(ValueError, match=match):
         _core.tile_call(lambda x: x, (torch.zeros(4, 3),), {}, dim, tiles)
@@ -84,6 +90,7 @@ def test_tile_call_refuses_outputs_it_cannot_join():
 
 
 # ---- which layers, which dimension ------------------------------------------
+
 
 def test_candidates():
     assert tiling.is_candidate(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
@@ -116,8 +123,12 @@ def test_mlp_blocks_are_verified_and_agree(caplog):
 
 def test_structural_layers_need_no_verification(caplog):
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 32), nn.SiLU(),
-                                          nn.Linear(32, 8)) for _ in range(3)])
+    model = nn.Sequential(
+        *[
+            nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 32), nn.SiLU(), nn.Linear(32, 8))
+            for _ in range(3)
+        ]
+    )
     ref = copy.deepcopy(model)
     x = torch.randn(3, 40, 8)
     with caplog.at_level(logging.INFO, logger="memscale"):
@@ -247,9 +258,11 @@ def test_gpt2_with_dropout_is_not_tiled():
 
 # ---- memory, budgets, composition ------------------------------------------
 
+
 def _peak(model, x):
     def step():
         model(x).square().mean().backward()
+
     model.zero_grad(set_to_none=True)
     return measure_peak(step, model=model, inputs=(x,), warmup=1).peak_delta_bytes
 
@@ -257,8 +270,10 @@ def _peak(model, x):
 def test_tiles_lower_the_measured_peak():
     x = torch.randn(2, 512, 64)
     peaks = {}
-    for name, cfg in [("checkpoint", Config(mode="conservative", force_optimize=True)),
-                      ("tiled", FORCE_TILE.replace(memory_budget_gb=1e-4))]:
+    for name, cfg in [
+        ("checkpoint", Config(mode="conservative", force_optimize=True)),
+        ("tiled", FORCE_TILE.replace(memory_budget_gb=1e-4)),
+    ]:
         model = mlp(depth=2, width=64)
         memscale.wrap(model, cfg, sample_input=x)
         tiles = [l.tiles for l in model._memscale_executor.plan.layers]
@@ -284,9 +299,15 @@ def test_budget_sets_the_tile_count():
         # (the planner counts memory in buckets of budget / 512 bytes, so
         # a budget on the very edge may need the next count).
         share = saved // want
-        memscale.wrap(model, Config(enable_tiling=True, enable_offloading=False,
-                                    memory_budget_gb=(floor + share + share // 4) / 2**30),
-                      sample_input=x)
+        memscale.wrap(
+            model,
+            Config(
+                enable_tiling=True,
+                enable_offloading=False,
+                memory_budget_gb=(floor + share + share // 4) / 2**30,
+            ),
+            sample_input=x,
+        )
         chosen.append(max(l.tiles for l in model._memscale_executor.plan.layers))
         memscale.detach(model)
     assert chosen == [2, 4, 8]
@@ -296,8 +317,11 @@ def test_budget_sets_the_tile_count():
 def test_tiling_with_disk_offload(tmp_path, async_offload):
     model, ref = mlp(width=16), mlp(width=16)
     x = torch.randn(2, 64, 16)
-    cfg = Config(mode="aggressive", force_optimize=True, async_config=memscale.AsyncOffloadConfig(
-        min_offload_bytes=0, spill_dir=str(tmp_path)))
+    cfg = Config(
+        mode="aggressive",
+        force_optimize=True,
+        async_config=memscale.AsyncOffloadConfig(min_offload_bytes=0, spill_dir=str(tmp_path)),
+    )
     memscale.wrap(model, cfg, sample_input=x, async_offload=async_offload)
     plan = model._memscale_executor.plan
     assert plan.technique_counts["offload"] == 4
@@ -398,8 +422,9 @@ def test_the_verifier_sees_the_tiles_the_call_makes():
     model = nn.Sequential(RowMixer(), RowMixer())  # tiled along the batch
     ref = copy.deepcopy(model)
     x = torch.randn(4, 10, 8)
-    memscale.wrap(model, FORCE_TILE.replace(memory_budget_gb=1e-9, force_optimize=True),
-                  sample_input=x)
+    memscale.wrap(
+        model, FORCE_TILE.replace(memory_budget_gb=1e-9, force_optimize=True), sample_input=x
+    )
     assert max(l.tiles for l in model._memscale_executor.plan.layers) > 4
     assert_agrees(model, ref, x)
     assert [m.forward.dim for m in model] == [0, 0]
@@ -425,13 +450,22 @@ def test_layers_with_hooks_are_not_tiling_candidates():
 
 # ---- attention over query tiles (Hugging Face attention interface) ---------
 
+
 def _gpt2(impl: str, seq: int = 64, heads: int = 4):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=heads, vocab_size=128,
-                     n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, use_cache=False)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=heads,
+        vocab_size=128,
+        n_positions=seq,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
     model = GPT2LMHeadModel(cfg)
     model.config._attn_implementation = impl
     return model
@@ -445,8 +479,7 @@ def test_attention_is_tiled_over_queries_and_agrees(impl, monkeypatch):
     ids = torch.randint(0, 128, (2, 64))
     calls = []
     real_inner = attention._inner
-    monkeypatch.setattr(attention, "_inner",
-                        lambda m, o: calls.append(o) or real_inner(m, o))
+    monkeypatch.setattr(attention, "_inner", lambda m, o: calls.append(o) or real_inner(m, o))
     memscale.wrap(model, FORCE_TILE, sample_input={"input_ids": ids})
     assert model.config._attn_implementation == attention.NAME
     out = model(input_ids=ids, labels=ids)
@@ -479,8 +512,7 @@ def test_query_tiles_lower_the_attention_peak(monkeypatch):
             model(input_ids=ids, labels=ids).loss.backward()
 
         model.zero_grad(set_to_none=True)
-        peaks[tiled] = measure_peak(step, model=model, inputs=(ids,),
-                                    warmup=1).peak_delta_bytes
+        peaks[tiled] = measure_peak(step, model=model, inputs=(ids,), warmup=1).peak_delta_bytes
         memscale.detach(model)
         monkeypatch.undo()
     # The scores (1 x 8 x 256 x 256 float32, 2 MiB a layer, and their

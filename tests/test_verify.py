@@ -9,14 +9,15 @@ import random
 
 import pytest
 import torch
+from conftest import CNN, hook_count, loss_of, mlp, tiny_bert, tiny_gpt2, token_batch, twins
 from torch import nn
 
 import memscale
-from conftest import CNN, hook_count, loss_of, mlp, tiny_bert, tiny_gpt2, token_batch, twins
 from memscale import _verify
 
-VERIFY = memscale.Config(mode="conservative", force_optimize=True,
-                         verify_correctness=True, enable_logging=False)
+VERIFY = memscale.Config(
+    mode="conservative", force_optimize=True, verify_correctness=True, enable_logging=False
+)
 PLAIN = VERIFY.replace(verify_correctness=False)
 
 
@@ -30,8 +31,7 @@ class PythonDropout(nn.Module):
         self.fc = nn.Linear(width, width)
 
     def forward(self, x):
-        keep = torch.tensor([random.random() > 0.5 for _ in range(x.shape[-1])],
-                            dtype=x.dtype)
+        keep = torch.tensor([random.random() > 0.5 for _ in range(x.shape[-1])], dtype=x.dtype)
         return torch.tanh(self.fc(x)) * keep
 
 
@@ -62,9 +62,11 @@ CASES = {
     "cnn-batchnorm": (CNN, lambda: torch.randn(4, 3, 8, 8), _bn_step),
     "gpt2-dropout": (tiny_gpt2, token_batch, loss_of),
     # The loss uses both outputs: the model's own loss and its logits.
-    "bert-two-outputs": (tiny_bert, token_batch,
-                         lambda m, x: (lambda o: o.loss + o.logits.pow(2).mean())(
-                             m(input_ids=x, labels=x))),
+    "bert-two-outputs": (
+        tiny_bert,
+        token_batch,
+        lambda m, x: (lambda o: o.loss + o.logits.pow(2).mean())(m(input_ids=x, labels=x)),
+    ),
 }
 
 
@@ -97,8 +99,13 @@ def test_correct_techniques_pass_and_training_is_unchanged(name, caplog):
         with caplog.at_level(logging.INFO, logger="memscale._verify"):
             opt = _train(model, x, step)
         executor = model._memscale_executor
-        results[label] = (opt, torch.get_rng_state(), random.getstate(),
-                          getattr(executor, "verifier", None), executor.stats)
+        results[label] = (
+            opt,
+            torch.get_rng_state(),
+            random.getstate(),
+            getattr(executor, "verifier", None),
+            executor.stats,
+        )
         memscale.detach(model)
     opt_v, rng_v, py_v, verifier, stats_v = results["verify"]
     opt_p, rng_p, py_p, _, stats_p = results["plain"]
@@ -144,8 +151,9 @@ def test_a_broken_recompute_is_caught():
     try:
         loss = model(x).pow(2).sum()
         SETTING["scale"] = 2.0
-        with pytest.raises(_verify.VerificationError,
-                           match="differs from the same step without memscale.*bitwise"):
+        with pytest.raises(
+            _verify.VerificationError, match="differs from the same step without memscale.*bitwise"
+        ):
             loss.backward()
     finally:
         SETTING["scale"] = 1.0

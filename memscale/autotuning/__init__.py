@@ -13,5 +13,4 @@ under a Config the same way.
 from .trial import measure_step
 from .tuner import AutoTuner, BatchSizeResult, Choice, NoConfigFits, TuneResult
 
-__all__ = ["AutoTuner", "BatchSizeResult", "Choice", "NoConfigFits", "TuneResult",
-           "measure_step"]
+__all__ = ["AutoTuner", "BatchSizeResult", "Choice", "NoConfigFits", "TuneResult", "measure_step"]

@@ -22,8 +22,9 @@ from ..config import Config
 __all__ = ["fresh_optimizer", "measure_step"]
 
 
-def fresh_optimizer(optimizer: torch.optim.Optimizer | None,
-                    model: nn.Module) -> torch.optim.Optimizer:
+def fresh_optimizer(
+    optimizer: torch.optim.Optimizer | None, model: nn.Module
+) -> torch.optim.Optimizer:
     """A new optimizer of ``optimizer``'s class and settings over the same
     parameters, with no state (AdamW with its defaults when None), so that
     a trial never changes the optimizer the caller trains with."""
@@ -37,7 +38,8 @@ def fresh_optimizer(optimizer: torch.optim.Optimizer | None,
         raise TypeError(
             f"memscale cannot build a second {type(optimizer).__name__} for a "
             f"measured trial ({type(exc).__name__}: {exc}); pass optimizer=None "
-            "(AdamW is then used), or run without trials (trial=False)") from exc
+            "(AdamW is then used), or run without trials (trial=False)"
+        ) from exc
 
 
 @contextlib.contextmanager
@@ -50,8 +52,7 @@ def _restored(model: nn.Module) -> Iterator[None]:
 
     params = list(model.parameters())
     saved_params = [p.detach().to("cpu", copy=True) for p in params]
-    saved_grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True)
-                   for p in params]
+    saved_grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in params]
     buffers = list(model.buffers())
     saved_buffers = [b.detach().to("cpu", copy=True) for b in buffers]
     flags = [(m, m.training) for m in model.modules()]
@@ -70,9 +71,15 @@ def _restored(model: nn.Module) -> Iterator[None]:
         set_rng_state(rng)
 
 
-def measure_step(model: nn.Module, sample_input: Any, config: Config | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, *,
-                 loss_fn: Callable[[Any], Any] | None = None, warmup: int = 1) -> Any:
+def measure_step(
+    model: nn.Module,
+    sample_input: Any,
+    config: Config | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    loss_fn: Callable[[Any], Any] | None = None,
+    warmup: int = 1,
+) -> Any:
     """Measure one real training step of ``model`` on ``sample_input``.
 
     With ``config``, memscale is wrapped for the trial (as
@@ -94,15 +101,17 @@ def measure_step(model: nn.Module, sample_input: Any, config: Config | None = No
     from ..predictor import default_loss
 
     if not isinstance(model, nn.Module):
-        raise TypeError(f"measure_step() needs a torch.nn.Module, got "
-                        f"{type(model).__name__}")
+        raise TypeError(f"measure_step() needs a torch.nn.Module, got {type(model).__name__}")
     if model.__dict__.get(api.ATTR) is not None:
-        raise RuntimeError("measure_step() runs its own memscale.wrap(); call "
-                           "memscale.detach(model) first")
+        raise RuntimeError(
+            "measure_step() runs its own memscale.wrap(); call memscale.detach(model) first"
+        )
     if any(t.is_meta for t in model.parameters()):
-        raise ValueError("the model is on the meta device and cannot run a real "
-                         "step; trials need a materialized model (trial=False "
-                         "skips them)")
+        raise ValueError(
+            "the model is on the meta device and cannot run a real "
+            "step; trials need a materialized model (trial=False "
+            "skips them)"
+        )
     args, kwargs = _planning.split_input(sample_input)
     compute_loss = loss_fn if loss_fn is not None else default_loss
     with _restored(model):
@@ -119,8 +128,7 @@ def measure_step(model: nn.Module, sample_input: Any, config: Config | None = No
                 opt.step()
                 return loss.detach()
 
-            return measure_peak(step, model=model,
-                                inputs=(args, kwargs, opt.state), warmup=warmup)
+            return measure_peak(step, model=model, inputs=(args, kwargs, opt.state), warmup=warmup)
         finally:
             if model.__dict__.get(api.ATTR) is not None:
                 api.detach(model)

@@ -32,8 +32,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AutoTuner", "BatchSizeResult", "Choice", "NoConfigFits", "TuneResult"]
 
-_MODES = (OptimizationMode.CONSERVATIVE, OptimizationMode.BALANCED,
-          OptimizationMode.AGGRESSIVE)
+_MODES = (OptimizationMode.CONSERVATIVE, OptimizationMode.BALANCED, OptimizationMode.AGGRESSIVE)
 # Steps of the search over the engine's budget, when the plan the engine
 # picks for the real budget is predicted not to fit (see _tighter).
 _BUDGET_SEARCH_STEPS = 24
@@ -98,18 +97,35 @@ class Choice:
 
 
 def _choice_rows(choices: tuple[Choice, ...]) -> list[str]:
-    rows = [("mode", "force", "engine budget", "layers", "predicted peak",
-             "measured peak", "step time", "status")]
+    rows = [
+        (
+            "mode",
+            "force",
+            "engine budget",
+            "layers",
+            "predicted peak",
+            "measured peak",
+            "step time",
+            "status",
+        )
+    ]
     for c in choices:
-        rows.append((c.config.mode.value, "yes" if c.config.force_optimize else "no",
-                     _fmt(_planning.budget_bytes(c.config, {"capacity_bytes": 0}))
-                     if c.config.memory_budget_gb is not None else "-",
-                     str(c.checkpointed_layers), _fmt(c.predicted_peak_bytes),
-                     "-" if c.measured_peak_bytes is None else _fmt(c.measured_peak_bytes),
-                     f"x{c.predicted_time_ratio:.2f}", c.status))
+        rows.append(
+            (
+                c.config.mode.value,
+                "yes" if c.config.force_optimize else "no",
+                _fmt(_planning.budget_bytes(c.config, {"capacity_bytes": 0}))
+                if c.config.memory_budget_gb is not None
+                else "-",
+                str(c.checkpointed_layers),
+                _fmt(c.predicted_peak_bytes),
+                "-" if c.measured_peak_bytes is None else _fmt(c.measured_peak_bytes),
+                f"x{c.predicted_time_ratio:.2f}",
+                c.status,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
-            for r in rows]
+    return ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,23 +151,29 @@ class TuneResult:
         return tuple(c for c in self.choices if c.status == "runner-up")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"config": self.config.to_dict(),
-                "prediction": self.prediction.to_dict(),
-                "budget_bytes": self.budget_bytes,
-                "measured_peak_bytes": self.measured_peak_bytes,
-                "confirmed": self.confirmed,
-                "choices": [c.to_dict() for c in self.choices]}
+        return {
+            "config": self.config.to_dict(),
+            "prediction": self.prediction.to_dict(),
+            "budget_bytes": self.budget_bytes,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "confirmed": self.confirmed,
+            "choices": [c.to_dict() for c in self.choices],
+        }
 
     def __str__(self) -> str:
         p = self.prediction
-        head = (f"memscale AutoTuner: budget {_fmt(self.budget_bytes)}; chosen: "
-                f"mode={self.config.mode.value} force_optimize="
-                f"{self.config.force_optimize} memory_budget_gb="
-                f"{self.config.memory_budget_gb!r}, predicted peak "
-                f"{_fmt(p.optimized.peak_bytes)}, step time x{p.time_ratio:.2f}")
+        head = (
+            f"memscale AutoTuner: budget {_fmt(self.budget_bytes)}; chosen: "
+            f"mode={self.config.mode.value} force_optimize="
+            f"{self.config.force_optimize} memory_budget_gb="
+            f"{self.config.memory_budget_gb!r}, predicted peak "
+            f"{_fmt(p.optimized.peak_bytes)}, step time x{p.time_ratio:.2f}"
+        )
         if self.measured_peak_bytes is not None:
-            head += (f", measured {_fmt(self.measured_peak_bytes)} "
-                     f"({'confirmed' if self.confirmed else 'NOT confirmed'})")
+            head += (
+                f", measured {_fmt(self.measured_peak_bytes)} "
+                f"({'confirmed' if self.confirmed else 'NOT confirmed'})"
+            )
         return "\n".join([head] + _choice_rows(self.choices))
 
 
@@ -184,15 +206,21 @@ class BatchSizeResult:
         return out
 
     def __str__(self) -> str:
-        lines = [f"memscale AutoTuner: largest batch {self.batch_size} under "
-                 f"mode={self.config.mode.value}, budget {_fmt(self.budget_bytes)}: "
-                 f"predicted {_fmt(self.predicted_peak_bytes)}"
-                 + ("" if self.measured_peak_bytes is None else
-                    f", measured {_fmt(self.measured_peak_bytes)}"
-                    f" ({'confirmed' if self.confirmed else 'NOT confirmed'})")]
+        lines = [
+            f"memscale AutoTuner: largest batch {self.batch_size} under "
+            f"mode={self.config.mode.value}, budget {_fmt(self.budget_bytes)}: "
+            f"predicted {_fmt(self.predicted_peak_bytes)}"
+            + (
+                ""
+                if self.measured_peak_bytes is None
+                else f", measured {_fmt(self.measured_peak_bytes)}"
+                f" ({'confirmed' if self.confirmed else 'NOT confirmed'})"
+            )
+        ]
         for b, peak, fits in self.predictions:
-            lines.append(f"  batch {b:>6}: predicted {_fmt(peak):>10}  "
-                         f"{'fits' if fits else 'over budget'}")
+            lines.append(
+                f"  batch {b:>6}: predicted {_fmt(peak):>10}  {'fits' if fits else 'over budget'}"
+            )
         return "\n".join(lines)
 
 
@@ -210,30 +238,41 @@ class AutoTuner:
     ``Config()``) are optional keywords.
     """
 
-    def __init__(self, model: nn.Module, sample_input: Any,
-                 optimizer: torch.optim.Optimizer | None = None,
-                 budget_bytes: int | None = None, *, device: Any = None,
-                 loss_fn: Callable[[Any], Any] | None = None,
-                 base_config: Config | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        sample_input: Any,
+        optimizer: torch.optim.Optimizer | None = None,
+        budget_bytes: int | None = None,
+        *,
+        device: Any = None,
+        loss_fn: Callable[[Any], Any] | None = None,
+        base_config: Config | None = None,
+    ) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"AutoTuner needs a torch.nn.Module, got "
-                            f"{type(model).__name__}")
+            raise TypeError(f"AutoTuner needs a torch.nn.Module, got {type(model).__name__}")
         if base_config is None:
             base_config = Config()
         elif not isinstance(base_config, Config):
-            raise TypeError("base_config must be a memscale.Config or None, got "
-                            f"{type(base_config).__name__}")
+            raise TypeError(
+                f"base_config must be a memscale.Config or None, got {type(base_config).__name__}"
+            )
         if budget_bytes is not None and (
-                isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
-                or budget_bytes < 1):
-            raise ValueError("budget_bytes must be an int >= 1 or None (the "
-                             f"device's usable memory), got {budget_bytes!r}")
+            isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1
+        ):
+            raise ValueError(
+                "budget_bytes must be an int >= 1 or None (the "
+                f"device's usable memory), got {budget_bytes!r}"
+            )
         if model.__dict__.get("_memscale_executor") is not None:
-            raise RuntimeError("the AutoTuner tunes a model memscale has not "
-                               "wrapped; call memscale.detach(model) first")
+            raise RuntimeError(
+                "the AutoTuner tunes a model memscale has not "
+                "wrapped; call memscale.detach(model) first"
+            )
         if sample_input is None:
-            raise ValueError("AutoTuner needs sample_input (one batch) to "
-                             "predict and measure a training step")
+            raise ValueError(
+                "AutoTuner needs sample_input (one batch) to predict and measure a training step"
+            )
         self.model = model
         self.sample_input = sample_input
         self.optimizer = optimizer
@@ -248,8 +287,9 @@ class AutoTuner:
     # ---- tune ----------------------------------------------------------
 
     def _config(self, mode: OptimizationMode, force: bool, engine_budget: int) -> Config:
-        return self.base_config.replace(mode=mode, force_optimize=force,
-                                        memory_budget_gb=engine_budget / GIB)
+        return self.base_config.replace(
+            mode=mode, force_optimize=force, memory_budget_gb=engine_budget / GIB
+        )
 
     def _candidates(self, session: PredictionSession) -> list[tuple[Config, PeakPrediction]]:
         """Every candidate, in a fixed order, with its prediction; one per
@@ -289,8 +329,10 @@ class AutoTuner:
             if hi - lo <= 1:
                 break
             mid = (lo + hi) // 2
-            if consider(self._config(_MODES[0], False, mid)).optimized.peak_bytes \
-                    <= self.budget_bytes:
+            if (
+                consider(self._config(_MODES[0], False, mid)).optimized.peak_bytes
+                <= self.budget_bytes
+            ):
                 lo = mid
             else:
                 hi = mid
@@ -301,18 +343,26 @@ class AutoTuner:
         measured trial when ``trial`` (a candidate whose trial exceeds the
         budget is passed over, up to ``max_trials`` trials).  Raises
         :class:`NoConfigFits` when no candidate is predicted to fit."""
-        if isinstance(max_trials, bool) or not isinstance(max_trials, int) \
-                or max_trials < 1:
+        if isinstance(max_trials, bool) or not isinstance(max_trials, int) or max_trials < 1:
             raise ValueError(f"max_trials must be an int >= 1, got {max_trials!r}")
-        with PredictionSession(self.model, self.sample_input, self.optimizer,
-                               self.device, loss_fn=self.loss_fn,
-                               config=self.base_config) as session:
+        with PredictionSession(
+            self.model,
+            self.sample_input,
+            self.optimizer,
+            self.device,
+            loss_fn=self.loss_fn,
+            config=self.base_config,
+        ) as session:
             candidates = self._candidates(session)
         ranked = sorted(
             range(len(candidates)),
-            key=lambda i: (candidates[i][1].optimized.peak_bytes > self.budget_bytes,
-                           round(candidates[i][1].time_ratio, 12),
-                           candidates[i][1].optimized.peak_bytes, i))
+            key=lambda i: (
+                candidates[i][1].optimized.peak_bytes > self.budget_bytes,
+                round(candidates[i][1].time_ratio, 12),
+                candidates[i][1].optimized.peak_bytes,
+                i,
+            ),
+        )
         budget = self.budget_bytes
         fitting = [i for i in ranked if candidates[i][1].optimized.peak_bytes <= budget]
         measured: dict[int, int] = {}
@@ -322,19 +372,28 @@ class AutoTuner:
             try:
                 for i in fitting[:max_trials]:
                     config = candidates[i][0]
-                    bar.set_postfix_str(f"{config.mode.value}, "
-                                        f"{len(candidates[i][1].checkpointed_layers)} layers")
-                    report = measure_step(self.model, self.sample_input,
-                                          _quiet(config), self.optimizer,
-                                          loss_fn=self.loss_fn)
+                    bar.set_postfix_str(
+                        f"{config.mode.value}, {len(candidates[i][1].checkpointed_layers)} layers"
+                    )
+                    report = measure_step(
+                        self.model,
+                        self.sample_input,
+                        _quiet(config),
+                        self.optimizer,
+                        loss_fn=self.loss_fn,
+                    )
                     measured[i] = report.peak_bytes
                     bar.update(1)
                     if report.peak_bytes <= budget:
                         chosen = i
                         break
-                    logger.info("memscale: the trial of %s measured %s, over the "
-                                "budget %s; trying the next choice", config,
-                                _fmt(report.peak_bytes), _fmt(budget))
+                    logger.info(
+                        "memscale: the trial of %s measured %s, over the "
+                        "budget %s; trying the next choice",
+                        config,
+                        _fmt(report.peak_bytes),
+                        _fmt(budget),
+                    )
             finally:
                 bar.close()
         elif fitting:
@@ -351,32 +410,55 @@ class AutoTuner:
                 status = "over budget (predicted)"
             else:
                 status = "runner-up"
-            choices.append(Choice(config, prediction.plan_hash,
-                                  len(prediction.checkpointed_layers),
-                                  prediction.optimized.peak_bytes,
-                                  prediction.time_ratio, fits, measured.get(i), status))
+            choices.append(
+                Choice(
+                    config,
+                    prediction.plan_hash,
+                    len(prediction.checkpointed_layers),
+                    prediction.optimized.peak_bytes,
+                    prediction.time_ratio,
+                    fits,
+                    measured.get(i),
+                    status,
+                )
+            )
         choices_t = tuple(choices)
         if chosen is None:
             best = min((c.predicted_peak_bytes for c in choices_t), default=0)
-            why = ("no candidate is predicted to fit" if not fitting else
-                   f"every trial ({len(measured)}) measured over the budget")
+            why = (
+                "no candidate is predicted to fit"
+                if not fitting
+                else f"every trial ({len(measured)}) measured over the budget"
+            )
             raise NoConfigFits(
                 f"memscale AutoTuner: {why}: the least predicted peak is "
                 f"{_fmt(best)} for a budget of {_fmt(budget)}. Use a smaller "
                 "batch (AutoTuner.max_batch_size finds the largest that fits), "
-                "a smaller model, or a larger budget.\n"
-                + "\n".join(_choice_rows(choices_t)), choices_t)
+                "a smaller model, or a larger budget.\n" + "\n".join(_choice_rows(choices_t)),
+                choices_t,
+            )
         config, prediction = candidates[chosen]
-        return TuneResult(config=config, prediction=prediction, budget_bytes=budget,
-                          measured_peak_bytes=measured.get(chosen),
-                          confirmed=chosen in measured, choices=choices_t)
+        return TuneResult(
+            config=config,
+            prediction=prediction,
+            budget_bytes=budget,
+            measured_peak_bytes=measured.get(chosen),
+            confirmed=chosen in measured,
+            choices=choices_t,
+        )
 
     # ---- max_batch_size ------------------------------------------------
 
-    def max_batch_size(self, make_input: Callable[[int], Any],
-                       config: Config | None = None, low: int = 1,
-                       high: int | None = None, *, trial: bool = True,
-                       max_trials: int = 3) -> BatchSizeResult:
+    def max_batch_size(
+        self,
+        make_input: Callable[[int], Any],
+        config: Config | None = None,
+        low: int = 1,
+        high: int | None = None,
+        *,
+        trial: bool = True,
+        max_trials: int = 3,
+    ) -> BatchSizeResult:
         """The largest batch size in ``[low, high]`` whose training step is
         predicted to fit the budget under ``config``'s plan (default: the
         base Config with the budget as its memory budget), found by
@@ -385,8 +467,10 @@ class AutoTuner:
         in proportion and tries again, up to ``max_trials``).
         ``make_input(batch_size)`` returns the sample input of that size."""
         if not callable(make_input):
-            raise TypeError("make_input must be a callable from a batch size to "
-                            f"a sample input, got {type(make_input).__name__}")
+            raise TypeError(
+                "make_input must be a callable from a batch size to "
+                f"a sample input, got {type(make_input).__name__}"
+            )
         for name, value in (("low", low), ("high", high), ("max_trials", max_trials)):
             if value is None and name == "high":
                 continue
@@ -395,11 +479,11 @@ class AutoTuner:
         if high is not None and high < low:
             raise ValueError(f"high ({high}) must be >= low ({low})")
         if config is None:
-            config = self.base_config.replace(
-                memory_budget_gb=self.budget_bytes / GIB)
+            config = self.base_config.replace(memory_budget_gb=self.budget_bytes / GIB)
         elif not isinstance(config, Config):
-            raise TypeError("config must be a memscale.Config or None, got "
-                            f"{type(config).__name__}")
+            raise TypeError(
+                f"config must be a memscale.Config or None, got {type(config).__name__}"
+            )
         budget = self.budget_bytes
         predictions: list[tuple[int, int, bool]] = []
         known: dict[int, int] = {}
@@ -407,9 +491,14 @@ class AutoTuner:
 
         def peak(b: int) -> int:
             if b not in known:
-                with PredictionSession(self.model, make_input(b), self.optimizer,
-                                       self.device, loss_fn=self.loss_fn,
-                                       config=config) as session:
+                with PredictionSession(
+                    self.model,
+                    make_input(b),
+                    self.optimizer,
+                    self.device,
+                    loss_fn=self.loss_fn,
+                    config=config,
+                ) as session:
                     known[b] = session.predict(config).optimized.peak_bytes
                 predictions.append((b, known[b], known[b] <= budget))
                 bar.update(1)
@@ -422,7 +511,8 @@ class AutoTuner:
                     f"memscale AutoTuner: even batch size {low} is predicted to "
                     f"need {_fmt(known[low])}, over the budget of {_fmt(budget)}; "
                     "use a smaller low, a cheaper Config (AutoTuner.tune) or a "
-                    "larger budget")
+                    "larger budget"
+                )
             good, bad = low, None
             cap = high if high is not None else _MAX_BATCH
             while good < cap:
@@ -442,9 +532,13 @@ class AutoTuner:
             confirmed = False
             if trial:
                 for _ in range(max_trials):
-                    report = measure_step(self.model, make_input(good),
-                                          _quiet(config), self.optimizer,
-                                          loss_fn=self.loss_fn)
+                    report = measure_step(
+                        self.model,
+                        make_input(good),
+                        _quiet(config),
+                        self.optimizer,
+                        loss_fn=self.loss_fn,
+                    )
                     trials.append((good, report.peak_bytes))
                     bar.update(1)
                     if report.peak_bytes <= budget:
@@ -453,20 +547,30 @@ class AutoTuner:
                     smaller = min(good - 1, math.floor(good * budget / report.peak_bytes))
                     if smaller < low:
                         break
-                    logger.info("memscale: batch %d measured %s, over the budget "
-                                "%s; trying %d", good, _fmt(report.peak_bytes),
-                                _fmt(budget), smaller)
+                    logger.info(
+                        "memscale: batch %d measured %s, over the budget %s; trying %d",
+                        good,
+                        _fmt(report.peak_bytes),
+                        _fmt(budget),
+                        smaller,
+                    )
                     good = smaller
                 if not confirmed:
                     raise RuntimeError(
                         f"memscale AutoTuner: the trials measured over the budget "
                         f"of {_fmt(budget)} (batch size, peak: {trials}); the "
-                        "prediction is off for this model: please report it")
+                        "prediction is off for this model: please report it"
+                    )
             predicted = peak(good)
         finally:
             bar.close()
         return BatchSizeResult(
-            batch_size=good, config=config, budget_bytes=budget,
+            batch_size=good,
+            config=config,
+            budget_bytes=budget,
             predicted_peak_bytes=predicted,
             measured_peak_bytes=trials[-1][1] if trials else None,
-            confirmed=confirmed, predictions=tuple(predictions), trials=tuple(trials))
+            confirmed=confirmed,
+            predictions=tuple(predictions),
+            trials=tuple(trials),
+        )

@@ -24,7 +24,6 @@ from .._measure import format_bytes
 from .models import select
 from .runner import RSS_ENV, VARIANT_HELP, VARIANTS, VariantResult, rss_env, run_model
 
-
 # Peak RSS over peak live tensor bytes assumed when deciding whether a full
 # row fits (GPT-2 Medium 4x512 measured 17.4 GiB over 15.26 GiB: 1.14).
 RSS_OVER_PEAK = 1.2
@@ -42,15 +41,20 @@ def machine() -> dict[str, Any]:
         pass
     try:
         import transformers
+
         tf_version = transformers.__version__
     except ImportError:  # pragma: no cover
         tf_version = None
     return {
-        "cpu": cpu, "cores": os.cpu_count(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
         "ram_bytes": _core.detect_hardware("cpu")["capacity_bytes"],
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(), "transformers": tf_version,
-        "memscale": memscale.__version__, "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "transformers": tf_version,
+        "memscale": memscale.__version__,
+        "platform": platform.platform(),
     }
 
 
@@ -61,15 +65,25 @@ def _ratio(r: VariantResult) -> str:
 
 def row_line(r: VariantResult, base: VariantResult) -> str:
     """One finished row, for a log (stdout not a terminal)."""
-    return (f"{r.model} {r.variant}: peak {format_bytes(r.peak_bytes)} "
-            f"({r.peak_bytes / base.peak_bytes:.0%} of unoptimized), time ratio "
-            f"{_ratio(r)}, loss diff {r.loss_abs_diff:.2g}, grad diff "
-            f"{r.grad_max_abs_diff:.2g}")
+    return (
+        f"{r.model} {r.variant}: peak {format_bytes(r.peak_bytes)} "
+        f"({r.peak_bytes / base.peak_bytes:.0%} of unoptimized), time ratio "
+        f"{_ratio(r)}, loss diff {r.loss_abs_diff:.2g}, grad diff "
+        f"{r.grad_max_abs_diff:.2g}"
+    )
 
 
 def table(results: list[VariantResult]) -> str:
-    head = ("model", "variant", "peak", "reduction", "RSS peak", "time ratio",
-            "loss diff", "grad diff")
+    head = (
+        "model",
+        "variant",
+        "peak",
+        "reduction",
+        "RSS peak",
+        "time ratio",
+        "loss diff",
+        "grad diff",
+    )
     rows = [head]
     base: dict[str, VariantResult] = {}
     for r in results:
@@ -77,24 +91,32 @@ def table(results: list[VariantResult]) -> str:
             base[r.model] = r
         b = base[r.model]
         reduction = 1 - r.peak_bytes / b.peak_bytes
-        rows.append((r.model, r.variant, format_bytes(r.peak_bytes),
-                     "-" if r is b else f"{reduction:+.1%}".replace("+", ""),
-                     "-" if r.rss_peak_bytes is None else format_bytes(r.rss_peak_bytes),
-                     _ratio(r), f"{r.loss_abs_diff:.2g}",
-                     f"{r.grad_max_abs_diff:.2g}"))
+        rows.append(
+            (
+                r.model,
+                r.variant,
+                format_bytes(r.peak_bytes),
+                "-" if r is b else f"{reduction:+.1%}".replace("+", ""),
+                "-" if r.rss_peak_bytes is None else format_bytes(r.rss_peak_bytes),
+                _ratio(r),
+                f"{r.loss_abs_diff:.2g}",
+                f"{r.grad_max_abs_diff:.2g}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(row, widths)))
-             for row in rows]
+    lines = [
+        "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 def plot(results: list[VariantResult], path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.artist import Artist
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -112,17 +134,41 @@ def plot(results: list[VariantResult], path: str) -> None:
         color = colors[models.index(r.model) % len(colors)]
         y = 100 * r.peak_bytes / base[r.model].peak_bytes
         low, high = r.time_ratio_spread
-        ax.errorbar(r.time_ratio, y, xerr=[[r.time_ratio - low], [high - r.time_ratio]],
-                    fmt="none", ecolor=color, alpha=0.5, linewidth=1)
-        ax.scatter(r.time_ratio, y, marker=markers.get(r.variant, "x"), color=color,
-                   s=sizes.get(r.variant, 50), alpha=0.6, edgecolors="black",
-                   linewidths=0.5)
-    handles: list[Artist] = [Patch(color=colors[i % len(colors)], label=name)
-               for i, name in enumerate(models)]
-    handles += [Line2D([], [], linestyle="none", marker=marker, color="gray",
-                       markeredgecolor="black", label=variant)
-                for variant, marker in markers.items()
-                if any(r.variant == variant for r in results)]
+        ax.errorbar(
+            r.time_ratio,
+            y,
+            xerr=[[r.time_ratio - low], [high - r.time_ratio]],
+            fmt="none",
+            ecolor=color,
+            alpha=0.5,
+            linewidth=1,
+        )
+        ax.scatter(
+            r.time_ratio,
+            y,
+            marker=markers.get(r.variant, "x"),
+            color=color,
+            s=sizes.get(r.variant, 50),
+            alpha=0.6,
+            edgecolors="black",
+            linewidths=0.5,
+        )
+    handles: list[Artist] = [
+        Patch(color=colors[i % len(colors)], label=name) for i, name in enumerate(models)
+    ]
+    handles += [
+        Line2D(
+            [],
+            [],
+            linestyle="none",
+            marker=marker,
+            color="gray",
+            markeredgecolor="black",
+            label=variant,
+        )
+        for variant, marker in markers.items()
+        if any(r.variant == variant for r in results)
+    ]
     ax.set_xlabel("step time / unoptimized step time (median; bars: least to greatest round)")
     ax.set_ylabel("peak training-step memory, % of unoptimized")
     ax.set_title("memscale benchmark: memory against slowdown (lower left is better)")
@@ -137,31 +183,50 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m memscale.benchmarks",
         description="memscale benchmark suite: peak training-step memory, "
-                    "step-time ratio and agreement, against the unoptimized "
-                    "model and torch's own checkpointing.")
-    parser.add_argument("--full", action="store_true",
-                        help="run the published reference sizes (where this "
-                             "machine has the memory) instead of the quick ones")
-    parser.add_argument("--models", nargs="+", metavar="NAME",
-                        help="benchmark models to run (default: every quick, or "
-                             "every full, one)")
-    parser.add_argument("--variants", nargs="+", metavar="NAME", choices=VARIANTS,
-                        default=list(VARIANTS), help="variants to run: "
-                        + ", ".join(f"{k} ({v})" for k, v in VARIANT_HELP.items()))
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="timed steps per variant (median reported)")
-    parser.add_argument("--no-rss", action="store_true",
-                        help="skip the peak-RSS subprocesses")
+        "step-time ratio and agreement, against the unoptimized "
+        "model and torch's own checkpointing.",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="run the published reference sizes (where this "
+        "machine has the memory) instead of the quick ones",
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        metavar="NAME",
+        help="benchmark models to run (default: every quick, or every full, one)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        metavar="NAME",
+        choices=VARIANTS,
+        default=list(VARIANTS),
+        help="variants to run: " + ", ".join(f"{k} ({v})" for k, v in VARIANT_HELP.items()),
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed steps per variant (median reported)"
+    )
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
     parser.add_argument("--json", metavar="PATH", help="write every raw figure here")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG of memory "
-                        "against time ratio here (default with --json: the JSON "
-                        "path with .png; needs matplotlib, the [bench] extra)")
-    parser.add_argument("--sweep", action="store_true",
-                        help="the budget sweep instead: budgets at 20/40/60/80%% of "
-                        "the unoptimized activation memory, memscale's budget "
-                        "planner against checkpointing every block and "
-                        "sqrt(n) segments (default models: "
-                        "gpt2-12l and llama-12l)")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a PNG of memory "
+        "against time ratio here (default with --json: the JSON "
+        "path with .png; needs matplotlib, the [bench] extra)",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the budget sweep instead: budgets at 20/40/60/80%% of "
+        "the unoptimized activation memory, memscale's budget "
+        "planner against checkpointing every block and "
+        "sqrt(n) segments (default models: "
+        "gpt2-12l and llama-12l)",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -171,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            parser.error("--plot (and --json, which writes a PNG beside it) needs "
-                         "matplotlib: pip install -e '.[bench]'")
+            parser.error(
+                "--plot (and --json, which writes a PNG beside it) needs "
+                "matplotlib: pip install -e '.[bench]'"
+            )
 
     warnings.filterwarnings("ignore", module="transformers")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -188,16 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[dict[str, Any]] = []
     from tqdm import tqdm
 
-    bar = tqdm(entries, unit="model", disable=not sys.stderr.isatty(),
-               file=sys.stderr)
+    bar = tqdm(entries, unit="model", disable=not sys.stderr.isatty(), file=sys.stderr)
     for entry in bar:
         reason = None
         if entry.size == "full":
             need = entry.estimated_training_bytes()
             if need > 0.6 * ram:
-                reason = (f"needs at least {format_bytes(need)} for weights, "
-                          f"gradients and Adam state; this machine has "
-                          f"{format_bytes(ram)}")
+                reason = (
+                    f"needs at least {format_bytes(need)} for weights, "
+                    f"gradients and Adam state; this machine has "
+                    f"{format_bytes(ram)}"
+                )
             else:
                 # The process holds more than the live tensors (allocator,
                 # libraries, the profiler's records): GPT-2 Medium's RSS was
@@ -205,17 +273,24 @@ def main(argv: list[str] | None = None) -> int:
                 # OOM-killed on a 23.5 GiB machine.
                 predicted = entry.predicted_peak_bytes()
                 if predicted * RSS_OVER_PEAK > 0.9 * ram:
-                    reason = (f"its unoptimized step is predicted to peak at "
-                              f"{format_bytes(predicted)} of live tensors "
-                              f"(memscale.predict_peak); with the process around "
-                              f"them (x{RSS_OVER_PEAK}) that is more than 90% of "
-                              f"this machine's {format_bytes(ram)}")
+                    reason = (
+                        f"its unoptimized step is predicted to peak at "
+                        f"{format_bytes(predicted)} of live tensors "
+                        f"(memscale.predict_peak); with the process around "
+                        f"them (x{RSS_OVER_PEAK}) that is more than 90% of "
+                        f"this machine's {format_bytes(ram)}"
+                    )
         if reason is not None:
             skipped.append({"model": entry.name, "reason": reason})
             print(f"skipping {entry.name}: {reason}", file=sys.stderr)
             continue
-        rows = run_model(entry, args.variants, repeats=args.repeats,
-                         rss=not args.no_rss, progress=lambda m: bar.set_description(m))
+        rows = run_model(
+            entry,
+            args.variants,
+            repeats=args.repeats,
+            rss=not args.no_rss,
+            progress=lambda m: bar.set_description(m),
+        )
         results.extend(rows)
         if bar.disable:  # no terminal: a line per finished row instead of the bar
             for r in rows:
@@ -225,27 +300,34 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r.offload:
             o = r.offload
-            print(f"offload {r.model} {r.variant}: {format_bytes(o['bytes_written'])} "
-                  f"per step to disk; I/O {o['io_seconds'] * 1e3:.1f} ms, training "
-                  f"thread waited {o['wait_seconds'] * 1e3:.1f} ms")
+            print(
+                f"offload {r.model} {r.variant}: {format_bytes(o['bytes_written'])} "
+                f"per step to disk; I/O {o['io_seconds'] * 1e3:.1f} ms, training "
+                f"thread waited {o['wait_seconds'] * 1e3:.1f} ms"
+            )
     for s in skipped:
         print(f"skipped {s['model']}: {s['reason']}")
-    print("\npeak: live tensor bytes at the highest point of a training step "
-          "(allocator events, exact); RSS: peak resident memory of a fresh "
-          "process training the variant (glibc MALLOC_MMAP_THRESHOLD_=65536 "
-          "unless set: freed tensors go back to the system); time ratio: median step time over "
-          f"the unoptimized median ({args.repeats} steps per variant, all "
-          "variants of a model timed round-robin in one process when they "
-          "fit in memory together), in brackets the least and greatest ratio "
-          "of one round.")
+    print(
+        "\npeak: live tensor bytes at the highest point of a training step "
+        "(allocator events, exact); RSS: peak resident memory of a fresh "
+        "process training the variant (glibc MALLOC_MMAP_THRESHOLD_=65536 "
+        "unless set: freed tensors go back to the system); time ratio: median step time over "
+        f"the unoptimized median ({args.repeats} steps per variant, all "
+        "variants of a model timed round-robin in one process when they "
+        "fit in memory together), in brackets the least and greatest ratio "
+        "of one round."
+    )
     if args.json:
         payload = {
             "schema": "memscale-benchmarks/1",
             "machine": machine(),
-            "settings": {"full": args.full, "repeats": args.repeats,
-                         "variants": args.variants, "rss": not args.no_rss,
-                         "rss_env": {k: v for k, v in rss_env().items()
-                                     if k in RSS_ENV}},
+            "settings": {
+                "full": args.full,
+                "repeats": args.repeats,
+                "variants": args.variants,
+                "rss": not args.no_rss,
+                "rss_env": {k: v for k, v in rss_env().items() if k in RSS_ENV},
+            },
             "variants": VARIANT_HELP,
             "results": [r.to_dict() for r in results],
             "skipped": skipped,
@@ -269,22 +351,33 @@ def _sweep_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     from tqdm import tqdm
 
     bar = tqdm(entries, unit="model", disable=not sys.stderr.isatty(), file=sys.stderr)
-    results = [sweep.run_sweep(e, repeats=min(args.repeats, 3),
-                               progress=lambda m: bar.set_description(m))
-               for e in bar]
+    results = [
+        sweep.run_sweep(e, repeats=min(args.repeats, 3), progress=lambda m: bar.set_description(m))
+        for e in bar
+    ]
     print(sweep.table(results))
     print("\n" + sweep.ROCKMATE)
-    print("\nbudget: start bytes (parameters, gradients, AdamW state, batch) + the "
-          "fraction of the unoptimized step's activation memory (its exact peak "
-          "above the start). peak: measured, exact (allocator events) over a whole "
-          "training step; time ratio: median step time over the unoptimized median, "
-          "interleaved. predicted: the plan's own figures (Plan.peak_projected_bytes, "
-          "Plan.predicted_slowdown). memscale runs CONSERVATIVE (checkpointing "
-          "only), as the peers.")
+    print(
+        "\nbudget: start bytes (parameters, gradients, AdamW state, batch) + the "
+        "fraction of the unoptimized step's activation memory (its exact peak "
+        "above the start). peak: measured, exact (allocator events) over a whole "
+        "training step; time ratio: median step time over the unoptimized median, "
+        "interleaved. predicted: the plan's own figures (Plan.peak_projected_bytes, "
+        "Plan.predicted_slowdown). memscale runs CONSERVATIVE (checkpointing "
+        "only), as the peers."
+    )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"schema": "memscale-sweep/1", "machine": machine(),
-                       "rockmate": sweep.ROCKMATE, "results": results}, f, indent=1)
+            json.dump(
+                {
+                    "schema": "memscale-sweep/1",
+                    "machine": machine(),
+                    "rockmate": sweep.ROCKMATE,
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
     if args.plot:
         sweep.plot(results, args.plot)
     return 0

@@ -25,9 +25,10 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,30 +40,38 @@ from memscale import _core
 from .._measure import measure_peak, peak_rss_subprocess
 from .models import BENCHMARK_MODELS, Batch, BenchmarkModel
 
-MODES = {"conservative": memscale.OptimizationMode.CONSERVATIVE,
-         "balanced": memscale.OptimizationMode.BALANCED,
-         "balanced-async": memscale.OptimizationMode.BALANCED,
-         "aggressive": memscale.OptimizationMode.AGGRESSIVE}
+MODES = {
+    "conservative": memscale.OptimizationMode.CONSERVATIVE,
+    "balanced": memscale.OptimizationMode.BALANCED,
+    "balanced-async": memscale.OptimizationMode.BALANCED,
+    "aggressive": memscale.OptimizationMode.AGGRESSIVE,
+}
 
 # Untimed steps before timing: the first steps fault in fresh memory pages
 # and build optimizer state, and are slower by a varying amount.
 WARMUP_ROUNDS = 2
 
-VARIANTS = ("unoptimized", "conservative", "balanced", "balanced-async",
-            "aggressive", "torch-checkpoint", "checkpoint-sequential")
+VARIANTS = (
+    "unoptimized",
+    "conservative",
+    "balanced",
+    "balanced-async",
+    "aggressive",
+    "torch-checkpoint",
+    "checkpoint-sequential",
+)
 
 VARIANT_HELP = {
     "unoptimized": "the model as is",
     "conservative": "memscale.wrap, CONSERVATIVE, force_optimize=True",
     "balanced": "memscale.wrap, BALANCED (checkpointing + disk offload on "
-                "this CPU host), force_optimize=True",
-    "balanced-async": "as balanced, with async_offload=True (C I/O thread, "
-                      "prefetch in backward)",
+    "this CPU host), force_optimize=True",
+    "balanced-async": "as balanced, with async_offload=True (C I/O thread, prefetch in backward)",
     "aggressive": "memscale.wrap, AGGRESSIVE, force_optimize=True",
     "torch-checkpoint": "torch.utils.checkpoint (non-reentrant) on every layer; "
-                        "Hugging Face: gradient_checkpointing_enable()",
+    "Hugging Face: gradient_checkpointing_enable()",
     "checkpoint-sequential": "torch.utils.checkpoint.checkpoint_sequential, "
-                             "sqrt(n) segments (sequential models only)",
+    "sqrt(n) segments (sequential models only)",
 }
 
 
@@ -84,8 +93,7 @@ class CheckpointSequential(nn.Module):
         self.segments = max(1, round(math.sqrt(len(inner))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint_sequential(self.inner, self.segments, x,
-                                     use_reentrant=False)
+        return checkpoint_sequential(self.inner, self.segments, x, use_reentrant=False)
 
 
 def applies(entry: BenchmarkModel, variant: str) -> bool:
@@ -136,16 +144,20 @@ def prepare(entry: BenchmarkModel, variant: str) -> Prepared:
     techniques: dict[str, int] | None = None
     plan: Any = None
     if variant in MODES:
-        config = memscale.Config(mode=MODES[variant], force_optimize=True,
-                                 enable_logging=False)
-        memscale.wrap(model, config, sample_input=batch.sample_input,
-                      async_offload=variant == "balanced-async")
-        plan = getattr(model, "_memscale_executor").plan
+        config = memscale.Config(mode=MODES[variant], force_optimize=True, enable_logging=False)
+        memscale.wrap(
+            model,
+            config,
+            sample_input=batch.sample_input,
+            async_offload=variant == "balanced-async",
+        )
+        plan = model.__dict__["_memscale_executor"].plan
         plan_hash, techniques = plan.hash, plan.technique_counts
     elif variant == "torch-checkpoint":
         if entry.hf:
             model.gradient_checkpointing_enable(  # type: ignore[operator]
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         else:
             _checkpoint_every_unit(model)
     elif variant == "checkpoint-sequential":
@@ -189,8 +201,7 @@ class VariantResult:
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor | None]:
-    return [None if p.grad is None else p.grad.detach().clone()
-            for p in model.parameters()]
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
 
 
 def _max_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
@@ -232,13 +243,17 @@ for _ in range(2):
 """
 
 
-def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
-              rss: bool = True, progress: Callable[[str], None] | None = None
-              ) -> list[VariantResult]:
+def run_model(
+    entry: BenchmarkModel,
+    variants: list[str],
+    *,
+    repeats: int = 5,
+    rss: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> list[VariantResult]:
     """Measure every applicable variant of ``entry``; the first result is
     always the unoptimized baseline."""
-    names = ["unoptimized"] + [v for v in variants
-                               if v != "unoptimized" and applies(entry, v)]
+    names = ["unoptimized"] + [v for v in variants if v != "unoptimized" and applies(entry, v)]
     note = progress or (lambda _msg: None)
 
     # RSS first, while this process is small: its own high-water mark from
@@ -246,16 +261,18 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
     # Each child's VmHWM is its own, so quick models' children run side by
     # side, one per core (the phase is mostly importing torch and building
     # the model); full-size ones one at a time, as they need the memory.
-    rss_peaks: dict[str, int | None] = {name: None for name in names}
+    rss_peaks: dict[str, int | None] = dict.fromkeys(names)
     if rss:
         note(f"{entry.name}: RSS of {len(names)} variants")
         env = rss_env()
         workers = min(len(names), os.cpu_count() or 1) if entry.size == "quick" else 1
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            futures = {name: pool.submit(peak_rss_subprocess,
-                                         RSS_CODE.format(model=entry.name, variant=name),
-                                         env=env)
-                       for name in names}
+            futures = {
+                name: pool.submit(
+                    peak_rss_subprocess, RSS_CODE.format(model=entry.name, variant=name), env=env
+                )
+                for name in names
+            }
             for name in names:
                 rss_peaks[name] = futures[name].result()
 
@@ -274,14 +291,14 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
         grads = _grads(prepared.model)
         if reference_grads is None:
             reference_loss, reference_grads = loss, grads
-        agreement[name] = (loss, abs(loss - reference_loss),
-                           _max_diff(grads, reference_grads))
+        agreement[name] = (loss, abs(loss - reference_loss), _max_diff(grads, reference_grads))
         del grads
         memory[name] = measure_peak(
-            prepared.step, model=prepared.model,
-            inputs=(prepared.batch.args, prepared.batch.kwargs,
-                    prepared.optimizer.state),
-            warmup=1)
+            prepared.step,
+            model=prepared.model,
+            inputs=(prepared.batch.args, prepared.batch.kwargs, prepared.optimizer.state),
+            warmup=1,
+        )
         meta[name] = (prepared.plan_hash, prepared.techniques)
         prepared.close()
         del prepared
@@ -291,10 +308,15 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
     # Time: all variants alive and timed round-robin (median per variant)
     # when they fit in memory together; otherwise one after the other.
     note(f"{entry.name}: step time")
-    interleaved = (entry.estimated_training_bytes() * len(names)
-                   < 0.5 * _core.detect_hardware("cpu")["capacity_bytes"])
-    times, offload = _time_interleaved(entry, names, repeats) if interleaved \
+    interleaved = (
+        entry.estimated_training_bytes() * len(names)
+        < 0.5 * _core.detect_hardware("cpu")["capacity_bytes"]
+    )
+    times, offload = (
+        _time_interleaved(entry, names, repeats)
+        if interleaved
         else _time_sequential(entry, names, repeats)
+    )
 
     base_median = statistics.median(times["unoptimized"])
     results = []
@@ -306,16 +328,28 @@ def run_model(entry: BenchmarkModel, variants: list[str], *, repeats: int = 5,
         else:
             rounds = [t / base_median for t in times[name]]
         loss, loss_diff, grad_diff = agreement[name]
-        results.append(VariantResult(
-            model=entry.name, variant=name, description=VARIANT_HELP[name],
-            peak_bytes=report.peak_bytes, start_bytes=report.start_bytes,
-            peak_delta_bytes=report.peak_delta_bytes, rss_peak_bytes=rss_peaks[name],
-            step_seconds=times[name], step_median_s=median,
-            time_ratio=median / base_median,
-            time_ratio_spread=(min(rounds), max(rounds)), loss=loss, loss_abs_diff=loss_diff,
-            grad_max_abs_diff=grad_diff, plan_hash=meta[name][0],
-            techniques=meta[name][1], timing="interleaved" if interleaved
-            else "sequential", offload=offload.get(name)))
+        results.append(
+            VariantResult(
+                model=entry.name,
+                variant=name,
+                description=VARIANT_HELP[name],
+                peak_bytes=report.peak_bytes,
+                start_bytes=report.start_bytes,
+                peak_delta_bytes=report.peak_delta_bytes,
+                rss_peak_bytes=rss_peaks[name],
+                step_seconds=times[name],
+                step_median_s=median,
+                time_ratio=median / base_median,
+                time_ratio_spread=(min(rounds), max(rounds)),
+                loss=loss,
+                loss_abs_diff=loss_diff,
+                grad_max_abs_diff=grad_diff,
+                plan_hash=meta[name][0],
+                techniques=meta[name][1],
+                timing="interleaved" if interleaved else "sequential",
+                offload=offload.get(name),
+            )
+        )
     return results
 
 
@@ -331,8 +365,9 @@ def _offload_counters(prepared: Prepared) -> dict[str, float] | None:
     return {key: float(stats[key]) for key in OFFLOAD_FIGURES}
 
 
-def _per_step(before: dict[str, float] | None, after: dict[str, float] | None,
-              steps: int) -> dict[str, float] | None:
+def _per_step(
+    before: dict[str, float] | None, after: dict[str, float] | None, steps: int
+) -> dict[str, float] | None:
     if before is None or after is None or steps <= 0:
         return None
     return {key: (after[key] - before[key]) / steps for key in OFFLOAD_FIGURES}
@@ -341,8 +376,7 @@ def _per_step(before: dict[str, float] | None, after: dict[str, float] | None,
 Timings = tuple[dict[str, list[float]], dict[str, dict[str, float] | None]]
 
 
-def _time_interleaved(entry: BenchmarkModel, names: list[str],
-                      repeats: int) -> Timings:
+def _time_interleaved(entry: BenchmarkModel, names: list[str], repeats: int) -> Timings:
     live = {name: prepare(entry, name) for name in names}
     for _ in range(WARMUP_ROUNDS):  # optimizer state, allocator, page cache
         for prepared in live.values():
@@ -356,8 +390,7 @@ def _time_interleaved(entry: BenchmarkModel, names: list[str],
             live[name].step()
             times[name].append(time.perf_counter() - start)
     for name, prepared in live.items():
-        offload[name] = _per_step(before[name], _offload_counters(prepared),
-                                  repeats)
+        offload[name] = _per_step(before[name], _offload_counters(prepared), repeats)
     for prepared in live.values():
         prepared.close()
     del live
@@ -365,8 +398,7 @@ def _time_interleaved(entry: BenchmarkModel, names: list[str],
     return times, offload
 
 
-def _time_sequential(entry: BenchmarkModel, names: list[str],
-                     repeats: int) -> Timings:
+def _time_sequential(entry: BenchmarkModel, names: list[str], repeats: int) -> Timings:
     times: dict[str, list[float]] = {}
     offload: dict[str, dict[str, float] | None] = {}
     for name in names:

@@ -21,8 +21,9 @@ Rockmate 2 (the ``rockmate`` package) is not run: see ROCKMATE below.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 import memscale
 
 from .._measure import format_bytes, measure_peak, time_ratio
-from .models import BenchmarkModel, Batch
+from .models import Batch, BenchmarkModel
 
 FRACTIONS = (0.2, 0.4, 0.6, 0.8)
 SWEEP_MODELS = ("gpt2-12l", "llama-12l")
@@ -43,7 +44,8 @@ ROCKMATE = (
     "imports, but Rockmate(model, x, budget) fails on this CPU with a "
     "ZeroDivisionError in get_sequence (its measured operation times are 0 "
     "without CUDA). The solver is checked against an exhaustive search of "
-    "every plan instead (tests/c/test_solver.c).")
+    "every plan instead (tests/c/test_solver.c)."
+)
 
 
 class _SegmentHead(nn.Module):
@@ -74,8 +76,11 @@ class _Passthrough(nn.Module):
 def _blocks(model: nn.Module) -> tuple[nn.Module, str]:
     for parent in model.modules():
         for name, child in parent.named_children():
-            if isinstance(child, nn.ModuleList) and len(child) > 1 and len(
-                    {type(b) for b in child}) == 1:
+            if (
+                isinstance(child, nn.ModuleList)
+                and len(child) > 1
+                and len({type(b) for b in child}) == 1
+            ):
                 return parent, name
     raise ValueError("no repeated blocks to segment")
 
@@ -89,8 +94,8 @@ def checkpoint_segments(model: nn.Module) -> int:
     size = max(1, math.ceil(n / max(1, round(math.sqrt(n)))))
     new: list[nn.Module] = []
     for i in range(0, n, size):
-        new.append(_SegmentHead(blocks[i:i + size]))
-        new.extend(_Passthrough() for _ in blocks[i + 1:i + size])
+        new.append(_SegmentHead(blocks[i : i + size]))
+        new.extend(_Passthrough() for _ in blocks[i + 1 : i + size])
     setattr(parent, name, nn.ModuleList(new))
     return math.ceil(n / size)
 
@@ -98,7 +103,7 @@ def checkpoint_segments(model: nn.Module) -> int:
 @dataclass
 class SweepRow:
     model: str
-    method: str           # "memscale", "checkpoint every block", "sqrt(n) segments"
+    method: str  # "memscale", "checkpoint every block", "sqrt(n) segments"
     fraction: float | None  # of the unoptimized activation memory (memscale)
     budget_bytes: int | None
     peak_bytes: int | None
@@ -107,21 +112,24 @@ class SweepRow:
     predicted_peak_bytes: int | None = None
     predicted_slowdown: float | None = None
     min_budget_bytes: int | None = None  # memscale, when no plan fits
-    plan: str | None = None               # what the plan chose, in short
+    plan: str | None = None  # what the plan chose, in short
 
 
-def _step_fn(model: nn.Module, batch: Batch, optimizer: torch.optim.Optimizer
-             ) -> Callable[[], None]:
+def _step_fn(
+    model: nn.Module, batch: Batch, optimizer: torch.optim.Optimizer
+) -> Callable[[], None]:
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss = batch.loss_fn(model(*batch.args, **batch.kwargs))
         loss.backward()
         optimizer.step()
+
     return step
 
 
-def _prepared(entry: BenchmarkModel, setup: Callable[[nn.Module, Batch], Any]
-              ) -> tuple[nn.Module, Batch, Callable[[], None], Any]:
+def _prepared(
+    entry: BenchmarkModel, setup: Callable[[nn.Module, Batch], Any]
+) -> tuple[nn.Module, Batch, Callable[[], None], Any]:
     model, batch = entry.build(seed=0)
     extra = setup(model, batch)
     model.train()
@@ -131,10 +139,12 @@ def _prepared(entry: BenchmarkModel, setup: Callable[[nn.Module, Batch], Any]
     return model, batch, step, (extra, optimizer)
 
 
-def _measure(step: Callable[[], None], model: nn.Module, batch: Batch,
-             optimizer: torch.optim.Optimizer) -> Any:
-    return measure_peak(step, model=model, inputs=(batch.args, batch.kwargs,
-                                                   optimizer.state), warmup=1)
+def _measure(
+    step: Callable[[], None], model: nn.Module, batch: Batch, optimizer: torch.optim.Optimizer
+) -> Any:
+    return measure_peak(
+        step, model=model, inputs=(batch.args, batch.kwargs, optimizer.state), warmup=1
+    )
 
 
 def _plan_summary(plan: Any) -> str:
@@ -144,12 +154,16 @@ def _plan_summary(plan: Any) -> str:
             segs[layer.segment] = segs.get(layer.segment, 0) + 1
     kept = sum(1 for layer in plan.layers if layer.segment < 0)
     lengths = sorted(segs.values(), reverse=True)
-    return (f"{len(segs)} segments {lengths}, {kept} kept" if segs
-            else f"nothing checkpointed ({kept} kept)")
+    return (
+        f"{len(segs)} segments {lengths}, {kept} kept"
+        if segs
+        else f"nothing checkpointed ({kept} kept)"
+    )
 
 
-def run_sweep(entry: BenchmarkModel, repeats: int = 3,
-              progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+def run_sweep(
+    entry: BenchmarkModel, repeats: int = 3, progress: Callable[[str], None] = lambda m: None
+) -> dict[str, Any]:
     progress(f"{entry.name}: unoptimized")
     base_model, base_batch, base_step, (_, base_opt) = _prepared(entry, lambda m, b: None)
     base = _measure(base_step, base_model, base_batch, base_opt)
@@ -161,7 +175,8 @@ def run_sweep(entry: BenchmarkModel, repeats: int = 3,
 
     peers = {
         "checkpoint every block": lambda m, b: m.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False}),
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        ),
         "sqrt(n) segments": lambda m, b: checkpoint_segments(m),
     }
     peer_rows = {}
@@ -175,8 +190,11 @@ def run_sweep(entry: BenchmarkModel, repeats: int = 3,
     for fraction in FRACTIONS:
         budget = start + int(fraction * activations)
         progress(f"{entry.name}: memscale at {fraction:.0%}")
-        config = memscale.Config(mode=memscale.OptimizationMode.CONSERVATIVE, memory_budget_gb=budget / 2**30,
-                                 enable_logging=False)
+        config = memscale.Config(
+            mode=memscale.OptimizationMode.CONSERVATIVE,
+            memory_budget_gb=budget / 2**30,
+            enable_logging=False,
+        )
 
         def setup(m: nn.Module, b: Batch, config: memscale.Config = config) -> Any:
             try:
@@ -187,45 +205,77 @@ def run_sweep(entry: BenchmarkModel, repeats: int = 3,
 
         model, batch, step, (plan, opt) = _prepared(entry, setup)
         if isinstance(plan, memscale.MemoryBudgetError):
-            rows.append(SweepRow(entry.name, "memscale", fraction, budget, None, None,
-                                 False, min_budget_bytes=plan.min_budget_bytes,
-                                 plan="no plan fits"))
+            rows.append(
+                SweepRow(
+                    entry.name,
+                    "memscale",
+                    fraction,
+                    budget,
+                    None,
+                    None,
+                    False,
+                    min_budget_bytes=plan.min_budget_bytes,
+                    plan="no plan fits",
+                )
+            )
         else:
             report = _measure(step, model, batch, opt)
-            rows.append(SweepRow(
-                entry.name, "memscale", fraction, budget, report.peak_bytes,
-                timed(step), report.peak_bytes <= budget,
-                predicted_peak_bytes=plan.peak_projected_bytes,
-                predicted_slowdown=plan.predicted_slowdown, plan=_plan_summary(plan)))
+            rows.append(
+                SweepRow(
+                    entry.name,
+                    "memscale",
+                    fraction,
+                    budget,
+                    report.peak_bytes,
+                    timed(step),
+                    report.peak_bytes <= budget,
+                    predicted_peak_bytes=plan.peak_projected_bytes,
+                    predicted_slowdown=plan.predicted_slowdown,
+                    plan=_plan_summary(plan),
+                )
+            )
             memscale.detach(model)
         del model, batch, step, opt
         for method, (peak, ratio) in peer_rows.items():
-            rows.append(SweepRow(entry.name, method, fraction, budget, peak, ratio,
-                                 peak <= budget))
-    return {"model": entry.name, "description": entry.description,
-            "start_bytes": start, "unoptimized_peak_bytes": base.peak_bytes,
-            "activation_bytes": activations, "rows": [asdict(r) for r in rows]}
+            rows.append(SweepRow(entry.name, method, fraction, budget, peak, ratio, peak <= budget))
+    return {
+        "model": entry.name,
+        "description": entry.description,
+        "start_bytes": start,
+        "unoptimized_peak_bytes": base.peak_bytes,
+        "activation_bytes": activations,
+        "rows": [asdict(r) for r in rows],
+    }
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| model | budget (% of activations) | method | measured peak | "
-             "fits | time ratio | predicted peak | predicted slowdown | plan |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| model | budget (% of activations) | method | measured peak | "
+        "fits | time ratio | predicted peak | predicted slowdown | plan |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for res in results:
         for r in res["rows"]:
-            budget = (f"{format_bytes(r['budget_bytes'])} ({r['fraction']:.0%})"
-                      if r["budget_bytes"] is not None else "-")
+            budget = (
+                f"{format_bytes(r['budget_bytes'])} ({r['fraction']:.0%})"
+                if r["budget_bytes"] is not None
+                else "-"
+            )
             peak = format_bytes(r["peak_bytes"]) if r["peak_bytes"] is not None else "-"
             if r["min_budget_bytes"] is not None:
                 peak = f"no plan (least {format_bytes(r['min_budget_bytes'])})"
             fits = {True: "yes", False: "no", None: "-"}[r["fits"]]
             ratio = f"{r['time_ratio']:.2f}x" if r["time_ratio"] is not None else "-"
-            pp = (format_bytes(r["predicted_peak_bytes"])
-                  if r["predicted_peak_bytes"] is not None else "-")
-            ps = (f"{r['predicted_slowdown']:.2f}x"
-                  if r["predicted_slowdown"] is not None else "-")
-            lines.append(f"| {res['model']} | {budget} | {r['method']} | {peak} | "
-                         f"{fits} | {ratio} | {pp} | {ps} | {r['plan'] or ''} |")
+            pp = (
+                format_bytes(r["predicted_peak_bytes"])
+                if r["predicted_peak_bytes"] is not None
+                else "-"
+            )
+            ps = f"{r['predicted_slowdown']:.2f}x" if r["predicted_slowdown"] is not None else "-"
+            lines.append(
+                f"| {res['model']} | {budget} | {r['method']} | {peak} | "
+                f"{fits} | {ratio} | {pp} | {ps} | {r['plan'] or ''} |"
+            )
     return "\n".join(lines)
 
 
@@ -235,27 +285,48 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
     for ax, res in zip(axes[0], results):
         mib = 2**20
         ours = [r for r in res["rows"] if r["method"] == "memscale" and r["peak_bytes"]]
-        ax.plot([r["peak_bytes"] / mib for r in ours], [r["time_ratio"] for r in ours],
-                "o-", color="C0", label="memscale (budget planner)")
+        ax.plot(
+            [r["peak_bytes"] / mib for r in ours],
+            [r["time_ratio"] for r in ours],
+            "o-",
+            color="C0",
+            label="memscale (budget planner)",
+        )
         for r in ours:
-            ax.annotate(f"{r['fraction']:.0%}", (r["peak_bytes"] / mib, r["time_ratio"]),
-                        textcoords="offset points", xytext=(4, 4), fontsize=8)
+            ax.annotate(
+                f"{r['fraction']:.0%}",
+                (r["peak_bytes"] / mib, r["time_ratio"]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=8,
+            )
         for i, method in enumerate(("checkpoint every block", "sqrt(n) segments")):
             r = next(r for r in res["rows"] if r["method"] == method)
-            ax.scatter([r["peak_bytes"] / mib], [r["time_ratio"]], marker="sx"[i],
-                       s=60, color=f"C{i + 1}", label=method, zorder=3)
+            ax.scatter(
+                [r["peak_bytes"] / mib],
+                [r["time_ratio"]],
+                marker="sx"[i],
+                s=60,
+                color=f"C{i + 1}",
+                label=method,
+                zorder=3,
+            )
         for r in res["rows"]:
             if r["method"] == "memscale":
                 ax.axvline(r["budget_bytes"] / mib, color="gray", lw=0.6, ls=":")
-        ax.scatter([res["unoptimized_peak_bytes"] / mib], [1.0], marker="D",
-                   color="black", label="unoptimized", zorder=3)
-        ax.set_title(f"{res['model']}: budgets (dotted) at 20-80% of activations",
-                     fontsize=9)
+        ax.scatter(
+            [res["unoptimized_peak_bytes"] / mib],
+            [1.0],
+            marker="D",
+            color="black",
+            label="unoptimized",
+            zorder=3,
+        )
+        ax.set_title(f"{res['model']}: budgets (dotted) at 20-80% of activations", fontsize=9)
         ax.set_xlabel("measured peak of a training step (MiB)")
         ax.set_ylabel("step time / unoptimized")
         ax.grid(alpha=0.3)

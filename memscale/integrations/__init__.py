@@ -25,7 +25,8 @@ def _missing(what: str, package: str, extra: str, exc: ImportError) -> ImportErr
     return ImportError(
         f"memscale's {what} integration needs the {package} package, which "
         f"could not be imported ({type(exc).__name__}: {exc}). Install it with: "
-        f"pip install 'memscale[{extra}]'")
+        f"pip install 'memscale[{extra}]'"
+    )
 
 
 def _unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -89,8 +90,7 @@ def _figures(executor: Any) -> dict[str, int]:
     return {
         "memscale/peak_unoptimized_bytes": int(plan.peak_unoptimized_bytes),
         "memscale/peak_projected_bytes": int(plan.peak_projected_bytes),
-        "memscale/bytes_saved": int(plan.peak_unoptimized_bytes
-                                    - plan.peak_projected_bytes),
+        "memscale/bytes_saved": int(plan.peak_unoptimized_bytes - plan.peak_projected_bytes),
         "memscale/checkpointed_layers": int(plan.technique_counts["checkpoint"]),
         "memscale/recomputes": int(executor.stats["recomputes"]),
     }
@@ -102,13 +102,17 @@ def _summary(executor: Any) -> str:
     if plan is None:
         if executor.profiling == "first_step":
             return "no plan was made: no training forward ran"
-        return ("no plan was made: training ended during the warm-up "
-                f"({executor.stats['steps']} of {executor.config.warmup_steps} "
-                "forward passes profiled)")
+        return (
+            "no plan was made: training ended during the warm-up "
+            f"({executor.stats['steps']} of {executor.config.warmup_steps} "
+            "forward passes profiled)"
+        )
     from .._planning import format_bytes
 
-    return (f"plan {plan.hash[:12]} checkpointed "
-            f"{plan.technique_counts['checkpoint']} of {len(plan)} layers, "
-            f"projected peak {format_bytes(plan.peak_unoptimized_bytes)} -> "
-            f"{format_bytes(plan.peak_projected_bytes)}, "
-            f"{executor.stats['recomputes']} recomputes")
+    return (
+        f"plan {plan.hash[:12]} checkpointed "
+        f"{plan.technique_counts['checkpoint']} of {len(plan)} layers, "
+        f"projected peak {format_bytes(plan.peak_unoptimized_bytes)} -> "
+        f"{format_bytes(plan.peak_projected_bytes)}, "
+        f"{executor.stats['recomputes']} recomputes"
+    )

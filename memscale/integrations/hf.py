@@ -44,14 +44,14 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .. import api
 from ..config import Config
-from . import (_figures, _for_rank, _missing, _summary, _unwrap_model,
-               _unwrap_optimizer)
+from . import _figures, _for_rank, _missing, _summary, _unwrap_model, _unwrap_optimizer
 
 try:
     from transformers import TrainerCallback
@@ -76,11 +76,12 @@ class MemScaleCallback(TrainerCallback):
     While training runs, :attr:`executor` is memscale's executor.
     """
 
-    def __init__(self, config: Config | None = None, *,
-                 sample_input: Any = None) -> None:
+    def __init__(self, config: Config | None = None, *, sample_input: Any = None) -> None:
         if config is not None and not isinstance(config, Config):
-            raise TypeError("MemScaleCallback(config=...) must be a memscale.Config "
-                            f"or None, got {type(config).__name__}")
+            raise TypeError(
+                "MemScaleCallback(config=...) must be a memscale.Config "
+                f"or None, got {type(config).__name__}"
+            )
         self.config = config
         self.sample_input = sample_input
         self._executor: Any = None
@@ -95,19 +96,22 @@ class MemScaleCallback(TrainerCallback):
 
     # ---- Trainer events ---------------------------------------------------
 
-    def on_train_begin(self, args: Any, state: Any, control: Any,
-                       **kwargs: Any) -> None:
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         zero = bool(getattr(state, "is_world_process_zero", True))
         if self._executor is not None:
             if zero:
-                logger.info("memscale: the previous train() did not end "
-                            "normally; removing what memscale attached then "
-                            "and planning anew")
+                logger.info(
+                    "memscale: the previous train() did not end "
+                    "normally; removing what memscale attached then "
+                    "and planning anew"
+                )
             self._release(log_summary=False)
         model = kwargs.get("model")
         if not isinstance(model, torch.nn.Module):
-            logger.warning("memscale: the Trainer passed no model to "
-                           "on_train_begin; memscale is not applied to this run")
+            logger.warning(
+                "memscale: the Trainer passed no model to "
+                "on_train_begin; memscale is not applied to this run"
+            )
             return
         model = _unwrap_model(model)
         if model.__dict__.get(api.ATTR) is not None:
@@ -116,10 +120,10 @@ class MemScaleCallback(TrainerCallback):
                     "memscale: the Trainer's model is already wrapped by "
                     "memscale.wrap(model); the MemScaleCallback leaves that "
                     "wrapping as it is. Call memscale.detach(model) before "
-                    "train() to let the callback manage it.")
+                    "train() to let the callback manage it."
+                )
             return
-        config = _for_rank(self.config if self.config is not None else Config(),
-                           zero)
+        config = _for_rank(self.config if self.config is not None else Config(), zero)
         optimizer = _unwrap_optimizer(kwargs.get("optimizer"))
         restore = _take_over_hf_checkpointing(model, config, zero)
         try:
@@ -136,29 +140,33 @@ class MemScaleCallback(TrainerCallback):
         self._took_over = restore is not None
         self._plan_told = False
         if zero:
-            logger.info("memscale: attached to the Trainer's %s for this train() "
-                        "(optimizer: %s)", type(model).__name__,
-                        type(optimizer).__name__ if optimizer is not None
-                        else "none seen, Adam assumed")
+            logger.info(
+                "memscale: attached to the Trainer's %s for this train() (optimizer: %s)",
+                type(model).__name__,
+                type(optimizer).__name__ if optimizer is not None else "none seen, Adam assumed",
+            )
 
-    def on_step_end(self, args: Any, state: Any, control: Any,
-                    **kwargs: Any) -> None:
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         executor = self._executor
         if executor is None or self._plan_told or executor.plan is None:
             return
         self._plan_told = True
         plan = executor.plan
-        if (self._took_over and not plan.technique_counts["checkpoint"]
-                and getattr(state, "is_world_process_zero", True)):
+        if (
+            self._took_over
+            and not plan.technique_counts["checkpoint"]
+            and getattr(state, "is_world_process_zero", True)
+        ):
             logger.warning(
                 "memscale: the plan checkpoints no layer (pressure %.2f%s), so "
                 "Hugging Face's gradient checkpointing stays off for this run. "
                 "Config(force_optimize=True) makes memscale checkpoint anyway; "
                 "Config(enable_checkpointing=False) keeps Hugging Face's.",
-                plan.pressure, ", smart-skip" if plan.skipped else "")
+                plan.pressure,
+                ", smart-skip" if plan.skipped else "",
+            )
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
-               **kwargs: Any) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         executor = self._executor
         if executor is None or not isinstance(logs, dict):
             return
@@ -171,14 +179,13 @@ class MemScaleCallback(TrainerCallback):
         history = getattr(state, "log_history", None)
         if history and isinstance(history[-1], dict):
             last = history[-1]
-            if (last.get("step") == getattr(state, "global_step", None)
-                    and all(k in last for k in logs if k not in figures)):
+            if last.get("step") == getattr(state, "global_step", None) and all(
+                k in last for k in logs if k not in figures
+            ):
                 last.update(figures)
 
-    def on_train_end(self, args: Any, state: Any, control: Any,
-                     **kwargs: Any) -> None:
-        self._release(log_summary=bool(getattr(state, "is_world_process_zero",
-                                               True)))
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._release(log_summary=bool(getattr(state, "is_world_process_zero", True)))
 
     # ---- internals ----------------------------------------------------------
 
@@ -191,8 +198,7 @@ class MemScaleCallback(TrainerCallback):
         if executor is None:
             return
         if log_summary:
-            logger.info("memscale: training ended; %s; detached",
-                        _summary(executor))
+            logger.info("memscale: training ended; %s; detached", _summary(executor))
         model = ref() if ref is not None else None
         if model is not None and model.__dict__.get(api.ATTR) is executor:
             api.detach(model)
@@ -207,25 +213,29 @@ class MemScaleCallback(TrainerCallback):
 def _hf_checkpointing_on(model: torch.nn.Module) -> bool:
     # transformers 4.x and 5.x both keep a ``gradient_checkpointing`` flag
     # on every module that can checkpoint (the layers, and the model).
-    return any(getattr(m, "gradient_checkpointing", False) is True
-               for m in model.modules())
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
-def _take_over_hf_checkpointing(model: torch.nn.Module, config: Config,
-                                log: bool) -> Callable[[], None] | None:
+def _take_over_hf_checkpointing(
+    model: torch.nn.Module, config: Config, log: bool
+) -> Callable[[], None] | None:
     """Switch Hugging Face's gradient checkpointing off if it is on, and
     return the action that restores it exactly (None if nothing changed)."""
     if not _hf_checkpointing_on(model):
         return None
     if not config.enable_checkpointing:
         if log:
-            logger.info("memscale: Hugging Face gradient checkpointing is on and "
-                        "Config(enable_checkpointing=False): memscale leaves it "
-                        "on and checkpoints no layer itself")
+            logger.info(
+                "memscale: Hugging Face gradient checkpointing is on and "
+                "Config(enable_checkpointing=False): memscale leaves it "
+                "on and checkpoints no layer itself"
+            )
         return None
-    saved = [(m, m.gradient_checkpointing,
-              m.__dict__.get("_gradient_checkpointing_func", _MISSING))
-             for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+    saved = [
+        (m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func", _MISSING))
+        for m in model.modules()
+        if hasattr(m, "gradient_checkpointing")
+    ]
     input_hook = model.__dict__.get("_require_grads_hook")
 
     def restore() -> None:
@@ -235,15 +245,18 @@ def _take_over_hf_checkpointing(model: torch.nn.Module, config: Config,
                 module.__dict__.pop("_gradient_checkpointing_func", None)
             else:
                 module._gradient_checkpointing_func = func
-        if (input_hook is not None
-                and model.__dict__.get("_require_grads_hook") is None
-                and callable(getattr(model, "enable_input_require_grads", None))):
+        if (
+            input_hook is not None
+            and model.__dict__.get("_require_grads_hook") is None
+            and callable(getattr(model, "enable_input_require_grads", None))
+        ):
             model.enable_input_require_grads()  # type: ignore[operator]
 
     # transformers 5 renamed the API (the old names warn); 4.x has only the
     # old one.  Any flag the call leaves on is cleared directly.
-    disable = (getattr(model, "activation_checkpointing_disable", None)
-               or getattr(model, "gradient_checkpointing_disable", None))
+    disable = getattr(model, "activation_checkpointing_disable", None) or getattr(
+        model, "gradient_checkpointing_disable", None
+    )
     try:
         if callable(disable):
             disable()
@@ -260,25 +273,29 @@ def _take_over_hf_checkpointing(model: torch.nn.Module, config: Config,
             "layer is checkpointed twice: Hugging Face's is off during this "
             "train(), memscale's plan chooses the layers, and Hugging Face's "
             "is switched back on when training ends. "
-            "Config(enable_checkpointing=False) keeps Hugging Face's instead.")
+            "Config(enable_checkpointing=False) keeps Hugging Face's instead."
+        )
     return restore
 
 
 def attach(trainer: Any, config: Config | None, sample_input: Any = None) -> Any:
     """``memscale.wrap(trainer)``: add a MemScaleCallback; return trainer."""
-    if any(isinstance(cb, MemScaleCallback)
-           for cb in trainer.callback_handler.callbacks):
+    if any(isinstance(cb, MemScaleCallback) for cb in trainer.callback_handler.callbacks):
         raise RuntimeError(
             "this Trainer already has a memscale MemScaleCallback (from "
             "memscale.wrap(trainer) or callbacks=[...]); call "
-            "memscale.detach(trainer) before wrapping it again")
+            "memscale.detach(trainer) before wrapping it again"
+        )
     model = getattr(trainer, "model", None)
-    if (isinstance(model, torch.nn.Module)
-            and _unwrap_model(model).__dict__.get(api.ATTR) is not None):
+    if (
+        isinstance(model, torch.nn.Module)
+        and _unwrap_model(model).__dict__.get(api.ATTR) is not None
+    ):
         raise RuntimeError(
             "the Trainer's model is already wrapped by memscale; call "
             "memscale.detach(trainer.model) before memscale.wrap(trainer), "
-            "or keep the model's wrapping and do not wrap the trainer")
+            "or keep the model's wrapping and do not wrap the trainer"
+        )
     trainer.add_callback(MemScaleCallback(config, sample_input=sample_input))
     return trainer
 
@@ -288,8 +305,7 @@ def detach_trainer(trainer: Any) -> bool:
     Trainer and what it attached, and detach ``trainer.model`` if memscale
     wraps it.  Returns whether there was anything to remove."""
     found = False
-    for cb in [cb for cb in trainer.callback_handler.callbacks
-               if isinstance(cb, MemScaleCallback)]:
+    for cb in [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MemScaleCallback)]:
         try:
             cb._release(log_summary=False)
         finally:

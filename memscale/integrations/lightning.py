@@ -74,8 +74,9 @@ def _callback_bases() -> tuple[type, ...]:
         bases.append(callback)
     if not bases:
         assert first_error is not None
-        raise _missing("PyTorch Lightning", "lightning (or pytorch_lightning)",
-                       "lightning", first_error) from first_error
+        raise _missing(
+            "PyTorch Lightning", "lightning (or pytorch_lightning)", "lightning", first_error
+        ) from first_error
     return tuple(bases)
 
 
@@ -101,8 +102,10 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
 
     def __init__(self, config: Config | None = None) -> None:
         if config is not None and not isinstance(config, Config):
-            raise TypeError("MemScaleCallback(config=...) must be a memscale.Config "
-                            f"or None, got {type(config).__name__}")
+            raise TypeError(
+                "MemScaleCallback(config=...) must be a memscale.Config "
+                f"or None, got {type(config).__name__}"
+            )
         self.config = config
         self.plan_hash: str | None = None
         self._expected_hash: str | None = None
@@ -123,8 +126,7 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
 
     # ---- fit lifecycle ------------------------------------------------------
 
-    def on_fit_start(self, trainer: Any, pl_module: Any, *args: Any,
-                     **kwargs: Any) -> None:
+    def on_fit_start(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
         zero = bool(getattr(trainer, "is_global_zero", True))
         self._release(log_summary=False)  # a fit that never tore down
         if pl_module.__dict__.get(api.ATTR) is not None:
@@ -133,10 +135,10 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
                     "memscale: the LightningModule is already wrapped by "
                     "memscale.wrap(); the MemScaleCallback leaves that wrapping "
                     "as it is. Call memscale.detach(module) before fit() to let "
-                    "the callback manage it.")
+                    "the callback manage it."
+                )
             return
-        config = _for_rank(self.config if self.config is not None else Config(),
-                           zero)
+        config = _for_rank(self.config if self.config is not None else Config(), zero)
         optimizers = list(getattr(trainer, "optimizers", None) or [])
         optimizer = _unwrap_optimizer(optimizers[0]) if len(optimizers) == 1 else None
         api.wrap(pl_module, config, optimizer=optimizer)
@@ -148,16 +150,21 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
         self._forwards_before = None
         self._last_figures = {}
         if zero:
-            logger.info("memscale: attached to %s for fit() (optimizer: %s)",
-                        type(pl_module).__name__,
-                        type(optimizer).__name__ if optimizer is not None else
-                        f"{len(optimizers)} optimizers, Adam assumed")
+            logger.info(
+                "memscale: attached to %s for fit() (optimizer: %s)",
+                type(pl_module).__name__,
+                type(optimizer).__name__
+                if optimizer is not None
+                else f"{len(optimizers)} optimizers, Adam assumed",
+            )
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any,
-                             **kwargs: Any) -> None:
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
         executor = self._executor
-        if (executor is None or self._in_pass
-                or not (executor.state == "profiling" or executor.plans_on_first_forward)):
+        if (
+            executor is None
+            or self._in_pass
+            or not (executor.state == "profiling" or executor.plans_on_first_forward)
+        ):
             return
         if self._bracket is None:  # first batch: does forward run?
             self._forwards_before = executor.stats["training_forwards"]
@@ -167,51 +174,50 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
             executor._root_pre(pl_module, (), {})
             self._in_pass = True
 
-    def on_before_backward(self, trainer: Any, pl_module: Any, *args: Any,
-                           **kwargs: Any) -> None:
+    def on_before_backward(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
         self._end_pass(pl_module)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any,
-                           **kwargs: Any) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
         self._end_pass(pl_module)  # a step without backward
         executor = self._executor
-        if (executor is not None and self._bracket is None
-                and self._forwards_before is not None):
+        if executor is not None and self._bracket is None and self._forwards_before is not None:
             # training_step did not call self(...) if no training forward
             # of the LightningModule was counted during the batch.
-            self._bracket = (executor.stats["training_forwards"]
-                             == self._forwards_before)
+            self._bracket = executor.stats["training_forwards"] == self._forwards_before
             if self._bracket and executor.plans_on_first_forward:
                 # Neither the LightningModule's forward nor a module that
                 # holds every planning unit ran: no inputs to plan from.
-                logger.info("memscale: training_step calls neither the "
-                            "LightningModule's forward nor one module holding "
-                            "every layer memscale plans; measuring the next %d "
-                            "training steps for real (they run unoptimized), "
-                            "then planning. Call self(...) in training_step to "
-                            "have the plan from the first step.",
-                            executor.config.warmup_steps)
+                logger.info(
+                    "memscale: training_step calls neither the "
+                    "LightningModule's forward nor one module holding "
+                    "every layer memscale plans; measuring the next %d "
+                    "training steps for real (they run unoptimized), "
+                    "then planning. Call self(...) in training_step to "
+                    "have the plan from the first step.",
+                    executor.config.warmup_steps,
+                )
                 executor.measure_real_steps()
             if self._bracket and executor.state == "profiling":
-                logger.debug("memscale: training_step does not call the "
-                             "LightningModule's forward; the callback marks "
-                             "the profiled passes")
+                logger.debug(
+                    "memscale: training_step does not call the "
+                    "LightningModule's forward; the callback marks "
+                    "the profiled passes"
+                )
         self._check_plan()
 
-    def on_exception(self, trainer: Any, pl_module: Any, *args: Any,
-                     **kwargs: Any) -> None:
+    def on_exception(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
         self._release(log_summary=False)
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: Any = None,
-                 *args: Any, **kwargs: Any) -> None:
+    def teardown(
+        self, trainer: Any, pl_module: Any, stage: Any = None, *args: Any, **kwargs: Any
+    ) -> None:
         self._release(log_summary=bool(getattr(trainer, "is_global_zero", True)))
 
     # ---- checkpoints --------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         config = self.config if self.config is not None else Config()
-        return {"version": _STATE_VERSION, "config": config.to_dict(),
-                "plan_hash": self.plan_hash}
+        return {"version": _STATE_VERSION, "config": config.to_dict(), "plan_hash": self.plan_hash}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._expected_hash = state_dict.get("plan_hash")
@@ -221,18 +227,24 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
         try:
             config = _config_from_dict(stored)
         except (TypeError, ValueError) as exc:
-            warnings.warn(f"memscale: the Config stored in the checkpoint cannot "
-                          f"be restored ({exc}); this run plans with "
-                          f"{'the given Config' if self.config else 'Config()'}",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"memscale: the Config stored in the checkpoint cannot "
+                f"be restored ({exc}); this run plans with "
+                f"{'the given Config' if self.config else 'Config()'}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return
         if self.config is None:
             self.config = config
         elif self.config != config:
-            warnings.warn("memscale: this MemScaleCallback's Config differs from "
-                          "the one stored in the checkpoint; the given one is "
-                          "used, so the plan may differ from the saved run's",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "memscale: this MemScaleCallback's Config differs from "
+                "the one stored in the checkpoint; the given one is "
+                "used, so the plan may differ from the saved run's",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     # ---- internals ----------------------------------------------------------
 
@@ -258,7 +270,9 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
                 f"memscale: the resumed run's plan ({self.plan_hash[:12]}) differs "
                 f"from the plan stored in the checkpoint ({expected[:12]}): the "
                 "model, the batch shapes, the hardware or the Config changed",
-                RuntimeWarning, stacklevel=2)
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def figures(self) -> dict[str, int]:
         """memscale's figures (``memscale/...`` keys: projected peak without

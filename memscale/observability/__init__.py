@@ -7,8 +7,14 @@ such as serving metrics on another address.
 """
 
 from .logs import ROOT_LOGGER, application_configured_logging, attach_logging
-from .metrics import (DEFAULT_HOST, HOST_ENV, MetricsPortInUseError, MetricsServer,
-                      render_metrics, start_metrics_server)
+from .metrics import (
+    DEFAULT_HOST,
+    HOST_ENV,
+    MetricsPortInUseError,
+    MetricsServer,
+    render_metrics,
+    start_metrics_server,
+)
 
 __all__ = [
     "DEFAULT_HOST",

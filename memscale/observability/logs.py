@@ -32,7 +32,8 @@ import os
 import sys
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["ROOT_LOGGER", "application_configured_logging", "attach_logging"]
 
@@ -78,9 +79,10 @@ def application_configured_logging() -> bool:
         return True
     if logger.level != logging.NOTSET and not _level["set_by_us"]:
         return True
-    return any(not isinstance(h, logging.NullHandler)
-               and not getattr(h, "_memscale_owned", False)
-               for h in logger.handlers)
+    return any(
+        not isinstance(h, logging.NullHandler) and not getattr(h, "_memscale_owned", False)
+        for h in logger.handlers
+    )
 
 
 def _raise_level(level: int = logging.INFO) -> None:
@@ -130,9 +132,11 @@ def _add_file(path: str) -> Callable[[], None]:
             handler = _FileHandler(key, mode="a", encoding="utf-8")
         except OSError as exc:
             raise OSError(
-                exc.errno, f"memscale cannot open Config.log_file={path!r}: "
+                exc.errno,
+                f"memscale cannot open Config.log_file={path!r}: "
                 f"{exc.strerror or exc}. Create its directory, choose another "
-                "path, or set log_file=None") from exc
+                "path, or set log_file=None",
+            ) from exc
         handler.setLevel(logging.DEBUG)
         handler.setFormatter(logging.Formatter(FILE_FORMAT))
         logger.addHandler(handler)
@@ -169,7 +173,9 @@ def attach_logging(config: Any) -> Callable[[], None]:
                     f"Config.log_file={config.log_file!r} is set but "
                     "enable_logging=False, so nothing is written there; set "
                     "enable_logging=True to log the hardware and plan to it",
-                    UserWarning, stacklevel=3)
+                    UserWarning,
+                    stacklevel=3,
+                )
             return undo_all
         try:
             if not application_configured_logging():

@@ -80,11 +80,18 @@ import socket
 import socketserver
 import threading
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-__all__ = ["DEFAULT_HOST", "HOST_ENV", "MetricsPortInUseError", "MetricsServer",
-           "render_metrics", "start_metrics_server"]
+__all__ = [
+    "DEFAULT_HOST",
+    "HOST_ENV",
+    "MetricsPortInUseError",
+    "MetricsServer",
+    "render_metrics",
+    "start_metrics_server",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +116,8 @@ def _require_prometheus() -> Any:
         raise ImportError(
             "Config(observability_port=...) needs the prometheus_client "
             "package: pip install 'memscale[metrics]' (or pip install "
-            "prometheus_client), or leave observability_port=None") from exc
+            "prometheus_client), or leave observability_port=None"
+        ) from exc
     return prometheus_client
 
 
@@ -159,18 +167,22 @@ class _ExecutorCollector:
         return []  # no collect() at registration
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                            InfoMetricFamily)
-
         import torch
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
         from .. import _core
         from .._version import __version__
 
-        yield InfoMetricFamily("memscale_build", "memscale build information", value={
-            "version": __version__, "core_abi": str(_core.ABI),
-            "torch_version": torch.__version__,
-            "python_version": platform.python_version()})
+        yield InfoMetricFamily(
+            "memscale_build",
+            "memscale build information",
+            value={
+                "version": __version__,
+                "core_abi": str(_core.ABI),
+                "torch_version": torch.__version__,
+                "python_version": platform.python_version(),
+            },
+        )
         ex = self._executor()
         if ex is None:
             return
@@ -179,8 +191,9 @@ class _ExecutorCollector:
         hardware = getattr(ex, "hardware", {}) or {}
         decision = getattr(ex, "decision", None)
 
-        state = GaugeMetricFamily("memscale_executor_state",
-                                  "1 for the executor's current state", labels=["state"])
+        state = GaugeMetricFamily(
+            "memscale_executor_state", "1 for the executor's current state", labels=["state"]
+        )
         current = ex.state
         for name in STATES:
             state.add_metric([name], 1.0 if current == name else 0.0)
@@ -190,99 +203,139 @@ class _ExecutorCollector:
             return NAN if value is None else float(value)
 
         config = getattr(ex, "config", None)
-        yield InfoMetricFamily("memscale_plan", "the plan being applied (empty until planned)",
-                               value={
-            "hash": plan.hash if plan is not None else "",
-            "mode": plan.mode if plan is not None else "",
-            "device": plan.device if plan is not None else "",
-            "profiling": str(getattr(ex, "profiling", "")),
-            "strategy": decision.strategy if decision is not None else "",
-            "decision_source": decision.decision_source if decision is not None else ""})
-        layers = GaugeMetricFamily("memscale_plan_layers",
-                                   "planning units per technique (0 until planned)",
-                                   labels=["technique"])
+        yield InfoMetricFamily(
+            "memscale_plan",
+            "the plan being applied (empty until planned)",
+            value={
+                "hash": plan.hash if plan is not None else "",
+                "mode": plan.mode if plan is not None else "",
+                "device": plan.device if plan is not None else "",
+                "profiling": str(getattr(ex, "profiling", "")),
+                "strategy": decision.strategy if decision is not None else "",
+                "decision_source": decision.decision_source if decision is not None else "",
+            },
+        )
+        layers = GaugeMetricFamily(
+            "memscale_plan_layers",
+            "planning units per technique (0 until planned)",
+            labels=["technique"],
+        )
         counts = plan.technique_counts if plan is not None else {}
         for name in TECHNIQUES:
             layers.add_metric([name], float(counts.get(name, 0)))
         untouched = 0 if plan is None else sum(1 for lp in plan.layers if not lp.techniques)
         layers.add_metric(["none"], float(untouched))
         yield layers
-        peak = GaugeMetricFamily("memscale_predicted_peak_bytes",
-                                 "the engine's predicted peak of a training step "
-                                 "(NaN until planned)", labels=["plan"])
-        peak.add_metric(["unoptimized"], known(None if plan is None
-                                               else plan.peak_unoptimized_bytes))
-        peak.add_metric(["optimized"], known(None if plan is None
-                                             else plan.peak_projected_bytes))
+        peak = GaugeMetricFamily(
+            "memscale_predicted_peak_bytes",
+            "the engine's predicted peak of a training step (NaN until planned)",
+            labels=["plan"],
+        )
+        peak.add_metric(
+            ["unoptimized"], known(None if plan is None else plan.peak_unoptimized_bytes)
+        )
+        peak.add_metric(["optimized"], known(None if plan is None else plan.peak_projected_bytes))
         yield peak
         budget = plan.budget_bytes if plan is not None else None
         if budget is None and config is not None and hardware.get("capacity_bytes"):
             from .._planning import budget_bytes
 
             budget = budget_bytes(config, hardware)
-        yield GaugeMetricFamily("memscale_memory_budget_bytes",
-                                "usable memory the plan is made for",
-                                value=known(budget))
-        yield GaugeMetricFamily("memscale_memory_pressure_ratio",
-                                "predicted unoptimized peak / budget (NaN until planned)",
-                                value=known(None if plan is None else plan.pressure))
+        yield GaugeMetricFamily(
+            "memscale_memory_budget_bytes",
+            "usable memory the plan is made for",
+            value=known(budget),
+        )
+        yield GaugeMetricFamily(
+            "memscale_memory_pressure_ratio",
+            "predicted unoptimized peak / budget (NaN until planned)",
+            value=known(None if plan is None else plan.pressure),
+        )
         yield GaugeMetricFamily(
             "memscale_activation_saved_bytes",
             "activation bytes the plan frees, predicted (NaN until planned)",
-            value=known(None if plan is None else
-                        sum(lp.bytes_saved for lp in plan.layers if lp.techniques)))
-        yield GaugeMetricFamily("memscale_device_capacity_bytes",
-                                "detected capacity of one device",
-                                value=known(hardware.get("capacity_bytes")))
+            value=known(
+                None if plan is None else sum(lp.bytes_saved for lp in plan.layers if lp.techniques)
+            ),
+        )
+        yield GaugeMetricFamily(
+            "memscale_device_capacity_bytes",
+            "detected capacity of one device",
+            value=known(hardware.get("capacity_bytes")),
+        )
         profile = getattr(ex, "profile", None)
-        yield GaugeMetricFamily("memscale_profiled_activation_bytes",
-                                "activation bytes saved for backward, as profiled "
-                                "(NaN until profiled)",
-                                value=known(None if profile is None else profile.activation_bytes))
-        yield GaugeMetricFamily("memscale_device_peak_allocated_bytes",
-                                "peak bytes allocated on the device "
-                                "(torch.cuda.max_memory_allocated; NaN on a CPU host)",
-                                value=_device_peak(hardware))
-        yield GaugeMetricFamily("memscale_process_peak_resident_bytes",
-                                "peak resident memory of this process (VmHWM)",
-                                value=_process_peak_rss())
+        yield GaugeMetricFamily(
+            "memscale_profiled_activation_bytes",
+            "activation bytes saved for backward, as profiled (NaN until profiled)",
+            value=known(None if profile is None else profile.activation_bytes),
+        )
+        yield GaugeMetricFamily(
+            "memscale_device_peak_allocated_bytes",
+            "peak bytes allocated on the device "
+            "(torch.cuda.max_memory_allocated; NaN on a CPU host)",
+            value=_device_peak(hardware),
+        )
+        yield GaugeMetricFamily(
+            "memscale_process_peak_resident_bytes",
+            "peak resident memory of this process (VmHWM)",
+            value=_process_peak_rss(),
+        )
 
-        offloaded = CounterMetricFamily("memscale_offloaded_bytes",
-                                        "bytes offloaded, per tier", labels=["tier"])
+        offloaded = CounterMetricFamily(
+            "memscale_offloaded_bytes", "bytes offloaded, per tier", labels=["tier"]
+        )
         store = getattr(ex, "offload_store", None)
         host = getattr(ex, "offload_host", None)
-        by_tier = {"cpu": float(host.bytes_to_host) if host is not None else 0.0,
-                   "disk": float(store.stats["bytes_written"]) if store is not None else 0.0}
+        by_tier = {
+            "cpu": float(host.bytes_to_host) if host is not None else 0.0,
+            "disk": float(store.stats["bytes_written"]) if store is not None else 0.0,
+        }
         for tier in OFFLOAD_TIERS:
             offloaded.add_metric([tier], by_tier[tier])
         yield offloaded
-        yield CounterMetricFamily("memscale_recompute_seconds",
-                                  "time spent recomputing in backward",
-                                  value=float(stats["recompute_seconds"]))
-        yield CounterMetricFamily("memscale_layer_recomputes",
-                                  "layer forwards run again in backward",
-                                  value=float(getattr(ex, "layer_recomputes", 0)))
-        yield CounterMetricFamily("memscale_segment_recomputes",
-                                  "checkpoint segments (one or more consecutive "
-                                  "layers) recomputed in backward",
-                                  value=float(stats["recomputes"]))
-        yield CounterMetricFamily("memscale_checkpoint_segments",
-                                  "checkpoint segments run in forward",
-                                  value=float(stats["checkpoint_frames"]))
-        yield CounterMetricFamily("memscale_training_forwards",
-                                  "training forward passes of the model",
-                                  value=float(stats["training_forwards"]))
-        yield CounterMetricFamily("memscale_optimizer_steps",
-                                  "step() calls of the optimizer memscale was given",
-                                  value=float(getattr(ex, "optimizer_steps", 0)))
-        yield CounterMetricFamily("memscale_profiled_passes",
-                                  "forwards measured for real before planning",
-                                  value=float(stats["steps"]))
-        yield GaugeMetricFamily("memscale_hooks", "hooks memscale has attached",
-                                value=float(stats["hooks"]))
-        yield GaugeMetricFamily("memscale_active_checkpoint_segments",
-                                "checkpoint segments open right now",
-                                value=float(stats["active_frames"]))
+        yield CounterMetricFamily(
+            "memscale_recompute_seconds",
+            "time spent recomputing in backward",
+            value=float(stats["recompute_seconds"]),
+        )
+        yield CounterMetricFamily(
+            "memscale_layer_recomputes",
+            "layer forwards run again in backward",
+            value=float(getattr(ex, "layer_recomputes", 0)),
+        )
+        yield CounterMetricFamily(
+            "memscale_segment_recomputes",
+            "checkpoint segments (one or more consecutive layers) recomputed in backward",
+            value=float(stats["recomputes"]),
+        )
+        yield CounterMetricFamily(
+            "memscale_checkpoint_segments",
+            "checkpoint segments run in forward",
+            value=float(stats["checkpoint_frames"]),
+        )
+        yield CounterMetricFamily(
+            "memscale_training_forwards",
+            "training forward passes of the model",
+            value=float(stats["training_forwards"]),
+        )
+        yield CounterMetricFamily(
+            "memscale_optimizer_steps",
+            "step() calls of the optimizer memscale was given",
+            value=float(getattr(ex, "optimizer_steps", 0)),
+        )
+        yield CounterMetricFamily(
+            "memscale_profiled_passes",
+            "forwards measured for real before planning",
+            value=float(stats["steps"]),
+        )
+        yield GaugeMetricFamily(
+            "memscale_hooks", "hooks memscale has attached", value=float(stats["hooks"])
+        )
+        yield GaugeMetricFamily(
+            "memscale_active_checkpoint_segments",
+            "checkpoint segments open right now",
+            value=float(stats["active_frames"]),
+        )
 
 
 class _Server(WSGIServer):
@@ -310,16 +363,20 @@ class _Server(WSGIServer):
                 self._active += 1
         if full:
             try:
-                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\n"
-                                b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+                request.sendall(
+                    b"HTTP/1.0 503 Service Unavailable\r\n"
+                    b"Content-Length: 0\r\nConnection: close\r\n\r\n"
+                )
             except OSError:
                 pass
             self.shutdown_request(request)
             return
-        thread = threading.Thread(target=self._serve_connection,
-                                  args=(request, client_address),
-                                  name=f"memscale-scrape:{self.server_port}",
-                                  daemon=True)
+        thread = threading.Thread(
+            target=self._serve_connection,
+            args=(request, client_address),
+            name=f"memscale-scrape:{self.server_port}",
+            daemon=True,
+        )
         try:
             thread.start()
         except BaseException:
@@ -344,11 +401,14 @@ class _Server(WSGIServer):
 
 def _only_metrics(app: Any) -> Any:
     """``app`` at ``PATH``; 404 everywhere else."""
+
     def serve(environ: dict[str, Any], start_response: Any) -> Any:
         if environ.get("PATH_INFO", "") != PATH:
             body = f"not found: memscale serves metrics at {PATH}\n".encode()
-            start_response("404 Not Found", [("Content-Type", "text/plain"),
-                                              ("Content-Length", str(len(body)))])
+            start_response(
+                "404 Not Found",
+                [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))],
+            )
             return [body]
         return app(environ, start_response)
 
@@ -418,7 +478,8 @@ def _resolve(host: str) -> tuple[str, int]:
     raise ValueError(
         f"memscale serves metrics on an IP address, got host {host!r} (from "
         f"{HOST_ENV} or host=): use an IPv4 or IPv6 literal such as "
-        f"{DEFAULT_HOST} (the default), ::1 or 0.0.0.0, or 'localhost'")
+        f"{DEFAULT_HOST} (the default), ::1 or 0.0.0.0, or 'localhost'"
+    )
 
 
 class MetricsServer:
@@ -447,12 +508,13 @@ class MetricsServer:
                     "already in use (by another program, or by another model "
                     "wrapped with the same observability_port). Choose a free "
                     "port with Config(observability_port=...), or detach the "
-                    "model that serves it") from exc
+                    "model that serves it",
+                ) from exc
             raise OSError(
                 exc.errno,
                 f"memscale cannot serve metrics on {host}:{port}: "
                 f"{exc.strerror or exc}. Check Config.observability_port and "
-                f"the {HOST_ENV} environment variable (default {DEFAULT_HOST})"
+                f"the {HOST_ENV} environment variable (default {DEFAULT_HOST})",
             ) from exc
         self._httpd.set_app(_only_metrics(app))
         self.port = int(self._httpd.server_address[1])
@@ -460,8 +522,11 @@ class MetricsServer:
         self._lock = threading.Lock()
         self._stop_event = threading.Event()
         self._thread = threading.Thread(
-            target=_serve, args=(self._httpd, self._stop_event),
-            name=f"memscale-metrics:{self.port}", daemon=True)
+            target=_serve,
+            args=(self._httpd, self._stop_event),
+            name=f"memscale-metrics:{self.port}",
+            daemon=True,
+        )
         try:
             self._thread.start()
         except BaseException:
@@ -469,8 +534,9 @@ class MetricsServer:
             raise
         # Stopped with the executor: a model dropped without detach frees
         # the port and the thread when it is collected.
-        self._finalizer = weakref.finalize(executor, _stop, self._httpd,
-                                           self._stop_event, self._thread)
+        self._finalizer = weakref.finalize(
+            executor, _stop, self._httpd, self._stop_event, self._thread
+        )
         _SERVERS.add(self)
         logger.info("memscale: Prometheus metrics at %s", self.url)
 

@@ -16,11 +16,18 @@ the per-layer plan.  ``memscale.api._select_strategy`` runs it:
   policy on purpose (``"rule"``).
 """
 
-from ._types import (DECISION_SOURCES, FEATURES, STRATEGIES, PolicyFallbackNeeded,
-                     Strategy, StrategyContext, StrategyDecision, eligible_techniques)
+from ._types import (
+    DECISION_SOURCES,
+    FEATURES,
+    STRATEGIES,
+    PolicyFallbackNeeded,
+    Strategy,
+    StrategyContext,
+    StrategyDecision,
+    eligible_techniques,
+)
 from .rules import RulePolicy
-from .trained import (ARTIFACT_FORMAT, DEFAULT_ARTIFACT, TrainedPolicy,
-                      load_trained_policy)
+from .trained import ARTIFACT_FORMAT, DEFAULT_ARTIFACT, TrainedPolicy, load_trained_policy
 
 __all__ = [
     "ARTIFACT_FORMAT",
@@ -54,8 +61,10 @@ def requested_policy() -> str:
 
     value = os.environ.get(POLICY_ENV, "").strip().lower() or "auto"
     if value not in _POLICY_CHOICES:
-        raise ValueError(f"{POLICY_ENV} must be one of {_POLICY_CHOICES} (or unset), "
-                         f"got {os.environ.get(POLICY_ENV)!r}")
+        raise ValueError(
+            f"{POLICY_ENV} must be one of {_POLICY_CHOICES} (or unset), "
+            f"got {os.environ.get(POLICY_ENV)!r}"
+        )
     return value
 
 

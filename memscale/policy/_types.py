@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from ..config import Config, OptimizationMode
 
@@ -65,20 +66,23 @@ class Strategy:
     force_optimize: bool
 
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
-    Strategy("conservative", OptimizationMode.CONSERVATIVE, 1.0, False),
-    Strategy("balanced", OptimizationMode.BALANCED, 0.85, False),
-    Strategy("aggressive", OptimizationMode.AGGRESSIVE, 1.0, True),
-)}
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("conservative", OptimizationMode.CONSERVATIVE, 1.0, False),
+        Strategy("balanced", OptimizationMode.BALANCED, 0.85, False),
+        Strategy("aggressive", OptimizationMode.AGGRESSIVE, 1.0, True),
+    )
+}
 
 # The numeric features a policy reads from a profiled context, in order.
 FEATURES = (
-    "pressure",          # predicted unoptimized peak / budget
-    "min_pressure",      # predicted peak with every eligible layer checkpointed / budget
+    "pressure",  # predicted unoptimized peak / budget
+    "min_pressure",  # predicted peak with every eligible layer checkpointed / budget
     "activation_share",  # activation bytes / predicted unoptimized peak
-    "unit_share",        # activation bytes inside the planning units / all activation bytes
-    "fixed_share",       # parameters + gradients + optimizer state / unoptimized peak
-    "layer_count",       # planning units
+    "unit_share",  # activation bytes inside the planning units / all activation bytes
+    "fixed_share",  # parameters + gradients + optimizer state / unoptimized peak
+    "layer_count",  # planning units
 )
 
 
@@ -106,12 +110,12 @@ class StrategyContext:
     ``fixed_bytes`` are ``None`` until the model is profiled.
     """
 
-    device_type: str          # "cuda", "cpu", ... (the device the model is on)
+    device_type: str  # "cuda", "cpu", ... (the device the model is on)
     device_count: int
-    capacity_bytes: int       # per device, as detected (or given)
-    budget_bytes: int         # usable memory per the user's Config
-    fixed_bytes: int          # parameters + buffers + gradients + optimizer state
-    activation_bytes: int | None = None      # all activations saved for backward
+    capacity_bytes: int  # per device, as detected (or given)
+    budget_bytes: int  # usable memory per the user's Config
+    fixed_bytes: int  # parameters + buffers + gradients + optimizer state
+    activation_bytes: int | None = None  # all activations saved for backward
     unit_activation_bytes: int | None = None  # those inside the planning units
     peak_unoptimized_bytes: int | None = None  # the engine's prediction
     peak_min_bytes: int | None = None  # predicted, every eligible layer checkpointed
@@ -128,46 +132,58 @@ class StrategyContext:
         return self.peak_unoptimized_bytes is not None
 
     @classmethod
-    def build(cls, config: Config, hardware: Mapping[str, Any],
-              profile: Any = None, fixed_bytes: int = 0) -> StrategyContext:
+    def build(
+        cls, config: Config, hardware: Mapping[str, Any], profile: Any = None, fixed_bytes: int = 0
+    ) -> StrategyContext:
         """The context for ``config`` on ``hardware`` (a dict as returned by
         ``memscale._core.detect_hardware``), with the engine's predictions
         when ``profile`` (a ``_planning.Profile``) is given."""
         from .. import _core, _planning
 
         budget = _planning.budget_bytes(config, dict(hardware))
-        base: dict[str, Any] = dict(device_type=str(hardware["device"]),
-                    device_count=int(hardware["count"]),
-                    capacity_bytes=int(hardware["capacity_bytes"]),
-                    budget_bytes=budget, fixed_bytes=int(fixed_bytes))
+        base: dict[str, Any] = dict(
+            device_type=str(hardware["device"]),
+            device_count=int(hardware["count"]),
+            capacity_bytes=int(hardware["capacity_bytes"]),
+            budget_bytes=budget,
+            fixed_bytes=int(fixed_bytes),
+        )
         if profile is None:
             return cls(**base)
 
         def predict(force: bool) -> Any:
             return _core.build_plan(
-                profile.layers, mode=OptimizationMode.CONSERVATIVE.value,
-                allowed=_core.TECH_CHECKPOINT, force=force, budget_bytes=budget,
+                profile.layers,
+                mode=OptimizationMode.CONSERVATIVE.value,
+                allowed=_core.TECH_CHECKPOINT,
+                force=force,
+                budget_bytes=budget,
                 fixed_bytes=int(fixed_bytes),
                 activation_bytes=profile.activation_bytes,
-                total_flops=profile.total_flops, device=str(hardware["device"]),
+                total_flops=profile.total_flops,
+                device=str(hardware["device"]),
                 device_count=int(hardware["count"]),
-                capacity_bytes=int(hardware["capacity_bytes"]))
+                capacity_bytes=int(hardware["capacity_bytes"]),
+            )
 
         everything = predict(True)
-        return cls(**base,
-                   activation_bytes=int(profile.activation_bytes),
-                   unit_activation_bytes=int(sum(layer[3] for layer in profile.layers)),
-                   peak_unoptimized_bytes=int(everything.peak_unoptimized_bytes),
-                   peak_min_bytes=int(everything.peak_projected_bytes),
-                   layer_count=len(profile.layers),
-                   total_flops=float(profile.total_flops))
+        return cls(
+            **base,
+            activation_bytes=int(profile.activation_bytes),
+            unit_activation_bytes=int(sum(layer[3] for layer in profile.layers)),
+            peak_unoptimized_bytes=int(everything.peak_unoptimized_bytes),
+            peak_min_bytes=int(everything.peak_projected_bytes),
+            layer_count=len(profile.layers),
+            total_flops=float(profile.total_flops),
+        )
 
     def features(self) -> dict[str, float]:
         """The :data:`FEATURES` as floats; needs a profiled context."""
         if not self.profiled:
             raise PolicyFallbackNeeded(
                 "the context has no profile yet (Stage 1 needs the engine's "
-                "predictions to pick a strategy)")
+                "predictions to pick a strategy)"
+            )
         budget = max(1, self.budget_bytes)
         peak = max(1, self.peak_unoptimized_bytes or 0)
         activation = max(1, self.activation_bytes or 0)
@@ -205,33 +221,45 @@ class StrategyDecision:
 
     def __post_init__(self) -> None:
         if self.decision_source not in DECISION_SOURCES:
-            raise ValueError(f"decision_source must be one of {DECISION_SOURCES}, "
-                             f"got {self.decision_source!r}")
+            raise ValueError(
+                f"decision_source must be one of {DECISION_SOURCES}, got {self.decision_source!r}"
+            )
         if not (0 < self.budget_fraction <= 1) or not math.isfinite(self.budget_fraction):
-            raise ValueError("budget_fraction must be in (0, 1], got "
-                             f"{self.budget_fraction!r}")
+            raise ValueError(f"budget_fraction must be in (0, 1], got {self.budget_fraction!r}")
 
     @classmethod
     def from_config(cls, config: Config, reason: str) -> StrategyDecision:
         """The decision that uses ``config`` as written."""
-        return cls(strategy="as_configured", mode=config.mode,
-                   techniques=eligible_techniques(config, config.mode),
-                   force_optimize=config.force_optimize, budget_fraction=1.0,
-                   decision_source="user_config", reason=reason)
+        return cls(
+            strategy="as_configured",
+            mode=config.mode,
+            techniques=eligible_techniques(config, config.mode),
+            force_optimize=config.force_optimize,
+            budget_fraction=1.0,
+            decision_source="user_config",
+            reason=reason,
+        )
 
     @classmethod
-    def from_strategy(cls, name: str, config: Config, source: str, reason: str,
-                      policy: str | None) -> StrategyDecision:
+    def from_strategy(
+        cls, name: str, config: Config, source: str, reason: str, policy: str | None
+    ) -> StrategyDecision:
         try:
             strategy = STRATEGIES[name]
         except KeyError:
-            raise ValueError(f"unknown strategy {name!r}; choose from "
-                             f"{sorted(STRATEGIES)}") from None
-        return cls(strategy=name, mode=strategy.mode,
-                   techniques=eligible_techniques(config, strategy.mode),
-                   force_optimize=config.force_optimize or strategy.force_optimize,
-                   budget_fraction=strategy.budget_fraction,
-                   decision_source=source, reason=reason, policy=policy)
+            raise ValueError(
+                f"unknown strategy {name!r}; choose from {sorted(STRATEGIES)}"
+            ) from None
+        return cls(
+            strategy=name,
+            mode=strategy.mode,
+            techniques=eligible_techniques(config, strategy.mode),
+            force_optimize=config.force_optimize or strategy.force_optimize,
+            budget_fraction=strategy.budget_fraction,
+            decision_source=source,
+            reason=reason,
+            policy=policy,
+        )
 
     def effective_config(self, config: Config) -> Config:
         """``config`` with this decision applied: ``config`` itself when
@@ -239,14 +267,14 @@ class StrategyDecision:
         never changed)."""
         if self.decision_source == "user_config":
             return config
-        changes: dict[str, Any] = {"mode": self.mode,
-                                   "force_optimize": self.force_optimize}
+        changes: dict[str, Any] = {"mode": self.mode, "force_optimize": self.force_optimize}
         if self.budget_fraction != 1.0:
             if config.memory_budget_gb is not None:
                 changes["memory_budget_gb"] = config.memory_budget_gb * self.budget_fraction
             else:
-                changes["target_gpu_utilization"] = (config.target_gpu_utilization
-                                                     * self.budget_fraction)
+                changes["target_gpu_utilization"] = (
+                    config.target_gpu_utilization * self.budget_fraction
+                )
         return config.replace(**changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -258,9 +286,11 @@ class StrategyDecision:
     def describe(self) -> str:
         """One log line."""
         techniques = "+".join(self.techniques) or "none"
-        return (f"memscale strategy: {self.strategy} (decision_source="
-                f"{self.decision_source}) mode={self.mode.value} "
-                f"techniques={techniques} force_optimize={self.force_optimize} "
-                f"budget_fraction={self.budget_fraction:g}"
-                + (f" policy={self.policy}" if self.policy else "")
-                + f": {self.reason}")
+        return (
+            f"memscale strategy: {self.strategy} (decision_source="
+            f"{self.decision_source}) mode={self.mode.value} "
+            f"techniques={techniques} force_optimize={self.force_optimize} "
+            f"budget_fraction={self.budget_fraction:g}"
+            + (f" policy={self.policy}" if self.policy else "")
+            + f": {self.reason}"
+        )

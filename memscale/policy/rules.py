@@ -37,8 +37,9 @@ class RulePolicy:
         if pressure <= self.balanced_above:
             return "conservative", f"pressure {pressure:.2f} <= {self.balanced_above:g}"
         if pressure <= self.aggressive_above:
-            return "balanced", (f"pressure {pressure:.2f} in ({self.balanced_above:g}, "
-                                f"{self.aggressive_above:g}]")
+            return "balanced", (
+                f"pressure {pressure:.2f} in ({self.balanced_above:g}, {self.aggressive_above:g}]"
+            )
         reason = f"pressure {pressure:.2f} > {self.aggressive_above:g}"
         if pressure > self.smaller_batch_above:
             reason += "; above about 3x consider a smaller batch as well"

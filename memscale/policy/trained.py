@@ -56,8 +56,11 @@ def _check_node(node: Any, features: list[str], depth: int, where: str) -> None:
     feature, threshold = node.get("feature"), node.get("threshold")
     if feature not in features:
         raise PolicyFallbackNeeded(f"{where}: unknown feature {feature!r}")
-    if (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
-            or not math.isfinite(threshold)):
+    if (
+        isinstance(threshold, bool)
+        or not isinstance(threshold, (int, float))
+        or not math.isfinite(threshold)
+    ):
         raise PolicyFallbackNeeded(f"{where}: threshold must be a finite number")
     for side in ("le", "gt"):
         if side not in node:
@@ -73,13 +76,17 @@ class TrainedPolicy:
             raise PolicyFallbackNeeded("the artifact must be a JSON object")
         if artifact.get("format") != ARTIFACT_FORMAT:
             raise PolicyFallbackNeeded(
-                f"artifact format {artifact.get('format')!r} is not "
-                f"{ARTIFACT_FORMAT!r}")
+                f"artifact format {artifact.get('format')!r} is not {ARTIFACT_FORMAT!r}"
+            )
         features = artifact.get("features")
-        if (not isinstance(features, list) or not features
-                or any(f not in FEATURES for f in features)):
+        if (
+            not isinstance(features, list)
+            or not features
+            or any(f not in FEATURES for f in features)
+        ):
             raise PolicyFallbackNeeded(
-                f"artifact features must be a non-empty subset of {FEATURES}")
+                f"artifact features must be a non-empty subset of {FEATURES}"
+            )
         _check_node(artifact.get("tree"), features, 0, "tree")
         self.features = tuple(features)
         self.tree = artifact["tree"]
@@ -106,7 +113,8 @@ class TrainedPolicy:
             # tree of MAX_DEPTH levels is, so it cannot be an artifact.
             raise PolicyFallbackNeeded(
                 f"the policy artifact {path} is nested too deeply to be a "
-                f"strategy tree (at most {MAX_DEPTH} levels)") from None
+                f"strategy tree (at most {MAX_DEPTH} levels)"
+            ) from None
         return cls(artifact, digest=hashlib.sha256(raw).hexdigest())
 
     def predict(self, features: dict[str, float]) -> tuple[str, list[str]]:
