@@ -60,22 +60,37 @@ ms_ex_drop_stale(Executor *ex, int warn)
     return rc;
 }
 
+/* A clean-up step of ms_ex_abandon failed: keep the first error to raise,
+   report a later one as unraisable, so that every step runs with no
+   exception pending. */
+static void
+abandon_failed(ms_exc_state *first)
+{
+    if (ms_exc_pending(first)) {
+        PyErr_WriteUnraisable(NULL);
+    }
+    else {
+        ms_exc_save(first);
+    }
+}
+
 /* The root forward is being left by an exception its always_call hooks
    did not see: leave what this executor entered, drop the half-built
    frames and the profiled pass.  Nothing to do while a layer is
-   recomputed. */
+   recomputed.  Every step runs even when one fails; the first error is
+   the one raised. */
 int
 ms_ex_abandon(Executor *ex)
 {
     if (ex->stack == NULL || ex->recompute_depth > 0) {
         return 0; /* cleared by the garbage collector, or in backward */
     }
-    int rc = 0;
+    ms_exc_state first = {0};
     if (ms_ex_drop_stale(ex, 0) < 0) {
-        rc = -1;
+        abandon_failed(&first);
     }
     if (ms_amp_drop_stale(ex, 0) < 0) {
-        rc = -1;
+        abandon_failed(&first);
     }
     Py_CLEAR(ex->pre_exc);
     if (ex->root_in_pass) {
@@ -83,10 +98,14 @@ ms_ex_abandon(Executor *ex)
         if (ex->profiler != NULL && ex->profiler != Py_None
             && ms_profiler_end_pass(ex->profiler, 0) < 0)
         {
-            rc = -1;
+            abandon_failed(&first);
         }
     }
-    return rc;
+    if (ms_exc_pending(&first)) {
+        ms_exc_restore(&first);
+        return -1;
+    }
+    return 0;
 }
 
 static PyObject *
