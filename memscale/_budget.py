@@ -53,7 +53,7 @@ def _min_budget(inputs: dict[str, Any]) -> int:
 
 def _scaled_activations(inputs: dict[str, Any], factor: float) -> dict[str, Any]:
     layers = [
-        (n, k, p, int(s * factor), int(i * factor), f, fl)
+        _core.LayerStats((n, k, p, int(s * factor), int(i * factor), f, fl))
         for (n, k, p, s, i, f, fl) in inputs["layers"]
     ]
     return dict(inputs, layers=layers, activation_bytes=int(inputs["activation_bytes"] * factor))

@@ -4,10 +4,11 @@ Checked against the built module in CI by ``python -m mypy.stubtest
 memscale._core`` (scripts/lint.sh).
 """
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, final
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final, Protocol, final
 
 import torch
+from _typeshed import structseq
 from typing_extensions import disjoint_base
 
 ABI: str
@@ -18,7 +19,37 @@ LAYER_TILEABLE: int
 LAYER_UNREPEATABLE: int
 MAX_TILES: int
 
-# (name, kind, param_bytes, saved_bytes, input_bytes, flops, flags)
+@final
+class LayerStats(structseq[Any], tuple[str, str, int, int, int, float, int]):
+    __match_args__: Final = (
+        "name",
+        "kind",
+        "param_bytes",
+        "saved_bytes",
+        "input_bytes",
+        "flops",
+        "flags",
+    )
+    def __new__(
+        cls, sequence: Iterable[str | int | float], dict: dict[str, Any] | None = None
+    ) -> LayerStats: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def param_bytes(self) -> int: ...
+    @property
+    def saved_bytes(self) -> int: ...
+    @property
+    def input_bytes(self) -> int: ...
+    @property
+    def flops(self) -> float: ...
+    @property
+    def flags(self) -> int: ...
+
+# What build_plan accepts per layer: a LayerStats or a plain tuple of its
+# fields.
 _LayerRow = tuple[str, str, int, int, int, float, int]
 
 def find_units(model: torch.nn.Module, /) -> list[tuple[str, torch.nn.Module]]: ...

@@ -38,7 +38,7 @@ TECHNIQUE_BITS = {
 class Profile:
     """What one profiling run measured, in engine units."""
 
-    layers: tuple[tuple[str, str, int, int, int, float, int], ...]
+    layers: tuple[_core.LayerStats, ...]
     activation_bytes: int
     total_flops: float
     method: str  # "static", "empirical" or "warmup"
@@ -331,14 +331,16 @@ def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]], method
     for (name, module), r, tile_flag in zip(units, profiler.results(), tiling.layer_flags(units)):
         kind = type(module).__name__
         layers.append(
-            (
-                name,
-                kind,
-                r["param_bytes"],
-                r["saved_bytes"],
-                r["input_bytes"],
-                float(r["flops"]),
-                r["flags"] | tile_flag,
+            _core.LayerStats(
+                (
+                    name,
+                    kind,
+                    r["param_bytes"],
+                    r["saved_bytes"],
+                    r["input_bytes"],
+                    float(r["flops"]),
+                    r["flags"] | tile_flag,
+                )
             )
         )
         details.append({"name": name, "kind": kind, **r})
@@ -456,7 +458,7 @@ def plan_inputs(
     data, so that one rank can send them to the others."""
     offload_in = offload.plan_inputs(config, hardware)
     return dict(
-        layers=[tuple(layer) for layer in profile.layers],
+        layers=list(profile.layers),
         mode=config.mode.value,
         allowed=allowed_techniques(config),
         force=config.force_optimize,

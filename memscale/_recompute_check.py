@@ -345,10 +345,11 @@ class RecomputeCheck:
             return
         self._replanned.update(todo)
         inputs = dict(self._inputs)
-        layers = [list(row) for row in inputs["layers"]]
+        layers = list(inputs["layers"])
         for i in self.failed:
-            layers[i][6] |= _core.LAYER_UNREPEATABLE
-        inputs["layers"] = [tuple(row) for row in layers]
+            *figures, flags = layers[i]
+            layers[i] = _core.LayerStats((*figures, flags | _core.LAYER_UNREPEATABLE))
+        inputs["layers"] = layers
         plan = _core.build_plan(**inputs)
         old = executor.plan
         executor.apply(plan)

@@ -170,7 +170,7 @@ class StrategyContext:
         return cls(
             **base,
             activation_bytes=int(profile.activation_bytes),
-            unit_activation_bytes=int(sum(layer[3] for layer in profile.layers)),
+            unit_activation_bytes=int(sum(layer.saved_bytes for layer in profile.layers)),
             peak_unoptimized_bytes=int(everything.peak_unoptimized_bytes),
             peak_min_bytes=int(everything.peak_projected_bytes),
             layer_count=len(profile.layers),
