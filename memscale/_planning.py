@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -18,6 +18,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import _core, _torch_compat, offload
+from ._hardware import Hardware
 from .config import GIB, Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
@@ -392,16 +393,17 @@ def allowed_techniques(config: Config) -> int:
     return wanted & IMPLEMENTED
 
 
-def budget_bytes(config: Config, hardware: dict[str, Any]) -> int:
+def budget_bytes(config: Config, hardware: Hardware | Mapping[str, Any]) -> int:
     if config.memory_budget_gb is not None:
         return max(1, int(config.memory_budget_gb * GIB))
-    return max(1, int(hardware["capacity_bytes"] * config.target_gpu_utilization))
+    capacity = Hardware.of(hardware).capacity_bytes
+    return max(1, int(capacity * config.target_gpu_utilization))
 
 
 def make_plan(
     profile: Profile,
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware | Mapping[str, Any],
     fixed: int,
     peak_offset: int = 0,
     plan_offset: int | None = None,
@@ -429,11 +431,9 @@ MAX_SEGMENT = 64  # longest checkpoint segment the planner considers
 RESOLUTION = 512  # memory buckets of the planner's DP
 
 
-def solver_inputs(
-    config: Config, hardware: dict[str, Any], offload_in: dict[str, Any]
-) -> dict[str, Any]:
+def solver_inputs(config: Config, hardware: Hardware, offload_in: dict[str, Any]) -> dict[str, Any]:
     """The budget planner's keywords of ``_core.build_plan``."""
-    costs = SOLVER_COSTS.get(hardware["device"], SOLVER_COSTS["cuda"])
+    costs = SOLVER_COSTS.get(hardware.device, SOLVER_COSTS["cuda"])
     bandwidth = costs["host_bw"] if offload_in["host_tier"] else costs["disk_bw"]
     return {
         "solver": True,
@@ -449,30 +449,31 @@ def solver_inputs(
 def plan_inputs(
     profile: Profile,
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware | Mapping[str, Any],
     fixed: int,
     peak_offset: int = 0,
     plan_offset: int | None = None,
 ) -> dict[str, Any]:
     """Every input of the engine (``_core.build_plan`` keywords): plain
     data, so that one rank can send them to the others."""
-    offload_in = offload.plan_inputs(config, hardware)
+    hw = Hardware.of(hardware)
+    offload_in = offload.plan_inputs(config, hw)
     return dict(
         layers=list(profile.layers),
         mode=config.mode.value,
         allowed=allowed_techniques(config),
         force=config.force_optimize,
-        budget_bytes=budget_bytes(config, hardware),
+        budget_bytes=budget_bytes(config, hw),
         fixed_bytes=fixed,
         activation_bytes=profile.activation_bytes,
         total_flops=profile.total_flops,
-        device=hardware["device"],
-        device_count=int(hardware["count"]),
-        capacity_bytes=int(hardware["capacity_bytes"]),
+        device=hw.device,
+        device_count=hw.count,
+        capacity_bytes=hw.capacity_bytes,
         peak_offset_bytes=int(peak_offset),
         plan_offset_bytes=int(peak_offset if plan_offset is None else plan_offset),
         **offload_in,
-        **solver_inputs(config, hardware, offload_in),
+        **solver_inputs(config, hw, offload_in),
     )
 
 
@@ -506,7 +507,7 @@ def predicted_offsets(
     optimizer: torch.optim.Optimizer | None,
     profile: Profile,
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware | Mapping[str, Any],
     fixed: int,
 ) -> Offsets:
     """The OOM predictor's corrections of the engine, for ``wrap``: of its
@@ -560,7 +561,7 @@ def verified_least_budget(
     optimizer: torch.optim.Optimizer | None,
     profile: Profile,
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware | Mapping[str, Any],
     fixed: int,
     offsets: Offsets,
     rounds: int = 3,

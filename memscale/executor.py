@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import _core
+from ._hardware import Hardware
 from .config import Config
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class Executor(_core.Executor):
     """
 
     config: Config
-    hardware: dict[str, Any]
+    hardware: Hardware
     profiling: str
     profile: Any  # the _planning.Profile measured (None while warming up)
     decision: Any  # a memscale.policy.StrategyDecision, or None until made
@@ -51,9 +52,11 @@ class Executor(_core.Executor):
     _first_forward: Any  # the memscale._firststep.FirstForward hooks
     _measure_instead: Callable[[], None]  # switches to measuring real steps
 
-    def _init_python_state(self, config: Config, hardware: dict[str, Any], profiling: str) -> None:
+    def _init_python_state(
+        self, config: Config, hardware: Hardware | Mapping[str, Any], profiling: str
+    ) -> None:
         self.config = config
-        self.hardware = hardware
+        self.hardware = Hardware.of(hardware)
         self.profiling = profiling
         self.profile = None
         self.decision = None
@@ -200,8 +203,8 @@ class Executor(_core.Executor):
 
         hw = self.hardware
         lines = [
-            f"memscale hardware: {hw['device']} x{hw['count']}, "
-            f"{_planning.format_bytes(hw['capacity_bytes'])} each ({hw['name']})"
+            f"memscale hardware: {hw.device} x{hw.count}, "
+            f"{_planning.format_bytes(hw.capacity_bytes)} each ({hw.name})"
         ]
         plan = self.plan
         if plan is None:

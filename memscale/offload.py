@@ -37,11 +37,13 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from . import _core
+from ._hardware import Hardware
 from .config import GIB, AsyncOffloadConfig, Config
 
 logger = logging.getLogger(__name__)
@@ -65,12 +67,12 @@ def host_cap_bytes(config: Config) -> int:
     return int(config.max_cpu_offload_gb * GIB)
 
 
-def plan_inputs(config: Config, hardware: dict[str, Any]) -> dict[str, Any]:
+def plan_inputs(config: Config, hardware: Hardware) -> dict[str, Any]:
     """The engine's offload inputs (``build_plan`` keywords)."""
     cap = disk_cap_bytes(config)
     return {
         "min_offload_bytes": async_settings(config).min_offload_bytes,
-        "host_tier": hardware["device"] not in ("cpu",),
+        "host_tier": hardware.device not in ("cpu",),
         "host_cap_bytes": host_cap_bytes(config),
         "disk_tier": cap is None or cap > 0,
     }
@@ -138,7 +140,9 @@ def _log_event(level: str, message: str) -> None:
     logger.log(logging.WARNING if level == "warning" else logging.INFO, "%s", message)
 
 
-def attach(executor: Any, config: Config, hardware: dict[str, Any], plan: Any) -> None:
+def attach(
+    executor: Any, config: Config, hardware: Hardware | Mapping[str, Any], plan: Any
+) -> None:
     """Give ``executor`` the tiers ``plan`` uses; clean-up on detach, GC and
     exit.  Raises ``ValueError`` (and leaves nothing behind) when the disk
     tier is needed and unusable."""

@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from memscale import Config, _core, _planning
+from memscale import Config, _core, _hardware, _planning
 
 GIB = 1 << 30
 
@@ -38,7 +38,7 @@ def chain(n: int, seed: int) -> list[tuple]:
 
 
 def main() -> None:
-    hardware = {"device": "cpu", "count": 1, "capacity_bytes": 1 << 50}
+    hardware = _hardware.assumed("cpu", 0, 1 << 50)
     config = Config(mode="aggressive", async_offload=True)
     print(
         "| layers | budget (% of activations) | solve time (median of 5) | plan fits "

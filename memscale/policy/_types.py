@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._hardware import Hardware
 from ..config import Config, OptimizationMode
 
 __all__ = [
@@ -133,18 +134,24 @@ class StrategyContext:
 
     @classmethod
     def build(
-        cls, config: Config, hardware: Mapping[str, Any], profile: Any = None, fixed_bytes: int = 0
+        cls,
+        config: Config,
+        hardware: Hardware | Mapping[str, Any],
+        profile: Any = None,
+        fixed_bytes: int = 0,
     ) -> StrategyContext:
-        """The context for ``config`` on ``hardware`` (a dict as returned by
-        ``memscale._core.detect_hardware``), with the engine's predictions
-        when ``profile`` (a ``_planning.Profile``) is given."""
+        """The context for ``config`` on ``hardware`` (a ``Hardware``, or a
+        dict with the keys of ``memscale._core.detect_hardware``), with the
+        engine's predictions when ``profile`` (a ``_planning.Profile``) is
+        given."""
         from .. import _core, _planning
 
-        budget = _planning.budget_bytes(config, dict(hardware))
+        hw = Hardware.of(hardware)
+        budget = _planning.budget_bytes(config, hw)
         base: dict[str, Any] = dict(
-            device_type=str(hardware["device"]),
-            device_count=int(hardware["count"]),
-            capacity_bytes=int(hardware["capacity_bytes"]),
+            device_type=hw.device,
+            device_count=hw.count,
+            capacity_bytes=hw.capacity_bytes,
             budget_bytes=budget,
             fixed_bytes=int(fixed_bytes),
         )
@@ -161,9 +168,9 @@ class StrategyContext:
                 fixed_bytes=int(fixed_bytes),
                 activation_bytes=profile.activation_bytes,
                 total_flops=profile.total_flops,
-                device=str(hardware["device"]),
-                device_count=int(hardware["count"]),
-                capacity_bytes=int(hardware["capacity_bytes"]),
+                device=hw.device,
+                device_count=hw.count,
+                capacity_bytes=hw.capacity_bytes,
             )
 
         everything = predict(True)
