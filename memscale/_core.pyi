@@ -1,11 +1,13 @@
 """Type stubs for memscale._core, the C extension (internal API).
 
 Checked against the built module in CI by ``python -m mypy.stubtest
-memscale._core`` (scripts/lint.sh).
+memscale._core`` (scripts/lint.sh: names, types and signatures, with no
+allowlist); ``tests/test_core_module.py`` checks that every name the
+module and its types have, private ones included, is declared here.
 """
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final, Protocol, final
+from typing import Any, Final, Protocol, TypedDict, final
 
 import torch
 from _typeshed import structseq
@@ -52,10 +54,21 @@ class LayerStats(structseq[Any], tuple[str, str, int, int, int, float, int]):
 # fields.
 _LayerRow = tuple[str, str, int, int, int, float, int]
 
+class _UnitResult(TypedDict):
+    """One unit's figures in Profiler.results()."""
+
+    param_bytes: int
+    saved_bytes: int
+    input_bytes: int
+    output_bytes: int
+    flops: float
+    calls: int
+    flags: int
+
 def find_units(model: torch.nn.Module, /) -> list[tuple[str, torch.nn.Module]]: ...
 def detect_hardware(device_type: str, index: int = 0) -> dict[str, Any]: ...
 def build_plan(
-    layers: Sequence[_LayerRow],
+    layers: Sequence[LayerStats | _LayerRow],
     *,
     mode: str,
     allowed: int,
@@ -203,7 +216,15 @@ class Profiler:
     def detach(self) -> None: ...
     def begin_pass(self) -> None: ...
     def end_pass(self, ok: bool = True) -> None: ...
-    def results(self) -> list[dict[str, Any]]: ...
+    def results(self) -> list[_UnitResult]: ...
+    # The hooks it registers on the units (forward pre-hook with kwargs,
+    # forward hook, saved-tensor pack and unpack).
+    def _pre(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], /
+    ) -> None: ...
+    def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any, /) -> None: ...
+    def _count(self, tensor: torch.Tensor, /) -> torch.Tensor: ...
+    def _ident(self, obj: Any, /) -> Any: ...
 
 class _Spilled(Protocol):
     nbytes: int
@@ -272,3 +293,15 @@ class Executor:
     def _abandon(self) -> None: ...
     def pause(self) -> None: ...
     def resume(self) -> None: ...
+    # The hooks it registers: on each planned unit (forward pre-hook with
+    # kwargs, always-called forward hook) and on the root module.
+    def _pre(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], /
+    ) -> None: ...
+    def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any, /) -> None: ...
+    def _root_pre(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], /
+    ) -> None: ...
+    def _root_post(
+        self, module: torch.nn.Module, args: tuple[Any, ...], output: Any, /
+    ) -> None: ...

@@ -602,3 +602,52 @@ def test_the_profile_holds_layer_stats_of_the_units():
     assert {layer.kind for layer in profile.layers} == {"Block"}
     assert all(layer.saved_bytes > 0 and layer.flops > 0 for layer in profile.layers)
     assert profile.activation_bytes >= sum(layer.saved_bytes for layer in profile.layers)
+
+
+# ---------------------------------------------------------- the stub
+
+
+def _stub_names() -> dict[str, set[str] | None]:
+    """Names memscale/_core.pyi declares: module level (None) and, for a
+    class, the names in its body."""
+    import ast
+
+    tree = ast.parse((ROOT / "memscale" / "_core.pyi").read_text())
+    out: dict[str, set[str] | None] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            members: set[str] = set()
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    members.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    members.add(item.target.id)
+            out[node.name] = members
+        elif isinstance(node, ast.FunctionDef):
+            out[node.name] = None
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out[node.target.id] = None
+    return out
+
+
+def test_the_stub_declares_everything_the_module_has():
+    # stubtest (scripts/lint.sh) checks the public names and signatures;
+    # this also holds the private ones (the hooks torch calls) to the stub.
+    stub = _stub_names()
+    for name in dir(_core):
+        if name.startswith("__"):
+            continue
+        assert name in stub, f"memscale/_core.pyi lacks _core.{name}"
+        obj = getattr(_core, name)
+        if not isinstance(obj, type):
+            continue
+        members = stub[name]
+        assert members is not None
+        # n_fields and its siblings come from _typeshed.structseq.
+        inherited = {"n_fields", "n_sequence_fields", "n_unnamed_fields"}
+        for attr in vars(obj):
+            if attr.startswith("__") and attr not in ("__new__", "__len__", "__match_args__"):
+                continue
+            if attr in inherited and obj is _core.LayerStats:
+                continue
+            assert attr in members, f"memscale/_core.pyi lacks {name}.{attr}"
