@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _core
+from ._solve import PlanProblem, solve
 from .config import Config
 
 
@@ -40,44 +41,36 @@ def _gib(n: float) -> str:
     return format_bytes(n)
 
 
-def _min_budget(inputs: dict[str, Any]) -> int:
-    """The planner's smallest feasible budget for these engine inputs (a
-    budget of 1 byte makes every plan infeasible, so the planner reports
-    its minimum)."""
-    probe = dict(inputs, budget_bytes=1, force=False)
-    plan = _core.build_plan(**probe)
+def _min_budget(problem: PlanProblem) -> int:
+    """The planner's smallest feasible budget for ``problem`` (a budget of
+    1 byte makes every plan infeasible, so the planner reports its
+    minimum)."""
+    plan = solve(problem.replace(budget_bytes=1, force=False))
     if plan.min_budget_bytes >= 0:
         return int(plan.min_budget_bytes)
     return int(plan.peak_projected_bytes)
 
 
-def _scaled_activations(inputs: dict[str, Any], factor: float) -> dict[str, Any]:
-    layers = [
-        _core.LayerStats((n, k, p, int(s * factor), int(i * factor), f, fl))
-        for (n, k, p, s, i, f, fl) in inputs["layers"]
-    ]
-    return dict(inputs, layers=layers, activation_bytes=int(inputs["activation_bytes"] * factor))
-
-
 def suggestions(
-    inputs: dict[str, Any], config: Config, optimizer_state_bytes: int
+    problem: PlanProblem, config: Config, optimizer_state_bytes: int
 ) -> list[tuple[str, int]]:
     """Config changes that lower the smallest reachable budget, with it."""
     out: list[tuple[str, int]] = []
-    allowed = inputs["allowed"]
-    if not allowed & _core.TECH_OFFLOAD and (inputs.get("host_tier") or inputs.get("disk_tier")):
+    allowed = problem.allowed
+    if not allowed & _core.TECH_OFFLOAD and (
+        problem.offload.host_tier or problem.offload.disk_tier
+    ):
         what = (
             "mode=OptimizationMode.BALANCED (offload)"
             if config.enable_offloading
             else "enable_offloading=True"
         )
-        mode = "balanced" if inputs["mode"] == "conservative" else inputs["mode"]
+        mode = "balanced" if problem.mode == "conservative" else problem.mode
         out.append(
             (
                 what,
                 _min_budget(
-                    dict(
-                        inputs,
+                    problem.replace(
                         mode=mode,
                         allowed=allowed
                         | _core.TECH_OFFLOAD
@@ -88,13 +81,16 @@ def suggestions(
         )
     if not allowed & _core.TECH_TILING:
         out.append(
-            ("enable_tiling=True", _min_budget(dict(inputs, allowed=allowed | _core.TECH_TILING)))
+            (
+                "enable_tiling=True",
+                _min_budget(problem.replace(allowed=allowed | _core.TECH_TILING)),
+            )
         )
     if not config.use_mixed_precision:
         out.append(
             (
                 "use_mixed_precision=True (activations in 16 bits, about half)",
-                _min_budget(_scaled_activations(inputs, 0.5)),
+                _min_budget(problem.scaled_activations(0.5)),
             )
         )
     if not config.use_8bit_optimizer and optimizer_state_bytes > 0:
@@ -103,13 +99,13 @@ def suggestions(
             (
                 "the 8-bit optimizer (use_8bit_optimizer=True with your "
                 "optimizer, or memscale.apply_all_optimizations)",
-                _min_budget(dict(inputs, fixed_bytes=max(0, inputs["fixed_bytes"] - saved))),
+                _min_budget(problem.replace(fixed_bytes=max(0, problem.fixed_bytes - saved))),
             )
         )
     out.append(
         (
             "half the batch size (activations scale with it)",
-            _min_budget(_scaled_activations(inputs, 0.5)),
+            _min_budget(problem.scaled_activations(0.5)),
         )
     )
     return out
@@ -117,7 +113,7 @@ def suggestions(
 
 def check(
     plan: Any,
-    inputs: dict[str, Any],
+    problem: PlanProblem,
     config: Config,
     optimizer_state_bytes: int,
     least: int | None = None,
@@ -137,7 +133,7 @@ def check(
     correction = least - planner_least
     tips = [
         (what, b + correction)
-        for what, b in suggestions(inputs, config, optimizer_state_bytes)
+        for what, b in suggestions(problem, config, optimizer_state_bytes)
         if b < planner_least
     ]
     lines = [f"  - {what}: {_gib(b)}" for what, b in tips]

@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from . import _core, _torch_compat, offload
 from ._hardware import Hardware
+from ._solve import OffloadInputs, PlanProblem, SolverInputs, solve
 from .config import GIB, Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
@@ -407,13 +408,11 @@ def make_plan(
     fixed: int,
     peak_offset: int = 0,
     plan_offset: int | None = None,
-) -> Any:
+) -> _core.Plan:
     """The engine's plan.  ``peak_offset`` and ``plan_offset`` are the OOM
     predictor's corrections of the engine's unoptimized peak and of its
     plans' peaks (see :func:`predicted_offsets`)."""
-    return _core.build_plan(
-        **plan_inputs(profile, config, hardware, fixed, peak_offset, plan_offset)
-    )
+    return solve(plan_problem(profile, config, hardware, fixed, peak_offset, plan_offset))
 
 
 # The budget planner's cost model (csrc/solver.c), per device type: forward
@@ -431,35 +430,35 @@ MAX_SEGMENT = 64  # longest checkpoint segment the planner considers
 RESOLUTION = 512  # memory buckets of the planner's DP
 
 
-def solver_inputs(config: Config, hardware: Hardware, offload_in: dict[str, Any]) -> dict[str, Any]:
-    """The budget planner's keywords of ``_core.build_plan``."""
+def solver_inputs(config: Config, hardware: Hardware, offload_in: OffloadInputs) -> SolverInputs:
+    """The budget planner's cost model for ``hardware``, offloading to the
+    tier ``offload_in`` names first."""
     costs = SOLVER_COSTS.get(hardware.device, SOLVER_COSTS["cuda"])
-    bandwidth = costs["host_bw"] if offload_in["host_tier"] else costs["disk_bw"]
-    return {
-        "solver": True,
-        "flop_rate": costs["flop_rate"],
-        "offload_bandwidth": bandwidth,
-        "async_offload": bool(config.async_offload),
-        "tile_overhead": costs["tile_overhead"],
-        "max_segment": MAX_SEGMENT,
-        "resolution": RESOLUTION,
-    }
+    bandwidth = costs["host_bw"] if offload_in.host_tier else costs["disk_bw"]
+    return SolverInputs(
+        flop_rate=costs["flop_rate"],
+        offload_bandwidth=bandwidth,
+        async_offload=bool(config.async_offload),
+        tile_overhead=costs["tile_overhead"],
+        max_segment=MAX_SEGMENT,
+        resolution=RESOLUTION,
+    )
 
 
-def plan_inputs(
+def plan_problem(
     profile: Profile,
     config: Config,
     hardware: Hardware | Mapping[str, Any],
     fixed: int,
     peak_offset: int = 0,
     plan_offset: int | None = None,
-) -> dict[str, Any]:
-    """Every input of the engine (``_core.build_plan`` keywords): plain
-    data, so that one rank can send them to the others."""
+) -> PlanProblem:
+    """The engine's problem for ``profile`` under ``config`` on
+    ``hardware``: plain data, so that one rank can send it to the others."""
     hw = Hardware.of(hardware)
     offload_in = offload.plan_inputs(config, hw)
-    return dict(
-        layers=list(profile.layers),
+    return PlanProblem(
+        layers=tuple(profile.layers),
         mode=config.mode.value,
         allowed=allowed_techniques(config),
         force=config.force_optimize,
@@ -472,9 +471,15 @@ def plan_inputs(
         capacity_bytes=hw.capacity_bytes,
         peak_offset_bytes=int(peak_offset),
         plan_offset_bytes=int(peak_offset if plan_offset is None else plan_offset),
-        **offload_in,
-        **solver_inputs(config, hw, offload_in),
+        offload=offload_in,
+        solver=solver_inputs(config, hw, offload_in),
     )
+
+
+def plan_inputs(*args: Any, **kwargs: Any) -> Any:
+    """:func:`plan_problem`, under the name ``api.py`` still calls it by
+    (typed there as a dict until it is converted)."""
+    return plan_problem(*args, **kwargs)
 
 
 def static_profiling_supported(model: torch.nn.Module) -> str | None:

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from . import _core, _planning, _torch_compat, _verify
+from ._solve import PlanProblem, solve
 
 logger = logging.getLogger(__name__)
 
@@ -158,11 +159,11 @@ class RecomputeCheck:
         executor: Any,
         model: nn.Module,
         plan: Any,
-        inputs: dict[str, Any] | None,
+        problem: PlanProblem | None,
         strict: bool,
     ) -> None:
         self._executor = weakref.ref(executor)
-        self._inputs = inputs
+        self._problem = problem
         self.strict = strict
         self.names = list(executor.layer_names)
         self.units = [model.get_submodule(name) for name in self.names]
@@ -215,7 +216,7 @@ class RecomputeCheck:
             self._unwrap(i)
         self._root.remove()
         self.units = []
-        self._inputs = None
+        self._problem = None
 
     # ---- the check ---------------------------------------------------------
 
@@ -341,21 +342,16 @@ class RecomputeCheck:
         failed the check (once per failed layer)."""
         todo = sorted(set(self.failed) - self._replanned)
         executor = self._executor()
-        if not todo or executor is None or self._inputs is None:
+        if not todo or executor is None or self._problem is None:
             return
         self._replanned.update(todo)
-        inputs = dict(self._inputs)
-        layers = list(inputs["layers"])
-        for i in self.failed:
-            *figures, flags = layers[i]
-            layers[i] = _core.LayerStats((*figures, flags | _core.LAYER_UNREPEATABLE))
-        inputs["layers"] = layers
-        plan = _core.build_plan(**inputs)
+        problem = self._problem.with_layer_flags(self.failed, _core.LAYER_UNREPEATABLE)
+        plan = solve(problem)
         old = executor.plan
         executor.apply(plan)
         for i in todo:
             self._unwrap(i)
-        self._inputs = inputs
+        self._problem = problem
         _attach_new_needs(executor, old, plan)
         logger.warning(
             "memscale: plan made again without checkpointing %s "
@@ -412,10 +408,14 @@ class _Layers:
 
 
 def install(
-    executor: Any, model: nn.Module, plan: Any, inputs: dict[str, Any] | None
+    executor: Any,
+    model: nn.Module,
+    plan: Any,
+    problem: Any,  # a PlanProblem or None (api.py still annotates it as a dict)
 ) -> RecomputeCheck | None:
     """Check ``plan``'s checkpointed layers at their first checkpointed
-    forward (removed by the executor's detach)."""
+    forward (removed by the executor's detach).  ``problem``, the plan's,
+    is solved again without a layer that fails (None: not planned again)."""
     if not any("checkpoint" in layer.techniques and layer.tiles <= 1 for layer in plan.layers):
         return None
     from . import distributed
@@ -439,7 +439,7 @@ def install(
         )
         return None
     check = RecomputeCheck(
-        executor, model, plan, inputs, bool(getattr(executor.config, "strict_recompute", False))
+        executor, model, plan, problem, bool(getattr(executor.config, "strict_recompute", False))
     )
     executor.on_detach(check.remove)
 

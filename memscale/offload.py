@@ -44,6 +44,7 @@ import torch
 
 from . import _core
 from ._hardware import Hardware
+from ._solve import OffloadInputs
 from .config import GIB, AsyncOffloadConfig, Config
 
 logger = logging.getLogger(__name__)
@@ -67,15 +68,16 @@ def host_cap_bytes(config: Config) -> int:
     return int(config.max_cpu_offload_gb * GIB)
 
 
-def plan_inputs(config: Config, hardware: Hardware) -> dict[str, Any]:
-    """The engine's offload inputs (``build_plan`` keywords)."""
+def plan_inputs(config: Config, hardware: Hardware) -> OffloadInputs:
+    """The engine's offload inputs: the tiers ``config`` allows on
+    ``hardware``."""
     cap = disk_cap_bytes(config)
-    return {
-        "min_offload_bytes": async_settings(config).min_offload_bytes,
-        "host_tier": hardware.device not in ("cpu",),
-        "host_cap_bytes": host_cap_bytes(config),
-        "disk_tier": cap is None or cap > 0,
-    }
+    return OffloadInputs(
+        min_offload_bytes=async_settings(config).min_offload_bytes,
+        host_tier=hardware.device not in ("cpu",),
+        host_cap_bytes=host_cap_bytes(config),
+        disk_tier=cap is None or cap > 0,
+    )
 
 
 def offloaded_bytes(plan: Any, tier: str) -> int:

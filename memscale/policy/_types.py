@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._hardware import Hardware
+from .._solve import PlanProblem, solve
 from ..config import Config, OptimizationMode
 
 __all__ = [
@@ -158,12 +159,13 @@ class StrategyContext:
         if profile is None:
             return cls(**base)
 
-        def predict(force: bool) -> Any:
-            return _core.build_plan(
-                profile.layers,
+        # Every eligible layer checkpointed, by the engine's greedy rules.
+        everything = solve(
+            PlanProblem(
+                layers=tuple(profile.layers),
                 mode=OptimizationMode.CONSERVATIVE.value,
                 allowed=_core.TECH_CHECKPOINT,
-                force=force,
+                force=True,
                 budget_bytes=budget,
                 fixed_bytes=int(fixed_bytes),
                 activation_bytes=profile.activation_bytes,
@@ -172,8 +174,7 @@ class StrategyContext:
                 device_count=hw.count,
                 capacity_bytes=hw.capacity_bytes,
             )
-
-        everything = predict(True)
+        )
         return cls(
             **base,
             activation_bytes=int(profile.activation_bytes),
