@@ -25,6 +25,7 @@ SOURCES = [
     "csrc/memory.c",
     "csrc/plan.c",
     "csrc/profiler.c",
+    "csrc/hardware.c",
     "csrc/executor.c",
     "csrc/frame.c",
     "csrc/hooks.c",

@@ -11,6 +11,7 @@
 #include "adam8bit.h"
 #include "engine.h"
 #include "executor.h"
+#include "hardware.h"
 #include "plan.h"
 #include "profiler.h"
 #include "spill.h"

@@ -30,8 +30,5 @@ PyObject *ms_find_units(PyObject *module, PyObject *model);
 /* Append (tensor, tensor._version) for every tensor in obj (nested in
    tuples, lists and dict values) to the list out. */
 int ms_collect_versions(ms_state *st, PyObject *obj, PyObject *out);
-/* Module function detect_hardware(device_type, index=0). */
-PyObject *ms_detect_hardware(PyObject *module, PyObject *args,
-                             PyObject *kwargs);
 
 #endif /* MEMSCALE_PROFILER_H */
