@@ -26,6 +26,7 @@ SOURCES = [
     "csrc/plan.c",
     "csrc/profiler.c",
     "csrc/hardware.c",
+    "csrc/units.c",
     "csrc/executor.c",
     "csrc/frame.c",
     "csrc/hooks.c",

@@ -16,6 +16,7 @@
 #include "profiler.h"
 #include "spill.h"
 #include "tiling.h"
+#include "units.h"
 
 #include <string.h>
 

@@ -1,6 +1,5 @@
 /*
- * profiler.h: the Profiler type, the planning units and the hook helpers
- * (profiler.c).
+ * profiler.h: the Profiler type and the hook helpers (profiler.c).
  */
 #ifndef MEMSCALE_PROFILER_H
 #define MEMSCALE_PROFILER_H
@@ -25,8 +24,6 @@ int ms_register_unit_hooks(ms_state *st, PyObject *owner, PyObject *units,
                            PyObject *post_name);
 /* Remove every handle of the list and empty it; the first error wins. */
 int ms_remove_handles(ms_state *st, PyObject *handles);
-/* Module function find_units(model). */
-PyObject *ms_find_units(PyObject *module, PyObject *model);
 /* Append (tensor, tensor._version) for every tensor in obj (nested in
    tuples, lists and dict values) to the list out. */
 int ms_collect_versions(ms_state *st, PyObject *obj, PyObject *out);
