@@ -27,6 +27,7 @@ SOURCES = [
     "csrc/profiler.c",
     "csrc/hardware.c",
     "csrc/units.c",
+    "csrc/hook_handles.c",
     "csrc/executor.c",
     "csrc/frame.c",
     "csrc/hooks.c",

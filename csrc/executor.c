@@ -8,6 +8,7 @@
  */
 #include "executor_internal.h"
 
+#include "hook_handles.h"
 #include "plan.h"
 #include "profiler.h"
 

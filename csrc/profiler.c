@@ -12,6 +12,7 @@
 #include "profiler.h"
 
 #include "engine.h"
+#include "hook_handles.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -571,58 +572,20 @@ PyDoc_STRVAR(prof_attach_doc,
 "Register the measuring hooks on every unit (kept as handles).");
 /* clang-format on */
 
-static int register_hooks(ms_state *st, PyObject *owner, PyObject *units,
-                          PyObject *handles, PyObject *pre_name,
-                          PyObject *post_name);
-
 static PyObject *
 prof_attach(Profiler *self, PyObject *Py_UNUSED(ignored))
 {
     if (PyList_GET_SIZE(self->handles) > 0) {
         Py_RETURN_NONE;
     }
-    if (register_hooks(self->st, (PyObject *)self, self->units, self->handles,
-                       self->st->s_pre, self->st->s_post)
+    if (ms_register_unit_hooks(self->st, (PyObject *)self, self->units,
+                               self->handles, self->st->s_pre,
+                               self->st->s_post)
         < 0)
     {
         return NULL;
     }
     Py_RETURN_NONE;
-}
-
-static int
-remove_handles(ms_state *st, PyObject *handles)
-{
-    int rc = 0;
-    Py_ssize_t n = PyList_GET_SIZE(handles);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *r = PyObject_CallMethodNoArgs(PyList_GET_ITEM(handles, i),
-                                                st->s_remove);
-        if (r == NULL) {
-            /* Keep removing the others; report the first failure. */
-            if (rc == 0) {
-                rc = -1;
-                ms_exc_state saved;
-                ms_exc_save(&saved);
-                for (Py_ssize_t j = i + 1; j < n; j++) {
-                    PyObject *r2 =
-                        PyObject_CallMethodNoArgs(PyList_GET_ITEM(handles, j),
-                                                  st->s_remove);
-                    if (r2 == NULL) {
-                        PyErr_WriteUnraisable(PyList_GET_ITEM(handles, j));
-                    }
-                    Py_XDECREF(r2);
-                }
-                ms_exc_restore(&saved);
-                break;
-            }
-        }
-        Py_XDECREF(r);
-    }
-    if (PyList_SetSlice(handles, 0, n, NULL) < 0) {
-        rc = -1;
-    }
-    return rc;
 }
 
 /* clang-format off */
@@ -640,12 +603,12 @@ detach_hooks(Profiler *self)
         rc = -1;
     }
     if (rc == 0) {
-        rc = remove_handles(self->st, self->handles);
+        rc = ms_remove_handles(self->st, self->handles);
     }
     else {
         ms_exc_state saved;
         ms_exc_save(&saved);
-        if (remove_handles(self->st, self->handles) < 0) {
+        if (ms_remove_handles(self->st, self->handles) < 0) {
             PyErr_WriteUnraisable((PyObject *)self);
         }
         ms_exc_restore(&saved);
@@ -959,79 +922,6 @@ static PyType_Spec prof_spec = {
     .slots = prof_slots,
 };
 
-/* ---- hook registration, shared with the executor ------------------ */
-
-/*
- * For each unit: owner.<pre_name> as a forward pre-hook with kwargs, and
- * owner.<post_name> as a forward hook with always_call=True, so a forward
- * that raises still reaches the post-hook.  Handles are appended to
- * `handles`; on failure the ones registered here are removed again.
- */
-static int
-register_hooks(ms_state *st, PyObject *owner, PyObject *units,
-               PyObject *handles, PyObject *pre_name, PyObject *post_name)
-{
-    PyObject *pre = NULL, *post = NULL, *kw_pre = NULL, *kw_post = NULL;
-    Py_ssize_t start = PyList_GET_SIZE(handles);
-    int rc = -1;
-
-    pre = PyObject_GetAttr(owner, pre_name);
-    post = PyObject_GetAttr(owner, post_name);
-    kw_pre = Py_BuildValue("{OO}", st->s_with_kwargs, Py_True);
-    kw_post = Py_BuildValue("{OO}", st->s_always_call, Py_True);
-    if (pre == NULL || post == NULL || kw_pre == NULL || kw_post == NULL) {
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(units); i++) {
-        PyObject *unit = PyList_GET_ITEM(units, i);
-        PyObject *reg = NULL, *a = NULL, *h = NULL;
-        int ok = 0;
-        reg = PyObject_GetAttr(unit, st->s_register_forward_pre_hook);
-        a = PyTuple_Pack(1, pre);
-        if (reg != NULL && a != NULL) {
-            h = PyObject_Call(reg, a, kw_pre);
-        }
-        if (h != NULL && PyList_Append(handles, h) == 0) {
-            Py_CLEAR(h);
-            Py_SETREF(reg,
-                      PyObject_GetAttr(unit, st->s_register_forward_hook));
-            Py_SETREF(a, PyTuple_Pack(1, post));
-            if (reg != NULL && a != NULL) {
-                h = PyObject_Call(reg, a, kw_post);
-            }
-            ok = h != NULL && PyList_Append(handles, h) == 0;
-        }
-        Py_XDECREF(h);
-        Py_XDECREF(a);
-        Py_XDECREF(reg);
-        if (!ok) {
-            goto done;
-        }
-    }
-    rc = 0;
-done:
-    if (rc < 0 && PyList_GET_SIZE(handles) > start) {
-        /* Undo what this call registered. */
-        ms_exc_state saved;
-        ms_exc_save(&saved);
-        PyObject *mine = PyList_GetSlice(handles, start,
-                                         PyList_GET_SIZE(handles));
-        if (mine == NULL || remove_handles(st, mine) < 0
-            || PyList_SetSlice(handles, start, PyList_GET_SIZE(handles), NULL)
-                   < 0)
-        {
-            PyErr_WriteUnraisable(owner);
-        }
-        Py_XDECREF(mine);
-        ms_exc_restore(&saved);
-    }
-    Py_XDECREF(pre);
-    Py_XDECREF(post);
-    Py_XDECREF(kw_pre);
-    Py_XDECREF(kw_post);
-    return rc;
-}
-
 /* The executor drives a Profiler through these, not through its Python
    methods: the type is ours and final (no subclass can override them).
    NULL (an executor the garbage collector cleared) is an error, as it is
@@ -1066,20 +956,6 @@ ms_profiler_detach(PyObject *profiler)
 {
     Profiler *self = as_profiler(profiler);
     return self != NULL ? detach_hooks(self) : -1;
-}
-
-int
-ms_register_unit_hooks(ms_state *st, PyObject *owner, PyObject *units,
-                       PyObject *handles, PyObject *pre_name,
-                       PyObject *post_name)
-{
-    return register_hooks(st, owner, units, handles, pre_name, post_name);
-}
-
-int
-ms_remove_handles(ms_state *st, PyObject *handles)
-{
-    return remove_handles(st, handles);
 }
 
 int
