@@ -28,6 +28,7 @@ SOURCES = [
     "csrc/hardware.c",
     "csrc/units.c",
     "csrc/hook_handles.c",
+    "csrc/versions.c",
     "csrc/executor.c",
     "csrc/frame.c",
     "csrc/hooks.c",

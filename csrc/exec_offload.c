@@ -10,6 +10,7 @@
 #include "executor_internal.h"
 
 #include "spill.h"
+#include "versions.h"
 
 /* Offload one tensor: a record standing for it, Py_None if it stays, NULL
    with an exception set.  CPU tensors go to the disk tier; device tensors

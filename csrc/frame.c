@@ -14,8 +14,8 @@
  */
 #include "executor_internal.h"
 
-#include "profiler.h"
 #include "tiling.h"
+#include "versions.h"
 
 #include <time.h>
 
@@ -397,57 +397,6 @@ restore_buffers(ms_state *st, PyObject *snap)
         }
     }
     return changed;
-}
-
-/* Whether an input recorded as (tensor, version) has changed: 1 yes, 0 no,
-   -1 with an exception set.  An offloaded input is recorded through a weak
-   reference: gone, nobody can have changed it since. */
-static int
-input_changed(ms_state *st, PyObject *pair)
-{
-    PyObject *t = PyTuple_GET_ITEM(pair, 0);
-    if (PyWeakref_CheckRef(t)) {
-#if PY_VERSION_HEX >= 0x030D0000
-        if (PyWeakref_GetRef(t, &t) < 0) {
-            return -1;
-        }
-#else
-        t = PyWeakref_GetObject(t);
-        if (t == NULL) {
-            return -1;
-        }
-        t = t == Py_None ? NULL : Py_NewRef(t);
-#endif
-        if (t == NULL) {
-            return 0;
-        }
-    }
-    else {
-        Py_INCREF(t);
-    }
-    PyObject *now = PyObject_GetAttr(t, st->s_version);
-    Py_DECREF(t);
-    if (now == NULL) {
-        return -1;
-    }
-    int eq = PyObject_RichCompareBool(now, PyTuple_GET_ITEM(pair, 1), Py_EQ);
-    Py_DECREF(now);
-    return eq < 0 ? -1 : !eq;
-}
-
-/* 1 if every recorded input version is unchanged, 0 if not, -1 on error. */
-int
-ms_versions_unchanged(ms_state *st, PyObject *versions)
-{
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(versions); i++) {
-        PyObject *pair = Py_NewRef(PyList_GET_ITEM(versions, i));
-        int changed = input_changed(st, pair);
-        Py_DECREF(pair);
-        if (changed != 0) {
-            return changed < 0 ? -1 : 0;
-        }
-    }
-    return 1;
 }
 
 /* One recompute of a frame: what it runs and what it must undo. */

@@ -13,11 +13,9 @@
 
 #include "engine.h"
 #include "hook_handles.h"
+#include "versions.h"
 
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 typedef struct {
     long long saved;  /* bytes saved for backward, per call, summed */
@@ -142,94 +140,6 @@ tensor_bytes(Profiler *self, PyObject *obj, PyObject *keys, int depth)
     return total;
 }
 
-/* Versions of the tensors among args and kwargs: a list of (tensor,
-   version) pairs, to tell in-place updates of a unit's inputs. */
-static int collect_versions(ms_state *st, PyObject *obj, PyObject *out);
-static int collect_versions_impl(ms_state *st, PyObject *obj, PyObject *out);
-
-static int
-collect_versions(ms_state *st, PyObject *obj, PyObject *out)
-{
-    if (Py_EnterRecursiveCall(" while collecting input versions")) {
-        return -1;
-    }
-    int rc = collect_versions_impl(st, obj, out);
-    Py_LeaveRecursiveCall();
-    return rc;
-}
-
-int
-ms_collect_versions(ms_state *st, PyObject *obj, PyObject *out)
-{
-    return collect_versions(st, obj, out);
-}
-
-static int
-collect_versions_impl(ms_state *st, PyObject *obj, PyObject *out)
-{
-    if (ms_is_tensor(st, obj)) {
-        PyObject *v = PyObject_GetAttr(obj, st->s_version);
-        if (v == NULL) {
-            return -1;
-        }
-        PyObject *pair = PyTuple_Pack(2, obj, v);
-        Py_DECREF(v);
-        if (pair == NULL) {
-            return -1;
-        }
-        int rc = PyList_Append(out, pair);
-        Py_DECREF(pair);
-        return rc;
-    }
-    if (PyTuple_Check(obj) || PyList_Check(obj)) {
-        PyObject *items = PySequence_Tuple(obj); /* lists may change */
-        if (items == NULL) {
-            return -1;
-        }
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
-            if (collect_versions(st, PyTuple_GET_ITEM(items, i), out) < 0) {
-                Py_DECREF(items);
-                return -1;
-            }
-        }
-        Py_DECREF(items);
-    }
-    else if (PyDict_Check(obj)) {
-        Py_ssize_t pos = 0;
-        PyObject *k, *v;
-        while (PyDict_Next(obj, &pos, &k, &v)) {
-            Py_INCREF(v); /* the call below may run Python code */
-            int rc = collect_versions(st, v, out);
-            Py_DECREF(v);
-            if (rc < 0) {
-                return -1;
-            }
-        }
-    }
-    return 0;
-}
-
-/* 1 if any recorded version changed, 0 if none, -1 on error. */
-static int
-versions_changed(ms_state *st, PyObject *pairs)
-{
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pairs); i++) {
-        PyObject *pair = PyList_GET_ITEM(pairs, i);
-        PyObject *now = PyObject_GetAttr(PyTuple_GET_ITEM(pair, 0),
-                                         st->s_version);
-        if (now == NULL) {
-            return -1;
-        }
-        int eq = PyObject_RichCompareBool(now, PyTuple_GET_ITEM(pair, 1),
-                                          Py_EQ);
-        Py_DECREF(now);
-        if (eq <= 0) {
-            return eq < 0 ? -1 : 1;
-        }
-    }
-    return 0;
-}
-
 static int
 current_flops(Profiler *self, double *out)
 {
@@ -286,8 +196,8 @@ prof_pre(Profiler *self, PyObject *const *args, Py_ssize_t nargs)
     seen = PySet_New(NULL);
     versions = PyList_New(0);
     if (seen == NULL || versions == NULL || current_flops(self, &flops0) < 0
-        || collect_versions(self->st, args[1], versions) < 0
-        || collect_versions(self->st, args[2], versions) < 0)
+        || ms_collect_versions(self->st, args[1], versions) < 0
+        || ms_collect_versions(self->st, args[2], versions) < 0)
     {
         goto error;
     }
@@ -346,12 +256,12 @@ prof_post(Profiler *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     double flops1;
-    int changed = versions_changed(self->st, PyTuple_GET_ITEM(rec, 3));
-    if (changed < 0 || current_flops(self, &flops1) < 0) {
+    int same = ms_versions_unchanged(self->st, PyTuple_GET_ITEM(rec, 3));
+    if (same < 0 || current_flops(self, &flops1) < 0) {
         Py_DECREF(rec);
         return NULL;
     }
-    if (changed) {
+    if (!same) {
         self->cur[i].flags |= MS_LAYER_INPLACE_INPUT;
     }
     self->cur[i].flops += flops1 - PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(rec, 2));

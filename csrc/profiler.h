@@ -16,8 +16,4 @@ int ms_profiler_begin_pass(PyObject *profiler);
 int ms_profiler_end_pass(PyObject *profiler, int ok);
 int ms_profiler_detach(PyObject *profiler);
 
-/* Append (tensor, tensor._version) for every tensor in obj (nested in
-   tuples, lists and dict values) to the list out. */
-int ms_collect_versions(ms_state *st, PyObject *obj, PyObject *out);
-
 #endif /* MEMSCALE_PROFILER_H */
