@@ -37,6 +37,7 @@ SOURCES = [
     "csrc/exec_tiling.c",
     "csrc/root.c",
     "csrc/spill.c",
+    "csrc/spill_file.c",
     "csrc/adam8bit.c",
     "csrc/tiling.c",
     "csrc/solver.c",

@@ -45,6 +45,8 @@
  */
 #include "spill.h"
 
+#include "spill_file.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -52,54 +54,6 @@
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
-#ifdef __linux__
-#include <linux/falloc.h>
-#endif
-
-/* Slots start on page boundaries, so that punching one out frees whole
-   pages and never touches a neighbour's bytes. */
-#define SLOT_ALIGN ((int64_t)4096)
-/* A file past this size is not extended: new records go to a new one. */
-#define FILE_ROTATE_BYTES ((int64_t)1 << 40)
-
-/* An unlinked spill file shared by records, a slot each.  Touched only
-   with the GIL held (the worker sees a job's descriptor and offset only). */
-typedef struct SpillFile {
-    int fd;
-    int refs;    /* records in it, + 1 while it is the store's current */
-    pid_t pid;   /* the creating process: the only one that writes it */
-    int64_t end; /* the next free offset */
-} SpillFile;
-
-static void
-file_unref(SpillFile *f)
-{
-    if (f == NULL) {
-        return;
-    }
-    if (--f->refs == 0) {
-        close(f->fd);
-        PyMem_Free(f);
-    }
-}
-
-/* Free the disk space of one slot (best effort: a file system without
-   hole punching keeps it until the file starts over or is closed). */
-static void
-file_punch(SpillFile *f, int64_t off, int64_t nbytes)
-{
-#if defined(__linux__) && defined(FALLOC_FL_PUNCH_HOLE)
-    if (f->pid == getpid() && nbytes > 0) {
-        int64_t len = (nbytes + SLOT_ALIGN - 1) / SLOT_ALIGN * SLOT_ALIGN;
-        (void)fallocate(f->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                        (off_t)off, (off_t)len);
-    }
-#else
-    (void)f;
-    (void)off;
-    (void)nbytes;
-#endif
-}
 
 enum { JOB_WRITE = 1, JOB_READ = 2 };
 
@@ -156,8 +110,7 @@ struct SpillStore {
     PyObject *order;   /* list of weakrefs: records of this step */
     PyObject *pending; /* list of records with a write in flight */
     PyObject *weakreflist;
-    SpillFile *cur; /* the file new records go to, or NULL */
-    int dir_fd;
+    SpillFiles files; /* the directory and the current file */
     int async;
     int debug;
     int closed;
@@ -166,7 +119,6 @@ struct SpillStore {
     int64_t max_bytes;  /* < 0: no cap */
     int64_t used_bytes; /* bytes in open spill files */
     unsigned logged;    /* kinds of events already logged */
-    unsigned long long counter;
     /* worker */
     pthread_t thread;
     pid_t thread_pid; /* the process the worker runs in */
@@ -386,13 +338,8 @@ drop_file(Spilled *r)
         return;
     }
     r->file = NULL;
-    file_punch(f, r->off, r->nbytes);
-    SpillStore *s = r->store;
-    if (s != NULL && s->cur == f && f->refs == 2) {
-        s->cur = NULL; /* the store's reference goes too */
-        file_unref(f);
-    }
-    file_unref(f);
+    ms_spill_slot_free(r->store != NULL ? &r->store->files : NULL, f, r->off,
+                       r->nbytes);
 }
 
 /* Wait for the record's job, close and release its file. */
@@ -670,72 +617,6 @@ data_ptr(ms_state *st, PyObject *t)
     return p;
 }
 
-/* Open an anonymous 0600 file in the store's directory. */
-static int open_spill_file(SpillStore *s);
-
-/* A slot of `nbytes` for a new record: its file (a new reference) and
-   offset, or NULL with errno set when no file can be opened. */
-static SpillFile *
-store_slot(SpillStore *s, int64_t nbytes, int64_t *off)
-{
-    pid_t me = getpid();
-    SpillFile *f = s->cur;
-    if (f != NULL && (f->pid != me || f->end > FILE_ROTATE_BYTES)) {
-        /* Inherited from the parent (its records live there), or large:
-           leave it to the records still in it. */
-        s->cur = NULL;
-        file_unref(f);
-        f = NULL;
-    }
-    if (f != NULL && f->refs == 1 && f->end > 0) {
-        /* No record is in it any more: start over. */
-        (void)ftruncate(f->fd, 0);
-        f->end = 0;
-    }
-    if (f == NULL) {
-        int fd = open_spill_file(s);
-        if (fd < 0) {
-            return NULL;
-        }
-        f = PyMem_Malloc(sizeof(SpillFile));
-        if (f == NULL) {
-            close(fd);
-            errno = ENOMEM;
-            return NULL;
-        }
-        f->fd = fd;
-        f->refs = 1;
-        f->pid = me;
-        f->end = 0;
-        s->cur = f;
-    }
-    *off = f->end;
-    f->end += (nbytes + SLOT_ALIGN - 1) / SLOT_ALIGN * SLOT_ALIGN;
-    f->refs++;
-    return f;
-}
-
-
-static int
-open_spill_file(SpillStore *s)
-{
-    char name[64];
-    for (int attempt = 0; attempt < 16; attempt++) {
-        snprintf(name, sizeof(name), "spill-%llu", s->counter++);
-        int fd = openat(s->dir_fd, name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC,
-                        0600);
-        if (fd >= 0) {
-            /* Unlinked at once: the bytes live as long as the descriptor. */
-            (void)unlinkat(s->dir_fd, name, 0);
-            return fd;
-        }
-        if (errno != EEXIST) {
-            return -1;
-        }
-    }
-    return -1;
-}
-
 /*
  * Spill `t`.  Returns a new record, Py_None (new reference) when the
  * tensor is not spilled (ineligible, over the cap, or the write failed:
@@ -789,7 +670,7 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
         goto not_spilled;
     }
     int64_t off = 0;
-    SpillFile *file = store_slot(s, nbytes, &off);
+    SpillFile *file = ms_spill_slot(&s->files, nbytes, &off);
     if (file == NULL) {
         int e = errno;
         s->n_failed++;
@@ -803,7 +684,7 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
     }
     Spilled *r = PyObject_GC_New(Spilled, st->spilled_type);
     if (r == NULL) {
-        file_unref(file);
+        ms_spill_file_unref(file);
         goto error;
     }
     r->store = (SpillStore *)Py_NewRef(store);
@@ -1313,15 +1194,15 @@ store_dealloc(SpillStore *s)
     }
     (void)store_clear(s);
     stop_worker(s);
-    file_unref(s->cur); /* records still alive keep it open */
-    s->cur = NULL;
+    /* Records still alive keep the current file open. */
+    ms_spill_files_end_current(&s->files);
     if (s->sync_ready) {
         pthread_cond_destroy(&s->cv_work);
         pthread_cond_destroy(&s->cv_done);
         pthread_mutex_destroy(&s->mu);
     }
-    if (s->dir_fd >= 0) {
-        close(s->dir_fd);
+    if (s->files.dir_fd >= 0) {
+        close(s->files.dir_fd);
     }
     Py_CLEAR(s->path);
     Py_CLEAR(s->module);
@@ -1383,7 +1264,7 @@ store_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     s->st = ms_get_state(module);
     s->path = Py_NewRef(path);
     s->log = Py_NewRef(log);
-    s->dir_fd = dir_fd;
+    s->files.dir_fd = dir_fd;
     s->async = async_io;
     s->debug = debug;
     s->prefetch_depth = depth;
@@ -1465,8 +1346,8 @@ store_close(SpillStore *s, PyObject *Py_UNUSED(ignored))
     s->async = 0;
     int rc = store_reap(s, 1);
     stop_worker(s);
-    file_unref(s->cur); /* records still alive keep it open */
-    s->cur = NULL;
+    /* Records still alive keep the current file open. */
+    ms_spill_files_end_current(&s->files);
     if (store_reap(s, 1) < 0) {
         rc = -1;
     }
