@@ -38,6 +38,7 @@ SOURCES = [
     "csrc/root.c",
     "csrc/spill.c",
     "csrc/spill_file.c",
+    "csrc/spill_worker.c",
     "csrc/adam8bit.c",
     "csrc/tiling.c",
     "csrc/solver.c",

@@ -2,14 +2,17 @@
  * spill_file.c: the spill files of a SpillStore and their slots.
  *
  * One file holds many records, each in a slot at its own page-aligned
- * offset, so a store holds one descriptor however many tensors it spills.
+ * offset, so a store holds one descriptor however many tensors it spills:
+ * a deep model does not run the process out of descriptors (RLIMIT_NOFILE).
  * A slot is punched out of the file (its disk space freed) when its record
- * no longer needs it; a file no record uses is closed, or, while it is the
- * store's current one, truncated and filled again from the start.  A file
- * is unlinked the moment it is created (0600, in the store's 0700
- * directory): its bytes live exactly as long as the descriptor.  A file
- * belongs to the process that created it: a forked child never writes,
- * punches or truncates one it inherited, and opens its own.
+ * no longer needs it; once no record uses a file it is closed, and the
+ * next slot opens a new one.  A file is unlinked the moment it is created
+ * (0600, in a directory the caller made 0700): its bytes live exactly as
+ * long as the descriptor.
+ *
+ * A file belongs to the process that created it.  A forked child that
+ * inherits one may read its records back, but never writes, punches or
+ * truncates it (the parent's records live there): it opens its own.
  */
 #include "spill_file.h"
 
