@@ -671,30 +671,6 @@ finish_read(Spilled *r)
     return 0;
 }
 
-/* The referent of a weak reference: 1 and a new reference in *out, 0 if
-   it is gone, -1 with an exception set. */
-static int
-weak_get(PyObject *ref, PyObject **out)
-{
-#if PY_VERSION_HEX >= 0x030D0000
-    if (PyWeakref_GetRef(ref, out) < 0) {
-        return -1;
-    }
-    return *out != NULL;
-#else
-    PyObject *obj = PyWeakref_GetObject(ref);
-    if (obj == NULL) {
-        return -1;
-    }
-    if (obj == Py_None) {
-        *out = NULL;
-        return 0;
-    }
-    *out = Py_NewRef(obj);
-    return 1;
-#endif
-}
-
 /*
  * Start reading up to prefetch_depth records put before `r` (backward
  * needs them next): walking back, records on disk are started and records
@@ -719,7 +695,7 @@ prefetch_before(Spilled *r)
     Py_ssize_t at = -1;
     for (Py_ssize_t i = PyList_GET_SIZE(order) - 1; i >= 0 && at < 0; i--) {
         PyObject *obj;
-        int alive = weak_get(PyList_GET_ITEM(order, i), &obj);
+        int alive = ms_weakref_get(PyList_GET_ITEM(order, i), &obj);
         if (alive < 0) {
             goto stop;
         }
@@ -731,7 +707,7 @@ prefetch_before(Spilled *r)
     int counted = 0;
     for (Py_ssize_t i = at - 1; i >= 0 && counted < s->prefetch_depth; i--) {
         PyObject *obj;
-        int alive = weak_get(PyList_GET_ITEM(order, i), &obj);
+        int alive = ms_weakref_get(PyList_GET_ITEM(order, i), &obj);
         if (alive < 0) {
             goto stop;
         }

@@ -76,19 +76,9 @@ input_changed(ms_state *st, PyObject *pair)
 {
     PyObject *t = PyTuple_GET_ITEM(pair, 0);
     if (PyWeakref_CheckRef(t)) {
-#if PY_VERSION_HEX >= 0x030D0000
-        if (PyWeakref_GetRef(t, &t) < 0) {
-            return -1;
-        }
-#else
-        t = PyWeakref_GetObject(t);
-        if (t == NULL) {
-            return -1;
-        }
-        t = t == Py_None ? NULL : Py_NewRef(t);
-#endif
-        if (t == NULL) {
-            return 0;
+        int alive = ms_weakref_get(t, &t);
+        if (alive <= 0) {
+            return alive; /* an error, or gone: unchanged */
         }
     }
     else {
