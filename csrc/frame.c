@@ -14,10 +14,9 @@
  */
 #include "executor_internal.h"
 
+#include "clock.h"
 #include "tiling.h"
 #include "versions.h"
-
-#include <time.h>
 
 typedef struct {
     PyObject_HEAD
@@ -312,16 +311,6 @@ enter_into(ms_state *st, PyObject *ctx, PyObject *entered)
     }
     Py_DECREF(ctx);
     return rc;
-}
-
-static long long
-monotonic_ns(void)
-{
-    struct timespec ts;
-    if (clock_gettime(CLOCK_MONOTONIC, &ts) != 0) {
-        return 0;
-    }
-    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
 /* Snapshot the unit's buffers: a list of (buffer, copy, version). */
@@ -620,12 +609,12 @@ recompute_call(Frame *self, Recompute *r)
     self->recomputing = 1;
     ex->recompute_depth++;
     Py_ssize_t depth = PyList_GET_SIZE(ex->stack);
-    long long t0 = monotonic_ns();
+    long long t0 = ms_monotonic_ns();
     r->out = PyObject_Call(self->unit, r->call_args, r->call_kwargs);
     if (r->out != NULL && r->tile < 0 && self->seg.units != NULL) {
         r->out = ms_segment_replay(self, r->out);
     }
-    ex->recompute_ns += monotonic_ns() - t0;
+    ex->recompute_ns += ms_monotonic_ns() - t0;
     ex->recompute_depth--;
     self->recomputing = 0;
     if (r->out != NULL) {

@@ -17,17 +17,10 @@
  */
 #include "spill_worker.h"
 
-#include <errno.h>
-#include <time.h>
-#include <unistd.h>
+#include "clock.h"
 
-static long long
-now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
+#include <errno.h>
+#include <unistd.h>
 
 /* FNV-1a, 64 bits: a cheap checksum for the debug mode. */
 static uint64_t
@@ -45,7 +38,7 @@ fnv1a(const unsigned char *p, int64_t n)
 static void
 job_run(SpillJob *job)
 {
-    long long t0 = now_ns();
+    long long t0 = ms_monotonic_ns();
     int64_t done = 0;
     job->err = 0;
     if (job->op == SPILL_JOB_WRITE && job->checksum) {
@@ -78,7 +71,7 @@ job_run(SpillJob *job)
     if (job->err == 0 && job->op == SPILL_JOB_READ && job->checksum) {
         job->sum = fnv1a((const unsigned char *)job->ptr, job->nbytes);
     }
-    job->ns = now_ns() - t0;
+    job->ns = ms_monotonic_ns() - t0;
 }
 
 static void *
@@ -190,7 +183,7 @@ ms_spill_job_submit(SpillWorker *w, SpillJob *job, int inline_io)
         return 0;
     }
     pthread_mutex_unlock(&w->mu);
-    long long t0 = now_ns();
+    long long t0 = ms_monotonic_ns();
     Py_BEGIN_ALLOW_THREADS
     job_run(job);
     pthread_mutex_lock(&w->mu);
@@ -199,7 +192,7 @@ ms_spill_job_submit(SpillWorker *w, SpillJob *job, int inline_io)
     pthread_cond_broadcast(&w->cv_done);
     pthread_mutex_unlock(&w->mu);
     Py_END_ALLOW_THREADS
-    return now_ns() - t0;
+    return ms_monotonic_ns() - t0;
 }
 
 int
@@ -217,7 +210,7 @@ ms_spill_job_wait(SpillWorker *w, SpillJob *job)
     if (!ms_spill_job_busy(w, job)) {
         return 0;
     }
-    long long t0 = now_ns();
+    long long t0 = ms_monotonic_ns();
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&w->mu);
     while (job->busy) {
@@ -225,7 +218,7 @@ ms_spill_job_wait(SpillWorker *w, SpillJob *job)
     }
     pthread_mutex_unlock(&w->mu);
     Py_END_ALLOW_THREADS
-    return now_ns() - t0;
+    return ms_monotonic_ns() - t0;
 }
 
 void
