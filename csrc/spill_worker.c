@@ -74,6 +74,15 @@ job_run(SpillJob *job)
     job->ns = ms_monotonic_ns() - t0;
 }
 
+/* A job has run: wake whoever waits for it.  Called with the mutex held. */
+static void
+job_done(SpillWorker *w, SpillJob *job)
+{
+    job->busy = 0;
+    w->inflight--;
+    pthread_cond_broadcast(&w->cv_done);
+}
+
 static void *
 worker_main(void *arg)
 {
@@ -94,9 +103,7 @@ worker_main(void *arg)
         pthread_mutex_unlock(&w->mu);
         job_run(job);
         pthread_mutex_lock(&w->mu);
-        job->busy = 0;
-        w->inflight--;
-        pthread_cond_broadcast(&w->cv_done);
+        job_done(w, job);
     }
     pthread_mutex_unlock(&w->mu);
     return NULL;
@@ -187,9 +194,7 @@ ms_spill_job_submit(SpillWorker *w, SpillJob *job, int inline_io)
     Py_BEGIN_ALLOW_THREADS
     job_run(job);
     pthread_mutex_lock(&w->mu);
-    job->busy = 0;
-    w->inflight--;
-    pthread_cond_broadcast(&w->cv_done);
+    job_done(w, job);
     pthread_mutex_unlock(&w->mu);
     Py_END_ALLOW_THREADS
     return ms_monotonic_ns() - t0;
