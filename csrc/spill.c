@@ -354,17 +354,9 @@ eligible(SpillStore *s, PyObject *t, int any_tensor, int64_t *nbytes)
             return 0; /* parameters, buffers, the user's own inputs */
         }
     }
-    PyObject *dev = PyObject_GetAttr(t, st->s_device);
-    PyObject *type = dev ? PyObject_GetAttr(dev, st->s_type) : NULL;
-    Py_XDECREF(dev);
-    if (type == NULL) {
-        return -1;
-    }
-    int cpu = PyUnicode_Check(type)
-              && PyUnicode_CompareWithASCIIString(type, "cpu") == 0;
-    Py_DECREF(type);
-    if (!cpu) {
-        return 0;
+    int cpu = ms_is_on_cpu(st, t);
+    if (cpu <= 0) {
+        return cpu;
     }
     /* Raw bytes only stand for a plain strided tensor: not a sparse one,
        nor a lazily conjugated or negated view. */
