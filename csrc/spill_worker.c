@@ -10,10 +10,12 @@
  * the GIL released.  Either way a job is marked busy under the mutex
  * before it runs, so that any other caller waits for it.
  *
- * fork(): prepare_fork waits until no job is in flight, so that a child
- * never inherits a job half done by a thread it does not have;
- * after_fork_child resets the lock, the conditions and the queue in the
- * child (memscale.offload registers both with os.register_at_fork).
+ * fork(): ms_spill_worker_prepare_fork waits until no job is in flight,
+ * so that a child never inherits a job half done by a thread it does not
+ * have; ms_spill_worker_after_fork_child resets the lock, the conditions
+ * and the queue in the child.  They are what the store's _prepare_fork and
+ * _after_fork_child do, which memscale.offload registers with
+ * os.register_at_fork.
  */
 #include "spill_worker.h"
 
