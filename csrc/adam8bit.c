@@ -208,18 +208,12 @@ checked_ptr(ms_state *st, PyObject *t, const char *what,
                      dtype_name);
         return NULL;
     }
-    PyObject *dev = PyObject_GetAttr(t, st->s_device);
-    PyObject *type = dev ? PyObject_GetAttr(dev, st->s_type) : NULL;
-    Py_XDECREF(dev);
-    if (type == NULL) {
-        return NULL;
-    }
-    ok = PyUnicode_Check(type)
-         && PyUnicode_CompareWithASCIIString(type, "cpu") == 0;
-    Py_DECREF(type);
-    if (!ok) {
-        PyErr_Format(PyExc_ValueError, "adamw8bit_step: %s must be on the CPU",
-                     what);
+    ok = ms_is_on_cpu(st, t);
+    if (ok <= 0) {
+        if (ok == 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "adamw8bit_step: %s must be on the CPU", what);
+        }
         return NULL;
     }
     PyObject *c = PyObject_CallMethodNoArgs(t, st->s_is_contiguous);

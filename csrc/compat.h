@@ -4,8 +4,8 @@
  *
  * Every C file of the extension that touches a Python object includes this
  * header first (through state.h): it includes Python.h, gives 3.11 the
- * member-definition names of 3.12, and saves and restores a pending
- * exception around clean-up calls.
+ * member-definition names of 3.12, saves and restores a pending exception
+ * around clean-up calls, and reads a weak reference the 3.13 way.
  */
 #ifndef MEMSCALE_COMPAT_H
 #define MEMSCALE_COMPAT_H
@@ -76,5 +76,29 @@ ms_exc_pending(const ms_exc_state *s)
     return s->type != NULL;
 }
 #endif
+
+/*
+ * The referent of a weak reference, as PyWeakref_GetRef (3.13+) gives it:
+ * 1 and a new reference in *out, 0 and NULL if it is gone, -1 and NULL
+ * with an exception set.
+ */
+static inline int
+ms_weakref_get(PyObject *ref, PyObject **out)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyWeakref_GetRef(ref, out);
+#else
+    PyObject *obj = PyWeakref_GetObject(ref);
+    *out = NULL;
+    if (obj == NULL) {
+        return -1;
+    }
+    if (obj == Py_None) {
+        return 0;
+    }
+    *out = Py_NewRef(obj);
+    return 1;
+#endif
+}
 
 #endif /* MEMSCALE_COMPAT_H */

@@ -10,6 +10,7 @@
 #include "executor_internal.h"
 
 #include "spill.h"
+#include "versions.h"
 
 /* Offload one tensor: a record standing for it, Py_None if it stays, NULL
    with an exception set.  CPU tensors go to the disk tier; device tensors
@@ -18,15 +19,10 @@ static PyObject *
 offload_one(Executor *ex, PyObject *t)
 {
     ms_state *st = ex->st;
-    PyObject *dev = PyObject_GetAttr(t, st->s_device);
-    PyObject *type = dev ? PyObject_GetAttr(dev, st->s_type) : NULL;
-    Py_XDECREF(dev);
-    if (type == NULL) {
+    int cpu = ms_is_on_cpu(st, t);
+    if (cpu < 0) {
         return NULL;
     }
-    int cpu = PyUnicode_Check(type)
-              && PyUnicode_CompareWithASCIIString(type, "cpu") == 0;
-    Py_DECREF(type);
     if (cpu && HAS(ex->store)) {
         return ms_spill_put(ex->store, t);
     }

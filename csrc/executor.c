@@ -8,6 +8,7 @@
  */
 #include "executor_internal.h"
 
+#include "hook_handles.h"
 #include "plan.h"
 #include "profiler.h"
 
@@ -642,15 +643,11 @@ ex_get_model(Executor *ex, void *Py_UNUSED(c))
     if (ex->model_ref == NULL) {
         Py_RETURN_NONE;
     }
-#if PY_VERSION_HEX >= 0x030D0000
     PyObject *m;
-    if (PyWeakref_GetRef(ex->model_ref, &m) < 0) {
+    if (ms_weakref_get(ex->model_ref, &m) < 0) {
         return NULL;
     }
     return m != NULL ? m : Py_NewRef(Py_None);
-#else
-    return Py_NewRef(PyWeakref_GetObject(ex->model_ref));
-#endif
 }
 
 static PyObject *

@@ -148,9 +148,6 @@ int ms_frame_init_types(PyObject *module, ms_state *st);
    the inputs), or NULL with an exception set. */
 Frame *ms_frame_new(Executor *ex, Py_ssize_t index, PyObject *unit,
                     PyObject *args, PyObject *kwargs);
-/* 1 if every recorded (tensor, version) input is unchanged, 0 if not, -1
-   with an exception set. */
-int ms_versions_unchanged(ms_state *st, PyObject *versions);
 
 /* ---- hooks.c ------------------------------------------------------- */
 

@@ -14,10 +14,9 @@
  */
 #include "executor_internal.h"
 
-#include "profiler.h"
+#include "clock.h"
 #include "tiling.h"
-
-#include <time.h>
+#include "versions.h"
 
 typedef struct {
     PyObject_HEAD
@@ -314,16 +313,6 @@ enter_into(ms_state *st, PyObject *ctx, PyObject *entered)
     return rc;
 }
 
-static long long
-monotonic_ns(void)
-{
-    struct timespec ts;
-    if (clock_gettime(CLOCK_MONOTONIC, &ts) != 0) {
-        return 0;
-    }
-    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 /* Snapshot the unit's buffers: a list of (buffer, copy, version). */
 static PyObject *
 snapshot_buffers(ms_state *st, PyObject *unit)
@@ -397,57 +386,6 @@ restore_buffers(ms_state *st, PyObject *snap)
         }
     }
     return changed;
-}
-
-/* Whether an input recorded as (tensor, version) has changed: 1 yes, 0 no,
-   -1 with an exception set.  An offloaded input is recorded through a weak
-   reference: gone, nobody can have changed it since. */
-static int
-input_changed(ms_state *st, PyObject *pair)
-{
-    PyObject *t = PyTuple_GET_ITEM(pair, 0);
-    if (PyWeakref_CheckRef(t)) {
-#if PY_VERSION_HEX >= 0x030D0000
-        if (PyWeakref_GetRef(t, &t) < 0) {
-            return -1;
-        }
-#else
-        t = PyWeakref_GetObject(t);
-        if (t == NULL) {
-            return -1;
-        }
-        t = t == Py_None ? NULL : Py_NewRef(t);
-#endif
-        if (t == NULL) {
-            return 0;
-        }
-    }
-    else {
-        Py_INCREF(t);
-    }
-    PyObject *now = PyObject_GetAttr(t, st->s_version);
-    Py_DECREF(t);
-    if (now == NULL) {
-        return -1;
-    }
-    int eq = PyObject_RichCompareBool(now, PyTuple_GET_ITEM(pair, 1), Py_EQ);
-    Py_DECREF(now);
-    return eq < 0 ? -1 : !eq;
-}
-
-/* 1 if every recorded input version is unchanged, 0 if not, -1 on error. */
-int
-ms_versions_unchanged(ms_state *st, PyObject *versions)
-{
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(versions); i++) {
-        PyObject *pair = Py_NewRef(PyList_GET_ITEM(versions, i));
-        int changed = input_changed(st, pair);
-        Py_DECREF(pair);
-        if (changed != 0) {
-            return changed < 0 ? -1 : 0;
-        }
-    }
-    return 1;
 }
 
 /* One recompute of a frame: what it runs and what it must undo. */
@@ -671,12 +609,12 @@ recompute_call(Frame *self, Recompute *r)
     self->recomputing = 1;
     ex->recompute_depth++;
     Py_ssize_t depth = PyList_GET_SIZE(ex->stack);
-    long long t0 = monotonic_ns();
+    long long t0 = ms_monotonic_ns();
     r->out = PyObject_Call(self->unit, r->call_args, r->call_kwargs);
     if (r->out != NULL && r->tile < 0 && self->seg.units != NULL) {
         r->out = ms_segment_replay(self, r->out);
     }
-    ex->recompute_ns += monotonic_ns() - t0;
+    ex->recompute_ns += ms_monotonic_ns() - t0;
     ex->recompute_depth--;
     self->recomputing = 0;
     if (r->out != NULL) {

@@ -11,11 +11,13 @@
 #include "adam8bit.h"
 #include "engine.h"
 #include "executor.h"
+#include "hardware.h"
 #include "layer_stats.h"
 #include "plan.h"
 #include "profiler.h"
 #include "spill.h"
 #include "tiling.h"
+#include "units.h"
 
 #include <string.h>
 
@@ -79,6 +81,23 @@ int
 ms_is_tensor(ms_state *st, PyObject *obj)
 {
     return PyObject_TypeCheck(obj, (PyTypeObject *)st->tensor_type);
+}
+
+/* 1 if the tensor t is on the CPU (t.device.type == "cpu"), 0 if not, -1
+   with an exception set. */
+int
+ms_is_on_cpu(ms_state *st, PyObject *t)
+{
+    PyObject *dev = PyObject_GetAttr(t, st->s_device);
+    PyObject *type = dev ? PyObject_GetAttr(dev, st->s_type) : NULL;
+    Py_XDECREF(dev);
+    if (type == NULL) {
+        return -1;
+    }
+    int cpu = PyUnicode_Check(type)
+              && PyUnicode_CompareWithASCIIString(type, "cpu") == 0;
+    Py_DECREF(type);
+    return cpu;
 }
 
 /* 1 if autograd records, 0 if not, -1 with an exception set. */

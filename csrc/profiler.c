@@ -1,5 +1,5 @@
 /*
- * profiler.c: hardware, the layer graph, and per-layer measurements.
+ * profiler.c: per-layer measurements, the Profiler type.
  *
  * A Profiler watches forward passes through module hooks and one
  * saved-tensor hook.  Every tensor autograd saves is attributed to the
@@ -12,11 +12,10 @@
 #include "profiler.h"
 
 #include "engine.h"
+#include "hook_handles.h"
+#include "versions.h"
 
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 typedef struct {
     long long saved;  /* bytes saved for backward, per call, summed */
@@ -141,94 +140,6 @@ tensor_bytes(Profiler *self, PyObject *obj, PyObject *keys, int depth)
     return total;
 }
 
-/* Versions of the tensors among args and kwargs: a list of (tensor,
-   version) pairs, to tell in-place updates of a unit's inputs. */
-static int collect_versions(ms_state *st, PyObject *obj, PyObject *out);
-static int collect_versions_impl(ms_state *st, PyObject *obj, PyObject *out);
-
-static int
-collect_versions(ms_state *st, PyObject *obj, PyObject *out)
-{
-    if (Py_EnterRecursiveCall(" while collecting input versions")) {
-        return -1;
-    }
-    int rc = collect_versions_impl(st, obj, out);
-    Py_LeaveRecursiveCall();
-    return rc;
-}
-
-int
-ms_collect_versions(ms_state *st, PyObject *obj, PyObject *out)
-{
-    return collect_versions(st, obj, out);
-}
-
-static int
-collect_versions_impl(ms_state *st, PyObject *obj, PyObject *out)
-{
-    if (ms_is_tensor(st, obj)) {
-        PyObject *v = PyObject_GetAttr(obj, st->s_version);
-        if (v == NULL) {
-            return -1;
-        }
-        PyObject *pair = PyTuple_Pack(2, obj, v);
-        Py_DECREF(v);
-        if (pair == NULL) {
-            return -1;
-        }
-        int rc = PyList_Append(out, pair);
-        Py_DECREF(pair);
-        return rc;
-    }
-    if (PyTuple_Check(obj) || PyList_Check(obj)) {
-        PyObject *items = PySequence_Tuple(obj); /* lists may change */
-        if (items == NULL) {
-            return -1;
-        }
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
-            if (collect_versions(st, PyTuple_GET_ITEM(items, i), out) < 0) {
-                Py_DECREF(items);
-                return -1;
-            }
-        }
-        Py_DECREF(items);
-    }
-    else if (PyDict_Check(obj)) {
-        Py_ssize_t pos = 0;
-        PyObject *k, *v;
-        while (PyDict_Next(obj, &pos, &k, &v)) {
-            Py_INCREF(v); /* the call below may run Python code */
-            int rc = collect_versions(st, v, out);
-            Py_DECREF(v);
-            if (rc < 0) {
-                return -1;
-            }
-        }
-    }
-    return 0;
-}
-
-/* 1 if any recorded version changed, 0 if none, -1 on error. */
-static int
-versions_changed(ms_state *st, PyObject *pairs)
-{
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pairs); i++) {
-        PyObject *pair = PyList_GET_ITEM(pairs, i);
-        PyObject *now = PyObject_GetAttr(PyTuple_GET_ITEM(pair, 0),
-                                         st->s_version);
-        if (now == NULL) {
-            return -1;
-        }
-        int eq = PyObject_RichCompareBool(now, PyTuple_GET_ITEM(pair, 1),
-                                          Py_EQ);
-        Py_DECREF(now);
-        if (eq <= 0) {
-            return eq < 0 ? -1 : 1;
-        }
-    }
-    return 0;
-}
-
 static int
 current_flops(Profiler *self, double *out)
 {
@@ -285,8 +196,8 @@ prof_pre(Profiler *self, PyObject *const *args, Py_ssize_t nargs)
     seen = PySet_New(NULL);
     versions = PyList_New(0);
     if (seen == NULL || versions == NULL || current_flops(self, &flops0) < 0
-        || collect_versions(self->st, args[1], versions) < 0
-        || collect_versions(self->st, args[2], versions) < 0)
+        || ms_collect_versions(self->st, args[1], versions) < 0
+        || ms_collect_versions(self->st, args[2], versions) < 0)
     {
         goto error;
     }
@@ -345,12 +256,12 @@ prof_post(Profiler *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     double flops1;
-    int changed = versions_changed(self->st, PyTuple_GET_ITEM(rec, 3));
-    if (changed < 0 || current_flops(self, &flops1) < 0) {
+    int same = ms_versions_unchanged(self->st, PyTuple_GET_ITEM(rec, 3));
+    if (same < 0 || current_flops(self, &flops1) < 0) {
         Py_DECREF(rec);
         return NULL;
     }
-    if (changed) {
+    if (!same) {
         self->cur[i].flags |= MS_LAYER_INPLACE_INPUT;
     }
     self->cur[i].flops += flops1 - PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(rec, 2));
@@ -571,58 +482,20 @@ PyDoc_STRVAR(prof_attach_doc,
 "Register the measuring hooks on every unit (kept as handles).");
 /* clang-format on */
 
-static int register_hooks(ms_state *st, PyObject *owner, PyObject *units,
-                          PyObject *handles, PyObject *pre_name,
-                          PyObject *post_name);
-
 static PyObject *
 prof_attach(Profiler *self, PyObject *Py_UNUSED(ignored))
 {
     if (PyList_GET_SIZE(self->handles) > 0) {
         Py_RETURN_NONE;
     }
-    if (register_hooks(self->st, (PyObject *)self, self->units, self->handles,
-                       self->st->s_pre, self->st->s_post)
+    if (ms_register_unit_hooks(self->st, (PyObject *)self, self->units,
+                               self->handles, self->st->s_pre,
+                               self->st->s_post)
         < 0)
     {
         return NULL;
     }
     Py_RETURN_NONE;
-}
-
-static int
-remove_handles(ms_state *st, PyObject *handles)
-{
-    int rc = 0;
-    Py_ssize_t n = PyList_GET_SIZE(handles);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *r = PyObject_CallMethodNoArgs(PyList_GET_ITEM(handles, i),
-                                                st->s_remove);
-        if (r == NULL) {
-            /* Keep removing the others; report the first failure. */
-            if (rc == 0) {
-                rc = -1;
-                ms_exc_state saved;
-                ms_exc_save(&saved);
-                for (Py_ssize_t j = i + 1; j < n; j++) {
-                    PyObject *r2 =
-                        PyObject_CallMethodNoArgs(PyList_GET_ITEM(handles, j),
-                                                  st->s_remove);
-                    if (r2 == NULL) {
-                        PyErr_WriteUnraisable(PyList_GET_ITEM(handles, j));
-                    }
-                    Py_XDECREF(r2);
-                }
-                ms_exc_restore(&saved);
-                break;
-            }
-        }
-        Py_XDECREF(r);
-    }
-    if (PyList_SetSlice(handles, 0, n, NULL) < 0) {
-        rc = -1;
-    }
-    return rc;
 }
 
 /* clang-format off */
@@ -640,12 +513,12 @@ detach_hooks(Profiler *self)
         rc = -1;
     }
     if (rc == 0) {
-        rc = remove_handles(self->st, self->handles);
+        rc = ms_remove_handles(self->st, self->handles);
     }
     else {
         ms_exc_state saved;
         ms_exc_save(&saved);
-        if (remove_handles(self->st, self->handles) < 0) {
+        if (ms_remove_handles(self->st, self->handles) < 0) {
             PyErr_WriteUnraisable((PyObject *)self);
         }
         ms_exc_restore(&saved);
@@ -959,79 +832,6 @@ static PyType_Spec prof_spec = {
     .slots = prof_slots,
 };
 
-/* ---- hook registration, shared with the executor ------------------ */
-
-/*
- * For each unit: owner.<pre_name> as a forward pre-hook with kwargs, and
- * owner.<post_name> as a forward hook with always_call=True, so a forward
- * that raises still reaches the post-hook.  Handles are appended to
- * `handles`; on failure the ones registered here are removed again.
- */
-static int
-register_hooks(ms_state *st, PyObject *owner, PyObject *units,
-               PyObject *handles, PyObject *pre_name, PyObject *post_name)
-{
-    PyObject *pre = NULL, *post = NULL, *kw_pre = NULL, *kw_post = NULL;
-    Py_ssize_t start = PyList_GET_SIZE(handles);
-    int rc = -1;
-
-    pre = PyObject_GetAttr(owner, pre_name);
-    post = PyObject_GetAttr(owner, post_name);
-    kw_pre = Py_BuildValue("{OO}", st->s_with_kwargs, Py_True);
-    kw_post = Py_BuildValue("{OO}", st->s_always_call, Py_True);
-    if (pre == NULL || post == NULL || kw_pre == NULL || kw_post == NULL) {
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(units); i++) {
-        PyObject *unit = PyList_GET_ITEM(units, i);
-        PyObject *reg = NULL, *a = NULL, *h = NULL;
-        int ok = 0;
-        reg = PyObject_GetAttr(unit, st->s_register_forward_pre_hook);
-        a = PyTuple_Pack(1, pre);
-        if (reg != NULL && a != NULL) {
-            h = PyObject_Call(reg, a, kw_pre);
-        }
-        if (h != NULL && PyList_Append(handles, h) == 0) {
-            Py_CLEAR(h);
-            Py_SETREF(reg,
-                      PyObject_GetAttr(unit, st->s_register_forward_hook));
-            Py_SETREF(a, PyTuple_Pack(1, post));
-            if (reg != NULL && a != NULL) {
-                h = PyObject_Call(reg, a, kw_post);
-            }
-            ok = h != NULL && PyList_Append(handles, h) == 0;
-        }
-        Py_XDECREF(h);
-        Py_XDECREF(a);
-        Py_XDECREF(reg);
-        if (!ok) {
-            goto done;
-        }
-    }
-    rc = 0;
-done:
-    if (rc < 0 && PyList_GET_SIZE(handles) > start) {
-        /* Undo what this call registered. */
-        ms_exc_state saved;
-        ms_exc_save(&saved);
-        PyObject *mine = PyList_GetSlice(handles, start,
-                                         PyList_GET_SIZE(handles));
-        if (mine == NULL || remove_handles(st, mine) < 0
-            || PyList_SetSlice(handles, start, PyList_GET_SIZE(handles), NULL)
-                   < 0)
-        {
-            PyErr_WriteUnraisable(owner);
-        }
-        Py_XDECREF(mine);
-        ms_exc_restore(&saved);
-    }
-    Py_XDECREF(pre);
-    Py_XDECREF(post);
-    Py_XDECREF(kw_pre);
-    Py_XDECREF(kw_post);
-    return rc;
-}
-
 /* The executor drives a Profiler through these, not through its Python
    methods: the type is ours and final (no subclass can override them).
    NULL (an executor the garbage collector cleared) is an error, as it is
@@ -1066,372 +866,6 @@ ms_profiler_detach(PyObject *profiler)
 {
     Profiler *self = as_profiler(profiler);
     return self != NULL ? detach_hooks(self) : -1;
-}
-
-int
-ms_register_unit_hooks(ms_state *st, PyObject *owner, PyObject *units,
-                       PyObject *handles, PyObject *pre_name,
-                       PyObject *post_name)
-{
-    return register_hooks(st, owner, units, handles, pre_name, post_name);
-}
-
-int
-ms_remove_handles(ms_state *st, PyObject *handles)
-{
-    return remove_handles(st, handles);
-}
-
-/* ---- the layer graph ---------------------------------------------- */
-
-static PyObject *
-named_children(ms_state *st, PyObject *mod)
-{
-    PyObject *it = PyObject_CallMethodNoArgs(mod, st->s_named_children);
-    if (it == NULL) {
-        return NULL;
-    }
-    PyObject *list = PySequence_List(it);
-    Py_DECREF(it);
-    return list;
-}
-
-/* 1 if mod is a ModuleList/Sequential with two children of one class. */
-static int
-is_repeating(ms_state *st, PyObject *mod)
-{
-    int r = PyObject_IsInstance(mod, st->module_list_type);
-    if (r == 0) {
-        r = PyObject_IsInstance(mod, st->sequential_type);
-    }
-    if (r <= 0) {
-        return r;
-    }
-    PyObject *kids = named_children(st, mod);
-    if (kids == NULL) {
-        return -1;
-    }
-    PyObject *types = PySet_New(NULL);
-    int found = types ? 0 : -1;
-    for (Py_ssize_t i = 0; found == 0 && i < PyList_GET_SIZE(kids); i++) {
-        PyObject *tp = (PyObject *)Py_TYPE(
-            PyTuple_GET_ITEM(PyList_GET_ITEM(kids, i), 1));
-        int has = PySet_Contains(types, tp);
-        if (has != 0) {
-            found = has;
-        }
-        else if (PySet_Add(types, tp) < 0) {
-            found = -1;
-        }
-    }
-    Py_XDECREF(types);
-    Py_DECREF(kids);
-    return found;
-}
-
-static int
-add_unit(PyObject *out, PyObject *seen, PyObject *name, PyObject *mod)
-{
-    int has = PySet_Contains(seen, mod);
-    if (has != 0) {
-        return has < 0 ? -1 : 0; /* a shared module is one unit */
-    }
-    PyObject *pair = PyTuple_Pack(2, name, mod);
-    if (pair == NULL) {
-        return -1;
-    }
-    int rc = (PySet_Add(seen, mod) < 0 || PyList_Append(out, pair) < 0) ? -1
-                                                                        : 0;
-    Py_DECREF(pair);
-    return rc;
-}
-
-static PyObject *
-join_name(PyObject *prefix, PyObject *name)
-{
-    if (PyUnicode_GET_LENGTH(prefix) == 0) {
-        return Py_NewRef(name);
-    }
-    return PyUnicode_FromFormat("%U.%U", prefix, name);
-}
-
-/* Children of repeating containers anywhere below mod. */
-static int
-walk_repeating(ms_state *st, PyObject *mod, PyObject *prefix, PyObject *out,
-               PyObject *seen)
-{
-    PyObject *kids = named_children(st, mod);
-    if (kids == NULL) {
-        return -1;
-    }
-    int rc = 0;
-    for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(kids); i++) {
-        PyObject *pair = PyList_GET_ITEM(kids, i);
-        PyObject *full = join_name(prefix, PyTuple_GET_ITEM(pair, 0));
-        if (full == NULL) {
-            rc = -1;
-            break;
-        }
-        PyObject *child = PyTuple_GET_ITEM(pair, 1);
-        int rep = is_repeating(st, child);
-        if (rep < 0) {
-            rc = -1;
-        }
-        else if (rep) {
-            PyObject *blocks = named_children(st, child);
-            if (blocks == NULL) {
-                rc = -1;
-            }
-            for (Py_ssize_t j = 0; rc == 0 && j < PyList_GET_SIZE(blocks); j++)
-            {
-                PyObject *bp = PyList_GET_ITEM(blocks, j);
-                PyObject *bname = join_name(full, PyTuple_GET_ITEM(bp, 0));
-                rc = bname
-                         ? add_unit(out, seen, bname, PyTuple_GET_ITEM(bp, 1))
-                         : -1;
-                Py_XDECREF(bname);
-            }
-            Py_XDECREF(blocks);
-        }
-        else {
-            rc = walk_repeating(st, child, full, out, seen);
-        }
-        Py_DECREF(full);
-    }
-    Py_DECREF(kids);
-    return rc;
-}
-
-static int
-param_count(ms_state *st, PyObject *mod, long long *out)
-{
-    PyObject *params = PyObject_CallMethodNoArgs(mod, st->s_parameters);
-    PyObject *it = params ? PyObject_GetIter(params) : NULL;
-    PyObject *p;
-    *out = 0;
-    Py_XDECREF(params);
-    if (it == NULL) {
-        return -1;
-    }
-    while ((p = PyIter_Next(it)) != NULL) {
-        PyObject *n = PyObject_CallMethodNoArgs(p, st->s_numel);
-        Py_DECREF(p);
-        long long v = n ? PyLong_AsLongLong(n) : -1;
-        Py_XDECREF(n);
-        if (v < 0) {
-            Py_DECREF(it);
-            return -1;
-        }
-        *out += v;
-    }
-    Py_DECREF(it);
-    return PyErr_Occurred() ? -1 : 0;
-}
-
-/* Top-level children; one holding over half the parameters is split. */
-static int
-walk_fallback(ms_state *st, PyObject *mod, PyObject *prefix, long long total,
-              PyObject *out, PyObject *seen)
-{
-    PyObject *kids = named_children(st, mod);
-    if (kids == NULL) {
-        return -1;
-    }
-    int rc = 0;
-    for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(kids); i++) {
-        PyObject *pair = PyList_GET_ITEM(kids, i);
-        PyObject *child = PyTuple_GET_ITEM(pair, 1);
-        PyObject *full = join_name(prefix, PyTuple_GET_ITEM(pair, 0));
-        long long count;
-        if (full == NULL || param_count(st, child, &count) < 0) {
-            Py_XDECREF(full);
-            rc = -1;
-            break;
-        }
-        PyObject *grand = named_children(st, child);
-        if (grand == NULL) {
-            rc = -1;
-        }
-        else if (total > 0 && 2 * count > total && PyList_GET_SIZE(grand) > 0)
-        {
-            rc = walk_fallback(st, child, full, total, out, seen);
-        }
-        else {
-            rc = add_unit(out, seen, full, child);
-        }
-        Py_XDECREF(grand);
-        Py_DECREF(full);
-    }
-    Py_DECREF(kids);
-    return rc;
-}
-
-PyObject *
-ms_find_units(PyObject *module, PyObject *model)
-{
-    ms_state *st = ms_get_state(module);
-    PyObject *out = PyList_New(0), *seen = PySet_New(NULL);
-    PyObject *empty = PyUnicode_FromString("");
-    int rc = -1;
-    if (out == NULL || seen == NULL || empty == NULL) {
-        goto done;
-    }
-    int r = PyObject_IsInstance(model, st->torch_module_type);
-    if (r <= 0) {
-        if (r == 0) {
-            PyErr_Format(PyExc_TypeError,
-                         "find_units() needs a torch.nn.Module, got %.200s",
-                         Py_TYPE(model)->tp_name);
-        }
-        goto done;
-    }
-    int rep = is_repeating(st, model);
-    if (rep < 0) {
-        goto done;
-    }
-    if (rep) {
-        /* The model itself is the repeating container. */
-        PyObject *kids = named_children(st, model);
-        if (kids == NULL) {
-            goto done;
-        }
-        rc = 0;
-        for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(kids); i++) {
-            PyObject *pair = PyList_GET_ITEM(kids, i);
-            rc = add_unit(out, seen, PyTuple_GET_ITEM(pair, 0),
-                          PyTuple_GET_ITEM(pair, 1));
-        }
-        Py_DECREF(kids);
-        if (rc < 0) {
-            goto done;
-        }
-    }
-    else if (walk_repeating(st, model, empty, out, seen) < 0) {
-        goto done;
-    }
-    if (PyList_GET_SIZE(out) == 0) {
-        long long total;
-        if (param_count(st, model, &total) < 0
-            || walk_fallback(st, model, empty, total, out, seen) < 0)
-        {
-            goto done;
-        }
-    }
-    rc = 0;
-done:
-    Py_XDECREF(seen);
-    Py_XDECREF(empty);
-    if (rc < 0) {
-        Py_XDECREF(out);
-        return NULL;
-    }
-    return out;
-}
-
-/* ---- hardware ----------------------------------------------------- */
-
-/* Host RAM, lowered to a cgroup v2 / v1 memory limit where one is set. */
-static long long
-host_memory_bytes(void)
-{
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-    long long total = (pages > 0 && page > 0) ? (long long)pages * page : 0;
-    static const char *const limits[] = {
-        "/sys/fs/cgroup/memory.max",
-        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-    };
-    for (size_t i = 0; i < sizeof(limits) / sizeof(limits[0]); i++) {
-        FILE *f = fopen(limits[i], "r");
-        if (f == NULL) {
-            continue;
-        }
-        long long lim;
-        if (fscanf(f, "%lld", &lim) == 1 && lim > 0
-            && (total == 0 || lim < total))
-        {
-            total = lim;
-        }
-        fclose(f);
-    }
-    return total;
-}
-
-PyObject *
-ms_detect_hardware(PyObject *module, PyObject *args, PyObject *kwargs)
-{
-    static char *kwlist[] = {"device_type", "index", NULL};
-    const char *device;
-    int index = 0;
-    ms_state *st = ms_get_state(module);
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|i:detect_hardware",
-                                     kwlist, &device, &index))
-    {
-        return NULL;
-    }
-    if (strcmp(device, "cpu") == 0) {
-        long long cap = host_memory_bytes();
-        if (cap <= 0) {
-            PyErr_SetString(PyExc_RuntimeError,
-                            "memscale could not read the host's memory size; "
-                            "set Config(memory_budget_gb=...)");
-            return NULL;
-        }
-        long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        return Py_BuildValue("{sssisisLsOss}", "device", "cpu", "index", 0,
-                             "count", 1, "capacity_bytes", cap, "bf16",
-                             Py_True, "name",
-                             cores > 0 ? "host CPU" : "host CPU (cores ?)");
-    }
-    if (strcmp(device, "cuda") != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "memscale plans for 'cpu' and 'cuda' devices, not '%s'; "
-                     "move the model to one of them or set "
-                     "Config(memory_budget_gb=...)",
-                     device);
-        return NULL;
-    }
-    /* CUDA: thin, through torch.cuda (not runnable on CPU-only hosts). */
-    PyObject *cuda = NULL, *count = NULL, *props = NULL, *total = NULL,
-             *name = NULL, *bf16 = NULL, *res = NULL;
-    cuda = PyObject_GetAttrString(st->torch, "cuda");
-    if (cuda == NULL) {
-        goto done;
-    }
-    count = PyObject_CallMethod(cuda, "device_count", NULL);
-    if (count == NULL) {
-        goto done;
-    }
-    long n = PyLong_AsLong(count);
-    if (n == -1 && PyErr_Occurred()) {
-        goto done;
-    }
-    if (index < 0 || index >= n) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "CUDA device %d is not available (%ld devices)", index,
-                     n);
-        goto done;
-    }
-    props = PyObject_CallMethod(cuda, "get_device_properties", "i", index);
-    if (props == NULL) {
-        goto done;
-    }
-    total = PyObject_GetAttrString(props, "total_memory");
-    name = PyObject_GetAttrString(props, "name");
-    bf16 = PyObject_CallMethod(cuda, "is_bf16_supported", NULL);
-    if (total == NULL || name == NULL || bf16 == NULL) {
-        goto done;
-    }
-    res = Py_BuildValue("{sssisOsOsOsO}", "device", "cuda", "index", index,
-                        "count", count, "capacity_bytes", total, "bf16", bf16,
-                        "name", name);
-done:
-    Py_XDECREF(cuda);
-    Py_XDECREF(count);
-    Py_XDECREF(props);
-    Py_XDECREF(total);
-    Py_XDECREF(name);
-    Py_XDECREF(bf16);
-    return res;
 }
 
 int

@@ -1,6 +1,5 @@
 /*
- * profiler.h: the Profiler type, the planning units and the hook helpers
- * (profiler.c).
+ * profiler.h: the Profiler type (profiler.c).
  */
 #ifndef MEMSCALE_PROFILER_H
 #define MEMSCALE_PROFILER_H
@@ -16,22 +15,5 @@ int ms_profiler_init_types(PyObject *module, ms_state *st);
 int ms_profiler_begin_pass(PyObject *profiler);
 int ms_profiler_end_pass(PyObject *profiler, int ok);
 int ms_profiler_detach(PyObject *profiler);
-
-/* Register owner.<pre_name> / owner.<post_name> as forward pre-hook (with
-   kwargs) and always-called forward hook of every module of `units`,
-   appending the removable handles to the list `handles`. */
-int ms_register_unit_hooks(ms_state *st, PyObject *owner, PyObject *units,
-                           PyObject *handles, PyObject *pre_name,
-                           PyObject *post_name);
-/* Remove every handle of the list and empty it; the first error wins. */
-int ms_remove_handles(ms_state *st, PyObject *handles);
-/* Module function find_units(model). */
-PyObject *ms_find_units(PyObject *module, PyObject *model);
-/* Append (tensor, tensor._version) for every tensor in obj (nested in
-   tuples, lists and dict values) to the list out. */
-int ms_collect_versions(ms_state *st, PyObject *obj, PyObject *out);
-/* Module function detect_hardware(device_type, index=0). */
-PyObject *ms_detect_hardware(PyObject *module, PyObject *args,
-                             PyObject *kwargs);
 
 #endif /* MEMSCALE_PROFILER_H */

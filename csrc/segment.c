@@ -11,7 +11,7 @@
 #include "executor_internal.h"
 
 #include "engine.h"
-#include "profiler.h"
+#include "versions.h"
 
 /* The first tensor of a unit's output (borrowed), or NULL. */
 PyObject *

@@ -1,42 +1,32 @@
 /*
- * spill.c: the disk tier of activation offload.
+ * spill.c: the disk tier of activation offload, SpillStore.
  *
  * A SpillStore owns a private directory.  put(tensor) copies a contiguous
  * CPU tensor into a slot of the store's spill file and returns a _Spilled
  * record standing for it; the caller drops the tensor, so its memory goes
  * back to the allocator.  get() reads the bytes back into a fresh tensor of
- * the same shape, strides and dtype.
+ * the same shape, strides and dtype.  The files and their slots are
+ * spill_file.c's; the I/O, on a worker thread or inline, spill_worker.c's.
  *
- * One file holds the records, each in a slot at its own page-aligned
- * offset, so the store holds one descriptor however many tensors it spills:
- * a deep model does not run the process out of descriptors (RLIMIT_NOFILE).
- * A record's slot is punched out of the file (its disk space freed) when
- * the record is read back or dropped; once no record uses the file it is
- * closed, and the next put opens a new one.  Each file is unlinked the
- * moment it is
- * created: its bytes live exactly as long as the descriptor, so no path (an
- * exception, a dropped graph, a killed process) can leave a spill file
- * behind.  Files are created 0600 in a directory the caller made 0700.
+ * A record's slot is freed when the record is read back or dropped.  No
+ * path (an exception, a dropped graph, a killed process) can leave a spill
+ * file behind: each is unlinked the moment it is created.
  *
- * fork(): a file belongs to the process that created it.  A forked child
- * that inherits one may read its records back, but never writes, punches
- * or truncates it (the parent's records live there): it spills into files
- * of its own.  The worker thread does not exist in a child: the child's
- * store does its I/O synchronously.  memscale.offload registers fork hooks
+ * fork(): a forked child may read back the records it inherited, but
+ * spills into files of its own, and does its I/O synchronously (the worker
+ * thread does not exist there).  memscale.offload registers fork hooks
  * (os.register_at_fork) that wait for the worker's jobs in flight before a
- * fork (prepare_fork) and reset the lock and the worker in the child
- * (after_fork_child); without them (a fork that bypasses os.fork), a child
+ * fork (_prepare_fork) and reset the lock and the worker in the child
+ * (_after_fork_child); without them (a fork that bypasses os.fork), a child
  * still never submits to the parent's worker.
  *
  * Synchronous stores do the I/O in the calling thread with the GIL
- * released.  Asynchronous ones hand it to one worker thread (plain C: it
- * never takes the GIL and never touches a Python object; it only sees the
- * job's descriptor, pointer and length).  The record keeps the tensor whose
- * memory the job reads or writes until the main thread, holding the GIL,
- * sees the job done ("reaping"); a record is never freed with a job in
- * flight.  While a layer is recomputed in backward, get() starts reading
- * the records offloaded just before it (the next ones backward needs):
- * prefetch_depth of them.
+ * released; asynchronous ones hand it to the worker thread.  The record
+ * keeps the tensor whose memory the job reads or writes until the main
+ * thread, holding the GIL, sees the job done ("reaping"); a record is
+ * never freed with a job in flight.  While a layer is recomputed in
+ * backward, get() starts reading the records offloaded just before it (the
+ * next ones backward needs): prefetch_depth of them.
  *
  * Failures never corrupt data: a write that fails (disk full, file size
  * limit, cap reached) leaves the tensor in memory, and the store reports
@@ -45,77 +35,13 @@
  */
 #include "spill.h"
 
+#include "spill_file.h"
+#include "spill_worker.h"
+
 #include <errno.h>
 #include <fcntl.h>
-#include <pthread.h>
 #include <string.h>
-#include <sys/types.h>
-#include <time.h>
 #include <unistd.h>
-#ifdef __linux__
-#include <linux/falloc.h>
-#endif
-
-/* Slots start on page boundaries, so that punching one out frees whole
-   pages and never touches a neighbour's bytes. */
-#define SLOT_ALIGN ((int64_t)4096)
-/* A file past this size is not extended: new records go to a new one. */
-#define FILE_ROTATE_BYTES ((int64_t)1 << 40)
-
-/* An unlinked spill file shared by records, a slot each.  Touched only
-   with the GIL held (the worker sees a job's descriptor and offset only). */
-typedef struct SpillFile {
-    int fd;
-    int refs;    /* records in it, + 1 while it is the store's current */
-    pid_t pid;   /* the creating process: the only one that writes it */
-    int64_t end; /* the next free offset */
-} SpillFile;
-
-static void
-file_unref(SpillFile *f)
-{
-    if (f == NULL) {
-        return;
-    }
-    if (--f->refs == 0) {
-        close(f->fd);
-        PyMem_Free(f);
-    }
-}
-
-/* Free the disk space of one slot (best effort: a file system without
-   hole punching keeps it until the file starts over or is closed). */
-static void
-file_punch(SpillFile *f, int64_t off, int64_t nbytes)
-{
-#if defined(__linux__) && defined(FALLOC_FL_PUNCH_HOLE)
-    if (f->pid == getpid() && nbytes > 0) {
-        int64_t len = (nbytes + SLOT_ALIGN - 1) / SLOT_ALIGN * SLOT_ALIGN;
-        (void)fallocate(f->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                        (off_t)off, (off_t)len);
-    }
-#else
-    (void)f;
-    (void)off;
-    (void)nbytes;
-#endif
-}
-
-enum { JOB_WRITE = 1, JOB_READ = 2 };
-
-typedef struct Job {
-    struct Job *next;
-    int op;
-    int fd;
-    int64_t off; /* where in the file */
-    char *ptr;
-    int64_t nbytes;
-    int checksum; /* compute the checksum of the bytes moved */
-    uint64_t sum; /* result */
-    int err;      /* errno of a failure, 0 when it worked */
-    int64_t ns;   /* time the I/O took */
-    int busy;     /* queued or running: guarded by the store's mutex */
-} Job;
 
 /* Record states. */
 enum {
@@ -144,7 +70,7 @@ typedef struct {
     int on_disk; /* counted in store->used_bytes */
     int64_t nbytes;
     uint64_t sum; /* checksum at write (debug) */
-    Job job;
+    SpillJob job;
 } Spilled;
 
 struct SpillStore {
@@ -156,8 +82,7 @@ struct SpillStore {
     PyObject *order;   /* list of weakrefs: records of this step */
     PyObject *pending; /* list of records with a write in flight */
     PyObject *weakreflist;
-    SpillFile *cur; /* the file new records go to, or NULL */
-    int dir_fd;
+    SpillFiles files; /* the directory and the current file */
     int async;
     int debug;
     int closed;
@@ -166,18 +91,7 @@ struct SpillStore {
     int64_t max_bytes;  /* < 0: no cap */
     int64_t used_bytes; /* bytes in open spill files */
     unsigned logged;    /* kinds of events already logged */
-    unsigned long long counter;
-    /* worker */
-    pthread_t thread;
-    pid_t thread_pid; /* the process the worker runs in */
-    int inflight;     /* jobs submitted and not done (under mu) */
-    pthread_mutex_t mu;
-    pthread_cond_t cv_work;
-    pthread_cond_t cv_done;
-    Job *head, *tail;
-    int stop;
-    int thread_started;
-    int sync_ready; /* mu/cv initialised */
+    SpillWorker worker; /* the I/O: a thread, or inline */
     /* statistics */
     long long n_written, n_read, n_refused, n_failed, n_prefetched;
     long long n_verified, n_reused;
@@ -187,160 +101,6 @@ struct SpillStore {
 };
 
 enum { LOG_CAP = 1u, LOG_WRITE_FAILED = 2u, LOG_CLOSED = 4u };
-
-static long long
-now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-/* FNV-1a, 64 bits: a cheap checksum for the debug mode. */
-static uint64_t
-fnv1a(const unsigned char *p, int64_t n)
-{
-    uint64_t h = 1469598103934665603ULL;
-    for (int64_t i = 0; i < n; i++) {
-        h ^= p[i];
-        h *= 1099511628211ULL;
-    }
-    return h;
-}
-
-/* The I/O of one job, with no Python object and no GIL. */
-static void
-job_run(Job *job)
-{
-    long long t0 = now_ns();
-    int64_t done = 0;
-    job->err = 0;
-    if (job->op == JOB_WRITE && job->checksum) {
-        job->sum = fnv1a((const unsigned char *)job->ptr, job->nbytes);
-    }
-    while (done < job->nbytes) {
-        size_t chunk = (size_t)(job->nbytes - done);
-        if (chunk > ((size_t)1 << 30)) {
-            chunk = (size_t)1 << 30;
-        }
-        ssize_t r = job->op == JOB_WRITE
-                        ? pwrite(job->fd, job->ptr + done, chunk,
-                                 (off_t)(job->off + done))
-                        : pread(job->fd, job->ptr + done, chunk,
-                                (off_t)(job->off + done));
-        if (r < 0) {
-            if (errno == EINTR) {
-                continue;
-            }
-            job->err = errno;
-            break;
-        }
-        if (r == 0) {
-            job->err = job->op == JOB_WRITE ? ENOSPC : EIO; /* short file */
-            break;
-        }
-        done += r;
-    }
-    if (job->err == 0 && job->op == JOB_READ && job->checksum) {
-        job->sum = fnv1a((const unsigned char *)job->ptr, job->nbytes);
-    }
-    job->ns = now_ns() - t0;
-}
-
-static void *
-worker_main(void *arg)
-{
-    SpillStore *s = arg;
-    pthread_mutex_lock(&s->mu);
-    for (;;) {
-        while (s->head == NULL && !s->stop) {
-            pthread_cond_wait(&s->cv_work, &s->mu);
-        }
-        if (s->head == NULL) {
-            break; /* stop, and nothing left to do */
-        }
-        Job *job = s->head;
-        s->head = job->next;
-        if (s->head == NULL) {
-            s->tail = NULL;
-        }
-        pthread_mutex_unlock(&s->mu);
-        job_run(job);
-        pthread_mutex_lock(&s->mu);
-        job->busy = 0;
-        s->inflight--;
-        pthread_cond_broadcast(&s->cv_done);
-    }
-    pthread_mutex_unlock(&s->mu);
-    return NULL;
-}
-
-/*
- * Run a job: on the worker when there is one (and it is not stopping),
- * else here with the GIL released.  Either way the job is marked busy
- * under the mutex first, so that any other caller waits for it.
- */
-static void
-submit(SpillStore *s, Job *job, int inline_io)
-{
-    pthread_mutex_lock(&s->mu);
-    job->busy = 1;
-    s->inflight++;
-    /* (In a forked child the worker does not exist: run it here.) */
-    if (!inline_io && s->thread_started && !s->stop
-        && s->thread_pid == getpid())
-    {
-        job->next = NULL;
-        if (s->tail != NULL) {
-            s->tail->next = job;
-        }
-        else {
-            s->head = job;
-        }
-        s->tail = job;
-        pthread_cond_signal(&s->cv_work);
-        pthread_mutex_unlock(&s->mu);
-        return;
-    }
-    pthread_mutex_unlock(&s->mu);
-    long long t0 = now_ns();
-    Py_BEGIN_ALLOW_THREADS
-    job_run(job);
-    pthread_mutex_lock(&s->mu);
-    job->busy = 0;
-    s->inflight--;
-    pthread_cond_broadcast(&s->cv_done);
-    pthread_mutex_unlock(&s->mu);
-    Py_END_ALLOW_THREADS
-    s->wait_ns += now_ns() - t0;
-}
-
-static int
-job_busy(SpillStore *s, Job *job)
-{
-    pthread_mutex_lock(&s->mu);
-    int busy = job->busy;
-    pthread_mutex_unlock(&s->mu);
-    return busy;
-}
-
-/* Block (GIL released) until the job is done. */
-static void
-job_wait(SpillStore *s, Job *job)
-{
-    if (!job_busy(s, job)) {
-        return;
-    }
-    long long t0 = now_ns();
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&s->mu);
-    while (job->busy) {
-        pthread_cond_wait(&s->cv_done, &s->mu);
-    }
-    pthread_mutex_unlock(&s->mu);
-    Py_END_ALLOW_THREADS
-    s->wait_ns += now_ns() - t0;
-}
 
 /* Report an event through the log callback, once per kind. */
 static void
@@ -386,13 +146,8 @@ drop_file(Spilled *r)
         return;
     }
     r->file = NULL;
-    file_punch(f, r->off, r->nbytes);
-    SpillStore *s = r->store;
-    if (s != NULL && s->cur == f && f->refs == 2) {
-        s->cur = NULL; /* the store's reference goes too */
-        file_unref(f);
-    }
-    file_unref(f);
+    ms_spill_slot_free(r->store != NULL ? &r->store->files : NULL, f, r->off,
+                       r->nbytes);
 }
 
 /* Wait for the record's job, close and release its file. */
@@ -400,7 +155,8 @@ static void
 spilled_release_file(Spilled *self)
 {
     if (self->store != NULL) {
-        job_wait(self->store, &self->job); /* returns at once when idle */
+        SpillStore *s = self->store; /* the wait returns at once when idle */
+        s->wait_ns += ms_spill_job_wait(&s->worker, &self->job);
     }
     drop_file(self);
     if (self->on_disk && self->store != NULL) {
@@ -522,9 +278,11 @@ store_reap(SpillStore *s, int wait_all)
         Spilled *r = (Spilled *)Py_NewRef(PyList_GET_ITEM(old, i));
         if (r->state == R_WRITING) {
             if (wait_all) {
-                job_wait(s, &r->job);
+                s->wait_ns += ms_spill_job_wait(&s->worker, &r->job);
             }
-            if (r->state == R_WRITING && job_busy(s, &r->job)) {
+            if (r->state == R_WRITING
+                && ms_spill_job_busy(&s->worker, &r->job))
+            {
                 if (s->pending == NULL
                     || PyList_Append(s->pending, (PyObject *)r) < 0)
                 {
@@ -596,17 +354,9 @@ eligible(SpillStore *s, PyObject *t, int any_tensor, int64_t *nbytes)
             return 0; /* parameters, buffers, the user's own inputs */
         }
     }
-    PyObject *dev = PyObject_GetAttr(t, st->s_device);
-    PyObject *type = dev ? PyObject_GetAttr(dev, st->s_type) : NULL;
-    Py_XDECREF(dev);
-    if (type == NULL) {
-        return -1;
-    }
-    int cpu = PyUnicode_Check(type)
-              && PyUnicode_CompareWithASCIIString(type, "cpu") == 0;
-    Py_DECREF(type);
-    if (!cpu) {
-        return 0;
+    int cpu = ms_is_on_cpu(st, t);
+    if (cpu <= 0) {
+        return cpu;
     }
     /* Raw bytes only stand for a plain strided tensor: not a sparse one,
        nor a lazily conjugated or negated view. */
@@ -670,72 +420,6 @@ data_ptr(ms_state *st, PyObject *t)
     return p;
 }
 
-/* Open an anonymous 0600 file in the store's directory. */
-static int open_spill_file(SpillStore *s);
-
-/* A slot of `nbytes` for a new record: its file (a new reference) and
-   offset, or NULL with errno set when no file can be opened. */
-static SpillFile *
-store_slot(SpillStore *s, int64_t nbytes, int64_t *off)
-{
-    pid_t me = getpid();
-    SpillFile *f = s->cur;
-    if (f != NULL && (f->pid != me || f->end > FILE_ROTATE_BYTES)) {
-        /* Inherited from the parent (its records live there), or large:
-           leave it to the records still in it. */
-        s->cur = NULL;
-        file_unref(f);
-        f = NULL;
-    }
-    if (f != NULL && f->refs == 1 && f->end > 0) {
-        /* No record is in it any more: start over. */
-        (void)ftruncate(f->fd, 0);
-        f->end = 0;
-    }
-    if (f == NULL) {
-        int fd = open_spill_file(s);
-        if (fd < 0) {
-            return NULL;
-        }
-        f = PyMem_Malloc(sizeof(SpillFile));
-        if (f == NULL) {
-            close(fd);
-            errno = ENOMEM;
-            return NULL;
-        }
-        f->fd = fd;
-        f->refs = 1;
-        f->pid = me;
-        f->end = 0;
-        s->cur = f;
-    }
-    *off = f->end;
-    f->end += (nbytes + SLOT_ALIGN - 1) / SLOT_ALIGN * SLOT_ALIGN;
-    f->refs++;
-    return f;
-}
-
-
-static int
-open_spill_file(SpillStore *s)
-{
-    char name[64];
-    for (int attempt = 0; attempt < 16; attempt++) {
-        snprintf(name, sizeof(name), "spill-%llu", s->counter++);
-        int fd = openat(s->dir_fd, name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC,
-                        0600);
-        if (fd >= 0) {
-            /* Unlinked at once: the bytes live as long as the descriptor. */
-            (void)unlinkat(s->dir_fd, name, 0);
-            return fd;
-        }
-        if (errno != EEXIST) {
-            return -1;
-        }
-    }
-    return -1;
-}
-
 /*
  * Spill `t`.  Returns a new record, Py_None (new reference) when the
  * tensor is not spilled (ineligible, over the cap, or the write failed:
@@ -789,7 +473,7 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
         goto not_spilled;
     }
     int64_t off = 0;
-    SpillFile *file = store_slot(s, nbytes, &off);
+    SpillFile *file = ms_spill_slot(&s->files, nbytes, &off);
     if (file == NULL) {
         int e = errno;
         s->n_failed++;
@@ -803,7 +487,7 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
     }
     Spilled *r = PyObject_GC_New(Spilled, st->spilled_type);
     if (r == NULL) {
-        file_unref(file);
+        ms_spill_file_unref(file);
         goto error;
     }
     r->store = (SpillStore *)Py_NewRef(store);
@@ -820,7 +504,7 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
     r->nbytes = nbytes;
     r->sum = 0;
     memset(&r->job, 0, sizeof(r->job));
-    r->job.op = JOB_WRITE;
+    r->job.op = SPILL_JOB_WRITE;
     r->job.fd = file->fd;
     r->job.off = off;
     r->job.ptr = ptr;
@@ -839,10 +523,10 @@ spill_put(PyObject *store, PyObject *t, int any_tensor)
             Py_DECREF(r); /* never submitted: nothing in flight */
             return NULL;
         }
-        submit(s, &r->job, 0);
+        s->wait_ns += ms_spill_job_submit(&s->worker, &r->job, 0);
     }
     else {
-        submit(s, &r->job, 1);
+        s->wait_ns += ms_spill_job_submit(&s->worker, &r->job, 1);
         if (finish_write(r) < 0) {
             Py_DECREF(r);
             return NULL;
@@ -915,7 +599,7 @@ begin_read(Spilled *r, int inline_io)
         return 0;
     }
     Py_XSETREF(r->tensor, t);
-    r->job.op = JOB_READ;
+    r->job.op = SPILL_JOB_READ;
     r->job.fd = r->file->fd;
     r->job.off = r->off;
     r->job.ptr = ptr;
@@ -923,7 +607,8 @@ begin_read(Spilled *r, int inline_io)
     r->job.checksum = s->debug;
     r->job.err = 0;
     r->state = R_READING;
-    submit(s, &r->job, inline_io || !s->async);
+    s->wait_ns += ms_spill_job_submit(&s->worker, &r->job,
+                                      inline_io || !s->async);
     return 0;
 }
 
@@ -978,30 +663,6 @@ finish_read(Spilled *r)
     return 0;
 }
 
-/* The referent of a weak reference: 1 and a new reference in *out, 0 if
-   it is gone, -1 with an exception set. */
-static int
-weak_get(PyObject *ref, PyObject **out)
-{
-#if PY_VERSION_HEX >= 0x030D0000
-    if (PyWeakref_GetRef(ref, out) < 0) {
-        return -1;
-    }
-    return *out != NULL;
-#else
-    PyObject *obj = PyWeakref_GetObject(ref);
-    if (obj == NULL) {
-        return -1;
-    }
-    if (obj == Py_None) {
-        *out = NULL;
-        return 0;
-    }
-    *out = Py_NewRef(obj);
-    return 1;
-#endif
-}
-
 /*
  * Start reading up to prefetch_depth records put before `r` (backward
  * needs them next): walking back, records on disk are started and records
@@ -1026,7 +687,7 @@ prefetch_before(Spilled *r)
     Py_ssize_t at = -1;
     for (Py_ssize_t i = PyList_GET_SIZE(order) - 1; i >= 0 && at < 0; i--) {
         PyObject *obj;
-        int alive = weak_get(PyList_GET_ITEM(order, i), &obj);
+        int alive = ms_weakref_get(PyList_GET_ITEM(order, i), &obj);
         if (alive < 0) {
             goto stop;
         }
@@ -1038,7 +699,7 @@ prefetch_before(Spilled *r)
     int counted = 0;
     for (Py_ssize_t i = at - 1; i >= 0 && counted < s->prefetch_depth; i--) {
         PyObject *obj;
-        int alive = weak_get(PyList_GET_ITEM(order, i), &obj);
+        int alive = ms_weakref_get(PyList_GET_ITEM(order, i), &obj);
         if (alive < 0) {
             goto stop;
         }
@@ -1084,7 +745,7 @@ ms_spill_get(PyObject *record)
     for (;;) {
         switch (r->state) {
         case R_WRITING:
-            job_wait(s, &r->job);
+            s->wait_ns += ms_spill_job_wait(&s->worker, &r->job);
             if (finish_write(r) < 0) {
                 return NULL;
             }
@@ -1097,7 +758,7 @@ ms_spill_get(PyObject *record)
             }
             continue;
         case R_READING:
-            job_wait(s, &r->job);
+            s->wait_ns += ms_spill_job_wait(&s->worker, &r->job);
             if (r->state == R_READING && finish_read(r) < 0) {
                 return NULL;
             }
@@ -1223,59 +884,20 @@ static PyType_Spec spilled_spec = {
 
 /* ---- SpillStore --------------------------------------------------- */
 
-static void
-stop_worker(SpillStore *s)
-{
-    if (!s->thread_started) {
-        return;
-    }
-    pthread_mutex_lock(&s->mu);
-    s->stop = 1;
-    pthread_cond_broadcast(&s->cv_work);
-    pthread_mutex_unlock(&s->mu);
-    /* The worker never takes the GIL, but it may have jobs left to run. */
-    Py_BEGIN_ALLOW_THREADS
-    pthread_join(s->thread, NULL);
-    Py_END_ALLOW_THREADS
-    s->thread_started = 0;
-}
-
 static PyObject *
 store_prepare_fork(SpillStore *s, PyObject *Py_UNUSED(ignored))
 {
-    /* A child must not inherit a job half done by a thread it does not
-       have: wait until no job is in flight (the worker never needs the
-       GIL to finish one). */
-    if (s->sync_ready) {
-        Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&s->mu);
-        while (s->inflight > 0) {
-            pthread_cond_wait(&s->cv_done, &s->mu);
-        }
-        pthread_mutex_unlock(&s->mu);
-        Py_END_ALLOW_THREADS
-    }
+    ms_spill_worker_prepare_fork(&s->worker);
     Py_RETURN_NONE;
 }
 
 static PyObject *
 store_after_fork_child(SpillStore *s, PyObject *Py_UNUSED(ignored))
 {
-    /* Only the forking thread exists here: the worker is gone, and the
-       lock and conditions may be in the state another thread left them
-       in.  Start them afresh; this store does its I/O synchronously. */
-    if (s->sync_ready) {
-        if (pthread_mutex_init(&s->mu, NULL) != 0
-            || pthread_cond_init(&s->cv_work, NULL) != 0
-            || pthread_cond_init(&s->cv_done, NULL) != 0)
-        {
-            return PyErr_NoMemory();
-        }
+    /* The worker is gone: this store does its I/O synchronously. */
+    if (ms_spill_worker_after_fork_child(&s->worker) < 0) {
+        return PyErr_NoMemory();
     }
-    s->head = s->tail = NULL;
-    s->inflight = 0;
-    s->stop = 0;
-    s->thread_started = 0;
     s->async = 0;
     Py_RETURN_NONE;
 }
@@ -1312,16 +934,12 @@ store_dealloc(SpillStore *s)
         PyObject_ClearWeakRefs((PyObject *)s);
     }
     (void)store_clear(s);
-    stop_worker(s);
-    file_unref(s->cur); /* records still alive keep it open */
-    s->cur = NULL;
-    if (s->sync_ready) {
-        pthread_cond_destroy(&s->cv_work);
-        pthread_cond_destroy(&s->cv_done);
-        pthread_mutex_destroy(&s->mu);
-    }
-    if (s->dir_fd >= 0) {
-        close(s->dir_fd);
+    ms_spill_worker_stop(&s->worker);
+    /* Records still alive keep the current file open. */
+    ms_spill_files_end_current(&s->files);
+    ms_spill_worker_destroy(&s->worker);
+    if (s->files.dir_fd >= 0) {
+        close(s->files.dir_fd);
     }
     Py_CLEAR(s->path);
     Py_CLEAR(s->module);
@@ -1383,7 +1001,7 @@ store_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     s->st = ms_get_state(module);
     s->path = Py_NewRef(path);
     s->log = Py_NewRef(log);
-    s->dir_fd = dir_fd;
+    s->files.dir_fd = dir_fd;
     s->async = async_io;
     s->debug = debug;
     s->prefetch_depth = depth;
@@ -1395,31 +1013,17 @@ store_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         Py_DECREF(s);
         return NULL;
     }
-    if (pthread_mutex_init(&s->mu, NULL) != 0) {
+    if (ms_spill_worker_init(&s->worker) < 0) {
         Py_DECREF(s);
         return PyErr_NoMemory();
     }
-    if (pthread_cond_init(&s->cv_work, NULL) != 0) {
-        pthread_mutex_destroy(&s->mu);
-        Py_DECREF(s);
-        return PyErr_NoMemory();
-    }
-    if (pthread_cond_init(&s->cv_done, NULL) != 0) {
-        pthread_cond_destroy(&s->cv_work);
-        pthread_mutex_destroy(&s->mu);
-        Py_DECREF(s);
-        return PyErr_NoMemory();
-    }
-    s->sync_ready = 1;
     if (async_io) {
-        int e = pthread_create(&s->thread, NULL, worker_main, s);
+        int e = ms_spill_worker_start(&s->worker);
         if (e != 0) {
             Py_DECREF(s);
             errno = e;
             return PyErr_SetFromErrno(PyExc_OSError);
         }
-        s->thread_started = 1;
-        s->thread_pid = getpid();
     }
     return (PyObject *)s;
 }
@@ -1464,9 +1068,9 @@ store_close(SpillStore *s, PyObject *Py_UNUSED(ignored))
     s->closed = 1;
     s->async = 0;
     int rc = store_reap(s, 1);
-    stop_worker(s);
-    file_unref(s->cur); /* records still alive keep it open */
-    s->cur = NULL;
+    ms_spill_worker_stop(&s->worker);
+    /* Records still alive keep the current file open. */
+    ms_spill_files_end_current(&s->files);
     if (store_reap(s, 1) < 0) {
         rc = -1;
     }

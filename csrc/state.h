@@ -145,6 +145,8 @@ int ms_call_enter(ms_state *st, PyObject *ctx);
 /* Leave it; a pending exception is kept (see module.c). */
 int ms_call_exit(ms_state *st, PyObject *ctx);
 int ms_is_tensor(ms_state *st, PyObject *obj);
+/* 1 if a tensor is on the CPU, 0 if not, -1 with an exception set. */
+int ms_is_on_cpu(ms_state *st, PyObject *t);
 /* 1 if autograd records, 0 if not, -1 with an exception set. */
 int ms_grad_enabled(ms_state *st);
 /* The identity and size of a tensor's storage (see module.c). */

@@ -63,12 +63,19 @@ def _ratio(r: VariantResult) -> str:
     return f"{r.time_ratio:.2f}x ({low:.2f}-{high:.2f})"
 
 
+def _flops(r: VariantResult) -> str:
+    text = f"{r.recompute_overhead:.3f}x"
+    if r.predicted_recompute_overhead is not None:
+        text += f" (pred {r.predicted_recompute_overhead:.3f}x)"
+    return text
+
+
 def row_line(r: VariantResult, base: VariantResult) -> str:
     """One finished row, for a log (stdout not a terminal)."""
     return (
         f"{r.model} {r.variant}: peak {format_bytes(r.peak_bytes)} "
-        f"({r.peak_bytes / base.peak_bytes:.0%} of unoptimized), time ratio "
-        f"{_ratio(r)}, loss diff {r.loss_abs_diff:.2g}, grad diff "
+        f"({r.peak_bytes / base.peak_bytes:.0%} of unoptimized), FLOPs "
+        f"{_flops(r)}, time ratio {_ratio(r)}, loss diff {r.loss_abs_diff:.2g}, grad diff "
         f"{r.grad_max_abs_diff:.2g}"
     )
 
@@ -80,6 +87,7 @@ def table(results: list[VariantResult]) -> str:
         "peak",
         "reduction",
         "RSS peak",
+        "FLOPs ratio",
         "time ratio",
         "loss diff",
         "grad diff",
@@ -98,6 +106,7 @@ def table(results: list[VariantResult]) -> str:
                 format_bytes(r.peak_bytes),
                 "-" if r is b else f"{reduction:+.1%}".replace("+", ""),
                 "-" if r.rss_peak_bytes is None else format_bytes(r.rss_peak_bytes),
+                _flops(r),
                 _ratio(r),
                 f"{r.loss_abs_diff:.2g}",
                 f"{r.grad_max_abs_diff:.2g}",
@@ -126,15 +135,16 @@ def plot(results: list[VariantResult], path: str) -> None:
     # A marker per variant and a colour per model; models in the legend as
     # colour patches (no marker of their own).  Points are half transparent,
     # larger variants drawn first, so one that lies on another shows through.
-    markers = dict(zip(VARIANTS, "o^sDvPX"))
-    sizes = {v: 150 - 15 * i for i, v in enumerate(VARIANTS)}
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    markers = dict(zip(VARIANTS, "o^sDvPXh"))
+    sizes = {v: 150 - 12 * i for i, v in enumerate(VARIANTS)}
+    # Left: the exact judge (FLOPs); right: the noisy one (time).
+    fig, (by_flops, by_time) = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for r in sorted(results, key=lambda r: -sizes.get(r.variant, 50)):
         color = colors[models.index(r.model) % len(colors)]
         y = 100 * r.peak_bytes / base[r.model].peak_bytes
         low, high = r.time_ratio_spread
-        ax.errorbar(
+        by_time.errorbar(
             r.time_ratio,
             y,
             xerr=[[r.time_ratio - low], [high - r.time_ratio]],
@@ -143,16 +153,16 @@ def plot(results: list[VariantResult], path: str) -> None:
             alpha=0.5,
             linewidth=1,
         )
-        ax.scatter(
-            r.time_ratio,
-            y,
-            marker=markers.get(r.variant, "x"),
-            color=color,
-            s=sizes.get(r.variant, 50),
-            alpha=0.6,
-            edgecolors="black",
-            linewidths=0.5,
-        )
+        style = {
+            "marker": markers.get(r.variant, "x"),
+            "color": color,
+            "s": sizes.get(r.variant, 50),
+            "alpha": 0.6,
+            "edgecolors": "black",
+            "linewidths": 0.5,
+        }
+        by_time.scatter(r.time_ratio, y, **style)
+        by_flops.scatter(r.recompute_overhead, y, **style)
     handles: list[Artist] = [
         Patch(color=colors[i % len(colors)], label=name) for i, name in enumerate(models)
     ]
@@ -169,11 +179,14 @@ def plot(results: list[VariantResult], path: str) -> None:
         for variant, marker in markers.items()
         if any(r.variant == variant for r in results)
     ]
-    ax.set_xlabel("step time / unoptimized step time (median; bars: least to greatest round)")
-    ax.set_ylabel("peak training-step memory, % of unoptimized")
-    ax.set_title("memscale benchmark: memory against slowdown (lower left is better)")
-    ax.grid(alpha=0.3)
-    ax.legend(handles=handles, fontsize=8, ncol=2, loc="upper right")
+    by_flops.set_xlabel("step FLOPs / unoptimized step FLOPs (FlopCounterMode; exact)")
+    by_flops.set_ylabel("peak training-step memory, % of unoptimized")
+    by_flops.set_title("memory against recompute (lower left is better)")
+    by_time.set_xlabel("step time / unoptimized step time (median; bars: least to greatest round)")
+    by_time.set_title("memory against slowdown (noisy on a shared machine)")
+    for ax in (by_flops, by_time):
+        ax.grid(alpha=0.3)
+    by_time.legend(handles=handles, fontsize=8, ncol=2, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -232,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be >= 1")
     if args.json and not args.plot:
         args.plot = os.path.splitext(args.json)[0] + ".png"
+    # Say so now, not after a run of many minutes.
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not os.path.isdir(folder):
+            parser.error(f"{flag} {path}: the folder {folder} does not exist; create it first")
     if args.plot:
         try:
             import matplotlib  # noqa: F401

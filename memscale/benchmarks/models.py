@@ -306,6 +306,20 @@ BENCHMARK_MODELS: dict[str, BenchmarkModel] = {
             seq=256,
             batch=8,
         ),
+        # The budget sweep's BERT-shaped model (--sweep).
+        _entry(
+            "bert-12l",
+            "bert",
+            "extra",
+            "BERT-shaped, 12 layers, hidden 256, 4 heads, vocab 8192, 8x256",
+            hf=True,
+            layers=12,
+            hidden=256,
+            heads=4,
+            vocab=8192,
+            seq=256,
+            batch=8,
+        ),
         # Full sizes: the published reference rows, where this machine can hold them.
         _entry(
             "bert-base",
