@@ -136,6 +136,7 @@ def baseline(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["wrap", "callback"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_trainer_trains_with_memscale(name, how, baseline, tmp_path):
@@ -183,6 +184,7 @@ def test_trainer_trains_with_memscale(name, how, baseline, tmp_path):
         memscale.detach(trainer)
 
 
+@pytest.mark.slow
 def test_callback_with_sample_input_plans_before_the_first_step(baseline, tmp_path):
     ids = TokenData(masked=False).ids[:2]
     probe = Probe()
@@ -195,6 +197,7 @@ def test_callback_with_sample_input_plans_before_the_first_step(baseline, tmp_pa
     assert memscale_hooks_gone(trainer.model)
 
 
+@pytest.mark.slow
 def test_hf_gradient_checkpointing_is_taken_over(baseline, tmp_path, caplog):
     ref_losses = baseline["gpt2"][0]
     hf = make_trainer("gpt2", tmp_path / "hf", gc=True)
@@ -234,6 +237,7 @@ def test_hf_gradient_checkpointing_kept_without_memscale_checkpointing(tmp_path,
     assert memscale_hooks_gone(trainer.model)
 
 
+@pytest.mark.slow
 def test_train_that_raises_is_cleaned_up(baseline, tmp_path):
     trainer = make_trainer("gpt2", tmp_path, [FailAt(3)])
     memscale.wrap(trainer, FORCE)

@@ -257,6 +257,7 @@ def test_import_error_names_the_extra_without_lightning():
     assert "ERROR:" in out and "pip install 'memscale[lightning]'" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "present,missing", [("pytorch_lightning", "lightning"), ("lightning", "pytorch_lightning")]
 )

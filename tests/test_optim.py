@@ -62,6 +62,7 @@ def train(make_opt, steps=200):
     return sum(losses[-20:]) / 20, model, opt
 
 
+@pytest.mark.slow
 def test_trains_a_small_language_model_as_fp32_adamw_does():
     ref, _, _ = train(lambda p: torch.optim.AdamW(p, lr=3e-3))
     ours, _, opt = train(lambda p: AdamW8bit(p, lr=3e-3))
@@ -70,6 +71,7 @@ def test_trains_a_small_language_model_as_fp32_adamw_does():
     assert any(s["exp_avg"].dtype == torch.int8 for s in opt.state.values())
 
 
+@pytest.mark.slow
 def test_state_is_at_most_30_percent_of_adamw_on_the_benchmark_gpt2():
     from memscale.benchmarks.models import BENCHMARK_MODELS
 

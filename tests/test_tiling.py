@@ -495,6 +495,7 @@ def test_attention_is_tiled_over_queries_and_agrees(impl, monkeypatch):
     assert not hasattr(model.config, attention._STATE)
 
 
+@pytest.mark.slow
 def test_query_tiles_lower_the_attention_peak(monkeypatch):
     from memscale import attention
 
