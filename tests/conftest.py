@@ -16,6 +16,12 @@ import memscale
 
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One intra-op thread, here and in the interpreters tests start: the tests'
+# tensors are tiny, so a second OpenMP thread only adds barrier waits (on a
+# loaded 2-core machine it doubles the suite's time and CPU).  Run with
+# OMP_NUM_THREADS=2 (or more) to test under intra-op threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 warnings.filterwarnings("ignore", message=".*bos_token_id.*")
 warnings.filterwarnings("ignore", message=".*eos_token_id.*")
 
