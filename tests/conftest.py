@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -16,14 +17,19 @@ import memscale
 
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# One intra-op thread, here and in the interpreters tests start: the tests'
-# tensors are tiny, so a second OpenMP thread only adds barrier waits (on a
-# loaded 2-core machine it doubles the suite's time and CPU).  Run with
-# OMP_NUM_THREADS=2 (or more) to test under intra-op threads.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 warnings.filterwarnings("ignore", message=".*bos_token_id.*")
 warnings.filterwarnings("ignore", message=".*eos_token_id.*")
+
+
+def pytest_configure(config) -> None:
+    # One intra-op thread in the test session and the interpreters its tests
+    # start: the tests' tensors are tiny, so a second OpenMP thread only adds
+    # barrier waits (on a loaded 2-core machine it doubles the suite's time
+    # and CPU).  OMP_NUM_THREADS=2 (or more) tests under intra-op threads.
+    # A hook, not an import-time setting: scripts/model_zoo.py imports this
+    # module through tests/zoo_models.py and keeps torch's threads.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 class Block(nn.Module):
@@ -67,11 +73,13 @@ class CNN(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
-def tiny_gpt2(dropout: float = 0.1):
+def tiny_gpt2(dropout: float = 0.1, **config):
+    """A 3-block GPT-2 (64 wide, 256 tokens); ``config`` overrides any
+    GPT2Config field (``n_layer=4``, ``n_positions=128``...)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(
+    fields = dict(
         n_layer=3,
         n_embd=64,
         n_head=4,
@@ -82,7 +90,7 @@ def tiny_gpt2(dropout: float = 0.1):
         attn_pdrop=dropout,
         use_cache=False,
     )
-    return GPT2LMHeadModel(cfg)
+    return GPT2LMHeadModel(GPT2Config(**{**fields, **config}))
 
 
 def tiny_bert(dropout: float = 0.1):
@@ -107,6 +115,56 @@ def token_batch(vocab: int = 256, batch: int = 2, seq: int = 16) -> torch.Tensor
     return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
+class TokenDataset(torch.utils.data.Dataset):
+    """Language-model examples for a Trainer: each row of ``ids`` with its
+    labels (the row itself unless ``labels`` is given)."""
+
+    def __init__(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        self.ids = ids
+        self.labels = ids if labels is None else labels
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def hf_training_args(output_dir, **settings):
+    """Hugging Face TrainingArguments for a quiet CPU run that saves and
+    reports nothing; ``settings`` add to or override these."""
+    from transformers import TrainingArguments
+
+    fields = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    with warnings.catch_warnings():
+        # transformers 5 renamed gradient_checkpointing (the old name still
+        # works, with a FutureWarning); 4.x knows only that one.
+        warnings.simplefilter("ignore", FutureWarning)
+        return TrainingArguments(**{**fields, **settings})
+
+
+def lightning_trainer(pkg, **settings):
+    """A quiet one-device CPU Trainer of ``pkg`` (``lightning.pytorch`` or
+    ``pytorch_lightning``): no logger, checkpoints, progress bar or
+    summary; ``settings`` add to or override these."""
+    fields = dict(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+    )
+    return pkg.Trainer(**{**fields, **settings})
+
+
 def twins(factory):
     """Two identical copies of a model: one to wrap, one as reference."""
     model = factory()
@@ -125,10 +183,42 @@ def assert_same_grads(a: nn.Module, b: nn.Module) -> None:
 
 
 def hook_count(model: nn.Module) -> int:
+    """Every module hook on ``model`` and its submodules."""
     return sum(
-        len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
+        len(m._forward_pre_hooks)
+        + len(m._forward_hooks)
+        + len(m._backward_hooks)
+        + len(m._backward_pre_hooks)
         for m in model.modules()
     )
+
+
+def saved_tensor_hooks():
+    """The innermost saved-tensor hooks installed on autograd's stack (None
+    when there are none); test-only use of a private torch function."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spill_fds(path: str, directory: bool = False) -> list[int]:
+    """This process's descriptors open on files in the spill directory
+    ``path`` (and with ``directory``, on the directory itself, which a live
+    store holds open)."""
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # the descriptor listdir itself had open
+        if target.startswith(path + "/") or (directory and target == path):
+            fds.append(int(name))
+    return fds
 
 
 # Checkpointing on every eligible layer, whatever the memory pressure.

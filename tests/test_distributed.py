@@ -8,24 +8,18 @@ own batch; the test compares what each rank saved.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import free_port
 
 import memscale
 from memscale import distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(scenario: str, tmp_path, timeout: float = 600, env=None) -> list[dict]:

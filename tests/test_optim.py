@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+from conftest import tiny_gpt2
 
 from memscale import _core
 from memscale.optim import AdamW8bit, make_8bit_adamw
@@ -15,22 +16,7 @@ V = 64
 
 
 def markov_lm():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(
-        GPT2Config(
-            n_layer=2,
-            n_embd=128,
-            n_head=4,
-            vocab_size=V,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            use_cache=False,
-        )
-    )
+    return tiny_gpt2(0.0, n_layer=2, n_embd=128, vocab_size=V)
 
 
 def markov_batches(steps, b=16, n=32):

@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_gpt2, token_batch
+from conftest import loss_of, tiny_gpt2, token_batch
 from torch import nn
 
 import memscale
@@ -77,12 +77,6 @@ def _gpt2():
 
 
 MODELS = {"shared": _shared, "tied": _tied, "gpt2": _gpt2}
-
-
-def loss_of(model, x):
-    if x.dtype == torch.long:
-        return model(input_ids=x, labels=x).loss
-    return model(x).pow(2).mean()
 
 
 def tensors(model):
