@@ -116,14 +116,23 @@ def test_build_plan_survives_a_list_mutated_while_parsed():
     assert len(plan) == 4
 
 
-@pytest.mark.parametrize("units", [[["0", None]], [("0", None), ("0b", None)]])
-def test_executor_units_are_checked(units):
+@pytest.mark.parametrize(
+    "units,error,match",
+    [
+        # A unit as a list, not a tuple.
+        ([["0", None]], TypeError, r"units must be \(name, module\) tuples, got list"),
+        # One module as two units.
+        ([("0", None), ("0b", None)], ValueError, "appears twice among the units"),
+    ],
+    ids=["list", "twice"],
+)
+def test_executor_units_are_checked(units, error, match):
     model = nn.Sequential(nn.Linear(2, 2))
     units = [
         (n, model[0]) if isinstance(u, tuple) else [n, model[0]]
         for n, u in ((u[0], u) for u in units)
     ]
-    with pytest.raises((TypeError, ValueError)):
+    with pytest.raises(error, match=match):
         _core.Executor(model, units)
 
 
