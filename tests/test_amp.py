@@ -101,7 +101,6 @@ def _train(model, batches, steps, wrap_config=None, scaler_for=None):
     return losses
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name,build", [("gpt2", tiny_gpt2), ("bert", tiny_bert)])
 def test_bf16_loss_within_tolerance_of_float32(name, build):
     gen = torch.Generator().manual_seed(0)
@@ -153,7 +152,6 @@ def test_fp16_path_with_grad_scaler(monkeypatch, caplog):
     assert not amp.grad_scaler(model).is_enabled()
 
 
-@pytest.mark.slow
 def test_fp16_training_with_the_scaler_learns(monkeypatch):
     fp16_hardware(monkeypatch)
     gen = torch.Generator().manual_seed(0)

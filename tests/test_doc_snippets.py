@@ -160,15 +160,24 @@ def _run(page: str, tmp_path: Path, capsys: Any) -> int:
     return ran
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("page", sorted(set(CONTEXTS) - {"docs/distributed.md"}))
+# Pages whose snippets train for seconds (the README's quickstart, the
+# predictor's batch-size search): the slow tier.
+SLOW_PAGES = {"README.md", "docs/prediction.md"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(page, marks=pytest.mark.slow if page in SLOW_PAGES else ())
+        for page in sorted(set(CONTEXTS) - {"docs/distributed.md"})
+    ],
+)
 def test_snippets_run(page, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # Lightning's logs, the Trainer's output
     torch.manual_seed(0)
     assert _run(page, tmp_path, capsys) == len(snippets(ROOT / page)) > 0
 
 
-@pytest.mark.slow
 def test_distributed_snippets_run(process_group, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)

@@ -146,7 +146,6 @@ def wrap_and_train(model, x, config, sample_input):
     assert "_memscale_executor" not in model.__dict__
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(MODELS))
 @pytest.mark.parametrize("path", ["static", "empirical", "warmup"])
 def test_wrap_keeps_user_tensors(kind, path):
@@ -162,7 +161,6 @@ def test_wrap_keeps_user_tensors(kind, path):
     wrap_and_train(model, x, config, None if path == "warmup" else x)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_predictor_keeps_user_tensors(kind):
     model, x = MODELS[kind]()
@@ -187,7 +185,6 @@ def test_autotuner_keeps_user_tensors(kind):
     assert "_memscale_executor" not in model.__dict__
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["shared", "gpt2"])
 def test_fsdp2_keeps_user_tensors(kind, tmp_path):
     import torch.distributed as dist
