@@ -195,7 +195,7 @@ def test_lightning_callback_without_sample_input_lowers_the_first_step():
 def test_under_torch_compile_the_first_forward_plans_eagerly():
     from conftest import FORCE, mlp
 
-    model, ref = mlp(), mlp()
+    model, ref = mlp(depth=2), mlp(depth=2)  # two blocks: half the tracing
     x = torch.randn(4, 32)
     memscale.wrap(model, FORCE.replace(enable_logging=False))
     compiled = torch.compile(model, backend="eager")
@@ -208,7 +208,7 @@ def test_under_torch_compile_the_first_forward_plans_eagerly():
     torch._dynamo.reset()
     ref(x).sum().backward()
     ex = model._memscale_executor
-    assert ex.state == "applied" and ex.stats["recomputes"] == 4
+    assert ex.state == "applied" and ex.stats["recomputes"] == 2
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
     memscale.detach(model)
 

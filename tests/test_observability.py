@@ -520,7 +520,7 @@ def test_idle_connections_are_capped_and_time_out(monkeypatch):
     memscale.wrap(model, memscale.Config(**FORCE, observability_port=port))
     idle = []
     try:
-        for _ in range(40):
+        for _ in range(2 * metrics.MAX_CONNECTIONS):  # twice the cap
             s = socket.create_connection(("127.0.0.1", port), timeout=10)
             idle.append(s)
             # The server thread and at most MAX_CONNECTIONS others.
