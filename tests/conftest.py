@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore", message=".*bos_token_id.*")
 warnings.filterwarnings("ignore", message=".*eos_token_id.*")
+
+
+def pytest_configure(config) -> None:
+    # One intra-op thread in the test session and the interpreters its tests
+    # start: the tests' tensors are tiny, so a second OpenMP thread only adds
+    # barrier waits (on a loaded 2-core machine it doubles the suite's time
+    # and CPU).  OMP_NUM_THREADS=2 (or more) tests under intra-op threads.
+    # A hook, not an import-time setting: scripts/model_zoo.py imports this
+    # module through tests/zoo_models.py and keeps torch's threads.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 class Block(nn.Module):
@@ -61,11 +73,13 @@ class CNN(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
-def tiny_gpt2(dropout: float = 0.1):
+def tiny_gpt2(dropout: float = 0.1, **config):
+    """A 3-block GPT-2 (64 wide, 256 tokens); ``config`` overrides any
+    GPT2Config field (``n_layer=4``, ``n_positions=128``...)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(
+    fields = dict(
         n_layer=3,
         n_embd=64,
         n_head=4,
@@ -76,7 +90,7 @@ def tiny_gpt2(dropout: float = 0.1):
         attn_pdrop=dropout,
         use_cache=False,
     )
-    return GPT2LMHeadModel(cfg)
+    return GPT2LMHeadModel(GPT2Config(**{**fields, **config}))
 
 
 def tiny_bert(dropout: float = 0.1):
@@ -101,6 +115,56 @@ def token_batch(vocab: int = 256, batch: int = 2, seq: int = 16) -> torch.Tensor
     return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
+class TokenDataset(torch.utils.data.Dataset):
+    """Language-model examples for a Trainer: each row of ``ids`` with its
+    labels (the row itself unless ``labels`` is given)."""
+
+    def __init__(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        self.ids = ids
+        self.labels = ids if labels is None else labels
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def hf_training_args(output_dir, **settings):
+    """Hugging Face TrainingArguments for a quiet CPU run that saves and
+    reports nothing; ``settings`` add to or override these."""
+    from transformers import TrainingArguments
+
+    fields = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    with warnings.catch_warnings():
+        # transformers 5 renamed gradient_checkpointing (the old name still
+        # works, with a FutureWarning); 4.x knows only that one.
+        warnings.simplefilter("ignore", FutureWarning)
+        return TrainingArguments(**{**fields, **settings})
+
+
+def lightning_trainer(pkg, **settings):
+    """A quiet one-device CPU Trainer of ``pkg`` (``lightning.pytorch`` or
+    ``pytorch_lightning``): no logger, checkpoints, progress bar or
+    summary; ``settings`` add to or override these."""
+    fields = dict(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+    )
+    return pkg.Trainer(**{**fields, **settings})
+
+
 def twins(factory):
     """Two identical copies of a model: one to wrap, one as reference."""
     model = factory()
@@ -119,10 +183,42 @@ def assert_same_grads(a: nn.Module, b: nn.Module) -> None:
 
 
 def hook_count(model: nn.Module) -> int:
+    """Every module hook on ``model`` and its submodules."""
     return sum(
-        len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
+        len(m._forward_pre_hooks)
+        + len(m._forward_hooks)
+        + len(m._backward_hooks)
+        + len(m._backward_pre_hooks)
         for m in model.modules()
     )
+
+
+def saved_tensor_hooks():
+    """The innermost saved-tensor hooks installed on autograd's stack (None
+    when there are none); test-only use of a private torch function."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spill_fds(path: str, directory: bool = False) -> list[int]:
+    """This process's descriptors open on files in the spill directory
+    ``path`` (and with ``directory``, on the directory itself, which a live
+    store holds open)."""
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # the descriptor listdir itself had open
+        if target.startswith(path + "/") or (directory and target == path):
+            fds.append(int(name))
+    return fds
 
 
 # Checkpointing on every eligible layer, whatever the memory pressure.
@@ -198,67 +294,3 @@ def run_blocked(blocked, code):
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
-
-
-# The slow tier: tests over ~5 s each on the 2-core CI machine (from
-# `pytest --durations=80`), deselected by `-m "not slow"`.  Listed here by
-# function (every parametrization) rather than decorated, so that one list
-# says what the quick tier leaves out; tests written since carry
-# @pytest.mark.slow themselves.
-SLOW = {
-    "test_benchmarks.py": {
-        "test_json_schema",
-        "test_every_variant_agrees_with_the_baseline",
-        "test_memscale_uses_no_more_memory_than_torch_checkpoint",
-        "test_table_progress_lines_and_default_plot",
-        "test_memory_figures_are_reproducible",
-        "test_unknown_model_is_a_usage_error",
-    },
-    "test_optim.py": {
-        "test_trains_a_small_language_model_as_fp32_adamw_does",
-        "test_state_is_at_most_30_percent_of_adamw_on_the_benchmark_gpt2",
-    },
-    "test_distributed.py": {
-        "test_same_losses_gradients_and_plan",
-        "test_fsdp2_counts_sharded_parameters",
-        "test_a_rank_with_another_budget_gets_the_shared_plan",
-        "test_a_missing_rank_is_named_not_waited_for",
-    },
-    "test_core_module.py": {"test_wrap_detach_cycles_do_not_leak"},
-    "test_amp.py": {
-        "test_bf16_loss_within_tolerance_of_float32",
-        "test_fp16_training_with_the_scaler_learns",
-    },
-    "test_engine_c.py": {"test_solver_program"},
-    "test_integrations_hf.py": {
-        "test_hf_gradient_checkpointing_is_taken_over",
-        "test_train_that_raises_is_cleaned_up",
-        "test_trainer_trains_with_memscale",
-        "test_callback_with_sample_input_plans_before_the_first_step",
-    },
-    "test_integrations_lightning.py": {"test_subclasses_the_callback_of_the_installed_package"},
-    "test_tiling.py": {"test_query_tiles_lower_the_attention_peak"},
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    import pytest
-
-    known = {(f, name) for f, names in SLOW.items() for name in names}
-    seen = set()
-    for item in items:
-        key = (item.path.name, getattr(item, "originalname", item.name))
-        if key in known:
-            item.add_marker(pytest.mark.slow)
-            seen.add(key)
-    # A renamed test must not drop out of the slow tier unnoticed (checked
-    # only when every file was collected).
-    if (
-        not config.args
-        or config.args == ["tests"]
-        or config.args == [str(config.rootpath / "tests")]
-    ):
-        collected = {item.path.name for item in items}
-        stale = {k for k in known - seen if k[0] in collected}
-        if stale:
-            raise pytest.UsageError(f"conftest.SLOW names tests that do not exist: {sorted(stale)}")

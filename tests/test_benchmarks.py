@@ -72,6 +72,7 @@ def suite_run(tmp_path_factory):
     return proc.stdout, json.loads(json_path.read_text()), png_path
 
 
+@pytest.mark.slow
 def test_json_schema(suite_run):
     _, doc, _ = suite_run
     assert doc["schema"] == "memscale-benchmarks/1"
@@ -102,6 +103,7 @@ def test_json_schema(suite_run):
         assert 0 < low <= r["time_ratio"] <= high
 
 
+@pytest.mark.slow
 def test_every_variant_agrees_with_the_baseline(suite_run):
     _, doc, _ = suite_run
     for r in doc["results"]:
@@ -110,6 +112,7 @@ def test_every_variant_agrees_with_the_baseline(suite_run):
         assert r["grad_max_abs_diff"] == 0.0, r["variant"]
 
 
+@pytest.mark.slow
 def test_memscale_uses_no_more_memory_than_torch_checkpoint(suite_run):
     _, doc, _ = suite_run
     peak = {r["variant"]: r["peak_bytes"] for r in doc["results"]}
@@ -121,6 +124,7 @@ def test_memscale_uses_no_more_memory_than_torch_checkpoint(suite_run):
     assert flops["torch-selective"] <= flops["torch-checkpoint"]
 
 
+@pytest.mark.slow
 def test_table_progress_lines_and_default_plot(suite_run):
     stdout, doc, png = suite_run
     assert "conservative" in stdout and "time ratio" in stdout and "FLOPs ratio" in stdout
@@ -135,6 +139,7 @@ def test_table_progress_lines_and_default_plot(suite_run):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_memory_figures_are_reproducible():
     entry = BENCHMARK_MODELS[_smallest()]
     variants = ["unoptimized", "conservative", "torch-checkpoint"]
@@ -144,6 +149,7 @@ def test_memory_figures_are_reproducible():
     assert [r.plan_hash for r in first] == [r.plan_hash for r in second]
 
 
+@pytest.mark.slow
 def test_unknown_model_is_a_usage_error():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(

@@ -87,7 +87,6 @@ def test_copy_is_unwrapped_and_original_keeps_working(how, caplog):
     memscale.detach(clone)
 
 
-@pytest.mark.slow
 def test_ema_copy_tracks_the_wrapped_model():
     """timm/diffusers-style EMA: a deepcopy updated with lerp_ from the
     wrapped model as it trains, against the same without memscale."""
@@ -119,7 +118,6 @@ def test_ema_copy_tracks_the_wrapped_model():
     assert hook_count(model) == 0
 
 
-@pytest.mark.slow
 def test_gpt2_copy_gets_its_settings_back():
     """wrap sets config.use_cache=False on the model; the copy is as after
     detach (use_cache=True), the original keeps its setting until detach."""

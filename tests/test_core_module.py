@@ -457,6 +457,7 @@ LEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_wrap_detach_cycles_do_not_leak():
     out = subprocess.run(
         [sys.executable, "-c", LEAK_SCRIPT],

@@ -8,12 +8,12 @@ own batch; the test compares what each rank saved.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import free_port
 
 import memscale
 from memscale import distributed
@@ -21,12 +21,6 @@ from memscale._solve import PlanProblem, solve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(scenario: str, tmp_path, timeout: float = 600, env=None) -> list[dict]:
@@ -54,6 +48,7 @@ def assert_equal_grads(a, b):
         assert torch.equal(x, y), (x - y).abs().max().item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["ddp", "ddp-outer", "fsdp2", "ddp-first", "ddp-outer-first"])
 def test_same_losses_gradients_and_plan(scenario, tmp_path):
     # "-first": without sample_input, every rank plans in its first training
@@ -72,6 +67,7 @@ def test_same_losses_gradients_and_plan(scenario, tmp_path):
     assert ranks[0]["memscale"]["hash"] == ranks[1]["memscale"]["hash"]
 
 
+@pytest.mark.slow
 def test_fsdp2_counts_sharded_parameters(tmp_path):
     ranks = run_ranks("fsdp2", tmp_path)
     from conftest import tiny_gpt2
@@ -84,6 +80,7 @@ def test_fsdp2_counts_sharded_parameters(tmp_path):
     assert fixed < 0.75 * full
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", [False, True], ids=["sample", "first-forward"])
 def test_a_rank_with_another_budget_gets_the_shared_plan(first, tmp_path):
     ranks = run_ranks("budgets", tmp_path, env={"DIST_SCENARIO": "ddp-first" if first else "ddp"})
@@ -93,6 +90,7 @@ def test_a_rank_with_another_budget_gets_the_shared_plan(first, tmp_path):
     assert_equal_grads(a["grads"], b["grads"])
 
 
+@pytest.mark.slow
 def test_a_missing_rank_is_named_not_waited_for(tmp_path):
     ranks_dir = tmp_path
     proc = subprocess.run(

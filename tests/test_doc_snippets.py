@@ -15,14 +15,13 @@ pages name exists.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_gpt2
+from conftest import TokenDataset, hf_training_args, tiny_gpt2, token_batch
 from torch import nn
 
 import memscale
@@ -56,20 +55,8 @@ def _gpt2(tmp_path: Path) -> dict[str, Any]:
     }
 
 
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _integrations(tmp_path: Path) -> dict[str, Any]:
     import lightning.pytorch as L
-    from transformers import TrainingArguments
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -89,21 +76,11 @@ def _integrations(tmp_path: Path) -> dict[str, Any]:
     data = torch.utils.data.TensorDataset(
         torch.randn(32, 32, generator=g), torch.randn(32, 1, generator=g)
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        args = TrainingArguments(
-            output_dir=str(tmp_path / "out"),
-            use_cpu=True,
-            report_to="none",
-            save_strategy="no",
-            max_steps=2,
-            per_device_train_batch_size=2,
-            disable_tqdm=True,
-        )
+    args = hf_training_args(tmp_path / "out", max_steps=2, per_device_train_batch_size=2)
     return dict(
         _gpt2(tmp_path),
         args=args,
-        data=_Tokens(),
+        data=TokenDataset(token_batch(batch=8, seq=16)),
         module=Module(),
         loader=torch.utils.data.DataLoader(data, batch_size=8),
     )
@@ -183,15 +160,24 @@ def _run(page: str, tmp_path: Path, capsys: Any) -> int:
     return ran
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("page", sorted(set(CONTEXTS) - {"docs/distributed.md"}))
+# Pages whose snippets train for seconds (the README's quickstart, the
+# predictor's batch-size search): the slow tier.
+SLOW_PAGES = {"README.md", "docs/prediction.md"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(page, marks=pytest.mark.slow if page in SLOW_PAGES else ())
+        for page in sorted(set(CONTEXTS) - {"docs/distributed.md"})
+    ],
+)
 def test_snippets_run(page, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # Lightning's logs, the Trainer's output
     torch.manual_seed(0)
     assert _run(page, tmp_path, capsys) == len(snippets(ROOT / page)) > 0
 
 
-@pytest.mark.slow
 def test_distributed_snippets_run(process_group, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)

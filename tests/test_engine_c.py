@@ -174,6 +174,7 @@ def test_engine_group(engine_run, group):
     assert int(checks) > 0
 
 
+@pytest.mark.slow
 def test_solver_program(solver_run):
     """The budget planner: hand-checked cases, an exhaustive reference
     search on every chain of up to 6 layers drawn, a fuzz, the smallest

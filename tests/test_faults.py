@@ -23,7 +23,15 @@ import threading
 
 import pytest
 import torch
-from conftest import assert_same_grads, hook_count, mlp, train_step, twins
+from conftest import (
+    assert_same_grads,
+    hook_count,
+    mlp,
+    saved_tensor_hooks,
+    spill_fds,
+    train_step,
+    twins,
+)
 from torch import nn
 
 import memscale
@@ -43,12 +51,8 @@ def _raise(kind: str) -> None:
     raise Injected("injected")
 
 
-def top_saved_hooks():
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
-
-
 def assert_process_clean() -> None:
-    assert top_saved_hooks() is None, "a saved-tensor hook is still installed"
+    assert saved_tensor_hooks() is None, "a saved-tensor hook is still installed"
     assert not torch.is_autocast_enabled("cpu"), "autocast is still on"
     assert torch.is_grad_enabled()
 
@@ -86,18 +90,6 @@ def assert_unrelated_exact() -> None:
         assert torch.equal(g, ref)
 
 
-def spill_fds(path: str) -> list[str]:
-    found = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith(path + "/") or target == path:
-            found.append(target)
-    return found
-
-
 def assert_detach_leaves_nothing(
     model: nn.Module, threads: set[str], spill_dir: str | None
 ) -> None:
@@ -110,7 +102,7 @@ def assert_detach_leaves_nothing(
     assert now <= threads, f"threads left: {now - threads}"
     if spill_dir is not None:
         assert not os.path.exists(spill_dir)
-        assert spill_fds(spill_dir) == []
+        assert spill_fds(spill_dir, directory=True) == []
 
 
 @pytest.fixture(autouse=True)
@@ -118,7 +110,7 @@ def _isolated():
     """A failing case must not fail the next ones: whatever it left
     process-wide is cleared after it (a passing case leaves nothing)."""
     yield
-    while top_saved_hooks() is not None:
+    while saved_tensor_hooks() is not None:
         torch._C._autograd._pop_saved_tensors_default_hooks()
     torch.set_autocast_enabled("cpu", False)
     torch.set_grad_enabled(True)

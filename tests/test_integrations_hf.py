@@ -11,12 +11,21 @@ model once ``train()`` returns.
 from __future__ import annotations
 
 import logging
-import warnings
 
 import pytest
 import torch
-from conftest import FORCE, hook_count, run_blocked, tiny_bert, tiny_gpt2
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from conftest import (
+    FORCE,
+    TokenDataset,
+    hf_training_args,
+    hook_count,
+    run_blocked,
+    saved_tensor_hooks,
+    tiny_bert,
+    tiny_gpt2,
+    token_batch,
+)
+from transformers import Trainer, TrainerCallback
 
 import memscale
 from memscale.integrations.hf import MemScaleCallback
@@ -25,21 +34,13 @@ STEPS = 4  # the plan is made in step 1's forward and applies from it on
 LAYERS = 3  # transformer blocks of the tiny models
 
 
-class TokenData(torch.utils.data.Dataset):
+def token_data(masked: bool) -> TokenDataset:
     """16 fixed sequences; BERT's labels mask every other position."""
-
-    def __init__(self, masked: bool) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.ids = torch.randint(0, 256, (16, 16), generator=g)
-        self.labels = self.ids.clone()
-        if masked:
-            self.labels[:, ::2] = -100
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+    ids = token_batch(batch=16, seq=16)
+    labels = ids.clone()
+    if masked:
+        labels[:, ::2] = -100
+    return TokenDataset(ids, labels)
 
 
 MODELS = {"gpt2": (tiny_gpt2, False), "bert": (tiny_bert, True)}
@@ -93,25 +94,16 @@ def make_trainer(name, tmp_path, callbacks=(), gc=False, steps=STEPS):
     factory, masked = MODELS[name]
     model = factory()
     extra = {"gradient_checkpointing": True} if gc else {}
-    with warnings.catch_warnings():
-        # transformers 5 renamed it activation_checkpointing (the old name
-        # still works, with a FutureWarning); 4.x knows only this one.
-        warnings.simplefilter("ignore", FutureWarning)
-        args = TrainingArguments(
-            output_dir=str(tmp_path / "out"),
-            use_cpu=True,
-            report_to="none",
-            save_strategy="no",
-            max_steps=steps,
-            per_device_train_batch_size=2,
-            logging_steps=1,
-            dataloader_num_workers=0,
-            seed=0,
-            disable_tqdm=True,
-            **extra,
-        )
+    args = hf_training_args(
+        tmp_path / "out",
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        seed=0,
+        **extra,
+    )
     trainer = Trainer(
-        model=model, args=args, train_dataset=TokenData(masked), callbacks=list(callbacks)
+        model=model, args=args, train_dataset=token_data(masked), callbacks=list(callbacks)
     )
     return trainer
 
@@ -136,6 +128,7 @@ def baseline(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["wrap", "callback"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_trainer_trains_with_memscale(name, how, baseline, tmp_path):
@@ -183,8 +176,9 @@ def test_trainer_trains_with_memscale(name, how, baseline, tmp_path):
         memscale.detach(trainer)
 
 
+@pytest.mark.slow
 def test_callback_with_sample_input_plans_before_the_first_step(baseline, tmp_path):
-    ids = TokenData(masked=False).ids[:2]
+    ids = token_data(masked=False).ids[:2]
     probe = Probe()
     callback = MemScaleCallback(FORCE, sample_input={"input_ids": ids})
     trainer = make_trainer("gpt2", tmp_path, [callback, probe])
@@ -195,6 +189,7 @@ def test_callback_with_sample_input_plans_before_the_first_step(baseline, tmp_pa
     assert memscale_hooks_gone(trainer.model)
 
 
+@pytest.mark.slow
 def test_hf_gradient_checkpointing_is_taken_over(baseline, tmp_path, caplog):
     ref_losses = baseline["gpt2"][0]
     hf = make_trainer("gpt2", tmp_path / "hf", gc=True)
@@ -234,6 +229,7 @@ def test_hf_gradient_checkpointing_kept_without_memscale_checkpointing(tmp_path,
     assert memscale_hooks_gone(trainer.model)
 
 
+@pytest.mark.slow
 def test_train_that_raises_is_cleaned_up(baseline, tmp_path):
     trainer = make_trainer("gpt2", tmp_path, [FailAt(3)])
     memscale.wrap(trainer, FORCE)
@@ -256,7 +252,7 @@ def test_train_that_raises_is_cleaned_up(baseline, tmp_path):
     memscale.detach(trainer)
     assert memscale_hooks_gone(model)
     assert hook_count(model) == baseline["gpt2"][1]
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert saved_tensor_hooks() is None
 
 
 def test_wrap_trainer_misuse(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 import pytorch_lightning as PL
 import torch
 import torch.nn.functional as F
-from conftest import FORCE, Block, hook_count, run_blocked
+from conftest import FORCE, Block, hook_count, lightning_trainer, run_blocked, saved_tensor_hooks
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -88,16 +88,7 @@ def loader(batch_size=8):
 
 def fit(module, callbacks=(), steps=STEPS, pkg=L, ckpt_path=None, batch_size=8, **kwargs):
     pkg.seed_everything(0, verbose=False)
-    trainer = pkg.Trainer(
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        callbacks=list(callbacks),
-    )
+    trainer = lightning_trainer(pkg, max_steps=steps, callbacks=list(callbacks))
     with warnings.catch_warnings():
         # Lightning's own notes about its pytree use and resuming mid-epoch.
         warnings.filterwarnings("ignore", message=".*treespec")
@@ -107,10 +98,7 @@ def fit(module, callbacks=(), steps=STEPS, pkg=L, ckpt_path=None, batch_size=8, 
 
 
 def no_contexts_left():
-    return (
-        torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-        and not _get_current_dispatch_mode_stack()
-    )
+    return saved_tensor_hooks() is None and not _get_current_dispatch_mode_stack()
 
 
 @pytest.fixture(scope="module")
@@ -231,14 +219,7 @@ def test_module_wrapped_by_hand_is_left_alone():
 def test_bad_config_and_wrap_of_a_lightning_trainer():
     with pytest.raises(TypeError, match="memscale.Config"):
         MemScaleCallback({"mode": "balanced"})
-    trainer = L.Trainer(
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-    )
+    trainer = lightning_trainer(L)
     with pytest.raises(TypeError, match="MemScaleCallback"):
         memscale.wrap(trainer)
 
@@ -257,6 +238,7 @@ def test_import_error_names_the_extra_without_lightning():
     assert "ERROR:" in out and "pip install 'memscale[lightning]'" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "present,missing", [("pytorch_lightning", "lightning"), ("lightning", "pytorch_lightning")]
 )

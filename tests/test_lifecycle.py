@@ -8,7 +8,16 @@ import weakref
 
 import pytest
 import torch
-from conftest import FORCE, assert_same_grads, hook_count, mlp, tiny_gpt2, token_batch, twins
+from conftest import (
+    FORCE,
+    assert_same_grads,
+    hook_count,
+    mlp,
+    saved_tensor_hooks,
+    tiny_gpt2,
+    token_batch,
+    twins,
+)
 from torch import nn
 
 import memscale
@@ -109,7 +118,7 @@ def test_forward_raising_mid_layer_leaves_nothing_active():
     with pytest.raises(ValueError, match="boom"):
         model(x)
     assert ex.stats["active_frames"] == 0
-    assert _active_saved_tensor_hooks() is None
+    assert saved_tensor_hooks() is None
     # A plain model trains and matches afterwards.
     other, other_ref = twins(lambda: mlp(depth=2))
     y = torch.randn(3, 32)
@@ -121,11 +130,6 @@ def test_forward_raising_mid_layer_leaves_nothing_active():
     model(x).sum().backward()
     assert ex.stats["active_frames"] == 0
     memscale.detach(model)
-
-
-def _active_saved_tensor_hooks():
-    # Test-only look at autograd's hook stack (a private torch function).
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 class Interrupt(nn.Module):
@@ -149,21 +153,21 @@ def test_interrupted_forward_is_cleaned_up():
     with pytest.raises(KeyboardInterrupt):
         model(x)
     # The model's call guard left what the interrupted forward entered.
-    assert _active_saved_tensor_hooks() is None
+    assert saved_tensor_hooks() is None
     # A layer called on its own has no guard: its frame is left until the
     # model's next forward.
     with pytest.raises(KeyboardInterrupt):
         model[1](x)
-    assert _active_saved_tensor_hooks() is not None  # left by the interrupt
+    assert saved_tensor_hooks() is not None  # left by the interrupt
     model[1].interrupt = False
     with pytest.warns(RuntimeWarning, match="interrupted"):
         model(x).sum().backward()
-    assert _active_saved_tensor_hooks() is None
+    assert saved_tensor_hooks() is None
     model[1].interrupt = True
     with pytest.raises(KeyboardInterrupt):
         model(x)
     memscale.detach(model)  # detach cleans up too
-    assert _active_saved_tensor_hooks() is None
+    assert saved_tensor_hooks() is None
 
 
 def test_profiling_forward_that_raises_is_not_counted():

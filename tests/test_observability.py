@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hook_count, mlp
+from conftest import free_port, hook_count, mlp
 
 import memscale
 from memscale import _planning, observability
@@ -28,12 +28,6 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 FORCE = dict(mode="conservative", force_optimize=True)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -531,7 +525,7 @@ def test_idle_connections_are_capped_and_time_out(monkeypatch):
     memscale.wrap(model, memscale.Config(**FORCE, observability_port=port))
     idle = []
     try:
-        for _ in range(40):
+        for _ in range(2 * metrics.MAX_CONNECTIONS):  # twice the cap
             s = socket.create_connection(("127.0.0.1", port), timeout=10)
             idle.append(s)
             # The server thread and at most MAX_CONNECTIONS others.

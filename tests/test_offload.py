@@ -25,6 +25,7 @@ from conftest import (
     hook_count,
     loss_of,
     mlp,
+    spill_fds,
     tiny_bert,
     tiny_gpt2,
     token_batch,
@@ -47,19 +48,6 @@ def offload_config(async_offload=False, **settings):
         enable_logging=False,
         async_config=memscale.AsyncOffloadConfig(**settings),
     )
-
-
-def spill_fds(path: str) -> list[int]:
-    """This process's descriptors open on files in the spill directory."""
-    fds = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith(path + "/"):
-            fds.append(int(name))
-    return fds
 
 
 MODELS = {

@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+from conftest import tiny_gpt2
 
 from memscale import _core
 from memscale.optim import AdamW8bit, make_8bit_adamw
@@ -15,22 +16,7 @@ V = 64
 
 
 def markov_lm():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(
-        GPT2Config(
-            n_layer=2,
-            n_embd=128,
-            n_head=4,
-            vocab_size=V,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            use_cache=False,
-        )
-    )
+    return tiny_gpt2(0.0, n_layer=2, n_embd=128, vocab_size=V)
 
 
 def markov_batches(steps, b=16, n=32):
@@ -62,6 +48,7 @@ def train(make_opt, steps=200):
     return sum(losses[-20:]) / 20, model, opt
 
 
+@pytest.mark.slow
 def test_trains_a_small_language_model_as_fp32_adamw_does():
     ref, _, _ = train(lambda p: torch.optim.AdamW(p, lr=3e-3))
     ours, _, opt = train(lambda p: AdamW8bit(p, lr=3e-3))
@@ -70,6 +57,7 @@ def test_trains_a_small_language_model_as_fp32_adamw_does():
     assert any(s["exp_avg"].dtype == torch.int8 for s in opt.state.values())
 
 
+@pytest.mark.slow
 def test_state_is_at_most_30_percent_of_adamw_on_the_benchmark_gpt2():
     from memscale.benchmarks.models import BENCHMARK_MODELS
 

@@ -8,15 +8,11 @@ import weakref
 
 import pytest
 import torch
-from conftest import FORCE, assert_same_grads, hook_count, mlp, twins
+from conftest import FORCE, assert_same_grads, hook_count, mlp, saved_tensor_hooks, twins
 from torch import nn
 
 import memscale
 from memscale import _core
-
-
-def _top_hooks():
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def _force_plan(names):
@@ -75,7 +71,7 @@ def test_detach_during_an_interrupted_warmup_pass_removes_every_hook(static):
         assert "_memscale_executor" not in model.__dict__ and hook_count(model) == 0
     else:
         memscale.detach(model)
-    assert _top_hooks() is None
+    assert saved_tensor_hooks() is None
     ref = weakref.ref(model)
     del model
     gc.collect()
@@ -89,7 +85,7 @@ def test_profiler_detach_ends_a_running_pass():
     prof.begin_pass()
     prof.detach()
     assert not prof.in_pass and prof.passes == 0
-    assert _top_hooks() is None
+    assert saved_tensor_hooks() is None
 
 
 class Evil:
@@ -120,14 +116,23 @@ def test_build_plan_survives_a_list_mutated_while_parsed():
     assert len(plan) == 4
 
 
-@pytest.mark.parametrize("units", [[["0", None]], [("0", None), ("0b", None)]])
-def test_executor_units_are_checked(units):
+@pytest.mark.parametrize(
+    "units,error,match",
+    [
+        # A unit as a list, not a tuple.
+        ([["0", None]], TypeError, r"units must be \(name, module\) tuples, got list"),
+        # One module as two units.
+        ([("0", None), ("0b", None)], ValueError, "appears twice among the units"),
+    ],
+    ids=["list", "twice"],
+)
+def test_executor_units_are_checked(units, error, match):
     model = nn.Sequential(nn.Linear(2, 2))
     units = [
         (n, model[0]) if isinstance(u, tuple) else [n, model[0]]
         for n, u in ((u[0], u) for u in units)
     ]
-    with pytest.raises((TypeError, ValueError)):
+    with pytest.raises(error, match=match):
         _core.Executor(model, units)
 
 
@@ -274,12 +279,12 @@ def test_interrupted_warmup_pass_is_dropped_not_merged():
         model(torch.randn(2, 32))
     model[1].fc2.forward = original
     assert ex.state == "profiling"
-    assert _top_hooks() is None  # dropped by the call guard at once
+    assert saved_tensor_hooks() is None  # dropped by the call guard at once
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing stale is found
         model(torch.randn(2, 32)).sum().backward()
     assert ex.state == "applied"
-    assert _top_hooks() is None
+    assert saved_tensor_hooks() is None
     # The plan comes from the clean pass only: each block measured once.
     assert all(d["calls"] == 1 for d in ex.profile.details)
     memscale.detach(model)

@@ -452,21 +452,7 @@ def test_layers_with_hooks_are_not_tiling_candidates():
 
 
 def _gpt2(impl: str, seq: int = 64, heads: int = 4):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=heads,
-        vocab_size=128,
-        n_positions=seq,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-    )
-    model = GPT2LMHeadModel(cfg)
+    model = tiny_gpt2(0.0, n_layer=2, n_embd=32, n_head=heads, vocab_size=128, n_positions=seq)
     model.config._attn_implementation = impl
     return model
 
@@ -495,6 +481,7 @@ def test_attention_is_tiled_over_queries_and_agrees(impl, monkeypatch):
     assert not hasattr(model.config, attention._STATE)
 
 
+@pytest.mark.slow
 def test_query_tiles_lower_the_attention_peak(monkeypatch):
     from memscale import attention
 

@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_gpt2, token_batch
+from conftest import loss_of, tiny_gpt2, token_batch
 from torch import nn
 
 import memscale
@@ -77,12 +77,6 @@ def _gpt2():
 
 
 MODELS = {"shared": _shared, "tied": _tied, "gpt2": _gpt2}
-
-
-def loss_of(model, x):
-    if x.dtype == torch.long:
-        return model(input_ids=x, labels=x).loss
-    return model(x).pow(2).mean()
 
 
 def tensors(model):
@@ -152,7 +146,6 @@ def wrap_and_train(model, x, config, sample_input):
     assert "_memscale_executor" not in model.__dict__
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(MODELS))
 @pytest.mark.parametrize("path", ["static", "empirical", "warmup"])
 def test_wrap_keeps_user_tensors(kind, path):
@@ -168,7 +161,6 @@ def test_wrap_keeps_user_tensors(kind, path):
     wrap_and_train(model, x, config, None if path == "warmup" else x)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_predictor_keeps_user_tensors(kind):
     model, x = MODELS[kind]()
@@ -193,7 +185,6 @@ def test_autotuner_keeps_user_tensors(kind):
     assert "_memscale_executor" not in model.__dict__
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["shared", "gpt2"])
 def test_fsdp2_keeps_user_tensors(kind, tmp_path):
     import torch.distributed as dist

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from conftest import hook_count, train_step
 from torch import nn
 
 import memscale
@@ -437,24 +438,6 @@ def _loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
     return model(**batch).loss
 
 
-def _step(model: nn.Module, batch: dict[str, Any], seed: int) -> torch.Tensor:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = _loss(model, batch)
-    loss.backward()
-    return loss.detach()
-
-
-def _hooks(model: nn.Module) -> int:
-    return sum(
-        len(m._forward_pre_hooks)
-        + len(m._forward_hooks)
-        + len(m._backward_hooks)
-        + len(m._backward_pre_hooks)
-        for m in model.modules()
-    )
-
-
 def build(arch: Arch) -> nn.Module:
     torch.manual_seed(0)
     model = arch.build()
@@ -473,14 +456,14 @@ def check(arch: Arch, mode: str, sample: bool, steps: int = 3) -> dict[str, Any]
     ref = copy.deepcopy(model)
     batch = arch.batch()
     keys = list(model.state_dict())
-    hooks = _hooks(model)
+    hooks = hook_count(model)
     caches = [(c, getattr(c, "use_cache", None)) for c in _hf_cache.hf_configs(model)]
     config = memscale.Config(mode=mode, force_optimize=True, warmup_steps=1, enable_logging=False)
     memscale.wrap(model, config, sample_input=batch if sample else None)
     try:
         for step in range(steps):
-            a = _step(model, batch, seed=step)
-            b = _step(ref, batch, seed=step)
+            a = train_step(model, batch, seed=step, loss_fn=_loss)
+            b = train_step(ref, batch, seed=step, loss_fn=_loss)
             assert torch.equal(a, b), f"step {step}: loss {a.item()!r} != {b.item()!r}"
             for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
                 if p.grad is None or q.grad is None:
@@ -497,7 +480,7 @@ def check(arch: Arch, mode: str, sample: bool, steps: int = 3) -> dict[str, Any]
     finally:
         memscale.detach(model)
     assert "_memscale_executor" not in model.__dict__
-    assert _hooks(model) == hooks, "hooks left after detach"
+    assert hook_count(model) == hooks, "hooks left after detach"
     assert list(model.state_dict()) == keys
     for cfg, value in caches:
         assert getattr(cfg, "use_cache", None) == value, "use_cache not restored"
