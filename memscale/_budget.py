@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _core
+from ._format import format_bytes
 from .config import Config
 
 
@@ -35,9 +36,7 @@ class MemoryBudgetError(ValueError):
 
 
 def _gib(n: float) -> str:
-    from ._planning import format_bytes
-
-    return format_bytes(n)
+    return format_bytes(n, digits=1)
 
 
 def _min_budget(inputs: dict[str, Any]) -> int:

@@ -113,7 +113,6 @@ except ImportError:  # pragma: no cover - every supported torch has it
 __all__ = [
     "MemoryReport",
     "TimeReport",
-    "format_bytes",
     "live_storage_bytes",
     "measure_peak",
     "peak_rss_subprocess",
@@ -130,7 +129,6 @@ _WINDOW_NAME = "memscale::measured_step"
 _RSS_SENTINEL = "__MEMSCALE_PEAK_RSS__="
 # How much of a failed child's stderr goes into the error message.
 _STDERR_TAIL_CHARS = 4000
-_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
 # --------------------------------------------------------------------------
@@ -721,36 +719,3 @@ def time_ratio(
         repeats,
     )
     return report
-
-
-# --------------------------------------------------------------------------
-# Formatting
-# --------------------------------------------------------------------------
-
-
-def format_bytes(n: int | float) -> str:
-    """Human-readable size in binary units.
-
-    Below 1 KiB the exact count: ``"0 B"``, ``"1000 B"``. Above, two
-    decimals without trailing zeros but at least one: ``"1.5 KiB"``,
-    ``"512.0 MiB"``, ``"1.25 GiB"``. Negative sizes keep their sign:
-    ``"-2.0 MiB"``.
-    """
-    if isinstance(n, bool) or not isinstance(n, numbers.Real):
-        raise TypeError(f"n must be a number of bytes, got {type(n).__name__}: {n!r}")
-    if not math.isfinite(n):
-        raise ValueError(f"n must be finite, got {n}")
-    sign = "-" if n < 0 else ""
-    value = abs(n)
-    if value < 1024:
-        if float(value).is_integer():
-            return f"{sign}{int(value)} B"
-        return f"{sign}{value:.2f} B"
-    unit_index = 0
-    while unit_index < len(_BINARY_UNITS) - 1 and round(value, 2) >= 1024:
-        value /= 1024
-        unit_index += 1
-    text = f"{value:.2f}".rstrip("0")
-    if text.endswith("."):
-        text += "0"
-    return f"{sign}{text} {_BINARY_UNITS[unit_index]}"

@@ -406,7 +406,7 @@ def make_plan(
 ) -> Any:
     """The engine's plan.  ``peak_offset`` and ``plan_offset`` are the OOM
     predictor's corrections of the engine's unoptimized peak and of its
-    plans' peaks (see :func:`predicted_offsets`)."""
+    plans' peaks (see ``memscale._planner.predicted_offsets``)."""
     return _core.build_plan(
         **plan_inputs(profile, config, hardware, fixed, peak_offset, plan_offset)
     )
@@ -489,59 +489,6 @@ def static_profiling_supported(model: torch.nn.Module) -> str | None:
     return None
 
 
-class Offsets(NamedTuple):
-    """What the OOM predictor tells the engine (see predicted_offsets)."""
-
-    peak: int  # correction of the unoptimized peak
-    plan: int  # correction of the plans' peaks
-    fallback: bool  # plan every layer checkpointed alone instead
-    forced_peak: int | None  # simulated peak of that plan, if simulated
-
-
-def predicted_offsets(
-    model: torch.nn.Module,
-    sample_input: Any,
-    optimizer: torch.optim.Optimizer | None,
-    profile: Profile,
-    config: Config,
-    hardware: dict[str, Any],
-    fixed: int,
-) -> Offsets:
-    """The OOM predictor's corrections of the engine, for ``wrap``: of its
-    unoptimized peak, and of its plans' peaks (see
-    ``PredictionSession.plan_offsets``), so that a plan and
-    ``memscale.predict_peak`` cannot disagree about whether the step fits;
-    and whether to fall back to every layer checkpointed alone (see
-    ``PredictionSession.plan_offsets``).  (0, 0, False) (logged) when the
-    step cannot be simulated."""
-    from . import predictor  # imports this module
-
-    why_not = static_profiling_supported(model)
-    if why_not is not None:
-        logger.info("memscale: no OOM prediction for the engine: %s", why_not)
-        return Offsets(0, 0, False, None)
-    try:
-        with predictor.PredictionSession(model, sample_input, optimizer, config=config) as session:
-            offsets = session.plan_offsets(config, profile, fixed)
-            fallback = bool(session._fallback.get(config))
-            if fallback:
-                logger.info(
-                    "memscale: the budget planner's plans need more than "
-                    "the budget when simulated; every layer is "
-                    "checkpointed alone instead (that step fits)"
-                )
-            return Offsets(offsets[0], offsets[1], fallback, session.forced_peak)
-    except Exception as exc:  # noqa: BLE001 - the engine's estimate stands
-        logger.info(
-            "memscale: the OOM predictor could not simulate a "
-            "training step (%s: %s); the engine plans from its own "
-            "estimate",
-            type(exc).__name__,
-            exc,
-        )
-        return Offsets(0, 0, False, None)
-
-
 def fallback_config(config: Config, fallback: bool | None) -> Config:
     """The Config the plan is made with: ``config``, or, when the planner's
     plans did not fit when simulated, every layer checkpointed alone."""
@@ -550,89 +497,3 @@ def fallback_config(config: Config, fallback: bool | None) -> Config:
     return config.replace(
         force_optimize=True, mode=OptimizationMode.CONSERVATIVE, enable_tiling=False
     )
-
-
-def verified_least_budget(
-    model: torch.nn.Module,
-    sample_input: Any,
-    optimizer: torch.optim.Optimizer | None,
-    profile: Profile,
-    config: Config,
-    hardware: dict[str, Any],
-    fixed: int,
-    offsets: Offsets,
-    rounds: int = 3,
-) -> int | None:
-    """When no plan fits ``config``'s budget: the smallest budget the planner
-    reaches, checked by planning at it with the corrections calibrated
-    there (the calibration depends on the plan, so the least budget found
-    under one budget's corrections can be short of another's).  None when a
-    plan fits."""
-    if offsets[2]:
-        return None  # the fallback plan fits
-    plan = make_plan(profile, config, hardware, fixed, *offsets[:2])
-    if plan.fits or plan.skipped or plan.min_budget_bytes < 0:
-        return None
-    least = int(plan.min_budget_bytes)
-    # Every layer checkpointed alone was simulated: that budget is reached.
-    known = offsets.forced_peak
-    for _ in range(rounds):
-        if known is not None and least >= known:
-            return known
-        at = config.replace(memory_budget_gb=(least + 1) / GIB)
-        there = predicted_offsets(model, sample_input, optimizer, profile, at, hardware, fixed)
-        plan = make_plan(profile, fallback_config(at, there[2]), hardware, fixed, *there[:2])
-        if plan.fits:
-            return least
-        least = max(
-            least + 1,
-            int(plan.min_budget_bytes)
-            if plan.min_budget_bytes >= 0
-            else int(plan.peak_projected_bytes),
-        )
-    return least if known is None else min(least, known)
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def plan_table(plan: Any) -> str:
-    """The plan as the log shows it at DEBUG: a header, then one row per
-    layer.  ``segment`` names the first layer of the checkpoint segment a
-    layer is recomputed with (itself when recomputed alone), "-" when it is
-    not recomputed."""
-    names = [layer.name for layer in plan.layers]
-    rows = [("layer", "kind", "technique", "segment", "tier", "bytes saved", "rule")]
-    for layer in plan.layers:
-        technique = "+".join(layer.techniques) or "-"
-        if layer.tiles > 1:
-            technique += f" x{layer.tiles}"
-        segment = names[layer.segment] if 0 <= layer.segment < len(names) else "-"
-        rows.append(
-            (
-                layer.name,
-                layer.kind,
-                technique,
-                segment,
-                layer.tier,
-                format_bytes(layer.bytes_saved),
-                layer.rule,
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [
-        f"memscale plan {plan.hash[:12]}: mode={plan.mode} device={plan.device} "
-        f"budget={format_bytes(plan.budget_bytes)} "
-        f"peak {format_bytes(plan.peak_unoptimized_bytes)} -> "
-        f"{format_bytes(plan.peak_projected_bytes)} "
-        f"(pressure {plan.pressure:.2f}, recompute {plan.recompute_ratio:.0%} "
-        f"of forward){' [smart-skip]' if plan.skipped else ''}"
-    ]
-    for r in rows:
-        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    return "\n".join(lines)

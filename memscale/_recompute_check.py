@@ -49,7 +49,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _core, _planning, _torch_compat, _verify
+from . import _core, _torch_compat, _verify
+from ._format import plan_table
 
 logger = logging.getLogger(__name__)
 
@@ -360,7 +361,7 @@ class RecomputeCheck:
             "memscale: plan made again without checkpointing %s "
             "(rule ineligible:unrepeatable):\n%s",
             ", ".join(repr(self.names[i]) for i in todo),
-            _planning.plan_table(plan),
+            plan_table(plan),
         )
         self._arm(plan)  # layers the new plan checkpoints are checked too
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _core
+from ._format import format_bytes, plan_table
 from .config import Config
 
 if TYPE_CHECKING:
@@ -196,12 +197,10 @@ class Executor(_core.Executor):
     def describe(self) -> str:
         """The hardware and the plan, one row per layer (what ``wrap``
         logs at DEBUG); a line saying so while there is no plan yet."""
-        from . import _planning
-
         hw = self.hardware
         lines = [
             f"memscale hardware: {hw['device']} x{hw['count']}, "
-            f"{_planning.format_bytes(hw['capacity_bytes'])} each ({hw['name']})"
+            f"{format_bytes(hw['capacity_bytes'], digits=1)} each ({hw['name']})"
         ]
         plan = self.plan
         if plan is None:
@@ -212,7 +211,7 @@ class Executor(_core.Executor):
             )
             lines.append(f"memscale: no plan yet; it is made {when}")
         else:
-            lines.append(_planning.plan_table(plan))
+            lines.append(plan_table(plan))
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -65,6 +65,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import _core, _hf_cache, _planning, _torch_compat, _verify
+from ._format import format_bytes
 from .config import GIB, Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
@@ -273,7 +274,7 @@ def _simulation_device(device_type: str) -> torch.device:
 
 
 def _fmt(n: float) -> str:
-    return _planning.format_bytes(n)
+    return format_bytes(n, digits=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1582,7 +1583,7 @@ class PredictionSession:
         fixed = _planning.fixed_bytes(self.model, self.optimizer)
         profile = self._sim.profile
         if config.auto_policy:
-            from . import api, policy  # api imports this module
+            from . import policy
 
             context = policy.StrategyContext.build(
                 config,
@@ -1590,7 +1591,7 @@ class PredictionSession:
                 profile if policy.needs_profile(config, self.hardware) else None,
                 fixed,
             )
-            _, config = api._select_strategy(config, context)
+            _, config = policy.select_strategy(config, context)
         # The engine plans from the predicted peaks (as wrap() does with
         # sample_input): the same corrections, the same plan.
         offset, plan_offset = self.plan_offsets(config, profile, fixed)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .. import _planning
+from .._format import format_bytes
 from ..config import GIB, Config, OptimizationMode
 from ..predictor import PeakPrediction, PredictionSession, _resolve_device
 from .trial import measure_step
@@ -41,7 +42,7 @@ _MAX_BATCH = 1 << 24
 
 
 def _fmt(n: float) -> str:
-    return _planning.format_bytes(n)
+    return format_bytes(n, digits=1)
 
 
 def _quiet(config: Config) -> Config:

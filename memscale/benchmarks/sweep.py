@@ -31,7 +31,9 @@ from torch.utils.checkpoint import checkpoint
 
 import memscale
 
-from .._measure import format_bytes, measure_peak, time_ratio
+from .._format import format_bytes
+from .._measure import measure_peak, time_ratio
+from ..config import GIB
 from .models import Batch, BenchmarkModel
 
 FRACTIONS = (0.2, 0.4, 0.6, 0.8)
@@ -192,7 +194,7 @@ def run_sweep(
         progress(f"{entry.name}: memscale at {fraction:.0%}")
         config = memscale.Config(
             mode=memscale.OptimizationMode.CONSERVATIVE,
-            memory_budget_gb=budget / 2**30,
+            memory_budget_gb=budget / GIB,
             enable_logging=False,
         )
 

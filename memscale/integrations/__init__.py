@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .._format import format_bytes
+
 __all__: list[str] = []
 
 
@@ -107,12 +109,10 @@ def _summary(executor: Any) -> str:
             f"({executor.stats['steps']} of {executor.config.warmup_steps} "
             "forward passes profiled)"
         )
-    from .._planning import format_bytes
-
     return (
         f"plan {plan.hash[:12]} checkpointed "
         f"{plan.technique_counts['checkpoint']} of {len(plan)} layers, "
-        f"projected peak {format_bytes(plan.peak_unoptimized_bytes)} -> "
-        f"{format_bytes(plan.peak_projected_bytes)}, "
+        f"projected peak {format_bytes(plan.peak_unoptimized_bytes, digits=1)} -> "
+        f"{format_bytes(plan.peak_projected_bytes, digits=1)}, "
         f"{executor.stats['recomputes']} recomputes"
     )
