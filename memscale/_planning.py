@@ -1,23 +1,25 @@
-"""From a model and a Config to a Plan: profiling runs and engine inputs.
+"""From a model and a Config to the engine's inputs: profiling runs.
 
 The measuring itself is the C profiler (``memscale._core.Profiler``); this
 module decides how to run it (fake tensors first, a real forward as
-fallback, or the user's first training steps), assembles the engine's
-inputs, and formats the plan for the log.
+fallback, or the user's first training steps) and assembles the engine's
+inputs (``_core.build_plan``'s keywords).  Planning with them, and with the
+OOM predictor's corrections, is :mod:`memscale._planner`'s job.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import _core, _torch_compat, offload
+from ._model import split_input, tensors_of
 from .config import GIB, Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
@@ -45,111 +47,6 @@ class Profile:
     # Per layer, everything the profiler measured (name, kind, param_bytes,
     # saved_bytes, input_bytes, output_bytes, flops, calls, flags).
     details: tuple[dict[str, Any], ...] = ()
-
-
-class Inputs(NamedTuple):
-    """Positional and keyword inputs together (a forward's own, as the
-    first training forward's are profiled)."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-
-def split_input(sample_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A sample input as (args, kwargs): a tensor, a tuple/list, a dict, or
-    :class:`Inputs`."""
-    if isinstance(sample_input, Inputs):
-        return tuple(sample_input.args), dict(sample_input.kwargs)
-    if isinstance(sample_input, torch.Tensor):
-        return (sample_input,), {}
-    if isinstance(sample_input, (tuple, list)):
-        return tuple(sample_input), {}
-    if isinstance(sample_input, dict):
-        return (), dict(sample_input)
-    raise TypeError(
-        "sample_input must be a tensor, a tuple/list of positional inputs or "
-        f"a dict of keyword inputs, got {type(sample_input).__name__}"
-    )
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    for tensor in _tensors_of(model):
-        return tensor.device
-    return torch.device("cpu")
-
-
-def _tensors_of(model: torch.nn.Module) -> Iterator[torch.Tensor]:
-    yield from model.parameters()
-    yield from model.buffers()
-
-
-def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        if callable(getattr(t, "to_local", None)):
-            t = t.to_local()  # type: ignore[attr-defined]  # a DTensor (FSDP2): this rank's shard
-        key = _torch_compat.storage_key(t)
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def optimizer_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of optimizer state one step will hold.
-
-    An optimizer whose state already exists is measured.  Otherwise the
-    state is derived from its class: Adam-family optimizers keep two
-    tensors per trainable parameter, SGD with momentum one, SGD without
-    none; with no optimizer, Adam is assumed (the spec's rule of thumb).
-    """
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    per_param = _storage_bytes(trainable)
-    if optimizer is None:
-        return 2 * per_param
-    # Per-parameter buffers only: scalar entries such as Adam's ``step`` are
-    # left out, so a plan does not change once the optimizer has stepped.
-    existing = [
-        v
-        for state in optimizer.state.values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor) and v.dim() > 0
-    ]
-    if existing:
-        return _storage_bytes(existing)
-    from .optim import AdamW8bit
-
-    if isinstance(optimizer, AdamW8bit):
-        # int8 + uint8 moments and one float32 scale per block each, for
-        # the parameters it quantizes; float32 moments for the others.
-        total = 0
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                if AdamW8bit._eight_bit(p, group):
-                    blocks = -(-p.numel() // group["block_size"])
-                    total += 2 * p.numel() + 8 * blocks
-                else:
-                    total += 2 * p.numel() * p.element_size()
-        return total
-    name = type(optimizer).__name__.lower()
-    if name == "sgd":
-        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
-        return per_param if momentum else 0
-    if name in ("adagrad", "rmsprop", "adadelta", "adafactor"):
-        return per_param
-    if any(g.get("amsgrad", False) for g in optimizer.param_groups):
-        return 3 * per_param  # exp_avg, exp_avg_sq, max_exp_avg_sq
-    return 2 * per_param
-
-
-def fixed_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Parameters + buffers + gradients + optimizer state."""
-    params_and_buffers = _storage_bytes(list(_tensors_of(model)))
-    grads = _storage_bytes([p for p in model.parameters() if p.requires_grad])
-    return params_and_buffers + grads + optimizer_state_bytes(model, optimizer)
 
 
 @contextlib.contextmanager
@@ -284,7 +181,7 @@ def _profile_empirical(model, units, args, kwargs):
     def run():
         model(*args, **kwargs)
 
-    return _measure(units, list(_tensors_of(model)), run)
+    return _measure(units, list(tensors_of(model)), run)
 
 
 def profile_upfront(
@@ -353,7 +250,7 @@ def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]], method
 
 def new_warmup_profiler(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) -> Any:
     profiler = _core.Profiler(
-        [m for _, m in units], list(_tensors_of(model)), FlopCounterMode(display=False)
+        [m for _, m in units], list(tensors_of(model)), FlopCounterMode(display=False)
     )
     profiler.attach()
     return profiler
@@ -394,22 +291,6 @@ def budget_bytes(config: Config, hardware: dict[str, Any]) -> int:
     if config.memory_budget_gb is not None:
         return max(1, int(config.memory_budget_gb * GIB))
     return max(1, int(hardware["capacity_bytes"] * config.target_gpu_utilization))
-
-
-def make_plan(
-    profile: Profile,
-    config: Config,
-    hardware: dict[str, Any],
-    fixed: int,
-    peak_offset: int = 0,
-    plan_offset: int | None = None,
-) -> Any:
-    """The engine's plan.  ``peak_offset`` and ``plan_offset`` are the OOM
-    predictor's corrections of the engine's unoptimized peak and of its
-    plans' peaks (see ``memscale._planner.predicted_offsets``)."""
-    return _core.build_plan(
-        **plan_inputs(profile, config, hardware, fixed, peak_offset, plan_offset)
-    )
 
 
 # The budget planner's cost model (csrc/solver.c), per device type: forward
@@ -487,13 +368,3 @@ def static_profiling_supported(model: torch.nn.Module) -> str | None:
             "parameter state a fake-tensor pass would disturb"
         )
     return None
-
-
-def fallback_config(config: Config, fallback: bool | None) -> Config:
-    """The Config the plan is made with: ``config``, or, when the planner's
-    plans did not fit when simulated, every layer checkpointed alone."""
-    if not fallback:
-        return config
-    return config.replace(
-        force_optimize=True, mode=OptimizationMode.CONSERVATIVE, enable_tiling=False
-    )

@@ -25,6 +25,7 @@ from . import (
     _core,
     _firststep,
     _hf_cache,
+    _model,
     _planner,
     _planning,
     _recompute_check,
@@ -280,7 +281,7 @@ def _apply_sample_plan(
     plan_config = _stage1(executor, config, hardware, profile, fixed)
     inputs = _planning.plan_inputs(
         profile,
-        _planning.fallback_config(plan_config, offsets[2]),
+        _planner.fallback_config(plan_config, offsets[2]),
         hardware,
         fixed,
         peak_offset=offsets[0],
@@ -288,9 +289,7 @@ def _apply_sample_plan(
     )
     plan = distributed.shared_plan(inputs)
     _log_plan(config, hardware, plan, executor.decision)
-    _budget.check(
-        plan, inputs, plan_config, _planning.optimizer_state_bytes(model, optimizer), least
-    )
+    _budget.check(plan, inputs, plan_config, _model.optimizer_state_bytes(model, optimizer), least)
     offload.attach(executor, plan_config, hardware, plan)
     tiling.install(executor, units, plan)
     executor.apply(plan)
@@ -333,7 +332,7 @@ def _plan_on_first_forward(
                     upfront = _profile_sample(
                         module,
                         units,
-                        _planning.Inputs(args, kwargs),
+                        _model.Inputs(args, kwargs),
                         static_only,
                         hardware,
                         optimizer,
@@ -413,7 +412,7 @@ def _plan_after_warmup(
         inputs = _planning.plan_inputs(warm, plan_config, hardware, fixed)
         plan = distributed.shared_plan(inputs)
         _log_plan(config, hardware, plan, executor.decision)
-        _budget.check(plan, inputs, plan_config, _planning.optimizer_state_bytes(model, optimizer))
+        _budget.check(plan, inputs, plan_config, _model.optimizer_state_bytes(model, optimizer))
         offload.attach(executor, plan_config, hardware, plan)
         tiling.install(executor, units, plan)
         executor.count_layer_recomputes(units, plan)
@@ -472,7 +471,7 @@ def wrap(
             type(given_optimizer).__name__,
         )
 
-    device = _planning.model_device(model)
+    device = _model.model_device(model)
     if config.memory_budget_gb is not None and device.type not in ("cpu", "cuda"):
         hardware = {
             "device": device.type,
@@ -485,7 +484,7 @@ def wrap(
     else:
         hardware = _core.detect_hardware(device.type, device.index or 0)
     units = _core.find_units(model)
-    fixed = _planning.fixed_bytes(model, optimizer)  # FSDP2: the local shards
+    fixed = _model.fixed_bytes(model, optimizer)  # FSDP2: the local shards
     if distributed.is_fsdp2(model):
         fixed += distributed.fsdp2_in_flight_bytes(model)
 

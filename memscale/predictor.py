@@ -1,6 +1,6 @@
 """The OOM predictor: the peak memory of one training step, before it runs.
 
-``predict_peak(model, sample_input)`` runs one whole training step --
+A simulation runs one whole training step --
 ``zero_grad(set_to_none=True)``, forward, loss, backward and the optimizer
 step -- on fake tensors (``torch._subclasses.FakeTensorMode``, reached
 through :mod:`memscale._torch_compat`): every tensor has its shape, dtype,
@@ -9,7 +9,9 @@ every operator, registers the storage of each tensor an operator returns
 (views share one, so a storage counts once) and hears, through a weak
 reference, the moment the storage is freed.  The running sum of those
 events is the live tensor memory of the step, as the allocator sees it,
-and its maximum is the predicted peak.
+and its maximum is the predicted peak.  The plan the step runs under is
+made by ``memscale._planner``, which also holds ``predict_peak`` and the
+calibration of the engine on these peaks.
 
 How a step is simulated:
 
@@ -55,7 +57,6 @@ import inspect
 import logging
 import math
 import numbers
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -64,9 +65,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import _core, _hf_cache, _planning, _torch_compat, _verify
+from . import _core, _hf_cache, _model, _torch_compat, _verify
 from ._format import format_bytes
-from .config import GIB, Config, OptimizationMode
+from .config import GIB, Config
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +75,12 @@ __all__ = [
     "DeviceSpec",
     "PeakBreakdown",
     "PeakPrediction",
-    "PredictionSession",
     "SavingsEstimate",
+    "SimulationSession",
     "default_loss",
-    "estimate_savings",
-    "predict_peak",
+    "predicted_time_ratio",
+    "rebuild_optimizer",
+    "resolve_device",
 ]
 
 # Categories of the breakdown, in the order they are printed.
@@ -201,7 +203,7 @@ class DeviceSpec:
         }
 
 
-def _resolve_device(
+def resolve_device(
     model: nn.Module, device: Any, config: Config
 ) -> tuple[dict[str, Any], torch.device]:
     """(hardware description, device the fake tensors live on)."""
@@ -210,7 +212,7 @@ def _resolve_device(
     if isinstance(device, DeviceSpec):
         return device.hardware(), _simulation_device(device.type)
     if device is None:
-        dev = _planning.model_device(model)
+        dev = _model.model_device(model)
         if dev.type == "meta":
             raise ValueError(
                 "the model is on the meta device, so there is no device to "
@@ -1123,11 +1125,11 @@ def _estimated_state(
     world: _FakeWorld, optimizer: torch.optim.Optimizer | None, model: nn.Module
 ) -> list[torch.Tensor]:
     """Fake state tensors for an optimizer that cannot run on fake tensors:
-    as many parameter-sized tensors as ``_planning.optimizer_state_bytes``
+    as many parameter-sized tensors as ``_model.optimizer_state_bytes``
     counts."""
     trainable = [p for p in world.params if p.requires_grad]
     per = sum(p.untyped_storage().nbytes() for p in trainable)
-    want = _planning.optimizer_state_bytes(model, optimizer)
+    want = _model.optimizer_state_bytes(model, optimizer)
     copies = round(want / per) if per else 0
     return [torch.empty_like(p) for _ in range(copies) for p in trainable]
 
@@ -1344,43 +1346,12 @@ class _Step:
 
 
 # --------------------------------------------------------------------------
-# predict_peak
+# The session: simulated steps of one model and batch
 # --------------------------------------------------------------------------
 
 
-def _check_args(
-    model: Any, sample_input: Any, config: Any, optimizer: Any, loss_fn: Any, what: str
-) -> Config:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{what}() needs a torch.nn.Module, got {type(model).__name__}")
-    if sample_input is None:
-        raise ValueError(
-            f"{what}() needs sample_input (a batch as the model takes it: a "
-            "tensor, a tuple of positional inputs or a dict of keyword inputs) "
-            "to simulate a training step; it allocates none of its memory"
-        )
-    _planning.split_input(sample_input)  # TypeError for anything else
-    if config is None:
-        config = Config()
-    elif not isinstance(config, Config):
-        raise TypeError(f"config must be a memscale.Config or None, got {type(config).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
-        )
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
-    if model.__dict__.get("_memscale_executor") is not None:
-        raise RuntimeError(
-            f"{what}() predicts for a model memscale has not wrapped (its hooks "
-            "would run in the simulation); call it before memscale.wrap(model), "
-            "or after memscale.detach(model)"
-        )
-    return config
-
-
 class _Simulation:
-    """Everything one prediction needs, set up once: the fake world, the
+    """Everything the simulated steps need, set up once: the fake world, the
     fake optimizer warmed up, and the profile measured in the warm-up."""
 
     def __init__(
@@ -1391,6 +1362,7 @@ class _Simulation:
         loss_fn: Callable[[Any], Any] | None,
         device: torch.device,
         target_type: str,
+        read_profile: Callable[[Any, list[tuple[str, nn.Module]]], Any],
     ) -> None:
         self.model = model
         self.target_type = target_type
@@ -1398,6 +1370,7 @@ class _Simulation:
         self.real_optimizer = optimizer
         self.loss_fn = loss_fn
         self.device = device
+        self.read_profile = read_profile
         self.units = _core.find_units(model)
 
     def __enter__(self) -> _Simulation:
@@ -1405,7 +1378,7 @@ class _Simulation:
         self.world = _FakeWorld(self.model, self.device)
         self.world.__enter__()
         try:
-            args, kwargs = _planning.split_input(self.sample_input)
+            args, kwargs = _model.split_input(self.sample_input)
             strict = (self.world.fake_tree(args), self.world.fake_tree(kwargs))
             hybrid = (
                 self.world.fake_tree(args, REAL_VALUE_LIMIT),
@@ -1427,10 +1400,11 @@ class _Simulation:
             raise
         return self
 
-    def _warm_up(self) -> _planning.Profile:
+    def _warm_up(self) -> Any:
         """The untracked first step: it creates gradients and optimizer
         state (a steady-state step starts with both), and the C profiler
-        measures its forward, as static profiling in wrap() does."""
+        measures its forward, as static profiling in wrap() does; what it
+        measured, read by ``read_profile``."""
         units = self.units
         params = self.world.params + self.world.buffers
         holder: dict[str, Any] = {}
@@ -1455,7 +1429,7 @@ class _Simulation:
                     prof.detach()
 
         profiler = self.step.warm_up(_Pass)
-        return _planning.profile_from(profiler, units, "static")
+        return self.read_profile(profiler, units)
 
     def __exit__(self, *exc: Any) -> None:
         try:
@@ -1498,45 +1472,38 @@ class _Simulation:
             executor.detach()
 
 
-class PredictionSession:
-    """Predictions for one model and batch under several Configs.
+class SimulationSession:
+    """Simulated training steps of one model and batch, on fake tensors.
 
-    Entering it simulates the warm-up and the unoptimized step once; each
-    :meth:`predict` then makes the plan ``wrap`` would make with that
-    Config and simulates the step under it (once per distinct plan).  The
-    model's parameters and buffers are fake while the session is open, so
-    use it only as ``with PredictionSession(...) as session:`` around
-    ``session.predict(...)`` calls (the AutoTuner does).
+    Entering it sets up the fake world, runs the warm-up step (its forward
+    measured by the C profiler, as ``wrap()``'s static profiling measures
+    it; ``read_profile(profiler, units)`` makes :attr:`profile` of the
+    measurement) and simulates the unoptimized step once; the step under a
+    plan is simulated when first asked for (once per plan).  The model's
+    parameters and buffers are fake while it is open.  Making the plans is
+    the caller's job (``memscale._planner.PredictionSession``).
     """
 
     def __init__(
         self,
         model: nn.Module,
         sample_input: Any,
-        optimizer: torch.optim.Optimizer | None = None,
-        device: Any = None,
+        optimizer: torch.optim.Optimizer | None,
+        hardware: dict[str, Any],
+        sim_device: torch.device,
         *,
-        loss_fn: Callable[[Any], Any] | None = None,
-        config: Config | None = None,
+        loss_fn: Callable[[Any], Any] | None,
+        read_profile: Callable[[Any, list[tuple[str, nn.Module]]], Any],
     ) -> None:
-        self._start = time.perf_counter()
-        config = _check_args(model, sample_input, config, optimizer, loss_fn, "predict_peak")
         self.model = model
-        self.optimizer = optimizer
-        self.hardware, self.sim_device = _resolve_device(model, device, config)
+        self.hardware = hardware
         self._sim = _Simulation(
-            model, sample_input, optimizer, loss_fn, self.sim_device, self.hardware["device"]
+            model, sample_input, optimizer, loss_fn, sim_device, hardware["device"], read_profile
         )
         self._traces: dict[str, _Trace] = {}
-        # Configs whose plan is every layer checkpointed alone, because the
-        # planner's did not fit when simulated (see plan_offsets).
-        self._fallback: dict[Config, bool] = {}
-        # The simulated peak of every layer checkpointed alone (the last
-        # plan_offsets computed it), or None.
-        self.forced_peak: int | None = None
         self._workspace: dict[Any, _Kernel] = {}
         self._unprobed: dict[str, int] = {}
-        self._open = False
+        self.is_open = False
 
     def _guard(self, what: Callable[[], Any]) -> Any:
         try:
@@ -1553,59 +1520,43 @@ class PredictionSession:
                 "choose what to do, cannot be predicted"
             ) from exc
 
-    def __enter__(self) -> PredictionSession:
+    def __enter__(self) -> SimulationSession:
         self._guard(self._sim.__enter__)
-        self._open = True
+        self.is_open = True
         try:
             self._unoptimized = self._guard(self._sim.unoptimized)
             self._probe(self._unoptimized, "")
-            self._setup_seconds = time.perf_counter() - self._start
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._open:
-            self._open = False
+        if self.is_open:
+            self.is_open = False
             self._sim.__exit__(None, None, None)
+
+    @property
+    def profile(self) -> Any:
+        """What the warm-up's forward measured, as ``read_profile`` read it."""
+        return self._sim.profile
+
+    @property
+    def optimizer_name(self) -> str:
+        """The class name of the optimizer simulated (AdamW without one)."""
+        return self._sim.optimizer_name
+
+    @property
+    def optimizer_simulated(self) -> bool:
+        """Whether the optimizer's step runs on fake tensors (False: its
+        state is estimated from its class, and it has no workspace)."""
+        return self._sim.optimizer_simulated
 
     def _probe(self, trace: _Trace, key: str) -> None:
         limit = min(PROBE_LIMIT, max(1, int(self.hardware["capacity_bytes"]) // 8))
         found, unprobed = _probe_workspace(trace.signatures(), limit)
         self._workspace.update(found)
         self._unprobed[key] = unprobed
-
-    def plan(self, config: Config) -> Any:
-        """The plan wrap() makes with ``config``: the same profile (the
-        warm-up's forward on fake tensors), the same Stage 1 (the strategy
-        policy, when ``auto_policy`` is on) and the same engine inputs."""
-        fixed = _planning.fixed_bytes(self.model, self.optimizer)
-        profile = self._sim.profile
-        if config.auto_policy:
-            from . import policy
-
-            context = policy.StrategyContext.build(
-                config,
-                self.hardware,
-                profile if policy.needs_profile(config, self.hardware) else None,
-                fixed,
-            )
-            _, config = policy.select_strategy(config, context)
-        # The engine plans from the predicted peaks (as wrap() does with
-        # sample_input): the same corrections, the same plan.
-        offset, plan_offset = self.plan_offsets(config, profile, fixed)
-        return _planning.make_plan(
-            profile,
-            _planning.fallback_config(config, self._fallback.get(config)),
-            self.hardware,
-            fixed,
-            peak_offset=offset,
-            plan_offset=plan_offset,
-        )
-
-    # Rounds of "simulate the plan, correct, plan again" at most.
-    CALIBRATION_ROUNDS = 5
 
     def _trace(self, plan: Any, config: Config) -> tuple[str, _Trace]:
         """The step simulated under ``plan`` (once per plan), and its key."""
@@ -1620,233 +1571,23 @@ class PredictionSession:
             self._probe(self._traces[key], key)
         return key, self._traces[key]
 
-    def _simulated_peak(self, plan: Any, config: Config) -> int:
+    def simulated_peak(self, plan: Any, config: Config) -> int:
+        """The peak bytes of the step under ``plan`` (made with ``config``)."""
         return int(self._trace(plan, config)[1].breakdown(self._workspace).peak_bytes)
 
-    def plan_offsets(
-        self, config: Config, profile: Any = None, fixed: int | None = None
-    ) -> tuple[int, int]:
-        """The engine's two corrections for ``config`` (its effective,
-        post-Stage-1 form): of the unoptimized peak (predicted minus the
-        engine's), and of its plans' peaks.
-
-        The second is calibrated on simulated optimized steps: first the
-        step with every layer checkpointed, then (up to three rounds) the
-        step under the plan the budget planner makes, corrected by what the
-        simulation says it really needs.  The unoptimized step's correction
-        can be far off for plans (a temporary proportional to the
-        activations, present at the unoptimized peak only), which would
-        make the planner refuse budgets that fit or choose plans that do
-        not.  Smart-skipped and forced plans keep the one correction."""
-        if profile is None:
-            profile = self._sim.profile
-        if fixed is None:
-            fixed = _planning.fixed_bytes(self.model, self.optimizer)
-        hw = self.hardware
-        base = _planning.make_plan(profile, config, hw, fixed)
-        offset = self.unoptimized_peak() - base.peak_unoptimized_bytes
-        plan = _planning.make_plan(profile, config, hw, fixed, peak_offset=offset)
-        self._fallback.pop(config, None)
-        if (
-            plan.skipped
-            or config.force_optimize
-            or (not plan.technique_counts["checkpoint"] and plan.fits)
-        ):
-            return offset, offset
-        # Calibrate on every layer checkpointed (what the least budgets
-        # are made of).
-        forced = _planning.make_plan(
-            profile,
-            config.replace(
-                force_optimize=True, mode=OptimizationMode.CONSERVATIVE, enable_tiling=False
-            ),
-            hw,
-            fixed,
-            peak_offset=offset,
-        )
-        plan_offset = forced_offset = offset
-        forced_peak = None
-        if forced.technique_counts["checkpoint"]:
-            forced_peak = self._simulated_peak(forced, config)
-            self.forced_peak = forced_peak
-            plan_offset = forced_offset = offset + (forced_peak - forced.peak_projected_bytes)
-        verified = untestable = False
-        for _ in range(self.CALIBRATION_ROUNDS):
-            plan = _planning.make_plan(
-                profile, config, hw, fixed, peak_offset=offset, plan_offset=plan_offset
-            )
-            if not plan.fits or not plan.technique_counts["checkpoint"]:
-                break
-            if plan.technique_counts["tiling"]:
-                # The simulation runs tiled layers whole: it would overstate
-                # what a tiled plan needs.
-                untestable = True
-                break
-            miss = self._simulated_peak(plan, config) - plan.peak_projected_bytes
-            if plan.peak_projected_bytes + miss <= plan.budget_bytes:
-                verified = True
-                break
-            plan_offset += max(miss, 1)
-        if (
-            not verified
-            and not untestable
-            and forced_peak is not None
-            and forced_peak <= _planning.budget_bytes(config, hw)
-        ):
-            # The planner's plans did not fit when simulated, but every
-            # layer checkpointed alone does: that plan, then.
-            self._fallback[config] = True
-            return offset, forced_offset
-        return offset, plan_offset
-
     def unoptimized_peak(self) -> int:
-        """The predicted peak bytes of the unoptimized step."""
-        if not self._open:
-            raise RuntimeError(
-                "PredictionSession.unoptimized_peak() runs inside "
-                "'with PredictionSession(...) as session:'"
-            )
+        """The peak bytes of the unoptimized step."""
         return int(self._unoptimized.breakdown(self._workspace).peak_bytes)
 
-    def predict(self, config: Config | None = None) -> PeakPrediction:
-        if not self._open:
-            raise RuntimeError(
-                "PredictionSession.predict() runs inside 'with PredictionSession(...) as session:'"
-            )
-        t0 = time.perf_counter()
-        if config is None:
-            config = Config()
-        elif not isinstance(config, Config):
-            raise TypeError(
-                f"config must be a memscale.Config or None, got {type(config).__name__}"
-            )
-        plan = self.plan(config)
+    def breakdowns(self, plan: Any, config: Config) -> tuple[PeakBreakdown, PeakBreakdown, int]:
+        """The unoptimized step and the step under ``plan`` (the unoptimized
+        one when the plan checkpoints nothing), and the kernel calls of the
+        two whose scratch memory was not measured."""
         key, trace = "", self._unoptimized
         if plan.technique_counts["checkpoint"]:
             key, trace = self._trace(plan, config)
-        sim = self._sim
-        chosen = tuple(layer.name for layer in plan.layers if layer.techniques)
-        result = PeakPrediction(
-            unoptimized=self._unoptimized.breakdown(self._workspace),
-            optimized=trace.breakdown(self._workspace),
-            device=self.hardware["device"],
-            device_name=str(self.hardware.get("name", self.hardware["device"])),
-            capacity_bytes=int(self.hardware["capacity_bytes"]),
-            budget_bytes=_planning.budget_bytes(config, self.hardware),
-            simulated_on=self.sim_device.type,
-            plan_hash=plan.hash,
-            plan_skipped=bool(plan.skipped),
-            checkpointed_layers=chosen,
-            layer_count=len(plan),
-            recompute_ratio=float(plan.recompute_ratio),
-            forward_flops=float(sim.profile.total_flops),
-            engine_unoptimized_bytes=int(plan.peak_unoptimized_bytes),
-            engine_projected_bytes=int(plan.peak_projected_bytes),
-            optimizer=sim.optimizer_name,
-            optimizer_simulated=sim.optimizer_simulated,
-            unprobed_calls=self._unprobed[""] + self._unprobed.get(key, 0),
-            seconds=self._setup_seconds + time.perf_counter() - t0,
-            plan=plan,
+        return (
+            self._unoptimized.breakdown(self._workspace),
+            trace.breakdown(self._workspace),
+            self._unprobed[""] + self._unprobed.get(key, 0),
         )
-        _report_disagreement(result, plan)
-        return result
-
-
-def _report_disagreement(p: PeakPrediction, plan: Any) -> None:
-    """Say so when the engine's decision rests on an estimate the
-    simulation contradicts (see PeakPrediction.engine_*_bytes)."""
-    if plan.skipped and not p.fits_unoptimized:
-        logger.warning(
-            "memscale: the decision engine estimates the unoptimized step at %s "
-            "and leaves the model alone (smart-skip), but the simulated step "
-            "needs %s, over the usable %s. Use force_optimize=True, or the "
-            "Config memscale.autotuning.AutoTuner finds",
-            _fmt(p.engine_unoptimized_bytes),
-            _fmt(p.unoptimized.peak_bytes),
-            _fmt(p.budget_bytes),
-        )
-    elif not plan.skipped and plan.fits and not p.fits:
-        logger.warning(
-            "memscale: the decision engine projects the planned step at %s, "
-            "within the usable %s, but the simulated step needs %s; the "
-            "memscale.autotuning.AutoTuner finds a Config whose plan fits",
-            _fmt(p.engine_projected_bytes),
-            _fmt(p.budget_bytes),
-            _fmt(p.optimized.peak_bytes),
-        )
-
-
-def predict_peak(
-    model: nn.Module,
-    sample_input: Any,
-    config: Config | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    device: Any = None,
-    *,
-    loss_fn: Callable[[Any], Any] | None = None,
-) -> PeakPrediction:
-    """Predict the peak memory of one training step, without and with
-    memscale's plan, on fake tensors: no memory of the step is allocated,
-    so a model larger than this machine can be predicted (build it under
-    ``torch.device("meta")`` and pass ``device``).
-
-    ``sample_input`` is one batch (a tensor, a tuple of positional inputs or
-    a dict of keyword inputs); real or meta tensors.  ``config`` is the
-    Config ``wrap`` would get (default ``Config()``); the plan predicted is
-    the plan ``wrap(model, config, sample_input, optimizer=optimizer)``
-    makes for the model in training mode.  ``optimizer`` is the optimizer
-    you train with (its class and settings are rebuilt on fake parameters;
-    default AdamW).  ``device`` is None (the model's device, detected), a
-    device name, or a :class:`DeviceSpec` with its capacity.  ``loss_fn``
-    maps the model's output to the loss (default :func:`default_loss`).
-
-    The step is ``optimizer.zero_grad(set_to_none=True)``, forward, loss,
-    backward, ``optimizer.step()``, in steady state (gradients and
-    optimizer state exist when it starts).  The model's parameters, buffers,
-    attributes, RNG state and training flags are as before when this
-    returns, also when it raises.
-    """
-    with PredictionSession(
-        model, sample_input, optimizer, device, loss_fn=loss_fn, config=config
-    ) as session:
-        return session.predict(config)
-
-
-def estimate_savings(
-    model: nn.Module,
-    sample_input: Any = None,
-    config: Config | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    device: Any = None,
-    loss_fn: Callable[[Any], Any] | None = None,
-) -> SavingsEstimate:
-    """Predicted peak memory without and with memscale's plan on the same
-    hardware, the bytes saved, and the predicted step-time ratio
-    (``1 + recompute FLOPs / (3 x forward FLOPs)``).  Computed by
-    :func:`predict_peak` on fake tensors; ``sample_input`` is required.
-    Prints as a table; ``to_dict()`` gives the figures."""
-    if sample_input is None:
-        raise ValueError(
-            "estimate_savings() needs sample_input: the estimate simulates one "
-            "training step on that batch (on fake tensors, with no memory). "
-            "Pass one batch: estimate_savings(model, sample_input=batch)"
-        )
-    p = predict_peak(model, sample_input, config, optimizer, device, loss_fn=loss_fn)
-    unopt, opt = p.unoptimized.peak_bytes, p.optimized.peak_bytes
-    return SavingsEstimate(
-        peak_unoptimized_bytes=unopt,
-        peak_optimized_bytes=opt,
-        saved_bytes=unopt - opt,
-        saved_fraction=(unopt - opt) / unopt if unopt else 0.0,
-        time_ratio=p.time_ratio,
-        recompute_ratio=p.recompute_ratio,
-        device=p.device,
-        capacity_bytes=p.capacity_bytes,
-        budget_bytes=p.budget_bytes,
-        fits_unoptimized=p.fits_unoptimized,
-        fits_optimized=p.fits,
-        plan_hash=p.plan_hash,
-        checkpointed_layers=len(p.checkpointed_layers),
-        layer_count=p.layer_count,
-    )

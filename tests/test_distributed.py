@@ -76,7 +76,7 @@ def test_fsdp2_counts_sharded_parameters(tmp_path):
     from conftest import tiny_gpt2
 
     model = tiny_gpt2()
-    full = memscale._planning.fixed_bytes(model, None)
+    full = memscale._model.fixed_bytes(model, None)
     fixed = ranks[0]["memscale"]["fixed"]
     # Shards (half of weights, gradients, Adam state) plus one block
     # all-gathered: well under the unsharded figure.

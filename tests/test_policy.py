@@ -15,7 +15,7 @@ import torch
 from conftest import hook_count, mlp
 
 import memscale
-from memscale import _core, _planning, policy
+from memscale import _core, _model, _planning, policy
 from memscale.policy import (
     FEATURES,
     STRATEGIES,
@@ -46,7 +46,7 @@ def profiled():
     units = _core.find_units(model)
     config = memscale.Config()
     profile = _planning.profile_upfront(model, units, torch.randn(64, 32), config)
-    return profile, _planning.fixed_bytes(model, None)
+    return profile, _model.fixed_bytes(model, None)
 
 
 def context_at(pressure: float, profiled, config=None) -> StrategyContext:

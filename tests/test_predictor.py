@@ -18,9 +18,10 @@ from conftest import CNN, hook_count, mlp, tiny_gpt2, token_batch
 from torch import nn
 
 import memscale
-from memscale import _torch_compat, predictor
+from memscale import _planner, _torch_compat, predictor
+from memscale._planner import PredictionSession, predict_peak
 from memscale.autotuning import measure_step
-from memscale.predictor import DeviceSpec, PeakPrediction, PredictionSession, predict_peak
+from memscale.predictor import DeviceSpec, PeakPrediction
 
 FORCE = memscale.Config(mode="conservative", force_optimize=True, enable_logging=False)
 QUIET = memscale.Config(enable_logging=False)
@@ -466,7 +467,7 @@ def test_wrap_falls_back_to_the_engine_estimate(monkeypatch, caplog):
         def __init__(self, *args, **kwargs):
             raise RuntimeError("cannot simulate")
 
-    monkeypatch.setattr(predictor, "PredictionSession", Broken)
+    monkeypatch.setattr(_planner, "PredictionSession", Broken)
     model = mlp()
     with caplog.at_level(logging.INFO, logger="memscale"):
         memscale.wrap(model, QUIET, sample_input=torch.randn(4, 32))

@@ -25,8 +25,9 @@ from torch import nn
 
 from .. import _planning
 from .._format import format_bytes
+from .._planner import PredictionSession
 from ..config import GIB, Config, OptimizationMode
-from ..predictor import PeakPrediction, PredictionSession, _resolve_device
+from ..predictor import PeakPrediction, resolve_device
 from .trial import measure_step
 
 logger = logging.getLogger(__name__)
@@ -281,7 +282,7 @@ class AutoTuner:
         self.loss_fn = loss_fn
         self.base_config = base_config
         if budget_bytes is None:
-            hardware, _ = _resolve_device(model, device, base_config)
+            hardware, _ = resolve_device(model, device, base_config)
             budget_bytes = _planning.budget_bytes(base_config, hardware)
         self.budget_bytes = int(budget_bytes)
 
