@@ -39,9 +39,9 @@ from . import (
     policy,
     tiling,
 )
+from ._executor import Executor
 from ._format import format_bytes, plan_table
 from .config import GIB, AsyncOffloadConfig, Config, OptimizationMode
-from .executor import Executor
 
 logger = logging.getLogger(__name__)
 

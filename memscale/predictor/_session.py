@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import _core, _hf_cache, _model, _verify
+from .._executor import Executor
 from ..config import Config
-from ..executor import Executor
 from ..offload import SimulatedTier, async_settings
 from ._fake import REAL_VALUE_LIMIT, FakeWorld
 from ._results import PeakBreakdown
