@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import _core, _torch_compat, offload
+from . import _core, _distributed, _torch_compat, offload
 from ._model import split_input, tensors_of
 from .config import GIB, Config, OptimizationMode
 
@@ -360,9 +360,7 @@ def static_profiling_supported(model: torch.nn.Module) -> str | None:
     not run on ``model``, or None.  FSDP2 keeps its own parameter state
     (sharded DTensors it swaps for all-gathered ones around each forward),
     which a pass with substituted fake parameters leaves inconsistent."""
-    from . import distributed
-
-    if distributed.is_fsdp2(model):
+    if _distributed.is_fsdp2(model):
         return (
             "the model is sharded with FSDP2 (fully_shard), whose "
             "parameter state a fake-tensor pass would disturb"

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _core, _torch_compat, _verify
+from . import _core, _distributed, _torch_compat, _verify
 from ._format import plan_table
 
 logger = logging.getLogger(__name__)
@@ -418,9 +418,7 @@ def install(
     forward (removed by the executor's detach)."""
     if not any("checkpoint" in layer.techniques and layer.tiles <= 1 for layer in plan.layers):
         return None
-    from . import distributed
-
-    if distributed.is_fsdp2(model):
+    if _distributed.is_fsdp2(model):
         logger.info(
             "memscale: the model is sharded with FSDP2, whose "
             "parameter state a second run inside a layer's forward "

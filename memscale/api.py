@@ -23,6 +23,7 @@ from . import (
     _budget,
     _copying,
     _core,
+    _distributed,
     _firststep,
     _hf_cache,
     _model,
@@ -32,7 +33,6 @@ from . import (
     _telemetry,
     _torch_compat,
     amp,
-    distributed,
     observability,
     offload,
     optim,
@@ -287,7 +287,7 @@ def _apply_sample_plan(
         peak_offset=offsets[0],
         plan_offset=offsets[1],
     )
-    plan = distributed.shared_plan(inputs)
+    plan = _distributed.shared_plan(inputs)
     _log_plan(config, hardware, plan, executor.decision)
     _budget.check(plan, inputs, plan_config, _model.optimizer_state_bytes(model, optimizer), least)
     offload.attach(executor, plan_config, hardware, plan)
@@ -410,7 +410,7 @@ def _plan_after_warmup(
             else _stage1(executor, config, hardware, warm, fixed)
         )
         inputs = _planning.plan_inputs(warm, plan_config, hardware, fixed)
-        plan = distributed.shared_plan(inputs)
+        plan = _distributed.shared_plan(inputs)
         _log_plan(config, hardware, plan, executor.decision)
         _budget.check(plan, inputs, plan_config, _model.optimizer_state_bytes(model, optimizer))
         offload.attach(executor, plan_config, hardware, plan)
@@ -485,8 +485,8 @@ def wrap(
         hardware = _core.detect_hardware(device.type, device.index or 0)
     units = _core.find_units(model)
     fixed = _model.fixed_bytes(model, optimizer)  # FSDP2: the local shards
-    if distributed.is_fsdp2(model):
-        fixed += distributed.fsdp2_in_flight_bytes(model)
+    if _distributed.is_fsdp2(model):
+        fixed += _distributed.fsdp2_in_flight_bytes(model)
 
     # Profile before any hook of ours exists, so that the profiling pass
     # is not seen (or counted) as a training forward.

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import memscale
-from memscale import distributed
+from memscale import _distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -115,7 +115,7 @@ def test_a_missing_rank_is_named_not_waited_for(tmp_path):
 
 
 def test_single_process_is_untouched():
-    assert not distributed.active()
+    assert not _distributed.active()
     plan_inputs = dict(
         layers=[("a", "Block", 0, 100, 10, 1.0, 0)],
         mode="balanced",
@@ -129,13 +129,13 @@ def test_single_process_is_untouched():
         device_count=1,
         capacity_bytes=1 << 20,
     )
-    plan = distributed.shared_plan(plan_inputs)
+    plan = _distributed.shared_plan(plan_inputs)
     assert plan.hash == memscale._core.build_plan(**plan_inputs).hash
 
 
 def test_timeout_setting(monkeypatch):
     monkeypatch.setenv("MEMSCALE_DIST_TIMEOUT", "abc")
     with pytest.raises(ValueError, match="MEMSCALE_DIST_TIMEOUT"):
-        distributed.timeout_seconds()
+        _distributed.timeout_seconds()
     monkeypatch.setenv("MEMSCALE_DIST_TIMEOUT", "12.5")
-    assert distributed.timeout_seconds() == 12.5
+    assert _distributed.timeout_seconds() == 12.5
