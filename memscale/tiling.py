@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _core
+from . import _attention, _core
 from ._verify import _diff, _named_tensors, rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -233,9 +233,7 @@ def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> Non
     model = executor.model
     if model is not None:
         # Inside the tiled blocks, attention over query tiles too.
-        from . import attention
-
-        attention.attach(executor, model, max(plan.layers[i].tiles for i in tiled))
+        _attention.attach(executor, model, max(plan.layers[i].tiles for i in tiled))
     executor.set_tile_verifier(verify)
     for i in tiled:
         unit = units[i][1]
