@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import _core, _distributed, _torch_compat, offload
+from . import _core, _distributed, _offload, _torch_compat
 from ._model import split_input, tensors_of
 from .config import GIB, Config, OptimizationMode
 
@@ -335,7 +335,7 @@ def plan_inputs(
 ) -> dict[str, Any]:
     """Every input of the engine (``_core.build_plan`` keywords): plain
     data, so that one rank can send them to the others."""
-    offload_in = offload.plan_inputs(config, hardware)
+    offload_in = _offload.plan_inputs(config, hardware)
     return dict(
         layers=[tuple(layer) for layer in profile.layers],
         mode=config.mode.value,

@@ -27,6 +27,7 @@ from . import (
     _firststep,
     _hf_cache,
     _model,
+    _offload,
     _planner,
     _planning,
     _recompute_check,
@@ -34,7 +35,6 @@ from . import (
     _torch_compat,
     amp,
     observability,
-    offload,
     optim,
     policy,
     tiling,
@@ -290,7 +290,7 @@ def _apply_sample_plan(
     plan = _distributed.shared_plan(inputs)
     _log_plan(config, hardware, plan, executor.decision)
     _budget.check(plan, inputs, plan_config, _model.optimizer_state_bytes(model, optimizer), least)
-    offload.attach(executor, plan_config, hardware, plan)
+    _offload.attach(executor, plan_config, hardware, plan)
     tiling.install(executor, units, plan)
     executor.apply(plan)
     _after_plan(model, executor, plan, inputs)
@@ -413,7 +413,7 @@ def _plan_after_warmup(
         plan = _distributed.shared_plan(inputs)
         _log_plan(config, hardware, plan, executor.decision)
         _budget.check(plan, inputs, plan_config, _model.optimizer_state_bytes(model, optimizer))
-        offload.attach(executor, plan_config, hardware, plan)
+        _offload.attach(executor, plan_config, hardware, plan)
         tiling.install(executor, units, plan)
         executor.count_layer_recomputes(units, plan)
         _after_plan(model, executor, plan, inputs)

@@ -13,8 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .. import _core, _hf_cache, _model, _verify
 from .._executor import Executor
+from .._offload import SimulatedTier, async_settings
 from ..config import Config
-from ..offload import SimulatedTier, async_settings
 from ._fake import REAL_VALUE_LIMIT, FakeWorld
 from ._results import PeakBreakdown
 from ._step import Step, Trace, estimated_state, fake_optimizer
