@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import _core, _distributed, _offload, _torch_compat
+from . import _core, _distributed, _offload, _tiling, _torch_compat
 from ._model import split_input, tensors_of
 from .config import GIB, Config, OptimizationMode
 
@@ -221,11 +221,9 @@ def profile_upfront(
 
 
 def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]], method: str) -> Profile:
-    from . import tiling
-
     layers = []
     details = []
-    for (name, module), r, tile_flag in zip(units, profiler.results(), tiling.layer_flags(units)):
+    for (name, module), r, tile_flag in zip(units, profiler.results(), _tiling.layer_flags(units)):
         kind = type(module).__name__
         layers.append(
             (

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _core, _distributed, _offload, _torch_compat, _verify
+from . import _core, _distributed, _offload, _tiling, _torch_compat, _verify
 from ._format import plan_table
 
 logger = logging.getLogger(__name__)
@@ -387,8 +387,6 @@ def _planning_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tor
 def _attach_new_needs(executor: Any, old: Any, plan: Any) -> None:
     """What the new plan uses and the old one did not set up: an offload
     tier, tiled forwards."""
-    from . import tiling
-
     if executor.offload_store is None and executor.offload_host is None:
         _offload.attach(executor, executor.config, executor.hardware, plan)
     before = {i for i, layer in enumerate(old.layers) if layer.tiles > 1} if old else set()
@@ -399,7 +397,7 @@ def _attach_new_needs(executor: Any, old: Any, plan: Any) -> None:
         only_new = _Layers(
             [layer if i in new else _Untiled() for i, layer in enumerate(plan.layers)]
         )
-        tiling.install(executor, units, only_new)
+        _tiling.install(executor, units, only_new)
 
 
 class _Untiled:

@@ -32,12 +32,12 @@ from . import (
     _planning,
     _recompute_check,
     _telemetry,
+    _tiling,
     _torch_compat,
     amp,
     observability,
     optim,
     policy,
-    tiling,
 )
 from ._executor import Executor
 from ._format import format_bytes, plan_table
@@ -291,7 +291,7 @@ def _apply_sample_plan(
     _log_plan(config, hardware, plan, executor.decision)
     _budget.check(plan, inputs, plan_config, _model.optimizer_state_bytes(model, optimizer), least)
     _offload.attach(executor, plan_config, hardware, plan)
-    tiling.install(executor, units, plan)
+    _tiling.install(executor, units, plan)
     executor.apply(plan)
     _after_plan(model, executor, plan, inputs)
     return plan
@@ -414,7 +414,7 @@ def _plan_after_warmup(
         _log_plan(config, hardware, plan, executor.decision)
         _budget.check(plan, inputs, plan_config, _model.optimizer_state_bytes(model, optimizer))
         _offload.attach(executor, plan_config, hardware, plan)
-        tiling.install(executor, units, plan)
+        _tiling.install(executor, units, plan)
         executor.count_layer_recomputes(units, plan)
         _after_plan(model, executor, plan, inputs)
         _telemetry.plan_built(executor, plan, model)
