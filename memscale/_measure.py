@@ -309,7 +309,7 @@ def live_storage_bytes(*objs: Any) -> int:
 # --------------------------------------------------------------------------
 
 
-def _profiler_active() -> bool:
+def profiler_active() -> bool:
     """Whether a torch profiler (any kind) is running in this process."""
     # The C++ state covers every way of starting a profiler; the Python flag
     # is a second, cheap check kept for older releases.
@@ -372,7 +372,7 @@ def _fd2_captured(what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _quiet(what: str) -> Iterator[None]:
+def quiet_profiler(what: str) -> Iterator[None]:
     """Capture Python-level output and warnings, log them at DEBUG; the
     profiler's own C++ lines on file descriptor 2 too."""
     out = io.StringIO()
@@ -424,7 +424,7 @@ def _profiled_step(
     and ``(start_ns, nbytes)`` of the measured call's allocator events, in
     the profiler's order."""
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet("profiler start"):
+    with quiet_profiler("profiler start"):
         prof.start()
     try:
         for _ in range(warmup):
@@ -436,7 +436,7 @@ def _profiled_step(
         with record_function(_WINDOW_NAME):
             step_fn()
     finally:
-        with _quiet("profiler stop"):
+        with quiet_profiler("profiler stop"):
             prof.stop()
     try:
         raw = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
@@ -462,7 +462,7 @@ def _profiled_step(
     return start, events
 
 
-def _running_peak(events: Iterable[tuple[int, int]]) -> tuple[int, int]:
+def running_peak(events: Iterable[tuple[int, int]]) -> tuple[int, int]:
     """``(peak, end)`` of the running sum of ``nbytes`` in time order."""
     # sorted() is stable: events with equal timestamps keep their order.
     ordered = sorted(events, key=lambda event: event[0])
@@ -518,7 +518,7 @@ def measure_peak(
             "model must be a torch.nn.Module or None, got "
             f"{type(model).__name__}; pass other tensors as inputs="
         )
-    if _profiler_active():
+    if profiler_active():
         raise RuntimeError(
             "measure_peak cannot run while another torch profiler is active: "
             "two profilers in one process corrupt each other's results. "
@@ -534,7 +534,7 @@ def measure_peak(
         return live_storage_bytes(model, inputs)
 
     start, events = _profiled_step(step_fn, warmup, count_start)
-    peak, end = _running_peak(events)
+    peak, end = running_peak(events)
     freed = sum(nbytes for ref, nbytes in refs if ref.expired())
     if freed:
         warnings.warn(

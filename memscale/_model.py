@@ -108,7 +108,7 @@ def optimizer_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimiz
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
-                if AdamW8bit._eight_bit(p, group):
+                if AdamW8bit.quantizes(p, group):
                     blocks = -(-p.numel() // group["block_size"])
                     total += 2 * p.numel() + 8 * blocks
                 else:

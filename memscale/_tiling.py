@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from . import _attention, _core
-from ._verify import _diff, _named_tensors, rng_state, set_rng_state
+from ._verify import max_difference, named_tensors, rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def _disagreement(
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
-    want, got = _named_tensors(ref), _named_tensors(tiled)
+    want, got = named_tensors(ref), named_tensors(tiled)
     if [n for n, _ in want] != [n for n, _ in got]:
         return "its tiled output has a different structure"
     for (name, a), (_, b) in zip(want, got):
@@ -174,7 +174,7 @@ def _disagreement(
             continue
         rtol = _RTOL.get(a.dtype, 1e-5)
         scale = float(a.detach().abs().max()) if a.numel() else 0.0
-        absolute, _ = _diff(b, a)
+        absolute, _ = max_difference(b, a)
         if absolute > rtol * max(scale, torch.finfo(a.dtype).tiny):
             return (
                 f"{name} differs by {absolute:.3g} when tiled (largest "

@@ -104,14 +104,14 @@ def _stage1(
 
 def _abandoner(ref: weakref.ref[Executor]) -> Any:
     """What the model's call guard runs when a forward is left by an
-    exception: the executor leaves what it entered (``Executor._abandon``),
+    exception: the executor leaves what it entered (``Executor.abandon``),
     also on a ``KeyboardInterrupt``, which torch's ``always_call`` hooks
     never see."""
 
     def abandon() -> None:
         executor = ref()
         if executor is not None:
-            executor._abandon()
+            executor.abandon()
 
     return abandon
 
@@ -378,8 +378,7 @@ def _plan_on_first_forward(
         first.remove()
         _plan_after_warmup(model, executor, units, config, hardware, fixed, optimizer)
 
-    executor._first_forward = first
-    executor._measure_instead = measure_instead
+    executor.await_first_forward(first, measure_instead)
 
 
 def _plan_after_warmup(
@@ -502,7 +501,7 @@ def wrap(
             if _first_step_planning(model, config)
             else "warmup"
         )
-        executor._init_python_state(config, hardware, method)
+        executor.init_python_state(config, hardware, method)
         executor.optimizer = optimizer
         executor.units = units
         executor.count_steps(optimizer)
@@ -529,8 +528,8 @@ def wrap(
         executor.on_detach(_copying.install(model, executor))
         model.__dict__[ATTR] = executor
     except BaseException:
-        if not hasattr(executor, "_restore"):
-            executor._init_python_state(config, hardware, "failed")
+        if not executor.has_python_state:
+            executor.init_python_state(config, hardware, "failed")
         executor.detach()
         raise
     _telemetry.wrap_called(model, executor)  # never raises

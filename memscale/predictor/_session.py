@@ -118,7 +118,7 @@ class _Simulation:
         undo_cache = None
         executor = Executor(self.model, self.units, warmup_steps=config.warmup_steps)
         try:
-            executor._init_python_state(config, hardware, "static")
+            executor.init_python_state(config, hardware, "static")
             executor.apply(plan)
             if plan.technique_counts["offload"]:
                 settings = async_settings(config)

@@ -167,7 +167,7 @@ def probe_workspace(signatures: Mapping[Any, int], limit: int) -> tuple[dict[Any
             todo.append(sig)
     if not todo:
         return out, skipped
-    if measure._profiler_active():
+    if measure.profiler_active():
         logger.info(
             "memscale: a torch profiler is running; kernel scratch "
             "memory of %d operator calls is not measured",
@@ -178,7 +178,7 @@ def probe_workspace(signatures: Mapping[Any, int], limit: int) -> tuple[dict[Any
     real = tools[1]() if tools is not None else contextlib.nullcontext()
     calls: list[tuple[int, tuple[int, ...]]] = []
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with measure._quiet("probe start"):
+    with measure.quiet_profiler("probe start"):
         prof.start()
     try:
         with real, torch.no_grad():  # real tensors, also inside a fake world
@@ -196,7 +196,7 @@ def probe_workspace(signatures: Mapping[Any, int], limit: int) -> tuple[dict[Any
                 calls.append((sum(sizes.values()), tuple(per_output)))
                 del result, args, kwargs
     finally:
-        with measure._quiet("probe stop"):
+        with measure.quiet_profiler("probe stop"):
             prof.stop()
     raw = _torch_compat.profiler_memory_events(prof)
     if raw is None:  # pragma: no cover - depends on the torch build
@@ -211,7 +211,7 @@ def probe_workspace(signatures: Mapping[Any, int], limit: int) -> tuple[dict[Any
     memory.sort(key=lambda e: e[0])
     for i, sig in enumerate(todo):
         begin, end = windows[i]
-        peak, _ = measure._running_peak(e for e in memory if begin <= e[0] <= end)
+        peak, _ = measure.running_peak(e for e in memory if begin <= e[0] <= end)
         returned, returned_each = calls[i]
         kernel = Kernel(max(0, peak - returned), returned_each)
         _PROBED[(sig, threads)] = out[sig] = kernel
