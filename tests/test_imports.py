@@ -115,3 +115,89 @@ def test_the_benchmark_check_sees_an_import(checker, tmp_path):
         "memscale.benchmarks",
         "memscale.benchmarks.measure",
     ]
+
+
+@pytest.mark.parametrize(("public", "internal"), [("offload", "_offload"), ("tiling", "_tiling")])
+def test_a_public_module_only_re_exports_its_public_names(public, internal):
+    pub = importlib.import_module(f"memscale.{public}")
+    impl = importlib.import_module(f"memscale.{internal}")
+    own = {n for n in vars(pub) if not n.startswith("__")}
+    assert own == set(pub.__all__)
+    assert all(getattr(pub, n) is getattr(impl, n) for n in pub.__all__)
+
+
+def _private_reaches(path: pathlib.Path, module: str, mods: set[str]) -> list[str]:
+    """``mod._name``, ``Class._name`` and ``from mod import _name`` where
+    ``mod`` is another memscale module (``Class`` a name imported from one)
+    and ``_name`` is not a module of its own."""
+    package = module.rpartition(".")[0]
+
+    def absolute(node: ast.ImportFrom) -> str:
+        base = node.module or ""
+        if not node.level:
+            return base
+        up = package
+        for _ in range(node.level - 1):
+            up = up.rpartition(".")[0]
+        return f"{up}.{base}" if base else up
+
+    def is_module(name: str) -> bool:
+        return name in mods or name == "memscale._core"
+
+    tree = ast.parse(path.read_text(), str(path))
+    bound: dict[str, str] = {}  # local name -> memscale module
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = absolute(node)
+            if not base.startswith("memscale"):
+                continue
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if is_module(full) or not alias.name.startswith("_"):
+                    # a module, or a public name of one (a class, say)
+                    bound[alias.asname or alias.name] = full
+                elif not alias.name.startswith("__"):
+                    found.append(f"from {base} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("memscale.") and alias.asname:
+                    bound[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and not is_module(f"{bound[node.value.id]}.{node.attr}")
+        ):
+            found.append(f"{bound[node.value.id]}.{node.attr}")
+    return sorted(set(found))
+
+
+def test_no_module_reaches_into_another_modules_private_names(checker):
+    mods = checker.modules()
+    names = set(mods)
+    wrong = {}
+    for m, path in mods.items():
+        module = m if path.name != "__init__.py" else m + ".__init__"
+        hits = _private_reaches(path, module, names)
+        if hits:
+            wrong[m] = hits
+    assert not wrong, f"private names used across modules: {wrong}"
+
+
+def test_the_private_name_check_sees_a_reach(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text(
+        "from . import _verify, api\nfrom ._verify import _diff\nfrom .optim import Adam\n"
+        "def f():\n    return _verify._named(api._select(Adam._bits()))\n"
+    )
+    mods = {"memscale._verify", "memscale.api", "memscale.optim"}
+    assert _private_reaches(path, "memscale.x", mods) == [
+        "from memscale._verify import _diff",
+        "memscale._verify._named",
+        "memscale.api._select",
+        "memscale.optim.Adam._bits",
+    ]
