@@ -69,6 +69,8 @@ import sys
 import threading
 from typing import Any
 
+from .config import GIB
+
 __all__ = [
     "ENV_ENABLE",
     "ENV_FILE",
@@ -311,7 +313,7 @@ def _event(name: str, executor: Any, arch: str, params: int, plan: Any = None) -
         "device_type": device if device in SCHEMA["device_type"] else "other",
         "device_count_bucket": _count_bucket(int(hardware.get("count", 1))),
         "device_memory_bucket": _bucket(
-            int(hardware.get("capacity_bytes", 0)) / (1 << 30), _BYTES_BUCKETS, ">=128GiB"
+            int(hardware.get("capacity_bytes", 0)) / GIB, _BYTES_BUCKETS, ">=128GiB"
         ),
         "arch_class": arch,
         "param_bucket": _bucket(params, _PARAM_BUCKETS, ">=10B"),

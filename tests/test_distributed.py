@@ -16,7 +16,7 @@ import torch
 from conftest import free_port
 
 import memscale
-from memscale import distributed
+from memscale import _distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -72,7 +72,7 @@ def test_fsdp2_counts_sharded_parameters(tmp_path):
     from conftest import tiny_gpt2
 
     model = tiny_gpt2()
-    full = memscale._planning.fixed_bytes(model, None)
+    full = memscale._model.fixed_bytes(model, None)
     fixed = ranks[0]["memscale"]["fixed"]
     # Shards (half of weights, gradients, Adam state) plus one block
     # all-gathered: well under the unsharded figure.
@@ -113,7 +113,7 @@ def test_a_missing_rank_is_named_not_waited_for(tmp_path):
 
 
 def test_single_process_is_untouched():
-    assert not distributed.active()
+    assert not _distributed.active()
     plan_inputs = dict(
         layers=[("a", "Block", 0, 100, 10, 1.0, 0)],
         mode="balanced",
@@ -127,13 +127,13 @@ def test_single_process_is_untouched():
         device_count=1,
         capacity_bytes=1 << 20,
     )
-    plan = distributed.shared_plan(plan_inputs)
+    plan = _distributed.shared_plan(plan_inputs)
     assert plan.hash == memscale._core.build_plan(**plan_inputs).hash
 
 
 def test_timeout_setting(monkeypatch):
     monkeypatch.setenv("MEMSCALE_DIST_TIMEOUT", "abc")
     with pytest.raises(ValueError, match="MEMSCALE_DIST_TIMEOUT"):
-        distributed.timeout_seconds()
+        _distributed.timeout_seconds()
     monkeypatch.setenv("MEMSCALE_DIST_TIMEOUT", "12.5")
-    assert distributed.timeout_seconds() == 12.5
+    assert _distributed.timeout_seconds() == 12.5

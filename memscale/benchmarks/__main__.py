@@ -20,7 +20,7 @@ import torch
 import memscale
 from memscale import _core
 
-from .._measure import format_bytes
+from .._format import format_bytes
 from .models import select
 from .runner import RSS_ENV, VARIANT_HELP, VARIANTS, VariantResult, rss_env, run_model
 
