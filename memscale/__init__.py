@@ -9,11 +9,12 @@ takes it all off again.
 import logging
 
 from ._budget import MemoryBudgetError
+from ._entry import detach, wrap
+from ._planner import estimate_savings, predict_peak
 from ._recompute_check import RecomputeMismatchError
 from ._version import __version__
-from .api import apply_all_optimizations, detach, optimize, wrap
+from .api import apply_all_optimizations, optimize
 from .config import AsyncOffloadConfig, Config, OptimizationMode
-from .predictor import estimate_savings, predict_peak
 
 __all__ = [
     "AsyncOffloadConfig",

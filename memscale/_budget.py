@@ -1,7 +1,8 @@
 """The error ``wrap`` raises when no plan fits the memory budget.
 
 The budget planner (``csrc/solver.c``) reports the smallest budget it can
-reach with the techniques the Config allows (``Plan.min_budget_bytes``).
+reach with the techniques the Config allows (``Plan.min_budget_bytes``;
+``memscale._planner.least_budget`` asks it for other engine inputs).
 This module turns that into an error that says what the budget is, what
 memscale can reach, and which Config changes would lower that, each with
 the smallest budget the planner finds with the change made.
@@ -12,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from . import _core
-from ._solve import PlanProblem, solve
+from ._format import format_bytes
+from ._planner import least_budget
+from ._solve import PlanProblem
 from .config import Config
 
 
@@ -36,19 +39,7 @@ class MemoryBudgetError(ValueError):
 
 
 def _gib(n: float) -> str:
-    from ._planning import format_bytes
-
-    return format_bytes(n)
-
-
-def _min_budget(problem: PlanProblem) -> int:
-    """The planner's smallest feasible budget for ``problem`` (a budget of
-    1 byte makes every plan infeasible, so the planner reports its
-    minimum)."""
-    plan = solve(problem.replace(budget_bytes=1, force=False))
-    if plan.min_budget_bytes >= 0:
-        return int(plan.min_budget_bytes)
-    return int(plan.peak_projected_bytes)
+    return format_bytes(n, digits=1)
 
 
 def suggestions(
@@ -69,7 +60,7 @@ def suggestions(
         out.append(
             (
                 what,
-                _min_budget(
+                least_budget(
                     problem.replace(
                         mode=mode,
                         allowed=allowed
@@ -83,14 +74,14 @@ def suggestions(
         out.append(
             (
                 "enable_tiling=True",
-                _min_budget(problem.replace(allowed=allowed | _core.TECH_TILING)),
+                least_budget(problem.replace(allowed=allowed | _core.TECH_TILING)),
             )
         )
     if not config.use_mixed_precision:
         out.append(
             (
                 "use_mixed_precision=True (activations in 16 bits, about half)",
-                _min_budget(problem.scaled_activations(0.5)),
+                least_budget(problem.scaled_activations(0.5)),
             )
         )
     if not config.use_8bit_optimizer and optimizer_state_bytes > 0:
@@ -99,13 +90,13 @@ def suggestions(
             (
                 "the 8-bit optimizer (use_8bit_optimizer=True with your "
                 "optimizer, or memscale.apply_all_optimizations)",
-                _min_budget(problem.replace(fixed_bytes=max(0, problem.fixed_bytes - saved))),
+                least_budget(problem.replace(fixed_bytes=max(0, problem.fixed_bytes - saved))),
             )
         )
     out.append(
         (
             "half the batch size (activations scale with it)",
-            _min_budget(problem.scaled_activations(0.5)),
+            least_budget(problem.scaled_activations(0.5)),
         )
     )
     return out

@@ -54,6 +54,16 @@ class LayerStats(structseq[Any], tuple[str, str, int, int, int, float, int]):
 # fields.
 _LayerRow = tuple[str, str, int, int, int, float, int]
 
+class _HardwareDict(TypedDict):
+    """What detect_hardware returns (memscale._hardware.Hardware's fields)."""
+
+    device: str
+    index: int
+    count: int
+    capacity_bytes: int
+    bf16: bool
+    name: str
+
 class _UnitResult(TypedDict):
     """One unit's figures in Profiler.results()."""
 
@@ -66,7 +76,7 @@ class _UnitResult(TypedDict):
     flags: int
 
 def find_units(model: torch.nn.Module, /) -> list[tuple[str, torch.nn.Module]]: ...
-def detect_hardware(device_type: str, index: int = 0) -> dict[str, Any]: ...
+def detect_hardware(device_type: str, index: int = 0) -> _HardwareDict: ...
 def build_plan(
     layers: Sequence[LayerStats | _LayerRow],
     *,
@@ -291,17 +301,20 @@ class Executor:
     def tiled_forward(self, index: int, forward: Callable[..., Any], /) -> Callable[..., Any]: ...
     def detach(self) -> None: ...
     def _abandon(self) -> None: ...
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
-    # The hooks it registers: on each planned unit (forward pre-hook with
-    # kwargs, always-called forward hook) and on the root module.
-    def _pre(
-        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], /
-    ) -> None: ...
-    def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any, /) -> None: ...
+    # The root module's forward pre-hook and forward hook (registered by
+    # ``apply``); ``memscale._executor.Executor.enter_root`` and
+    # ``leave_root`` call them by hand.
     def _root_pre(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], /
     ) -> None: ...
     def _root_post(
         self, module: torch.nn.Module, args: tuple[Any, ...], output: Any, /
     ) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    # The hooks it registers on each planned unit (forward pre-hook with
+    # kwargs, always-called forward hook).
+    def _pre(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], /
+    ) -> None: ...
+    def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any, /) -> None: ...

@@ -113,7 +113,6 @@ except ImportError:  # pragma: no cover - every supported torch has it
 __all__ = [
     "MemoryReport",
     "TimeReport",
-    "format_bytes",
     "live_storage_bytes",
     "measure_peak",
     "peak_rss_subprocess",
@@ -130,7 +129,6 @@ _WINDOW_NAME = "memscale::measured_step"
 _RSS_SENTINEL = "__MEMSCALE_PEAK_RSS__="
 # How much of a failed child's stderr goes into the error message.
 _STDERR_TAIL_CHARS = 4000
-_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
 # --------------------------------------------------------------------------
@@ -311,7 +309,7 @@ def live_storage_bytes(*objs: Any) -> int:
 # --------------------------------------------------------------------------
 
 
-def _profiler_active() -> bool:
+def profiler_active() -> bool:
     """Whether a torch profiler (any kind) is running in this process."""
     # The C++ state covers every way of starting a profiler; the Python flag
     # is a second, cheap check kept for older releases.
@@ -374,7 +372,7 @@ def _fd2_captured(what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _quiet(what: str) -> Iterator[None]:
+def quiet_profiler(what: str) -> Iterator[None]:
     """Capture Python-level output and warnings, log them at DEBUG; the
     profiler's own C++ lines on file descriptor 2 too."""
     out = io.StringIO()
@@ -426,7 +424,7 @@ def _profiled_step(
     and ``(start_ns, nbytes)`` of the measured call's allocator events, in
     the profiler's order."""
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet("profiler start"):
+    with quiet_profiler("profiler start"):
         prof.start()
     try:
         for _ in range(warmup):
@@ -438,7 +436,7 @@ def _profiled_step(
         with record_function(_WINDOW_NAME):
             step_fn()
     finally:
-        with _quiet("profiler stop"):
+        with quiet_profiler("profiler stop"):
             prof.stop()
     try:
         raw = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
@@ -464,7 +462,7 @@ def _profiled_step(
     return start, events
 
 
-def _running_peak(events: Iterable[tuple[int, int]]) -> tuple[int, int]:
+def running_peak(events: Iterable[tuple[int, int]]) -> tuple[int, int]:
     """``(peak, end)`` of the running sum of ``nbytes`` in time order."""
     # sorted() is stable: events with equal timestamps keep their order.
     ordered = sorted(events, key=lambda event: event[0])
@@ -520,7 +518,7 @@ def measure_peak(
             "model must be a torch.nn.Module or None, got "
             f"{type(model).__name__}; pass other tensors as inputs="
         )
-    if _profiler_active():
+    if profiler_active():
         raise RuntimeError(
             "measure_peak cannot run while another torch profiler is active: "
             "two profilers in one process corrupt each other's results. "
@@ -536,7 +534,7 @@ def measure_peak(
         return live_storage_bytes(model, inputs)
 
     start, events = _profiled_step(step_fn, warmup, count_start)
-    peak, end = _running_peak(events)
+    peak, end = running_peak(events)
     freed = sum(nbytes for ref, nbytes in refs if ref.expired())
     if freed:
         warnings.warn(
@@ -721,36 +719,3 @@ def time_ratio(
         repeats,
     )
     return report
-
-
-# --------------------------------------------------------------------------
-# Formatting
-# --------------------------------------------------------------------------
-
-
-def format_bytes(n: int | float) -> str:
-    """Human-readable size in binary units.
-
-    Below 1 KiB the exact count: ``"0 B"``, ``"1000 B"``. Above, two
-    decimals without trailing zeros but at least one: ``"1.5 KiB"``,
-    ``"512.0 MiB"``, ``"1.25 GiB"``. Negative sizes keep their sign:
-    ``"-2.0 MiB"``.
-    """
-    if isinstance(n, bool) or not isinstance(n, numbers.Real):
-        raise TypeError(f"n must be a number of bytes, got {type(n).__name__}: {n!r}")
-    if not math.isfinite(n):
-        raise ValueError(f"n must be finite, got {n}")
-    sign = "-" if n < 0 else ""
-    value = abs(n)
-    if value < 1024:
-        if float(value).is_integer():
-            return f"{sign}{int(value)} B"
-        return f"{sign}{value:.2f} B"
-    unit_index = 0
-    while unit_index < len(_BINARY_UNITS) - 1 and round(value, 2) >= 1024:
-        value /= 1024
-        unit_index += 1
-    text = f"{value:.2f}".rstrip("0")
-    if text.endswith("."):
-        text += "0"
-    return f"{sign}{text} {_BINARY_UNITS[unit_index]}"

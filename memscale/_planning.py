@@ -1,25 +1,27 @@
-"""From a model and a Config to a Plan: profiling runs and engine inputs.
+"""From a model and a Config to the engine's inputs: profiling runs.
 
 The measuring itself is the C profiler (``memscale._core.Profiler``); this
 module decides how to run it (fake tensors first, a real forward as
-fallback, or the user's first training steps), assembles the engine's
-inputs, and formats the plan for the log.
+fallback, or the user's first training steps) and assembles the engine's
+problem (``_solve.PlanProblem``).  Planning with it, and with the OOM
+predictor's corrections, is :mod:`memscale._planner`'s job.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import _core, _torch_compat, offload
+from . import _core, _distributed, _offload, _tiling, _torch_compat
 from ._hardware import Hardware
-from ._solve import OffloadInputs, PlanProblem, SolverInputs, solve
+from ._model import split_input, tensors_of
+from ._solve import OffloadInputs, PlanProblem, SolverInputs
 from .config import GIB, Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
@@ -47,111 +49,6 @@ class Profile:
     # Per layer, everything the profiler measured (name, kind, param_bytes,
     # saved_bytes, input_bytes, output_bytes, flops, calls, flags).
     details: tuple[dict[str, Any], ...] = ()
-
-
-class Inputs(NamedTuple):
-    """Positional and keyword inputs together (a forward's own, as the
-    first training forward's are profiled)."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-
-def split_input(sample_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A sample input as (args, kwargs): a tensor, a tuple/list, a dict, or
-    :class:`Inputs`."""
-    if isinstance(sample_input, Inputs):
-        return tuple(sample_input.args), dict(sample_input.kwargs)
-    if isinstance(sample_input, torch.Tensor):
-        return (sample_input,), {}
-    if isinstance(sample_input, (tuple, list)):
-        return tuple(sample_input), {}
-    if isinstance(sample_input, dict):
-        return (), dict(sample_input)
-    raise TypeError(
-        "sample_input must be a tensor, a tuple/list of positional inputs or "
-        f"a dict of keyword inputs, got {type(sample_input).__name__}"
-    )
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    for tensor in _tensors_of(model):
-        return tensor.device
-    return torch.device("cpu")
-
-
-def _tensors_of(model: torch.nn.Module) -> Iterator[torch.Tensor]:
-    yield from model.parameters()
-    yield from model.buffers()
-
-
-def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        if callable(getattr(t, "to_local", None)):
-            t = t.to_local()  # type: ignore[attr-defined]  # a DTensor (FSDP2): this rank's shard
-        key = _torch_compat.storage_key(t)
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def optimizer_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of optimizer state one step will hold.
-
-    An optimizer whose state already exists is measured.  Otherwise the
-    state is derived from its class: Adam-family optimizers keep two
-    tensors per trainable parameter, SGD with momentum one, SGD without
-    none; with no optimizer, Adam is assumed (the spec's rule of thumb).
-    """
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    per_param = _storage_bytes(trainable)
-    if optimizer is None:
-        return 2 * per_param
-    # Per-parameter buffers only: scalar entries such as Adam's ``step`` are
-    # left out, so a plan does not change once the optimizer has stepped.
-    existing = [
-        v
-        for state in optimizer.state.values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor) and v.dim() > 0
-    ]
-    if existing:
-        return _storage_bytes(existing)
-    from .optim import AdamW8bit
-
-    if isinstance(optimizer, AdamW8bit):
-        # int8 + uint8 moments and one float32 scale per block each, for
-        # the parameters it quantizes; float32 moments for the others.
-        total = 0
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                if AdamW8bit._eight_bit(p, group):
-                    blocks = -(-p.numel() // group["block_size"])
-                    total += 2 * p.numel() + 8 * blocks
-                else:
-                    total += 2 * p.numel() * p.element_size()
-        return total
-    name = type(optimizer).__name__.lower()
-    if name == "sgd":
-        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
-        return per_param if momentum else 0
-    if name in ("adagrad", "rmsprop", "adadelta", "adafactor"):
-        return per_param
-    if any(g.get("amsgrad", False) for g in optimizer.param_groups):
-        return 3 * per_param  # exp_avg, exp_avg_sq, max_exp_avg_sq
-    return 2 * per_param
-
-
-def fixed_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Parameters + buffers + gradients + optimizer state."""
-    params_and_buffers = _storage_bytes(list(_tensors_of(model)))
-    grads = _storage_bytes([p for p in model.parameters() if p.requires_grad])
-    return params_and_buffers + grads + optimizer_state_bytes(model, optimizer)
 
 
 @contextlib.contextmanager
@@ -286,7 +183,7 @@ def _profile_empirical(model, units, args, kwargs):
     def run():
         model(*args, **kwargs)
 
-    return _measure(units, list(_tensors_of(model)), run)
+    return _measure(units, list(tensors_of(model)), run)
 
 
 def profile_upfront(
@@ -326,11 +223,9 @@ def profile_upfront(
 
 
 def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]], method: str) -> Profile:
-    from . import tiling
-
     layers = []
     details = []
-    for (name, module), r, tile_flag in zip(units, profiler.results(), tiling.layer_flags(units)):
+    for (name, module), r, tile_flag in zip(units, profiler.results(), _tiling.layer_flags(units)):
         kind = type(module).__name__
         layers.append(
             _core.LayerStats(
@@ -357,7 +252,7 @@ def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]], method
 
 def new_warmup_profiler(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) -> Any:
     profiler = _core.Profiler(
-        [m for _, m in units], list(_tensors_of(model)), FlopCounterMode(display=False)
+        [m for _, m in units], list(tensors_of(model)), FlopCounterMode(display=False)
     )
     profiler.attach()
     return profiler
@@ -394,25 +289,15 @@ def allowed_techniques(config: Config) -> int:
     return wanted & IMPLEMENTED
 
 
-def budget_bytes(config: Config, hardware: Hardware | Mapping[str, Any]) -> int:
+def budget_bytes(config: Config, hardware: Hardware | None) -> int:
+    """The memory a plan must fit: ``Config.memory_budget_gb``, else the
+    device's capacity times ``target_gpu_utilization`` (``hardware`` may
+    be None only when the Config sets the budget)."""
     if config.memory_budget_gb is not None:
         return max(1, int(config.memory_budget_gb * GIB))
-    capacity = Hardware.of(hardware).capacity_bytes
-    return max(1, int(capacity * config.target_gpu_utilization))
-
-
-def make_plan(
-    profile: Profile,
-    config: Config,
-    hardware: Hardware | Mapping[str, Any],
-    fixed: int,
-    peak_offset: int = 0,
-    plan_offset: int | None = None,
-) -> _core.Plan:
-    """The engine's plan.  ``peak_offset`` and ``plan_offset`` are the OOM
-    predictor's corrections of the engine's unoptimized peak and of its
-    plans' peaks (see :func:`predicted_offsets`)."""
-    return solve(plan_problem(profile, config, hardware, fixed, peak_offset, plan_offset))
+    if hardware is None:
+        raise ValueError("the budget of a Config without memory_budget_gb needs the hardware")
+    return max(1, int(hardware.capacity_bytes * config.target_gpu_utilization))
 
 
 # The budget planner's cost model (csrc/solver.c), per device type: forward
@@ -448,38 +333,31 @@ def solver_inputs(config: Config, hardware: Hardware, offload_in: OffloadInputs)
 def plan_problem(
     profile: Profile,
     config: Config,
-    hardware: Hardware | Mapping[str, Any],
+    hardware: Hardware,
     fixed: int,
     peak_offset: int = 0,
     plan_offset: int | None = None,
 ) -> PlanProblem:
     """The engine's problem for ``profile`` under ``config`` on
     ``hardware``: plain data, so that one rank can send it to the others."""
-    hw = Hardware.of(hardware)
-    offload_in = offload.plan_inputs(config, hw)
+    offload_in = _offload.plan_inputs(config, hardware)
     return PlanProblem(
         layers=tuple(profile.layers),
         mode=config.mode.value,
         allowed=allowed_techniques(config),
         force=config.force_optimize,
-        budget_bytes=budget_bytes(config, hw),
+        budget_bytes=budget_bytes(config, hardware),
         fixed_bytes=fixed,
         activation_bytes=profile.activation_bytes,
         total_flops=profile.total_flops,
-        device=hw.device,
-        device_count=hw.count,
-        capacity_bytes=hw.capacity_bytes,
+        device=hardware.device,
+        device_count=hardware.count,
+        capacity_bytes=hardware.capacity_bytes,
         peak_offset_bytes=int(peak_offset),
         plan_offset_bytes=int(peak_offset if plan_offset is None else plan_offset),
         offload=offload_in,
-        solver=solver_inputs(config, hw, offload_in),
+        solver=solver_inputs(config, hardware, offload_in),
     )
-
-
-def plan_inputs(*args: Any, **kwargs: Any) -> Any:
-    """:func:`plan_problem`, under the name ``api.py`` still calls it by
-    (typed there as a dict until it is converted)."""
-    return plan_problem(*args, **kwargs)
 
 
 def static_profiling_supported(model: torch.nn.Module) -> str | None:
@@ -487,160 +365,9 @@ def static_profiling_supported(model: torch.nn.Module) -> str | None:
     not run on ``model``, or None.  FSDP2 keeps its own parameter state
     (sharded DTensors it swaps for all-gathered ones around each forward),
     which a pass with substituted fake parameters leaves inconsistent."""
-    from . import distributed
-
-    if distributed.is_fsdp2(model):
+    if _distributed.is_fsdp2(model):
         return (
             "the model is sharded with FSDP2 (fully_shard), whose "
             "parameter state a fake-tensor pass would disturb"
         )
     return None
-
-
-class Offsets(NamedTuple):
-    """What the OOM predictor tells the engine (see predicted_offsets)."""
-
-    peak: int  # correction of the unoptimized peak
-    plan: int  # correction of the plans' peaks
-    fallback: bool  # plan every layer checkpointed alone instead
-    forced_peak: int | None  # simulated peak of that plan, if simulated
-
-
-def predicted_offsets(
-    model: torch.nn.Module,
-    sample_input: Any,
-    optimizer: torch.optim.Optimizer | None,
-    profile: Profile,
-    config: Config,
-    hardware: Hardware | Mapping[str, Any],
-    fixed: int,
-) -> Offsets:
-    """The OOM predictor's corrections of the engine, for ``wrap``: of its
-    unoptimized peak, and of its plans' peaks (see
-    ``PredictionSession.plan_offsets``), so that a plan and
-    ``memscale.predict_peak`` cannot disagree about whether the step fits;
-    and whether to fall back to every layer checkpointed alone (see
-    ``PredictionSession.plan_offsets``).  (0, 0, False) (logged) when the
-    step cannot be simulated."""
-    from . import predictor  # imports this module
-
-    why_not = static_profiling_supported(model)
-    if why_not is not None:
-        logger.info("memscale: no OOM prediction for the engine: %s", why_not)
-        return Offsets(0, 0, False, None)
-    try:
-        with predictor.PredictionSession(model, sample_input, optimizer, config=config) as session:
-            offsets = session.plan_offsets(config, profile, fixed)
-            fallback = bool(session._fallback.get(config))
-            if fallback:
-                logger.info(
-                    "memscale: the budget planner's plans need more than "
-                    "the budget when simulated; every layer is "
-                    "checkpointed alone instead (that step fits)"
-                )
-            return Offsets(offsets[0], offsets[1], fallback, session.forced_peak)
-    except Exception as exc:  # noqa: BLE001 - the engine's estimate stands
-        logger.info(
-            "memscale: the OOM predictor could not simulate a "
-            "training step (%s: %s); the engine plans from its own "
-            "estimate",
-            type(exc).__name__,
-            exc,
-        )
-        return Offsets(0, 0, False, None)
-
-
-def fallback_config(config: Config, fallback: bool | None) -> Config:
-    """The Config the plan is made with: ``config``, or, when the planner's
-    plans did not fit when simulated, every layer checkpointed alone."""
-    if not fallback:
-        return config
-    return config.replace(
-        force_optimize=True, mode=OptimizationMode.CONSERVATIVE, enable_tiling=False
-    )
-
-
-def verified_least_budget(
-    model: torch.nn.Module,
-    sample_input: Any,
-    optimizer: torch.optim.Optimizer | None,
-    profile: Profile,
-    config: Config,
-    hardware: Hardware | Mapping[str, Any],
-    fixed: int,
-    offsets: Offsets,
-    rounds: int = 3,
-) -> int | None:
-    """When no plan fits ``config``'s budget: the smallest budget the planner
-    reaches, checked by planning at it with the corrections calibrated
-    there (the calibration depends on the plan, so the least budget found
-    under one budget's corrections can be short of another's).  None when a
-    plan fits."""
-    if offsets[2]:
-        return None  # the fallback plan fits
-    plan = make_plan(profile, config, hardware, fixed, *offsets[:2])
-    if plan.fits or plan.skipped or plan.min_budget_bytes < 0:
-        return None
-    least = int(plan.min_budget_bytes)
-    # Every layer checkpointed alone was simulated: that budget is reached.
-    known = offsets.forced_peak
-    for _ in range(rounds):
-        if known is not None and least >= known:
-            return known
-        at = config.replace(memory_budget_gb=(least + 1) / GIB)
-        there = predicted_offsets(model, sample_input, optimizer, profile, at, hardware, fixed)
-        plan = make_plan(profile, fallback_config(at, there[2]), hardware, fixed, *there[:2])
-        if plan.fits:
-            return least
-        least = max(
-            least + 1,
-            int(plan.min_budget_bytes)
-            if plan.min_budget_bytes >= 0
-            else int(plan.peak_projected_bytes),
-        )
-    return least if known is None else min(least, known)
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def plan_table(plan: Any) -> str:
-    """The plan as the log shows it at DEBUG: a header, then one row per
-    layer.  ``segment`` names the first layer of the checkpoint segment a
-    layer is recomputed with (itself when recomputed alone), "-" when it is
-    not recomputed."""
-    names = [layer.name for layer in plan.layers]
-    rows = [("layer", "kind", "technique", "segment", "tier", "bytes saved", "rule")]
-    for layer in plan.layers:
-        technique = "+".join(layer.techniques) or "-"
-        if layer.tiles > 1:
-            technique += f" x{layer.tiles}"
-        segment = names[layer.segment] if 0 <= layer.segment < len(names) else "-"
-        rows.append(
-            (
-                layer.name,
-                layer.kind,
-                technique,
-                segment,
-                layer.tier,
-                format_bytes(layer.bytes_saved),
-                layer.rule,
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [
-        f"memscale plan {plan.hash[:12]}: mode={plan.mode} device={plan.device} "
-        f"budget={format_bytes(plan.budget_bytes)} "
-        f"peak {format_bytes(plan.peak_unoptimized_bytes)} -> "
-        f"{format_bytes(plan.peak_projected_bytes)} "
-        f"(pressure {plan.pressure:.2f}, recompute {plan.recompute_ratio:.0%} "
-        f"of forward){' [smart-skip]' if plan.skipped else ''}"
-    ]
-    for r in rows:
-        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    return "\n".join(lines)

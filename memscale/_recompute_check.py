@@ -49,7 +49,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _core, _planning, _torch_compat, _verify
+from . import _core, _distributed, _offload, _tiling, _torch_compat, _verify
+from ._format import plan_table
 from ._solve import PlanProblem, solve
 
 logger = logging.getLogger(__name__)
@@ -357,7 +358,7 @@ class RecomputeCheck:
             "memscale: plan made again without checkpointing %s "
             "(rule ineligible:unrepeatable):\n%s",
             ", ".join(repr(self.names[i]) for i in todo),
-            _planning.plan_table(plan),
+            plan_table(plan),
         )
         self._arm(plan)  # layers the new plan checkpoints are checked too
 
@@ -383,10 +384,8 @@ def _planning_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tor
 def _attach_new_needs(executor: Any, old: Any, plan: Any) -> None:
     """What the new plan uses and the old one did not set up: an offload
     tier, tiled forwards."""
-    from . import offload, tiling
-
     if executor.offload_store is None and executor.offload_host is None:
-        offload.attach(executor, executor.config, executor.hardware, plan)
+        _offload.attach(executor, executor.config, plan)
     before = {i for i, layer in enumerate(old.layers) if layer.tiles > 1} if old else set()
     new = [i for i, layer in enumerate(plan.layers) if layer.tiles > 1 and i not in before]
     if new:
@@ -395,7 +394,7 @@ def _attach_new_needs(executor: Any, old: Any, plan: Any) -> None:
         only_new = _Layers(
             [layer if i in new else _Untiled() for i, layer in enumerate(plan.layers)]
         )
-        tiling.install(executor, units, only_new)
+        _tiling.install(executor, units, only_new)
 
 
 class _Untiled:
@@ -411,16 +410,14 @@ def install(
     executor: Any,
     model: nn.Module,
     plan: Any,
-    problem: Any,  # a PlanProblem or None (api.py still annotates it as a dict)
+    problem: PlanProblem | None,
 ) -> RecomputeCheck | None:
     """Check ``plan``'s checkpointed layers at their first checkpointed
     forward (removed by the executor's detach).  ``problem``, the plan's,
     is solved again without a layer that fails (None: not planned again)."""
     if not any("checkpoint" in layer.techniques and layer.tiles <= 1 for layer in plan.layers):
         return None
-    from . import distributed
-
-    if distributed.is_fsdp2(model):
+    if _distributed.is_fsdp2(model):
         logger.info(
             "memscale: the model is sharded with FSDP2, whose "
             "parameter state a second run inside a layer's forward "

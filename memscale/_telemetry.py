@@ -69,6 +69,8 @@ import sys
 import threading
 from typing import Any
 
+from .config import GIB
+
 __all__ = [
     "ENV_ENABLE",
     "ENV_FILE",
@@ -310,9 +312,7 @@ def _event(name: str, executor: Any, arch: str, params: int, plan: Any = None) -
         "os": _os(),
         "device_type": device if device in SCHEMA["device_type"] else "other",
         "device_count_bucket": _count_bucket(hardware.count),
-        "device_memory_bucket": _bucket(
-            hardware.capacity_bytes / (1 << 30), _BYTES_BUCKETS, ">=128GiB"
-        ),
+        "device_memory_bucket": _bucket(hardware.capacity_bytes / GIB, _BYTES_BUCKETS, ">=128GiB"),
         "arch_class": arch,
         "param_bucket": _bucket(params, _PARAM_BUCKETS, ">=10B"),
         "layer_count_bucket": _layer_bucket(len(executor.layer_names)),

@@ -71,7 +71,7 @@ class VerificationError(RuntimeError):
     tolerance."""
 
 
-def _named_tensors(obj: Any, path: str = "output") -> list[tuple[str, torch.Tensor]]:
+def named_tensors(obj: Any, path: str = "output") -> list[tuple[str, torch.Tensor]]:
     """Tensors of a forward's output, with a path each, in a fixed order."""
     if isinstance(obj, torch.Tensor):
         return [(path, obj)]
@@ -79,14 +79,14 @@ def _named_tensors(obj: Any, path: str = "output") -> list[tuple[str, torch.Tens
     if isinstance(obj, Mapping):
         for key, value in obj.items():
             name = key if path == "output" and isinstance(key, str) else f"{path}[{key!r}]"
-            out += _named_tensors(value, name)
+            out += named_tensors(value, name)
     elif isinstance(obj, (tuple, list)):
         for i, value in enumerate(obj):
-            out += _named_tensors(value, f"{path}[{i}]")
+            out += named_tensors(value, f"{path}[{i}]")
     return out
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+def max_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     """Largest absolute and relative difference (inf when shapes differ)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return math.inf, math.inf
@@ -271,7 +271,7 @@ class Verifier:
         pending = self._pending
         if pending is None or self._replaying or pending.outputs:
             return
-        named = _named_tensors(output)
+        named = named_tensors(output)
         if not named:
             pending.release()
             self._pending = None
@@ -346,7 +346,7 @@ class Verifier:
             set_rng_state(pending.rng)
             with self._suspended(model), torch.enable_grad():
                 replay = model(*pending.args, **pending.kwargs)
-                outputs = _named_tensors(replay)
+                outputs = named_tensors(replay)
                 if len(outputs) != len(pending.outputs):
                     raise VerificationError(
                         "memscale verify_correctness: the unoptimized replay "
@@ -390,7 +390,7 @@ class Verifier:
         names = {id(p): n for n, p in model.named_parameters()}
         worst_out = ("", 0.0, 0.0)
         for (name, got), (_, want) in zip(pending.outputs, outputs):
-            a, r = _diff(got, want)
+            a, r = max_difference(got, want)
             if (a, r) > worst_out[1:]:
                 worst_out = (name, a, r)
         worst_grad = ("", 0.0, 0.0)
@@ -400,7 +400,7 @@ class Verifier:
             if got_grad is None or want_grad is None:
                 a = r = math.inf
             else:
-                a, r = _diff(got_grad, want_grad)
+                a, r = max_difference(got_grad, want_grad)
             if (a, r) > worst_grad[1:]:
                 worst_grad = (names.get(id(p), "?"), a, r)
         techniques = self._applied_techniques() or ["checkpoint"]

@@ -66,25 +66,21 @@ def _to_float32(obj: Any) -> Any:
     return obj
 
 
-def profiling_context(config: Any, hardware: Hardware | Mapping[str, Any]) -> Any:
+def profiling_context(config: Any, hardware: Hardware) -> Any:
     """The autocast the model will run under, for profiling it up front
     (activations are measured at the dtype they will have)."""
     import contextlib
 
-    hw = Hardware.of(hardware)
-    if not config.use_mixed_precision or hw.device not in ("cpu", "cuda"):
+    if not config.use_mixed_precision or hardware.device not in ("cpu", "cuda"):
         return contextlib.nullcontext()
-    return torch.autocast(hw.device, dtype=autocast_dtype(hw))
+    return torch.autocast(hardware.device, dtype=autocast_dtype(hardware))
 
 
-def attach(
-    executor: Any, model: torch.nn.Module, config: Any, hardware: Hardware | Mapping[str, Any]
-) -> None:
+def attach(executor: Any, model: torch.nn.Module, config: Any, hardware: Hardware) -> None:
     """Turn mixed precision on for ``model`` if the Config asks for it."""
     if not config.use_mixed_precision:
         return
-    hw = Hardware.of(hardware)
-    device_type = hw.device
+    device_type = hardware.device
     if device_type not in ("cpu", "cuda"):
         logger.warning(
             "memscale: use_mixed_precision is not supported on %s; "
@@ -92,7 +88,7 @@ def attach(
             device_type,
         )
         return
-    dtype = autocast_dtype(hw)
+    dtype = autocast_dtype(hardware)
     executor.set_autocast(device_type, dtype)
     executor.on_detach(lambda: executor.set_autocast(None, None))
 
@@ -107,7 +103,7 @@ def attach(
             "scale the loss with scaler = memscale.amp.grad_scaler(model), "
             "scaler.scale(loss).backward(), scaler.step(optimizer), "
             "scaler.update()",
-            hw.name,
+            hardware.name,
         )
     else:
         logger.info(

@@ -1,4 +1,6 @@
-"""The public entry points: wrap, optimize, detach.
+"""The entry points for a model: wrap, optimize, detach,
+apply_all_optimizations (``memscale.wrap`` and ``memscale.detach`` take a
+Hugging Face Trainer too: :mod:`memscale._entry`).
 
 ``wrap`` profiles the model (up front with ``sample_input``, otherwise
 inside the first training forward, from its own inputs, before it runs),
@@ -11,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -22,49 +23,40 @@ from . import (
     _budget,
     _copying,
     _core,
+    _distributed,
     _firststep,
+    _hardware,
     _hf_cache,
+    _model,
+    _offload,
+    _planner,
     _planning,
     _recompute_check,
     _telemetry,
+    _tiling,
     _torch_compat,
     amp,
-    distributed,
     observability,
-    offload,
     optim,
     policy,
-    tiling,
 )
+from ._executor import Executor
+from ._format import format_bytes, plan_table
+from ._hardware import Hardware
+from ._solve import PlanProblem
 from .config import GIB, AsyncOffloadConfig, Config, OptimizationMode
-from .executor import Executor
 
 logger = logging.getLogger(__name__)
 
 ATTR = "_memscale_executor"
 
 
-def _is_trainer(obj: Any) -> bool:
-    return (
-        not isinstance(obj, torch.nn.Module)
-        and hasattr(obj, "model")
-        and callable(getattr(obj, "train", None))
-    )
-
-
-def _is_hf_trainer(obj: Any) -> bool:
-    """A Trainer memscale can attach to: it takes callbacks (as
-    ``transformers.Trainer`` does)."""
-    return (
-        _is_trainer(obj)
-        and callable(getattr(obj, "add_callback", None))
-        and hasattr(obj, "callback_handler")
-    )
-
-
-def _effective_config(
+def effective_config(
     config: Config | None, async_offload: bool | None, async_config: AsyncOffloadConfig | None
 ) -> Config:
+    """The Config ``wrap`` works with: ``config`` (``Config()`` when None)
+    with the ``async_offload`` and ``async_config`` arguments, or else
+    ``$MEMSCALE_ASYNC_OFFLOAD``, applied."""
     if config is None:
         config = Config()
     elif not isinstance(config, Config):
@@ -98,62 +90,15 @@ def _warn_8bit_without_optimizer(config: Config, optimizer: Any) -> None:
         )
 
 
-def _select_strategy(
-    config: Config, context: policy.StrategyContext
-) -> tuple[policy.StrategyDecision, Config]:
-    """Stage 1: the strategy decision and the effective Config (``config``
-    itself, or a derived copy; ``config`` is never changed).
-
-    ``auto_policy=False``, or a model on the host CPU: ``config`` as written
-    (``decision_source="user_config"``).  On a GPU: the trained policy
-    (``"ml"``), else the rule policy (``"rule_fallback"``), or the rule
-    policy on purpose with ``MEMSCALE_POLICY=rule`` (``"rule"``).  Stage 2,
-    the rule engine, makes the per-layer plan from the effective Config.
-    """
-    if not config.auto_policy:
-        return policy.StrategyDecision.from_config(
-            config, "auto_policy=False: the Config is used as written"
-        ), config
-    if not context.has_gpu:
-        return policy.StrategyDecision.from_config(
-            config,
-            f"auto_policy=True, but the model is on the host "
-            f"{context.device_type}: there is no device memory pressure to "
-            "reason about, so the Config is used as written",
-        ), config
-    if not context.profiled:
-        raise ValueError(
-            "Stage 1 needs a profiled context on a GPU: build it with "
-            "StrategyContext.build(config, hardware, profile, fixed_bytes)"
-        )
-    rules = policy.RulePolicy()
-    if policy.requested_policy() == "rule":
-        (name, reason), source, used = rules.choose(context), "rule", rules.name
-    else:
-        try:
-            trained = policy.load_trained_policy()
-            (name, reason), source, used = trained.choose(context), "ml", trained.name
-        except policy.PolicyFallbackNeeded as exc:
-            logger.info(
-                "memscale: the trained strategy policy is unavailable (%s); "
-                "the rule policy decides",
-                exc,
-            )
-            (name, reason), source, used = rules.choose(context), "rule_fallback", rules.name
-            reason += f"; trained policy unavailable: {exc}"
-    decision = policy.StrategyDecision.from_strategy(name, config, source, reason, used)
-    return decision, decision.effective_config(config)
-
-
 def _stage1(
-    executor: Executor, config: Config, hardware: dict[str, Any], profile: Any, fixed: int
+    executor: Executor, config: Config, hardware: Hardware, profile: Any, fixed: int
 ) -> Config:
     """Run Stage 1, record the decision on the executor, log it; return the
     effective Config for Stage 2."""
     if not policy.needs_profile(config, hardware):
         profile = None  # the decision does not depend on it
     context = policy.StrategyContext.build(config, hardware, profile, fixed)
-    decision, effective = _select_strategy(config, context)
+    decision, effective = policy.select_strategy(config, context)
     executor.decision = decision
     executor.config = effective
     logger.debug("%s", decision.describe())
@@ -162,14 +107,14 @@ def _stage1(
 
 def _abandoner(ref: weakref.ref[Executor]) -> Any:
     """What the model's call guard runs when a forward is left by an
-    exception: the executor leaves what it entered (``Executor._abandon``),
+    exception: the executor leaves what it entered (``Executor.abandon``),
     also on a ``KeyboardInterrupt``, which torch's ``always_call`` hooks
     never see."""
 
     def abandon() -> None:
         executor = ref()
         if executor is not None:
-            executor._abandon()
+            executor.abandon()
 
     return abandon
 
@@ -177,35 +122,38 @@ def _abandoner(ref: weakref.ref[Executor]) -> Any:
 DETAILS = "table: model._memscale_executor.describe(), or the 'memscale' logger at DEBUG"
 
 
-def _budget_source(config: Config, hardware: dict[str, Any]) -> str:
+def _budget_source(config: Config, hardware: Hardware) -> str:
     """Where the budget comes from, for the log."""
     if config.memory_budget_gb is not None:
         return "Config.memory_budget_gb"
-    where = "host RAM" if hardware["device"] == "cpu" else f"{hardware['device']} memory"
+    where = "host RAM" if hardware.device == "cpu" else f"{hardware.device} memory"
     return (
         f"{config.target_gpu_utilization:.0%} of "
-        f"{_planning.format_bytes(hardware['capacity_bytes'])} {where}, "
+        f"{format_bytes(hardware.capacity_bytes, digits=1)} {where}, "
         "Config.target_gpu_utilization"
     )
 
 
-def _log_plan(config: Config, hardware: dict[str, Any], plan: Any, decision: Any = None) -> None:
+def _log_plan(config: Config, hardware: Hardware, plan: Any, decision: Any = None) -> None:
     """One INFO line per plan (what was decided, the expected peak, where
     the details are); the hardware and the per-layer table at DEBUG."""
     if not config.enable_logging:
         return
-    fmt = _planning.format_bytes
+
+    def fmt(n: float) -> str:
+        return format_bytes(n, digits=1)
+
     mode = f"mode {plan.mode}"
     if decision is not None and decision.decision_source != "user_config":
         mode += f", strategy {decision.strategy} (decision_source={decision.decision_source})"
     logger.debug(
         "memscale hardware: %s x%d, %s each (%s)",
-        hardware["device"],
-        hardware["count"],
-        fmt(hardware["capacity_bytes"]),
-        hardware["name"],
+        hardware.device,
+        hardware.count,
+        fmt(hardware.capacity_bytes),
+        hardware.name,
     )
-    logger.debug("%s", _planning.plan_table(plan))
+    logger.debug("%s", plan_table(plan))
     budget = f"{fmt(plan.budget_bytes)} ({_budget_source(config, hardware)})"
     if plan.skipped:
         logger.info(
@@ -244,17 +192,17 @@ def _log_plan(config: Config, hardware: dict[str, Any], plan: Any, decision: Any
 
 
 def _after_plan(
-    model: torch.nn.Module, executor: Executor, plan: Any, inputs: dict[str, Any]
+    model: torch.nn.Module, executor: Executor, plan: Any, problem: PlanProblem
 ) -> None:
     """Model-level settings that go with a plan (undone by detach): a
     checkpointed Hugging Face model trains with its key/value cache off on
     every config it holds (see ``_hf_cache``), and each checkpointed layer
     is checked at its first checkpointed forward (``_recompute_check``;
-    ``inputs``, the engine's, make the plan again without a layer that
+    ``problem``, the plan's, is solved again without a layer that
     fails)."""
     if not plan.technique_counts["checkpoint"]:
         return
-    _recompute_check.install(executor, model, plan, inputs)
+    _recompute_check.install(executor, model, plan, problem)
     changed, undo = _hf_cache.disable_use_cache(model)
     if changed:
 
@@ -280,7 +228,7 @@ class _Upfront(NamedTuple):
     forward's inputs) gives the planning."""
 
     profile: Any  # _planning.Profile
-    offsets: _planning.Offsets
+    offsets: _planner.Offsets
     least: int | None  # the least budget when no plan fits, else None
 
 
@@ -289,7 +237,7 @@ def _profile_sample(
     units: list[tuple[str, torch.nn.Module]],
     sample_input: Any,
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware,
     optimizer: torch.optim.Optimizer | None,
     fixed: int,
 ) -> _Upfront:
@@ -302,17 +250,17 @@ def _profile_sample(
         # tensors), so that the plan and predict_peak() agree.  Stage 1
         # first (it is recorded on the executor later): the plan the
         # corrections are calibrated on is the one wrap() makes.
-        _, early_config = _select_strategy(
+        _, early_config = policy.select_strategy(
             config,
             policy.StrategyContext.build(
                 config, hardware, profile if policy.needs_profile(config, hardware) else None, fixed
             ),
         )
-        offsets = _planning.predicted_offsets(
+        offsets = _planner.predicted_offsets(
             model, sample_input, optimizer, profile, early_config, hardware, fixed
         )
         # No plan fits: the least budget, checked by simulating there.
-        least = _planning.verified_least_budget(
+        least = _planner.verified_least_budget(
             model, sample_input, optimizer, profile, early_config, hardware, fixed, offsets
         )
     return _Upfront(profile, offsets, least)
@@ -323,7 +271,7 @@ def _apply_sample_plan(
     executor: Executor,
     units: list[tuple[str, torch.nn.Module]],
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware,
     fixed: int,
     optimizer: torch.optim.Optimizer | None,
     upfront: _Upfront,
@@ -334,23 +282,21 @@ def _apply_sample_plan(
     executor.profile = profile
     executor.profiling = profile.method
     plan_config = _stage1(executor, config, hardware, profile, fixed)
-    inputs = _planning.plan_inputs(
+    problem = _planning.plan_problem(
         profile,
-        _planning.fallback_config(plan_config, offsets[2]),
+        _planner.fallback_config(plan_config, offsets[2]),
         hardware,
         fixed,
         peak_offset=offsets[0],
         plan_offset=offsets[1],
     )
-    plan = distributed.shared_plan(inputs)
+    plan = _distributed.shared_plan(problem)
     _log_plan(config, hardware, plan, executor.decision)
-    _budget.check(
-        plan, inputs, plan_config, _planning.optimizer_state_bytes(model, optimizer), least
-    )
-    offload.attach(executor, plan_config, hardware, plan)
-    tiling.install(executor, units, plan)
+    _budget.check(plan, problem, plan_config, _model.optimizer_state_bytes(model, optimizer), least)
+    _offload.attach(executor, plan_config, plan)
+    _tiling.install(executor, units, plan)
     executor.apply(plan)
-    _after_plan(model, executor, plan, inputs)
+    _after_plan(model, executor, plan, problem)
     return plan
 
 
@@ -367,7 +313,7 @@ def _plan_on_first_forward(
     executor: Executor,
     units: list[tuple[str, torch.nn.Module]],
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware,
     fixed: int,
     optimizer: torch.optim.Optimizer | None,
 ) -> None:
@@ -389,7 +335,7 @@ def _plan_on_first_forward(
                     upfront = _profile_sample(
                         module,
                         units,
-                        _planning.Inputs(args, kwargs),
+                        _model.Inputs(args, kwargs),
                         static_only,
                         hardware,
                         optimizer,
@@ -435,8 +381,7 @@ def _plan_on_first_forward(
         first.remove()
         _plan_after_warmup(model, executor, units, config, hardware, fixed, optimizer)
 
-    executor._first_forward = first
-    executor._measure_instead = measure_instead
+    executor.await_first_forward(first, measure_instead)
 
 
 def _plan_after_warmup(
@@ -444,7 +389,7 @@ def _plan_after_warmup(
     executor: Executor,
     units: list[tuple[str, torch.nn.Module]],
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware,
     fixed: int,
     optimizer: torch.optim.Optimizer | None,
 ) -> None:
@@ -466,14 +411,14 @@ def _plan_after_warmup(
             if executor.decision is not None
             else _stage1(executor, config, hardware, warm, fixed)
         )
-        inputs = _planning.plan_inputs(warm, plan_config, hardware, fixed)
-        plan = distributed.shared_plan(inputs)
+        problem = _planning.plan_problem(warm, plan_config, hardware, fixed)
+        plan = _distributed.shared_plan(problem)
         _log_plan(config, hardware, plan, executor.decision)
-        _budget.check(plan, inputs, plan_config, _planning.optimizer_state_bytes(model, optimizer))
-        offload.attach(executor, plan_config, hardware, plan)
-        tiling.install(executor, units, plan)
+        _budget.check(plan, problem, plan_config, _model.optimizer_state_bytes(model, optimizer))
+        _offload.attach(executor, plan_config, plan)
+        _tiling.install(executor, units, plan)
         executor.count_layer_recomputes(units, plan)
-        _after_plan(model, executor, plan, inputs)
+        _after_plan(model, executor, plan, problem)
         _telemetry.plan_built(executor, plan, model)
         return plan
 
@@ -499,59 +444,8 @@ def wrap(
     *,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> Any:
-    """Attach memscale to ``target`` and return ``target``.
-
-    ``target`` is an ``nn.Module``.  With ``sample_input`` the model is
-    profiled now (on fake tensors first, with a real forward as fallback)
-    and the plan applied at once; without it the first training forward's
-    own inputs are profiled on fake tensors inside that forward's
-    pre-hook, and the forward runs under the plan.  Where fake tensors
-    cannot run the model (``use_static_profiling=False``, FSDP2, an
-    operator without a fake kernel), the first ``config.warmup_steps``
-    training forwards are measured for real instead and the plan applies
-    after them.  ``optimizer`` (keyword only) sharpens the memory
-    estimate with the optimizer's real state size.  With
-    ``Config(use_8bit_optimizer=True)`` it is replaced: the 8-bit AdamW
-    with its parameter groups and hyper-parameters is
-    ``model._memscale_executor.optimizer`` (train with that one; a
-    ``ValueError`` says why when ``optimizer`` cannot be replaced).
-
-    Wrapping a model twice raises ``RuntimeError``: call ``detach`` first.
-
-    ``target`` may also be a Hugging Face ``transformers.Trainer``: a
-    ``memscale.integrations.hf.MemScaleCallback`` is added to it, which
-    wraps the model the Trainer trains when training starts (with the
-    Trainer's optimizer) and detaches it when training ends.  The Trainer
-    is returned.
-    """
-    if _is_trainer(target):
-        if not _is_hf_trainer(target):
-            raise TypeError(
-                "memscale.wrap() accepts a Hugging Face transformers.Trainer "
-                "(an object with .model, .train() and .add_callback()); this "
-                f"{type(target).__name__} takes no callbacks. Wrap its model "
-                "instead: memscale.wrap(trainer.model)"
-            )
-        if optimizer is not None:
-            raise TypeError(
-                "memscale.wrap(trainer, optimizer=...): memscale uses the "
-                "optimizer the Trainer builds; give yours to the Trainer "
-                "(Trainer(..., optimizers=(optimizer, scheduler))) instead"
-            )
-        from .integrations import hf  # imports transformers
-
-        return hf.attach(
-            target, _effective_config(config, async_offload, async_config), sample_input
-        )
-    if not isinstance(target, torch.nn.Module) and type(target).__module__.split(".")[0] in (
-        "lightning",
-        "pytorch_lightning",
-    ):
-        raise TypeError(
-            "memscale.wrap() does not take a PyTorch Lightning "
-            f"{type(target).__name__}; pass the callback instead: "
-            "Trainer(callbacks=[memscale.integrations.lightning.MemScaleCallback()])"
-        )
+    """Attach memscale to the model ``target`` and return it: what
+    ``memscale.wrap`` does with a model (see :func:`memscale._entry.wrap`)."""
     if not isinstance(target, torch.nn.Module):
         raise TypeError(
             "memscale.wrap() needs a torch.nn.Module (or a Hugging "
@@ -567,7 +461,7 @@ def wrap(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
         )
-    config = _effective_config(config, async_offload, async_config)
+    config = effective_config(config, async_offload, async_config)
     _warn_8bit_without_optimizer(config, optimizer)
     given_optimizer = optimizer
     if optimizer is not None and config.use_8bit_optimizer and not optim.is_8bit(optimizer):
@@ -579,22 +473,15 @@ def wrap(
             type(given_optimizer).__name__,
         )
 
-    device = _planning.model_device(model)
+    device = _model.model_device(model)
     if config.memory_budget_gb is not None and device.type not in ("cpu", "cuda"):
-        hardware = {
-            "device": device.type,
-            "index": 0,
-            "count": 1,
-            "capacity_bytes": int(config.memory_budget_gb * GIB),
-            "bf16": False,
-            "name": device.type,
-        }
+        hardware = _hardware.assumed(device.type, 0, int(config.memory_budget_gb * GIB))
     else:
-        hardware = _core.detect_hardware(device.type, device.index or 0)
+        hardware = _hardware.detect(device.type, device.index or 0)
     units = _core.find_units(model)
-    fixed = _planning.fixed_bytes(model, optimizer)  # FSDP2: the local shards
-    if distributed.is_fsdp2(model):
-        fixed += distributed.fsdp2_in_flight_bytes(model)
+    fixed = _model.fixed_bytes(model, optimizer)  # FSDP2: the local shards
+    if _distributed.is_fsdp2(model):
+        fixed += _distributed.fsdp2_in_flight_bytes(model)
 
     # Profile before any hook of ours exists, so that the profiling pass
     # is not seen (or counted) as a training forward.
@@ -610,7 +497,7 @@ def wrap(
             if _first_step_planning(model, config)
             else "warmup"
         )
-        executor._init_python_state(config, hardware, method)
+        executor.init_python_state(config, hardware, method)
         executor.optimizer = optimizer
         executor.units = units
         executor.count_steps(optimizer)
@@ -637,44 +524,27 @@ def wrap(
         executor.on_detach(_copying.install(model, executor))
         model.__dict__[ATTR] = executor
     except BaseException:
-        if not hasattr(executor, "_restore"):
-            executor._init_python_state(config, hardware, "failed")
+        if not executor.has_python_state:
+            executor.init_python_state(config, hardware, "failed")
         executor.detach()
         raise
     _telemetry.wrap_called(model, executor)  # never raises
     return target
 
 
-def detach(model: Any) -> None:
-    """Remove everything ``wrap`` attached and delete
-    ``model._memscale_executor``.  A model that was never wrapped gets a
-    warning, not an exception.  For a Hugging Face Trainer: removes
-    memscale's callbacks from it, and detaches its model if wrapped."""
-    if _is_hf_trainer(model):
-        from .integrations import hf  # imports transformers
-
-        if not hf.detach_trainer(model):
-            warnings.warn(
-                "memscale.detach(): this Trainer has no memscale "
-                "callback and its model is not wrapped; nothing to do",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return
-    if _is_trainer(model):
-        model = model.model
+def detach(model: Any) -> bool:
+    """Remove everything ``wrap`` attached to ``model`` and delete
+    ``model._memscale_executor``; False, with nothing done, when the model
+    is not wrapped.  ``memscale.detach`` (:func:`memscale._entry.detach`)
+    warns then, and takes a Trainer too."""
     executor = getattr(model, "__dict__", {}).get(ATTR)
     if executor is None:
-        warnings.warn(
-            "memscale.detach(): this model is not wrapped by memscale; nothing to do",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return
+        return False
     try:
         executor.detach()
     finally:
         del model.__dict__[ATTR]
+    return True
 
 
 @contextlib.contextmanager

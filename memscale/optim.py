@@ -77,7 +77,10 @@ class AdamW8bit(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     @staticmethod
-    def _eight_bit(p: torch.Tensor, group: dict[str, Any]) -> bool:
+    def quantizes(p: torch.Tensor, group: dict[str, Any]) -> bool:
+        """Whether the moments of ``p`` (in parameter group ``group``) are
+        kept in 8 bits: a contiguous float32 CPU tensor of at least
+        ``min_8bit_size`` elements; any other keeps float32 moments."""
         return (
             p.device.type == "cpu"
             and p.dtype == torch.float32
@@ -88,7 +91,7 @@ class AdamW8bit(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         state["step"] = torch.tensor(0.0)
-        if self._eight_bit(p, group):
+        if self.quantizes(p, group):
             blocks = -(-p.numel() // group["block_size"])
             state["exp_avg"] = torch.zeros(p.numel(), dtype=torch.int8)
             state["exp_avg_scale"] = torch.zeros(blocks, dtype=torch.float32)

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import memscale  # noqa: E402
-from memscale import attention  # noqa: E402
+from memscale import _attention as attention  # noqa: E402
 from memscale.benchmarks.measure import format_bytes, measure_peak  # noqa: E402
 
 

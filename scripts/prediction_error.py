@@ -33,10 +33,11 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 import memscale  # noqa: E402
+from memscale._planner import PredictionSession, predict_peak  # noqa: E402
 from memscale.benchmarks.measure import format_bytes, measure_peak  # noqa: E402
 from memscale.benchmarks.models import BENCHMARK_MODELS, select  # noqa: E402
 from memscale.benchmarks.runner import MODES, prepare  # noqa: E402
-from memscale.predictor import DeviceSpec, PredictionSession, predict_peak  # noqa: E402
+from memscale.predictor import DeviceSpec  # noqa: E402
 
 VARIANTS = ("unoptimized",) + tuple(MODES)
 

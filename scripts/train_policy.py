@@ -9,7 +9,7 @@
    by memscale.  For every model, a sweep of budgets (predicted memory
    pressure 0.60 to 2.00) and every strategy of ``memscale.policy.STRATEGIES``
    is planned by memscale's engine (``memscale._core.build_plan``, through
-   ``_planning.make_plan``, exactly as ``wrap`` plans on a GPU).  The peak of
+   ``_planner.make_plan``, exactly as ``wrap`` plans on a GPU).  The peak of
    each distinct plan is then *measured*: one real training step (zero_grad,
    forward, loss, backward, AdamW step) of the wrapped model, counted exactly
    with ``memscale.benchmarks.measure.measure_peak`` after a warm-up step.
@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import memscale  # noqa: E402
-from memscale import _core, _planning  # noqa: E402
+from memscale import _core, _model, _planner, _planning  # noqa: E402
 from memscale._hardware import Hardware  # noqa: E402
 from memscale.benchmarks.measure import measure_peak  # noqa: E402
 from memscale.benchmarks.models import BenchmarkModel  # noqa: E402
@@ -229,7 +229,7 @@ def generate(
         units = _core.find_units(model)
         base = memscale.Config(enable_logging=False, auto_policy=True)
         profile = _planning.profile_upfront(model, units, batch.sample_input, base)
-        fixed = _planning.fixed_bytes(model, None)
+        fixed = _model.fixed_bytes(model, None)
         del model
         probe = StrategyContext.build(base, _gpu(GIB), profile, fixed)
         unoptimized = probe.peak_unoptimized_bytes
@@ -243,7 +243,7 @@ def generate(
             for strategy in ORDER:
                 decision = StrategyDecision.from_strategy(strategy, base, "ml", "sweep", None)
                 effective = decision.effective_config(base)
-                plan = _planning.make_plan(profile, effective, hardware, fixed)
+                plan = _planner.make_plan(profile, effective, hardware, fixed)
                 ckpt = _checkpointed(plan)
                 key = f"{name}|{','.join(map(str, ckpt))}"
                 if key not in cache:

@@ -17,8 +17,8 @@ import torch
 from conftest import CNN, hook_count, mlp
 
 import memscale
+from memscale._planner import PredictionSession
 from memscale.autotuning import AutoTuner, NoConfigFits, measure_step, tuner
-from memscale.predictor import PredictionSession
 
 FORCE = memscale.Config(force_optimize=True, enable_logging=False)
 QUIET = memscale.Config(enable_logging=False)

@@ -1,11 +1,9 @@
 """The typed boundary to the C planner: the planning problem as one value
-(``memscale._solve.PlanProblem``) and one module, ``memscale/_solve.py``,
-that calls ``_core.build_plan``."""
+(``memscale._solve.PlanProblem``) and its one solver call (that no other
+module calls ``_core.build_plan`` is checked in tests/test_imports.py)."""
 
 from __future__ import annotations
 
-import ast
-import pathlib
 import pickle
 
 import pytest
@@ -13,11 +11,8 @@ import torch
 from conftest import mlp
 
 import memscale
-from memscale import _core, _hardware, _planning
+from memscale import _core, _hardware, _model, _planning
 from memscale._solve import OffloadInputs, PlanProblem, SolverInputs, solve
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "memscale"
 
 LAYERS = tuple(
     _core.LayerStats((f"h.{i}", "Block", 1000, 40_000, 4_000, 1e6 * (i + 1), 0)) for i in range(4)
@@ -55,47 +50,6 @@ KEYWORDS = dict(
     device_count=1,
     capacity_bytes=1 << 30,
 )
-
-
-def _calls_build_plan(path: pathlib.Path) -> list[int]:
-    """Lines of ``path`` that name ``build_plan`` in code (an attribute, a
-    name, an import or a string such as getattr's), not in docstrings."""
-    lines = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if (
-            (isinstance(node, ast.Attribute) and node.attr == "build_plan")
-            or (isinstance(node, ast.Name) and node.id == "build_plan")
-            or (isinstance(node, ast.Constant) and node.value == "build_plan")
-            or (
-                isinstance(node, ast.ImportFrom)
-                and any(alias.name == "build_plan" for alias in node.names)
-            )
-        ):
-            lines.append(node.lineno)
-    return lines
-
-
-def test_only_the_solve_module_calls_the_c_planner():
-    callers = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        lines = _calls_build_plan(path)
-        if lines:
-            callers[str(path.relative_to(ROOT))] = lines
-    assert list(callers) == ["memscale/_solve.py"], callers
-
-
-def test_the_check_finds_a_call(tmp_path):
-    # The test above can fail: a call through an alias or getattr is seen.
-    probe = tmp_path / "probe.py"
-    for source in (
-        "from . import _core\nplan = _core.build_plan([], **kw)\n",
-        "import memscale._core as c\nf = getattr(c, 'build_plan')\n",
-        "from ._core import build_plan\n",
-    ):
-        probe.write_text(source)
-        assert _calls_build_plan(probe), source
-    probe.write_text('"""Nothing here calls _core.build_plan."""\n')
-    assert not _calls_build_plan(probe)
 
 
 def test_solve_is_build_plan_with_the_problem_as_keywords():
@@ -165,7 +119,7 @@ def test_the_problem_wrap_plans_from():
             ex.profile,
             ex.config,
             ex.hardware,
-            _planning.fixed_bytes(model, None),
+            _model.fixed_bytes(model, None),
             ex.plan.peak_offset_bytes,
             ex.plan.plan_offset_bytes,
         )

@@ -12,7 +12,7 @@ import torch
 from conftest import hook_count, mlp
 
 import memscale
-from memscale import _core, distributed
+from memscale import _core, _distributed
 from memscale.policy import PolicyFallbackNeeded, load_trained_policy
 
 A = memscale.AsyncOffloadConfig
@@ -98,14 +98,14 @@ def test_dist_timeout_not_a_finite_positive_number(raw, monkeypatch):
         match="MEMSCALE_DIST_TIMEOUT must be a number of "
         r"seconds > 0 and at most .*unset it",
     ):
-        distributed.timeout_seconds()
+        _distributed.timeout_seconds()
 
 
 def test_dist_timeout_accepted(monkeypatch):
     monkeypatch.setenv("MEMSCALE_DIST_TIMEOUT", "12.5")
-    assert distributed.timeout_seconds() == 12.5
+    assert _distributed.timeout_seconds() == 12.5
     monkeypatch.delenv("MEMSCALE_DIST_TIMEOUT")
-    assert distributed.timeout_seconds() == distributed.DEFAULT_TIMEOUT_S
+    assert _distributed.timeout_seconds() == _distributed.DEFAULT_TIMEOUT_S
 
 
 @pytest.fixture

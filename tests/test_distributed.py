@@ -16,7 +16,7 @@ import torch
 from conftest import free_port
 
 import memscale
-from memscale import distributed
+from memscale import _distributed
 from memscale._solve import PlanProblem, solve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -73,7 +73,7 @@ def test_fsdp2_counts_sharded_parameters(tmp_path):
     from conftest import tiny_gpt2
 
     model = tiny_gpt2()
-    full = memscale._planning.fixed_bytes(model, None)
+    full = memscale._model.fixed_bytes(model, None)
     fixed = ranks[0]["memscale"]["fixed"]
     # Shards (half of weights, gradients, Adam state) plus one block
     # all-gathered: well under the unsharded figure.
@@ -114,7 +114,7 @@ def test_a_missing_rank_is_named_not_waited_for(tmp_path):
 
 
 def test_single_process_is_untouched():
-    assert not distributed.active()
+    assert not _distributed.active()
     problem = PlanProblem(
         layers=(memscale._core.LayerStats(("a", "Block", 0, 100, 10, 1.0, 0)),),
         mode="balanced",
@@ -128,17 +128,17 @@ def test_single_process_is_untouched():
         device_count=1,
         capacity_bytes=1 << 20,
     )
-    plan = distributed.shared_plan(problem)
+    plan = _distributed.shared_plan(problem)
     assert plan.hash == solve(problem).hash
     # The seam: what makes the plan of the problem.
     seen = []
-    assert distributed.shared_plan(problem, build=lambda p: seen.append(p) or "plan") == "plan"
+    assert _distributed.shared_plan(problem, build=lambda p: seen.append(p) or "plan") == "plan"
     assert seen == [problem]
 
 
 def test_timeout_setting(monkeypatch):
     monkeypatch.setenv("MEMSCALE_DIST_TIMEOUT", "abc")
     with pytest.raises(ValueError, match="MEMSCALE_DIST_TIMEOUT"):
-        distributed.timeout_seconds()
+        _distributed.timeout_seconds()
     monkeypatch.setenv("MEMSCALE_DIST_TIMEOUT", "12.5")
-    assert distributed.timeout_seconds() == 12.5
+    assert _distributed.timeout_seconds() == 12.5

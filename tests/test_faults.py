@@ -36,7 +36,7 @@ from torch import nn
 
 import memscale
 from memscale import _core
-from memscale.executor import Executor
+from memscale._executor import Executor
 
 FAULTS = {"interrupt": KeyboardInterrupt, "error": RuntimeError}
 

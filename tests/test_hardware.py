@@ -11,6 +11,7 @@ from conftest import mlp
 
 import memscale
 from memscale import _core, _hardware, amp, policy
+from memscale._format import format_bytes
 from memscale._hardware import Hardware
 
 GPU = {
@@ -108,7 +109,7 @@ def test_the_executor_keeps_the_hardware_and_describes_it_as_before():
         assert ex.hardware == hw
         first = ex.describe().splitlines()[0]
         assert first == (
-            f"memscale hardware: cpu x1, {memscale._planning.format_bytes(hw.capacity_bytes)} "
+            f"memscale hardware: cpu x1, {format_bytes(hw.capacity_bytes, digits=1)} "
             f"each ({hw.name})"
         )
     finally:

@@ -291,7 +291,7 @@ def test_failure_after_the_server_started_stops_it(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("planning failed")
 
-    monkeypatch.setattr(_planning, "plan_inputs", broken)
+    monkeypatch.setattr(_planning, "plan_problem", broken)
     model = mlp()
     port = free_port()
     with pytest.raises(RuntimeError, match="planning failed"):

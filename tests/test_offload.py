@@ -279,7 +279,7 @@ def test_unwritable_spill_dir_is_an_error_at_wrap(tmp_path):
 
 
 def test_not_enough_disk_is_an_error_at_wrap(monkeypatch, tmp_path):
-    import memscale.offload as offload
+    import memscale._offload as offload
 
     class Tiny:
         f_bavail, f_frsize = 1, 512

@@ -1,4 +1,4 @@
-"""Stage 1 (memscale.policy, api._select_strategy): sources, fallbacks, the
+"""Stage 1 (memscale.policy, policy.select_strategy): sources, fallbacks, the
 shipped artifact, and the GPU branch on a CPU host through an injected
 hardware description."""
 
@@ -15,7 +15,7 @@ import torch
 from conftest import hook_count, mlp
 
 import memscale
-from memscale import _core, _planning, api, policy
+from memscale import _core, _model, _planning, policy
 from memscale.policy import (
     FEATURES,
     STRATEGIES,
@@ -46,7 +46,7 @@ def profiled():
     units = _core.find_units(model)
     config = memscale.Config()
     profile = _planning.profile_upfront(model, units, torch.randn(64, 32), config)
-    return profile, _planning.fixed_bytes(model, None)
+    return profile, _model.fixed_bytes(model, None)
 
 
 def context_at(pressure: float, profiled, config=None) -> StrategyContext:
@@ -64,12 +64,12 @@ def clean_env(monkeypatch):
     monkeypatch.delenv("MEMSCALE_POLICY_ARTIFACT", raising=False)
 
 
-# ---- _select_strategy ----------------------------------------------------
+# ---- select_strategy -----------------------------------------------------
 
 
 def test_auto_policy_off_uses_config_bit_for_bit(profiled):
     config = memscale.Config(mode="aggressive", memory_budget_gb=3.0)
-    decision, effective = api._select_strategy(config, context_at(2.0, profiled, config))
+    decision, effective = policy.select_strategy(config, context_at(2.0, profiled, config))
     assert effective is config
     assert decision.decision_source == "user_config"
     assert decision.strategy == "as_configured"
@@ -81,7 +81,7 @@ def test_auto_policy_on_cpu_host_uses_config(profiled):
     profile, fixed = profiled
     config = memscale.Config(auto_policy=True)
     context = StrategyContext.build(config, _core.detect_hardware("cpu"), profile, fixed)
-    decision, effective = api._select_strategy(config, context)
+    decision, effective = policy.select_strategy(config, context)
     assert effective is config
     assert decision.decision_source == "user_config"
     assert "host cpu" in decision.reason
@@ -91,7 +91,7 @@ def test_gpu_uses_trained_policy(profiled):
     config = memscale.Config(auto_policy=True)
     before = config.to_dict()
     for pressure in (0.7, 1.2, 2.5):
-        decision, effective = api._select_strategy(config, context_at(pressure, profiled))
+        decision, effective = policy.select_strategy(config, context_at(pressure, profiled))
         assert decision.decision_source == "ml"
         assert decision.policy.startswith("strategy-tree ")
         assert decision.strategy in STRATEGIES
@@ -106,7 +106,7 @@ def test_missing_artifact_falls_back_to_rules(profiled, monkeypatch, tmp_path, c
     monkeypatch.setenv("MEMSCALE_POLICY_ARTIFACT", str(tmp_path / "absent.json"))
     config = memscale.Config(auto_policy=True)
     with caplog.at_level(logging.INFO, logger="memscale"):
-        decision, effective = api._select_strategy(config, context_at(1.2, profiled))
+        decision, effective = policy.select_strategy(config, context_at(1.2, profiled))
     assert decision.decision_source == "rule_fallback"
     assert decision.strategy == "balanced"  # the rule for pressure 1.2
     assert decision.policy == "rules"
@@ -158,7 +158,9 @@ def test_corrupt_artifact_falls_back(profiled, monkeypatch, tmp_path, content):
     with pytest.raises(PolicyFallbackNeeded):
         TrainedPolicy.load(path)
     monkeypatch.setenv("MEMSCALE_POLICY_ARTIFACT", str(path))
-    decision, _ = api._select_strategy(memscale.Config(auto_policy=True), context_at(2.0, profiled))
+    decision, _ = policy.select_strategy(
+        memscale.Config(auto_policy=True), context_at(2.0, profiled)
+    )
     assert decision.decision_source == "rule_fallback"
     assert decision.strategy == "aggressive"
 
@@ -173,7 +175,9 @@ def test_too_deep_tree_is_rejected():
 
 def test_rule_policy_on_purpose(profiled, monkeypatch):
     monkeypatch.setenv("MEMSCALE_POLICY", "rule")
-    decision, _ = api._select_strategy(memscale.Config(auto_policy=True), context_at(0.8, profiled))
+    decision, _ = policy.select_strategy(
+        memscale.Config(auto_policy=True), context_at(0.8, profiled)
+    )
     assert decision.decision_source == "rule"
     assert decision.strategy == "conservative"
 
@@ -181,14 +185,14 @@ def test_rule_policy_on_purpose(profiled, monkeypatch):
 def test_bad_policy_env_names_the_values(profiled, monkeypatch):
     monkeypatch.setenv("MEMSCALE_POLICY", "neural")
     with pytest.raises(ValueError, match="MEMSCALE_POLICY must be one of"):
-        api._select_strategy(memscale.Config(auto_policy=True), context_at(1.0, profiled))
+        policy.select_strategy(memscale.Config(auto_policy=True), context_at(1.0, profiled))
 
 
 def test_unprofiled_gpu_context_is_refused():
     config = memscale.Config(auto_policy=True)
     context = StrategyContext.build(config, gpu(8 * GIB))
     with pytest.raises(ValueError, match="profiled context"):
-        api._select_strategy(config, context)
+        policy.select_strategy(config, context)
 
 
 # ---- the policies and the decision ---------------------------------------

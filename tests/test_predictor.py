@@ -18,9 +18,10 @@ from conftest import CNN, hook_count, mlp, tiny_gpt2, token_batch
 from torch import nn
 
 import memscale
-from memscale import _torch_compat, predictor
+from memscale import _planner, _torch_compat, predictor
+from memscale._planner import PredictionSession, predict_peak
 from memscale.autotuning import measure_step
-from memscale.predictor import DeviceSpec, PeakPrediction, PredictionSession, predict_peak
+from memscale.predictor import DeviceSpec, PeakPrediction, _workspace
 
 FORCE = memscale.Config(mode="conservative", force_optimize=True, enable_logging=False)
 QUIET = memscale.Config(enable_logging=False)
@@ -171,7 +172,7 @@ def test_the_model_is_left_as_it_was():
     assert [id(p) for p in model.parameters()] == params
     for key, value in model.state_dict().items():
         assert torch.equal(value, state[key]), key
-        assert not predictor._torch_compat.fake_tensor_tools()[0](value)
+        assert not _torch_compat.fake_tensor_tools()[0](value)
     for p, g in zip(model.parameters(), grads):
         assert torch.equal(p.grad, g)
     assert not any(m.training for m in model.modules())
@@ -228,7 +229,7 @@ def test_a_step_that_cannot_be_simulated_raises_and_restores():
     with pytest.raises(RuntimeError, match="could not simulate.*Sequential"):
         predict_peak(model, torch.randn(2, 8), FORCE)
     assert [id(p) for p in model.parameters()] == params
-    assert not any(predictor._torch_compat.fake_tensor_tools()[0](p) for p in model.parameters())
+    assert not any(_torch_compat.fake_tensor_tools()[0](p) for p in model.parameters())
     assert hook_count(model) == 0
     model(torch.randn(2, 8)).sum().backward()  # still an ordinary model
 
@@ -380,7 +381,6 @@ def test_estimate_savings():
 
 def test_without_dispatch_modes_the_predictor_says_why(monkeypatch):
     monkeypatch.setattr(_torch_compat, "dispatch_mode_base", lambda: None)
-    monkeypatch.setattr(predictor, "_TRACKER_CLASS", None)
     model, x, loss_fn = _case("mlp")
     with pytest.raises(RuntimeError, match="TorchDispatchMode"):
         predict_peak(model, x, FORCE, loss_fn=loss_fn)
@@ -404,7 +404,7 @@ def test_without_fake_tensor_tools_every_operator_runs_fake(monkeypatch):
     model, x, loss_fn = _case("mlp")
     exact = predict_peak(model, x, FORCE, loss_fn=loss_fn)
     monkeypatch.setattr(_torch_compat, "fake_tensor_tools", lambda: None)
-    predictor._PROBED.clear()
+    _workspace._PROBED.clear()
     fallback = predict_peak(model, x, FORCE, loss_fn=loss_fn)
     # No kernel is probed (mse_loss's buffer is missed) and nothing else
     # changes for a model that does not branch on values.
@@ -414,7 +414,7 @@ def test_without_fake_tensor_tools_every_operator_runs_fake(monkeypatch):
 
 def test_a_running_profiler_skips_the_kernel_probes():
     model, x, _ = _case("cnn")
-    predictor._PROBED.clear()
+    _workspace._PROBED.clear()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         prediction = predict_peak(model, x, FORCE)
     assert prediction.unprobed_calls > 0
@@ -467,7 +467,7 @@ def test_wrap_falls_back_to_the_engine_estimate(monkeypatch, caplog):
         def __init__(self, *args, **kwargs):
             raise RuntimeError("cannot simulate")
 
-    monkeypatch.setattr(predictor, "PredictionSession", Broken)
+    monkeypatch.setattr(_planner, "PredictionSession", Broken)
     model = mlp()
     with caplog.at_level(logging.INFO, logger="memscale"):
         memscale.wrap(model, QUIET, sample_input=torch.randn(4, 32))

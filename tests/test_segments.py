@@ -312,7 +312,7 @@ def test_segment_input_offloaded_to_disk(tmp_path, async_io):
     assert offloaded == [0], [(lay.segment, lay.tier) for lay in plan.layers]
     assert all(plan.layers[i].segment == i for i in offloaded)  # segment starts
     n_segments = len({lay.segment for lay in plan.layers if lay.segment >= 0})
-    memscale.offload.attach(ex, ex.config, ex.hardware, plan)
+    memscale._offload.attach(ex, ex.config, plan)
     ex.apply(plan)
     store = ex.offload_store
     assert store is not None

@@ -459,7 +459,7 @@ def _gpt2(impl: str, seq: int = 64, heads: int = 4):
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_attention_is_tiled_over_queries_and_agrees(impl, monkeypatch):
-    from memscale import attention
+    from memscale import _attention as attention
 
     model, ref = _gpt2(impl), _gpt2(impl)
     ids = torch.randint(0, 128, (2, 64))
@@ -483,7 +483,7 @@ def test_attention_is_tiled_over_queries_and_agrees(impl, monkeypatch):
 
 @pytest.mark.slow
 def test_query_tiles_lower_the_attention_peak(monkeypatch):
-    from memscale import attention
+    from memscale import _attention as attention
 
     ids = torch.randint(0, 128, (1, 256))
     peaks = {}
@@ -508,7 +508,7 @@ def test_query_tiles_lower_the_attention_peak(monkeypatch):
 
 
 def test_attention_dropout_is_not_tiled_over_queries():
-    from memscale import attention
+    from memscale import _attention as attention
 
     model = tiny_gpt2(dropout=0.1)
     assert attention.attach(object(), model, 4) is False

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _planning
+from .. import _model
 from ..config import Config
 
 __all__ = ["fresh_optimizer", "measure_step"]
@@ -112,7 +112,7 @@ def measure_step(
             "step; trials need a materialized model (trial=False "
             "skips them)"
         )
-    args, kwargs = _planning.split_input(sample_input)
+    args, kwargs = _model.split_input(sample_input)
     compute_loss = loss_fn if loss_fn is not None else default_loss
     with _restored(model):
         model.train()

@@ -24,8 +24,10 @@ import torch
 from torch import nn
 
 from .. import _planning
+from .._format import format_bytes
+from .._planner import PredictionSession
 from ..config import GIB, Config, OptimizationMode
-from ..predictor import PeakPrediction, PredictionSession, _resolve_device
+from ..predictor import PeakPrediction, resolve_device
 from .trial import measure_step
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ _MAX_BATCH = 1 << 24
 
 
 def _fmt(n: float) -> str:
-    return _planning.format_bytes(n)
+    return format_bytes(n, digits=1)
 
 
 def _quiet(config: Config) -> Config:
@@ -114,7 +116,7 @@ def _choice_rows(choices: tuple[Choice, ...]) -> list[str]:
             (
                 c.config.mode.value,
                 "yes" if c.config.force_optimize else "no",
-                _fmt(_planning.budget_bytes(c.config, {"capacity_bytes": 0}))
+                _fmt(_planning.budget_bytes(c.config, None))
                 if c.config.memory_budget_gb is not None
                 else "-",
                 str(c.checkpointed_layers),
@@ -280,7 +282,7 @@ class AutoTuner:
         self.loss_fn = loss_fn
         self.base_config = base_config
         if budget_bytes is None:
-            hardware, _ = _resolve_device(model, device, base_config)
+            hardware, _ = resolve_device(model, device, base_config)
             budget_bytes = _planning.budget_bytes(base_config, hardware)
         self.budget_bytes = int(budget_bytes)
 

@@ -1,14 +1,15 @@
 """The benchmark suite's measuring tools.
 
 They live in the library (``memscale._measure``: the predictor and the
-AutoTuner measure with them at ``wrap`` time); this module is their public
-name for the suite, the scripts and users.
+AutoTuner measure with them at ``wrap`` time; ``memscale._format`` writes
+sizes); this module is their public name for the suite, the scripts and
+users.
 """
 
+from .._format import format_bytes
 from .._measure import (
     MemoryReport,
     TimeReport,
-    format_bytes,
     live_storage_bytes,
     measure_peak,
     peak_rss_subprocess,

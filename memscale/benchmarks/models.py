@@ -62,7 +62,7 @@ class BenchmarkModel:
         """The unoptimized step's peak as memscale.predict_peak gives it, on
         fake tensors (seconds, no memory): used to skip full-size rows this
         machine cannot measure."""
-        from ..predictor import predict_peak
+        from .. import predict_peak
 
         model, batch = self.build(seed=0)
         prediction = predict_peak(model, batch.sample_input, optimizer=None, loss_fn=batch.loss_fn)

@@ -37,7 +37,9 @@ from torch.utils.checkpoint import checkpoint
 
 import memscale
 
-from .._measure import format_bytes, measure_peak, time_ratio
+from .._format import format_bytes
+from .._measure import measure_peak, time_ratio
+from ..config import GIB
 from .models import Batch, BenchmarkModel
 from .runner import predicted_overhead, selective_context, step_flops
 
@@ -210,7 +212,7 @@ def run_sweep(
         progress(f"{entry.name}: memscale at {fraction:.0%}")
         config = memscale.Config(
             mode=memscale.OptimizationMode.CONSERVATIVE,
-            memory_budget_gb=budget / 2**30,
+            memory_budget_gb=budget / GIB,
             enable_logging=False,
         )
 

@@ -28,7 +28,7 @@ Hugging Face's checkpointing on instead (memscale then checkpoints
 nothing).  Either way the log says which.
 
 ``on_log`` adds memscale's figures to the logs (``memscale/...`` keys, see
-``memscale.integrations._figures``) and to the matching entry of
+``memscale.integrations._common.figures``) and to the matching entry of
 ``trainer.state.log_history``.  Only world process zero logs messages.
 
 If ``train()`` raises, transformers calls no further callback, so memscale
@@ -51,12 +51,12 @@ import torch
 
 from .. import api
 from ..config import Config
-from . import _figures, _for_rank, _missing, _summary, _unwrap_model, _unwrap_optimizer
+from . import _common
 
 try:
     from transformers import TrainerCallback
 except ImportError as _exc:
-    raise _missing("Hugging Face Trainer", "transformers", "hf", _exc) from _exc
+    raise _common.missing_framework("Hugging Face Trainer", "transformers", "hf", _exc) from _exc
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class MemScaleCallback(TrainerCallback):
                 "on_train_begin; memscale is not applied to this run"
             )
             return
-        model = _unwrap_model(model)
+        model = _common.unwrap_model(model)
         if model.__dict__.get(api.ATTR) is not None:
             if zero:
                 logger.warning(
@@ -123,8 +123,8 @@ class MemScaleCallback(TrainerCallback):
                     "train() to let the callback manage it."
                 )
             return
-        config = _for_rank(self.config if self.config is not None else Config(), zero)
-        optimizer = _unwrap_optimizer(kwargs.get("optimizer"))
+        config = _common.for_rank(self.config if self.config is not None else Config(), zero)
+        optimizer = _common.unwrap_optimizer(kwargs.get("optimizer"))
         restore = _take_over_hf_checkpointing(model, config, zero)
         try:
             api.wrap(model, config, self.sample_input, optimizer=optimizer)
@@ -170,7 +170,7 @@ class MemScaleCallback(TrainerCallback):
         executor = self._executor
         if executor is None or not isinstance(logs, dict):
             return
-        figures = _figures(executor)
+        figures = _common.figures(executor)
         if not figures:
             return
         logs.update(figures)
@@ -198,7 +198,7 @@ class MemScaleCallback(TrainerCallback):
         if executor is None:
             return
         if log_summary:
-            logger.info("memscale: training ended; %s; detached", _summary(executor))
+            logger.info("memscale: training ended; %s; detached", _common.summary(executor))
         model = ref() if ref is not None else None
         if model is not None and model.__dict__.get(api.ATTR) is executor:
             api.detach(model)
@@ -289,7 +289,7 @@ def attach(trainer: Any, config: Config | None, sample_input: Any = None) -> Any
     model = getattr(trainer, "model", None)
     if (
         isinstance(model, torch.nn.Module)
-        and _unwrap_model(model).__dict__.get(api.ATTR) is not None
+        and _common.unwrap_model(model).__dict__.get(api.ATTR) is not None
     ):
         raise RuntimeError(
             "the Trainer's model is already wrapped by memscale; call "
@@ -313,7 +313,7 @@ def detach_trainer(trainer: Any) -> bool:
         found = True
     model = getattr(trainer, "model", None)
     if isinstance(model, torch.nn.Module):
-        model = _unwrap_model(model)
+        model = _common.unwrap_model(model)
         if model.__dict__.get(api.ATTR) is not None:
             api.detach(model)
             found = True

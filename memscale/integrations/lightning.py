@@ -47,7 +47,7 @@ import torch
 
 from .. import api
 from ..config import AsyncOffloadConfig, Config
-from . import _figures, _for_rank, _missing, _summary, _unwrap_optimizer
+from . import _common
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def _callback_bases() -> tuple[type, ...]:
         bases.append(callback)
     if not bases:
         assert first_error is not None
-        raise _missing(
+        raise _common.missing_framework(
             "PyTorch Lightning", "lightning (or pytorch_lightning)", "lightning", first_error
         ) from first_error
     return tuple(bases)
@@ -138,9 +138,9 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
                     "the callback manage it."
                 )
             return
-        config = _for_rank(self.config if self.config is not None else Config(), zero)
+        config = _common.for_rank(self.config if self.config is not None else Config(), zero)
         optimizers = list(getattr(trainer, "optimizers", None) or [])
-        optimizer = _unwrap_optimizer(optimizers[0]) if len(optimizers) == 1 else None
+        optimizer = _common.unwrap_optimizer(optimizers[0]) if len(optimizers) == 1 else None
         api.wrap(pl_module, config, optimizer=optimizer)
         self._executor = pl_module.__dict__[api.ATTR]
         self._module_ref = weakref.ref(pl_module)
@@ -171,7 +171,7 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
         elif self._bracket and executor.state == "profiling":
             # Open the pass as the LightningModule's forward pre-hook would
             # (the executor's own hook, called by hand).
-            executor._root_pre(pl_module, (), {})
+            executor.enter_root(pl_module)
             self._in_pass = True
 
     def on_before_backward(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
@@ -256,7 +256,7 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
         if executor is not None:
             # Ends the pass (a no-op if the module's own forward hook ended
             # it); after the last warm-up pass this plans and applies.
-            executor._root_post(pl_module, (), None)
+            executor.leave_root(pl_module)
 
     def _check_plan(self) -> None:
         executor = self._executor
@@ -279,7 +279,7 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
         and with the plan, bytes saved, checkpointed layers, recomputes)
         once a plan exists; after teardown, the last ones of the fit."""
         if self._executor is not None:
-            return _figures(self._executor)
+            return _common.figures(self._executor)
         return dict(self._last_figures)
 
     def _release(self, log_summary: bool) -> None:
@@ -288,12 +288,12 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
             return
         self._check_plan()
         executor, ref = self._executor, self._module_ref
-        self._last_figures = _figures(executor)
+        self._last_figures = _common.figures(executor)
         self._executor = None
         self._module_ref = None
         self._in_pass = False
         if log_summary:
-            logger.info("memscale: fit ended; %s; detached", _summary(executor))
+            logger.info("memscale: fit ended; %s; detached", _common.summary(executor))
         module = ref() if ref is not None else None
         if module is not None and module.__dict__.get(api.ATTR) is executor:
             api.detach(module)

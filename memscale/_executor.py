@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _core
+from ._format import format_bytes, plan_table
 from ._hardware import Hardware
 from .config import Config
 
@@ -52,11 +53,11 @@ class Executor(_core.Executor):
     _first_forward: Any  # the memscale._firststep.FirstForward hooks
     _measure_instead: Callable[[], None]  # switches to measuring real steps
 
-    def _init_python_state(
-        self, config: Config, hardware: Hardware | Mapping[str, Any], profiling: str
-    ) -> None:
+    def init_python_state(self, config: Config, hardware: Hardware, profiling: str) -> None:
+        """Set what the Python layer keeps (see the class docstring); once,
+        right after the executor is made."""
         self.config = config
-        self.hardware = Hardware.of(hardware)
+        self.hardware = hardware
         self.profiling = profiling
         self.profile = None
         self.decision = None
@@ -73,6 +74,37 @@ class Executor(_core.Executor):
         self._copy_fixups: list[Callable[[Callable[[Any], Any]], None]] = []
         self.layer_recomputes = 0  # see count_layer_recomputes
         self.optimizer_steps = 0  # see count_steps
+
+    @property
+    def has_python_state(self) -> bool:
+        """Whether :meth:`init_python_state` has run."""
+        return "_restore" in self.__dict__
+
+    def await_first_forward(self, first: Any, measure_instead: Callable[[], None]) -> None:
+        """Plan on the first training forward: ``first`` (a
+        ``memscale._firststep.FirstForward``) holds the hooks that do it,
+        ``measure_instead`` switches to measuring real steps instead (see
+        :meth:`measure_real_steps`).  Both are dropped by detach."""
+        self._first_forward = first
+        self._measure_instead = measure_instead
+
+    def enter_root(self, module: torch.nn.Module) -> None:
+        """What the root module's forward pre-hook does, called by hand: a
+        framework whose training step does not call the root module
+        (Lightning's ``training_step``) opens the pass with it."""
+        self._root_pre(module, (), {})
+
+    def leave_root(self, module: torch.nn.Module) -> None:
+        """What the root module's forward hook does, called by hand: ends
+        the pass (nothing when the hook has ended it); after the last
+        warm-up pass this plans and applies."""
+        self._root_post(module, (), None)
+
+    def abandon(self) -> None:
+        """Leave what the forward in progress entered (the C executor's
+        ``_abandon``): the model's call guard runs it when a forward is
+        left by an exception."""
+        self._abandon()
 
     def pause(self) -> None:
         """Make every hook of this executor do nothing until :meth:`resume`
@@ -199,12 +231,10 @@ class Executor(_core.Executor):
     def describe(self) -> str:
         """The hardware and the plan, one row per layer (what ``wrap``
         logs at DEBUG); a line saying so while there is no plan yet."""
-        from . import _planning
-
         hw = self.hardware
         lines = [
             f"memscale hardware: {hw.device} x{hw.count}, "
-            f"{_planning.format_bytes(hw.capacity_bytes)} each ({hw.name})"
+            f"{format_bytes(hw.capacity_bytes, digits=1)} each ({hw.name})"
         ]
         plan = self.plan
         if plan is None:
@@ -215,7 +245,7 @@ class Executor(_core.Executor):
             )
             lines.append(f"memscale: no plan yet; it is made {when}")
         else:
-            lines.append(_planning.plan_table(plan))
+            lines.append(plan_table(plan))
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -1,0 +1,132 @@
+"""What a model holds and what it is given: the device it is on, the bytes
+a training step starts with (parameters, buffers, gradients, optimizer
+state; :func:`fixed_bytes`), and a sample input as positional and keyword
+inputs (:func:`split_input`).
+
+Shared by the profiling (``_planning``), the OOM predictor and the planner;
+imports no other part of memscale but the torch compatibility layer and
+the 8-bit optimizer's class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _torch_compat
+from .optim import AdamW8bit
+
+__all__ = [
+    "Inputs",
+    "fixed_bytes",
+    "model_device",
+    "optimizer_state_bytes",
+    "split_input",
+    "storage_bytes",
+    "tensors_of",
+]
+
+
+class Inputs(NamedTuple):
+    """Positional and keyword inputs together (a forward's own, as the
+    first training forward's are profiled)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def split_input(sample_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A sample input as (args, kwargs): a tensor, a tuple/list, a dict, or
+    :class:`Inputs`."""
+    if isinstance(sample_input, Inputs):
+        return tuple(sample_input.args), dict(sample_input.kwargs)
+    if isinstance(sample_input, torch.Tensor):
+        return (sample_input,), {}
+    if isinstance(sample_input, (tuple, list)):
+        return tuple(sample_input), {}
+    if isinstance(sample_input, dict):
+        return (), dict(sample_input)
+    raise TypeError(
+        "sample_input must be a tensor, a tuple/list of positional inputs or "
+        f"a dict of keyword inputs, got {type(sample_input).__name__}"
+    )
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    for tensor in tensors_of(model):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def tensors_of(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if callable(getattr(t, "to_local", None)):
+            t = t.to_local()  # type: ignore[attr-defined]  # a DTensor (FSDP2): this rank's shard
+        key = _torch_compat.storage_key(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def optimizer_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of optimizer state one step will hold.
+
+    An optimizer whose state already exists is measured.  Otherwise the
+    state is derived from its class: Adam-family optimizers keep two
+    tensors per trainable parameter, SGD with momentum one, SGD without
+    none; with no optimizer, Adam is assumed (the spec's rule of thumb).
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    per_param = storage_bytes(trainable)
+    if optimizer is None:
+        return 2 * per_param
+    # Per-parameter buffers only: scalar entries such as Adam's ``step`` are
+    # left out, so a plan does not change once the optimizer has stepped.
+    existing = [
+        v
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+    if existing:
+        return storage_bytes(existing)
+    if isinstance(optimizer, AdamW8bit):
+        # int8 + uint8 moments and one float32 scale per block each, for
+        # the parameters it quantizes; float32 moments for the others.
+        total = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                if AdamW8bit.quantizes(p, group):
+                    blocks = -(-p.numel() // group["block_size"])
+                    total += 2 * p.numel() + 8 * blocks
+                else:
+                    total += 2 * p.numel() * p.element_size()
+        return total
+    name = type(optimizer).__name__.lower()
+    if name == "sgd":
+        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+        return per_param if momentum else 0
+    if name in ("adagrad", "rmsprop", "adadelta", "adafactor"):
+        return per_param
+    if any(g.get("amsgrad", False) for g in optimizer.param_groups):
+        return 3 * per_param  # exp_avg, exp_avg_sq, max_exp_avg_sq
+    return 2 * per_param
+
+
+def fixed_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Parameters + buffers + gradients + optimizer state."""
+    params_and_buffers = storage_bytes(list(tensors_of(model)))
+    grads = storage_bytes([p for p in model.parameters() if p.requires_grad])
+    return params_and_buffers + grads + optimizer_state_bytes(model, optimizer)

@@ -1,0 +1,527 @@
+"""Plan -> simulate -> correct: the engine plans from the OOM predictor's
+simulated peaks.  The one owner of that loop.
+
+The engine's memory model (``csrc/engine.c``) estimates a step's peak
+from the profile (``_planning``); the predictor (:mod:`memscale.predictor`)
+simulates the step on fake tensors.  :class:`PredictionSession` holds one
+simulation open and calibrates the engine on it
+(:meth:`PredictionSession.plan_offsets`): the unoptimized peak's
+correction, then the plans' correction, simulated under the plans the
+engine makes with it until one is verified to fit.  ``wrap`` plans with
+those corrections (:func:`predicted_offsets`) and, when no plan fits,
+checks the least budget by calibrating there (:func:`verified_least_budget`);
+:func:`predict_peak` and :func:`estimate_savings` report them.
+
+This module imports ``_planning`` (profiles and engine inputs) and the
+predictor (the simulation); neither of them imports it, nor each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from . import _core, _model, _planning, policy, predictor
+from ._format import format_bytes
+from ._hardware import Hardware
+from ._planning import Profile
+from ._solve import PlanProblem, solve
+from .config import GIB, Config, OptimizationMode
+from .predictor import PeakPrediction, SavingsEstimate
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Offsets",
+    "PredictionSession",
+    "estimate_savings",
+    "fallback_config",
+    "least_budget",
+    "make_plan",
+    "predict_peak",
+    "predicted_offsets",
+    "verified_least_budget",
+]
+
+
+def _size(n: float) -> str:
+    return format_bytes(n, digits=1)
+
+
+def make_plan(
+    profile: Profile,
+    config: Config,
+    hardware: Hardware,
+    fixed: int,
+    peak_offset: int = 0,
+    plan_offset: int | None = None,
+) -> _core.Plan:
+    """The engine's plan.  ``peak_offset`` and ``plan_offset`` are the OOM
+    predictor's corrections of the engine's unoptimized peak and of its
+    plans' peaks (see :meth:`PredictionSession.plan_offsets`)."""
+    return solve(_planning.plan_problem(profile, config, hardware, fixed, peak_offset, plan_offset))
+
+
+def least_budget(problem: PlanProblem) -> int:
+    """The planner's smallest feasible budget for ``problem`` (a budget of
+    1 byte makes every plan infeasible, so the planner reports its
+    minimum)."""
+    plan = solve(problem.replace(budget_bytes=1, force=False))
+    if plan.min_budget_bytes >= 0:
+        return int(plan.min_budget_bytes)
+    return int(plan.peak_projected_bytes)
+
+
+def fallback_config(config: Config, fallback: bool | None) -> Config:
+    """The Config the plan is made with: ``config``, or, when the planner's
+    plans did not fit when simulated, every layer checkpointed alone."""
+    if not fallback:
+        return config
+    return config.replace(
+        force_optimize=True, mode=OptimizationMode.CONSERVATIVE, enable_tiling=False
+    )
+
+
+def _read_profile(profiler: Any, units: list[tuple[str, nn.Module]]) -> Profile:
+    """The simulation's warm-up forward, measured as static profiling
+    measures one (the same profile, so the same plan as ``wrap``)."""
+    return _planning.profile_from(profiler, units, "static")
+
+
+class PredictionSession:
+    """Predictions for one model and batch under several Configs.
+
+    Entering it simulates the warm-up and the unoptimized step once; each
+    :meth:`predict` then makes the plan ``wrap`` would make with that
+    Config and simulates the step under it (once per distinct plan).  The
+    model's parameters and buffers are fake while the session is open, so
+    use it only as ``with PredictionSession(...) as session:`` around
+    ``session.predict(...)`` calls (the AutoTuner does).
+    """
+
+    # Rounds of "simulate the plan, correct, plan again" at most.
+    CALIBRATION_ROUNDS = 5
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample_input: Any,
+        optimizer: torch.optim.Optimizer | None = None,
+        device: Any = None,
+        *,
+        loss_fn: Callable[[Any], Any] | None = None,
+        config: Config | None = None,
+    ) -> None:
+        self._start = time.perf_counter()
+        config = _check_args(model, sample_input, config, optimizer, loss_fn, "predict_peak")
+        self.model = model
+        self.optimizer = optimizer
+        self.hardware, self.sim_device = predictor.resolve_device(model, device, config)
+        self._steps = predictor.SimulationSession(
+            model,
+            sample_input,
+            optimizer,
+            self.hardware,
+            self.sim_device,
+            loss_fn=loss_fn,
+            read_profile=_read_profile,
+        )
+        # Configs whose plan is every layer checkpointed alone, because the
+        # planner's did not fit when simulated (see plan_offsets).
+        self._fallback: dict[Config, bool] = {}
+        # The simulated peak of every layer checkpointed alone (the last
+        # plan_offsets computed it), or None.
+        self.forced_peak: int | None = None
+
+    def __enter__(self) -> PredictionSession:
+        self._steps.__enter__()
+        self._setup_seconds = time.perf_counter() - self._start
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._steps.__exit__(*exc)
+
+    def plan(self, config: Config) -> Any:
+        """The plan wrap() makes with ``config``: the same profile (the
+        warm-up's forward on fake tensors), the same Stage 1 (the strategy
+        policy, when ``auto_policy`` is on) and the same engine inputs."""
+        fixed = _model.fixed_bytes(self.model, self.optimizer)
+        profile = self._steps.profile
+        if config.auto_policy:
+            context = policy.StrategyContext.build(
+                config,
+                self.hardware,
+                profile if policy.needs_profile(config, self.hardware) else None,
+                fixed,
+            )
+            _, config = policy.select_strategy(config, context)
+        # The engine plans from the predicted peaks (as wrap() does with
+        # sample_input): the same corrections, the same plan.
+        offset, plan_offset = self.plan_offsets(config, profile, fixed)
+        return make_plan(
+            profile,
+            fallback_config(config, self._fallback.get(config)),
+            self.hardware,
+            fixed,
+            peak_offset=offset,
+            plan_offset=plan_offset,
+        )
+
+    def plan_offsets(
+        self, config: Config, profile: Any = None, fixed: int | None = None
+    ) -> tuple[int, int]:
+        """The engine's two corrections for ``config`` (its effective,
+        post-Stage-1 form): of the unoptimized peak (predicted minus the
+        engine's), and of its plans' peaks.
+
+        The second is calibrated on simulated optimized steps: first the
+        step with every layer checkpointed, then (up to three rounds) the
+        step under the plan the budget planner makes, corrected by what the
+        simulation says it really needs.  The unoptimized step's correction
+        can be far off for plans (a temporary proportional to the
+        activations, present at the unoptimized peak only), which would
+        make the planner refuse budgets that fit or choose plans that do
+        not.  Smart-skipped and forced plans keep the one correction."""
+        if profile is None:
+            profile = self._steps.profile
+        if fixed is None:
+            fixed = _model.fixed_bytes(self.model, self.optimizer)
+        hw = self.hardware
+        base = make_plan(profile, config, hw, fixed)
+        offset = self.unoptimized_peak() - base.peak_unoptimized_bytes
+        plan = make_plan(profile, config, hw, fixed, peak_offset=offset)
+        self._fallback.pop(config, None)
+        if (
+            plan.skipped
+            or config.force_optimize
+            or (not plan.technique_counts["checkpoint"] and plan.fits)
+        ):
+            return offset, offset
+        # Calibrate on every layer checkpointed (what the least budgets
+        # are made of).
+        forced = make_plan(profile, fallback_config(config, True), hw, fixed, peak_offset=offset)
+        plan_offset = forced_offset = offset
+        forced_peak = None
+        if forced.technique_counts["checkpoint"]:
+            forced_peak = self._steps.simulated_peak(forced, config)
+            self.forced_peak = forced_peak
+            plan_offset = forced_offset = offset + (forced_peak - forced.peak_projected_bytes)
+        verified = untestable = False
+        for _ in range(self.CALIBRATION_ROUNDS):
+            plan = make_plan(
+                profile, config, hw, fixed, peak_offset=offset, plan_offset=plan_offset
+            )
+            if not plan.fits or not plan.technique_counts["checkpoint"]:
+                break
+            if plan.technique_counts["tiling"]:
+                # The simulation runs tiled layers whole: it would overstate
+                # what a tiled plan needs.
+                untestable = True
+                break
+            miss = self._steps.simulated_peak(plan, config) - plan.peak_projected_bytes
+            if plan.peak_projected_bytes + miss <= plan.budget_bytes:
+                verified = True
+                break
+            plan_offset += max(miss, 1)
+        if (
+            not verified
+            and not untestable
+            and forced_peak is not None
+            and forced_peak <= _planning.budget_bytes(config, hw)
+        ):
+            # The planner's plans did not fit when simulated, but every
+            # layer checkpointed alone does: that plan, then.
+            self._fallback[config] = True
+            return offset, forced_offset
+        return offset, plan_offset
+
+    def falls_back(self, config: Config) -> bool:
+        """Whether :meth:`plan_offsets` found, for ``config``, that the
+        planner's plans need more than the budget when simulated while
+        every layer checkpointed alone fits: the plan is then made with
+        :func:`fallback_config`."""
+        return bool(self._fallback.get(config))
+
+    def unoptimized_peak(self) -> int:
+        """The predicted peak bytes of the unoptimized step."""
+        if not self._steps.is_open:
+            raise RuntimeError(
+                "PredictionSession.unoptimized_peak() runs inside "
+                "'with PredictionSession(...) as session:'"
+            )
+        return self._steps.unoptimized_peak()
+
+    def predict(self, config: Config | None = None) -> PeakPrediction:
+        if not self._steps.is_open:
+            raise RuntimeError(
+                "PredictionSession.predict() runs inside 'with PredictionSession(...) as session:'"
+            )
+        t0 = time.perf_counter()
+        if config is None:
+            config = Config()
+        elif not isinstance(config, Config):
+            raise TypeError(
+                f"config must be a memscale.Config or None, got {type(config).__name__}"
+            )
+        plan = self.plan(config)
+        unoptimized, optimized, unprobed = self._steps.breakdowns(plan, config)
+        steps = self._steps
+        chosen = tuple(layer.name for layer in plan.layers if layer.techniques)
+        result = PeakPrediction(
+            unoptimized=unoptimized,
+            optimized=optimized,
+            device=self.hardware.device,
+            device_name=self.hardware.name,
+            capacity_bytes=self.hardware.capacity_bytes,
+            budget_bytes=_planning.budget_bytes(config, self.hardware),
+            simulated_on=self.sim_device.type,
+            plan_hash=plan.hash,
+            plan_skipped=bool(plan.skipped),
+            checkpointed_layers=chosen,
+            layer_count=len(plan),
+            recompute_ratio=float(plan.recompute_ratio),
+            forward_flops=float(steps.profile.total_flops),
+            engine_unoptimized_bytes=int(plan.peak_unoptimized_bytes),
+            engine_projected_bytes=int(plan.peak_projected_bytes),
+            optimizer=steps.optimizer_name,
+            optimizer_simulated=steps.optimizer_simulated,
+            unprobed_calls=unprobed,
+            seconds=self._setup_seconds + time.perf_counter() - t0,
+            plan=plan,
+        )
+        _report_disagreement(result, plan)
+        return result
+
+
+def _report_disagreement(p: PeakPrediction, plan: Any) -> None:
+    """Say so when the engine's decision rests on an estimate the
+    simulation contradicts (see PeakPrediction.engine_*_bytes)."""
+    if plan.skipped and not p.fits_unoptimized:
+        logger.warning(
+            "memscale: the decision engine estimates the unoptimized step at %s "
+            "and leaves the model alone (smart-skip), but the simulated step "
+            "needs %s, over the usable %s. Use force_optimize=True, or the "
+            "Config memscale.autotuning.AutoTuner finds",
+            _size(p.engine_unoptimized_bytes),
+            _size(p.unoptimized.peak_bytes),
+            _size(p.budget_bytes),
+        )
+    elif not plan.skipped and plan.fits and not p.fits:
+        logger.warning(
+            "memscale: the decision engine projects the planned step at %s, "
+            "within the usable %s, but the simulated step needs %s; the "
+            "memscale.autotuning.AutoTuner finds a Config whose plan fits",
+            _size(p.engine_projected_bytes),
+            _size(p.budget_bytes),
+            _size(p.optimized.peak_bytes),
+        )
+
+
+def predict_peak(
+    model: nn.Module,
+    sample_input: Any,
+    config: Config | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: Any = None,
+    *,
+    loss_fn: Callable[[Any], Any] | None = None,
+) -> PeakPrediction:
+    """Predict the peak memory of one training step, without and with
+    memscale's plan, on fake tensors: no memory of the step is allocated,
+    so a model larger than this machine can be predicted (build it under
+    ``torch.device("meta")`` and pass ``device``).
+
+    ``sample_input`` is one batch (a tensor, a tuple of positional inputs or
+    a dict of keyword inputs); real or meta tensors.  ``config`` is the
+    Config ``wrap`` would get (default ``Config()``); the plan predicted is
+    the plan ``wrap(model, config, sample_input, optimizer=optimizer)``
+    makes for the model in training mode.  ``optimizer`` is the optimizer
+    you train with (its class and settings are rebuilt on fake parameters;
+    default AdamW).  ``device`` is None (the model's device, detected), a
+    device name, or a :class:`memscale.predictor.DeviceSpec` with its
+    capacity.  ``loss_fn`` maps the model's output to the loss (default
+    :func:`memscale.predictor.default_loss`).
+
+    The step is ``optimizer.zero_grad(set_to_none=True)``, forward, loss,
+    backward, ``optimizer.step()``, in steady state (gradients and
+    optimizer state exist when it starts).  The model's parameters, buffers,
+    attributes, RNG state and training flags are as before when this
+    returns, also when it raises.
+    """
+    with PredictionSession(
+        model, sample_input, optimizer, device, loss_fn=loss_fn, config=config
+    ) as session:
+        return session.predict(config)
+
+
+def estimate_savings(
+    model: nn.Module,
+    sample_input: Any = None,
+    config: Config | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    device: Any = None,
+    loss_fn: Callable[[Any], Any] | None = None,
+) -> SavingsEstimate:
+    """Predicted peak memory without and with memscale's plan on the same
+    hardware, the bytes saved, and the predicted step-time ratio
+    (``1 + recompute FLOPs / (3 x forward FLOPs)``).  Computed by
+    :func:`predict_peak` on fake tensors; ``sample_input`` is required.
+    Prints as a table; ``to_dict()`` gives the figures."""
+    if sample_input is None:
+        raise ValueError(
+            "estimate_savings() needs sample_input: the estimate simulates one "
+            "training step on that batch (on fake tensors, with no memory). "
+            "Pass one batch: estimate_savings(model, sample_input=batch)"
+        )
+    p = predict_peak(model, sample_input, config, optimizer, device, loss_fn=loss_fn)
+    unopt, opt = p.unoptimized.peak_bytes, p.optimized.peak_bytes
+    return SavingsEstimate(
+        peak_unoptimized_bytes=unopt,
+        peak_optimized_bytes=opt,
+        saved_bytes=unopt - opt,
+        saved_fraction=(unopt - opt) / unopt if unopt else 0.0,
+        time_ratio=p.time_ratio,
+        recompute_ratio=p.recompute_ratio,
+        device=p.device,
+        capacity_bytes=p.capacity_bytes,
+        budget_bytes=p.budget_bytes,
+        fits_unoptimized=p.fits_unoptimized,
+        fits_optimized=p.fits,
+        plan_hash=p.plan_hash,
+        checkpointed_layers=len(p.checkpointed_layers),
+        layer_count=p.layer_count,
+    )
+
+
+def _check_args(
+    model: Any, sample_input: Any, config: Any, optimizer: Any, loss_fn: Any, what: str
+) -> Config:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{what}() needs a torch.nn.Module, got {type(model).__name__}")
+    if sample_input is None:
+        raise ValueError(
+            f"{what}() needs sample_input (a batch as the model takes it: a "
+            "tensor, a tuple of positional inputs or a dict of keyword inputs) "
+            "to simulate a training step; it allocates none of its memory"
+        )
+    _model.split_input(sample_input)  # TypeError for anything else
+    if config is None:
+        config = Config()
+    elif not isinstance(config, Config):
+        raise TypeError(f"config must be a memscale.Config or None, got {type(config).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
+    if model.__dict__.get("_memscale_executor") is not None:
+        raise RuntimeError(
+            f"{what}() predicts for a model memscale has not wrapped (its hooks "
+            "would run in the simulation); call it before memscale.wrap(model), "
+            "or after memscale.detach(model)"
+        )
+    return config
+
+
+# --------------------------------------------------------------------------
+# wrap's side: the corrections the engine plans with
+# --------------------------------------------------------------------------
+
+
+class Offsets(NamedTuple):
+    """What the OOM predictor tells the engine (see predicted_offsets)."""
+
+    peak: int  # correction of the unoptimized peak
+    plan: int  # correction of the plans' peaks
+    fallback: bool  # plan every layer checkpointed alone instead
+    forced_peak: int | None  # simulated peak of that plan, if simulated
+
+
+def predicted_offsets(
+    model: torch.nn.Module,
+    sample_input: Any,
+    optimizer: torch.optim.Optimizer | None,
+    profile: Profile,
+    config: Config,
+    hardware: Hardware,
+    fixed: int,
+) -> Offsets:
+    """The OOM predictor's corrections of the engine, for ``wrap``: of its
+    unoptimized peak, and of its plans' peaks (see
+    ``PredictionSession.plan_offsets``), so that a plan and
+    ``memscale.predict_peak`` cannot disagree about whether the step fits;
+    and whether to fall back to every layer checkpointed alone (see
+    ``PredictionSession.plan_offsets``).  (0, 0, False) (logged) when the
+    step cannot be simulated."""
+    why_not = _planning.static_profiling_supported(model)
+    if why_not is not None:
+        logger.info("memscale: no OOM prediction for the engine: %s", why_not)
+        return Offsets(0, 0, False, None)
+    try:
+        with PredictionSession(model, sample_input, optimizer, config=config) as session:
+            offsets = session.plan_offsets(config, profile, fixed)
+            fallback = session.falls_back(config)
+            if fallback:
+                logger.info(
+                    "memscale: the budget planner's plans need more than "
+                    "the budget when simulated; every layer is "
+                    "checkpointed alone instead (that step fits)"
+                )
+            return Offsets(offsets[0], offsets[1], fallback, session.forced_peak)
+    except Exception as exc:  # noqa: BLE001 - the engine's estimate stands
+        logger.info(
+            "memscale: the OOM predictor could not simulate a "
+            "training step (%s: %s); the engine plans from its own "
+            "estimate",
+            type(exc).__name__,
+            exc,
+        )
+        return Offsets(0, 0, False, None)
+
+
+def verified_least_budget(
+    model: torch.nn.Module,
+    sample_input: Any,
+    optimizer: torch.optim.Optimizer | None,
+    profile: Profile,
+    config: Config,
+    hardware: Hardware,
+    fixed: int,
+    offsets: Offsets,
+    rounds: int = 3,
+) -> int | None:
+    """When no plan fits ``config``'s budget: the smallest budget the planner
+    reaches, checked by planning at it with the corrections calibrated
+    there (the calibration depends on the plan, so the least budget found
+    under one budget's corrections can be short of another's).  None when a
+    plan fits."""
+    if offsets[2]:
+        return None  # the fallback plan fits
+    plan = make_plan(profile, config, hardware, fixed, *offsets[:2])
+    if plan.fits or plan.skipped or plan.min_budget_bytes < 0:
+        return None
+    least = int(plan.min_budget_bytes)
+    # Every layer checkpointed alone was simulated: that budget is reached.
+    known = offsets.forced_peak
+    for _ in range(rounds):
+        if known is not None and least >= known:
+            return known
+        at = config.replace(memory_budget_gb=(least + 1) / GIB)
+        there = predicted_offsets(model, sample_input, optimizer, profile, at, hardware, fixed)
+        plan = make_plan(profile, fallback_config(at, there[2]), hardware, fixed, *there[:2])
+        if plan.fits:
+            return least
+        least = max(
+            least + 1,
+            int(plan.min_budget_bytes)
+            if plan.min_budget_bytes >= 0
+            else int(plan.peak_projected_bytes),
+        )
+    return least if known is None else min(least, known)

@@ -1,0 +1,182 @@
+"""The fake world of a simulation: every parameter and buffer of the model
+swapped for a fake twin inside one FakeTensorMode, inputs converted (small
+integer ones kept real), and the model's own tensors and attributes put
+back on exit."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _torch_compat
+from ._tree import tensors_in
+
+logger = logging.getLogger(__name__)
+
+_MISSING = object()
+# Tensors up to this size that are not floating point (token ids, masks,
+# positions) keep real values in the simulated step, and operators whose
+# tensor arguments are all real run for real when their result is this
+# small, so that model code that branches on such values takes the branch
+# a real step takes.  Everything else is fake.
+REAL_VALUE_LIMIT = 8 << 20
+
+
+class FakeWorld:
+    """Swaps every parameter and buffer of ``model`` for a fake twin (same
+    shape, dtype, strides; ties kept) inside one FakeTensorMode, and puts
+    the real ones back on exit.  Also converts inputs, and keeps the model
+    in training mode while it lasts."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        fake = _torch_compat.fake_tensor_mode(
+            allow_non_fake_inputs=True, allow_fallback_kernels=False
+        )
+        if fake is None:
+            raise RuntimeError(
+                "memscale's OOM predictor runs the step on fake tensors, which "
+                f"torch {torch.__version__} does not provide; install torch >= 2.4"
+            )
+        self.mode, self._convert = fake
+        self.model = model
+        self.device = device
+        self._memo: dict[int, torch.Tensor] = {}
+        self._real_copies: dict[int, torch.Tensor] = {}
+        self._keep: list[torch.Tensor] = []
+        tools = _torch_compat.fake_tensor_tools()
+        self._real = tools[1] if tools is not None else contextlib.nullcontext
+        self._swapped: list[tuple[dict[str, Any], str, Any]] = []
+        self._training: list[tuple[nn.Module, bool]] = []
+        self._attrs: list[tuple[nn.Module, dict[str, Any]]] = []
+        self.params: list[torch.Tensor] = []  # unique fake parameters
+        self.buffers: list[torch.Tensor] = []  # unique fake buffers
+        self.param_of: dict[int, torch.Tensor] = {}  # id(real) -> fake
+
+    def fake(self, t: torch.Tensor) -> torch.Tensor:
+        """The fake twin of a real or meta tensor (memoized)."""
+        got = self._memo.get(id(t))
+        if got is not None:
+            return got
+        if t.device.type == self.device.type and not t.is_meta:
+            out = self._convert(t.detach())
+        else:
+            out = torch.empty_strided(
+                tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=self.device
+            )
+        if isinstance(t, nn.Parameter):
+            out = nn.Parameter(out, requires_grad=t.requires_grad)
+        elif t.requires_grad and t.is_leaf:
+            out.requires_grad_(True)
+        self._memo[id(t)] = out
+        self._keep.append(t)  # its id stays unique while it is in the memo
+        return out
+
+    def fake_tree(self, obj: Any, keep_real: int = 0) -> Any:
+        """``obj`` with its tensors faked; with ``keep_real``, tensors that
+        are real, not floating point, on the simulated device and at most
+        that many bytes stay real, as copies (their values can matter)."""
+        if isinstance(obj, torch.Tensor):
+            if (
+                keep_real
+                and not obj.is_meta
+                and not obj.is_floating_point()
+                and not obj.is_complex()
+                and not obj.requires_grad
+                and obj.device.type == self.device.type
+                and obj.untyped_storage().nbytes() <= keep_real
+            ):
+                # A copy, made once per tensor: the model may change it in
+                # place, and the caller's batch must stay as it is.
+                if id(obj) not in self._real_copies:
+                    with self._real():
+                        self._real_copies[id(obj)] = obj.clone()
+                    self._keep.append(obj)
+                return self._real_copies[id(obj)]
+            return self.fake(obj)
+        if isinstance(obj, tuple):
+            return tuple(self.fake_tree(o, keep_real) for o in obj)
+        if isinstance(obj, list):
+            return [self.fake_tree(o, keep_real) for o in obj]
+        if isinstance(obj, dict):
+            return {k: self.fake_tree(v, keep_real) for k, v in obj.items()}
+        return obj
+
+    def __enter__(self) -> FakeWorld:
+        self.mode.__enter__()
+        try:
+            seen_p: set[int] = set()
+            seen_b: set[int] = set()
+            for module in self.model.modules():
+                self._training.append((module, module.training))
+                self._attrs.append((module, dict(module.__dict__)))
+            for module in self.model.modules():
+                tables = _torch_compat.module_tensor_tables(module)
+                if tables is None:
+                    raise RuntimeError(
+                        "memscale's OOM predictor swaps a module's parameters "
+                        "for fake ones through its parameter tables, which "
+                        f"torch {torch.__version__} does not expose"
+                    )
+                for table, seen, out in (
+                    (tables[0], seen_p, self.params),
+                    (tables[1], seen_b, self.buffers),
+                ):
+                    for name, real in list(table.items()):
+                        if real is None:
+                            continue
+                        twin = self.fake(real)
+                        if id(real) not in seen:
+                            seen.add(id(real))
+                            out.append(twin)
+                            if table is tables[0]:
+                                self.param_of[id(real)] = twin
+                        self._swapped.append((table, name, real))
+                        table[name] = twin
+            self.model.train()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            for table, name, real in reversed(self._swapped):
+                table[name] = real
+            self._swapped.clear()
+            for module, flag in self._training:
+                module.training = flag
+            self._training.clear()
+            self._restore_attributes()
+        finally:
+            self.mode.__exit__(None, None, None)
+
+    def _restore_attributes(self) -> None:
+        """A forward may store a tensor on a module (a cache, a mask): one
+        made in the simulation is fake, and must not outlive it.  Such
+        attributes get their old value back, or are removed if new."""
+        tools = _torch_compat.fake_tensor_tools()
+        is_fake = tools[0] if tools is not None else (lambda _t: False)
+
+        def holds_fake(value: Any) -> bool:
+            if isinstance(value, (tuple, list, dict)):
+                return any(is_fake(t) for t in tensors_in(value))
+            return isinstance(value, torch.Tensor) and is_fake(value)
+
+        for module, before in self._attrs:
+            for key, value in list(module.__dict__.items()):
+                if key in ("_parameters", "_buffers", "_modules"):
+                    continue
+                if value is before.get(key, _MISSING) or not holds_fake(value):
+                    continue
+                logger.debug(
+                    "memscale: restoring %s.%s after the simulation", type(module).__name__, key
+                )
+                if key in before:
+                    module.__dict__[key] = before[key]
+                else:
+                    del module.__dict__[key]
+        self._attrs.clear()

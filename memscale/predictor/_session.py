@@ -1,0 +1,259 @@
+"""The simulation session: the fake world and the warm-up set up once, the
+unoptimized step simulated once, and the step under each plan it is given
+simulated when first asked for."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from .. import _core, _hf_cache, _model, _verify
+from .._executor import Executor
+from .._hardware import Hardware
+from .._offload import SimulatedTier, async_settings
+from ..config import Config
+from ._fake import REAL_VALUE_LIMIT, FakeWorld
+from ._results import PeakBreakdown
+from ._step import Step, Trace, estimated_state, fake_optimizer
+from ._workspace import PROBE_LIMIT, Kernel, probe_workspace
+
+
+class _Simulation:
+    """Everything the simulated steps need, set up once: the fake world, the
+    fake optimizer warmed up, and the profile measured in the warm-up."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample_input: Any,
+        optimizer: torch.optim.Optimizer | None,
+        loss_fn: Callable[[Any], Any] | None,
+        device: torch.device,
+        target_type: str,
+        read_profile: Callable[[Any, list[tuple[str, nn.Module]]], Any],
+    ) -> None:
+        self.model = model
+        self.target_type = target_type
+        self.sample_input = sample_input
+        self.real_optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.device = device
+        self.read_profile = read_profile
+        self.units = _core.find_units(model)
+
+    def __enter__(self) -> _Simulation:
+        self._rng = _verify.rng_state()  # a model may draw from any stream
+        self.world = FakeWorld(self.model, self.device)
+        self.world.__enter__()
+        try:
+            args, kwargs = _model.split_input(self.sample_input)
+            strict = (self.world.fake_tree(args), self.world.fake_tree(kwargs))
+            hybrid = (
+                self.world.fake_tree(args, REAL_VALUE_LIMIT),
+                self.world.fake_tree(kwargs, REAL_VALUE_LIMIT),
+            )
+            opt, self.optimizer_name = fake_optimizer(
+                self.real_optimizer, self.world, self.target_type
+            )
+            self.optimizer_simulated = opt is not None
+            fallback = (
+                []
+                if opt is not None
+                else estimated_state(self.world, self.real_optimizer, self.model)
+            )
+            self.step = Step(self.world, hybrid, strict, self.loss_fn, opt, fallback)
+            self.profile = self._warm_up()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _warm_up(self) -> Any:
+        """The untracked first step: it creates gradients and optimizer
+        state (a steady-state step starts with both), and the C profiler
+        measures its forward, as static profiling in wrap() does; what it
+        measured, read by ``read_profile``."""
+        units = self.units
+        params = self.world.params + self.world.buffers
+        holder: dict[str, Any] = {}
+
+        class _Pass:
+            def __enter__(self_inner) -> Any:
+                prof = _core.Profiler([m for _, m in units], params, FlopCounterMode(display=False))
+                prof.attach()
+                holder["profiler"] = prof
+                try:
+                    prof.begin_pass()
+                except BaseException:
+                    prof.detach()
+                    raise
+                return prof
+
+            def __exit__(self_inner, exc_type: Any, *_: Any) -> None:
+                prof = holder["profiler"]
+                try:
+                    prof.end_pass(ok=exc_type is None)
+                finally:
+                    prof.detach()
+
+        profiler = self.step.warm_up(_Pass)
+        return self.read_profile(profiler, units)
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.world.__exit__(None, None, None)
+        finally:
+            _verify.set_rng_state(self._rng)
+
+    def unoptimized(self) -> Trace:
+        return self.step.tracked([])
+
+    def under(self, plan: Any, config: Config, hardware: Hardware) -> Trace:
+        """The step with the C executor applying ``plan`` to the model, and
+        the settings wrap() makes with it (a Hugging Face model trains with
+        ``config.use_cache=False`` under checkpointing)."""
+        undo_cache = None
+        executor = Executor(self.model, self.units, warmup_steps=config.warmup_steps)
+        try:
+            executor.init_python_state(config, hardware, "static")
+            executor.apply(plan)
+            if plan.technique_counts["offload"]:
+                settings = async_settings(config)
+                executor.set_offload(
+                    None,
+                    SimulatedTier(
+                        settings.min_offload_bytes,
+                        settings.prefetch_depth if config.async_offload else 0,
+                    ),
+                )
+            if plan.technique_counts["checkpoint"]:
+                undo_cache = _hf_cache.disable_use_cache(self.model)[1]
+            chosen = [m for (_, m), layer in zip(self.units, plan.layers) if layer.techniques]
+            return self.step.tracked(chosen)
+        finally:
+            if undo_cache is not None:
+                undo_cache()
+            executor.detach()
+
+
+class SimulationSession:
+    """Simulated training steps of one model and batch, on fake tensors.
+
+    Entering it sets up the fake world, runs the warm-up step (its forward
+    measured by the C profiler, as ``wrap()``'s static profiling measures
+    it; ``read_profile(profiler, units)`` makes :attr:`profile` of the
+    measurement) and simulates the unoptimized step once; the step under a
+    plan is simulated when first asked for (once per plan).  The model's
+    parameters and buffers are fake while it is open.  Making the plans is
+    the caller's job (``memscale._planner.PredictionSession``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample_input: Any,
+        optimizer: torch.optim.Optimizer | None,
+        hardware: Hardware,
+        sim_device: torch.device,
+        *,
+        loss_fn: Callable[[Any], Any] | None,
+        read_profile: Callable[[Any, list[tuple[str, nn.Module]]], Any],
+    ) -> None:
+        self.model = model
+        self.hardware = hardware
+        self._sim = _Simulation(
+            model, sample_input, optimizer, loss_fn, sim_device, hardware.device, read_profile
+        )
+        self._traces: dict[str, Trace] = {}
+        self._workspace: dict[Any, Kernel] = {}
+        self._unprobed: dict[str, int] = {}
+        self.is_open = False
+
+    def _guard(self, what: Callable[[], Any]) -> Any:
+        try:
+            return what()
+        except (TypeError, ValueError):
+            raise
+        except Exception as exc:
+            raise RuntimeError(
+                f"memscale could not simulate a training step of "
+                f"{type(self.model).__name__} on fake tensors ("
+                f"{type(exc).__name__}: {exc}). Check that a real step runs "
+                "with this sample_input; an operator without a fake "
+                "implementation, or a model that reads tensor values to "
+                "choose what to do, cannot be predicted"
+            ) from exc
+
+    def __enter__(self) -> SimulationSession:
+        self._guard(self._sim.__enter__)
+        self.is_open = True
+        try:
+            self._unoptimized = self._guard(self._sim.unoptimized)
+            self._probe(self._unoptimized, "")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.is_open:
+            self.is_open = False
+            self._sim.__exit__(None, None, None)
+
+    @property
+    def profile(self) -> Any:
+        """What the warm-up's forward measured, as ``read_profile`` read it."""
+        return self._sim.profile
+
+    @property
+    def optimizer_name(self) -> str:
+        """The class name of the optimizer simulated (AdamW without one)."""
+        return self._sim.optimizer_name
+
+    @property
+    def optimizer_simulated(self) -> bool:
+        """Whether the optimizer's step runs on fake tensors (False: its
+        state is estimated from its class, and it has no workspace)."""
+        return self._sim.optimizer_simulated
+
+    def _probe(self, trace: Trace, key: str) -> None:
+        limit = min(PROBE_LIMIT, max(1, self.hardware.capacity_bytes // 8))
+        found, unprobed = probe_workspace(trace.signatures(), limit)
+        self._workspace.update(found)
+        self._unprobed[key] = unprobed
+
+    def _trace(self, plan: Any, config: Config) -> tuple[str, Trace]:
+        """The step simulated under ``plan`` (once per plan), and its key."""
+        key = plan.hash
+        if plan.technique_counts["offload"] and config.async_offload:
+            # Same plan, another step: async prefetch reads ahead.
+            key += f"/prefetch{async_settings(config).prefetch_depth}"
+        if key not in self._traces:
+            self._traces[key] = self._guard(lambda: self._sim.under(plan, config, self.hardware))
+            self._probe(self._traces[key], key)
+        return key, self._traces[key]
+
+    def simulated_peak(self, plan: Any, config: Config) -> int:
+        """The peak bytes of the step under ``plan`` (made with ``config``)."""
+        return int(self._trace(plan, config)[1].breakdown(self._workspace).peak_bytes)
+
+    def unoptimized_peak(self) -> int:
+        """The peak bytes of the unoptimized step."""
+        return int(self._unoptimized.breakdown(self._workspace).peak_bytes)
+
+    def breakdowns(self, plan: Any, config: Config) -> tuple[PeakBreakdown, PeakBreakdown, int]:
+        """The unoptimized step and the step under ``plan`` (the unoptimized
+        one when the plan checkpoints nothing), and the kernel calls of the
+        two whose scratch memory was not measured."""
+        key, trace = "", self._unoptimized
+        if plan.technique_counts["checkpoint"]:
+            key, trace = self._trace(plan, config)
+        return (
+            self._unoptimized.breakdown(self._workspace),
+            trace.breakdown(self._workspace),
+            self._unprobed[""] + self._unprobed.get(key, 0),
+        )

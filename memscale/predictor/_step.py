@@ -1,0 +1,338 @@
+"""One simulated training step: the loss, the optimizer rebuilt on fake
+parameters, the untracked warm-up and the tracked step (zero_grad,
+forward, loss, backward, optimizer step) with its events."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _model, _torch_compat
+from ._fake import REAL_VALUE_LIMIT, FakeWorld
+from ._results import PeakBreakdown
+from ._tracker import StorageTracker
+from ._tree import tensors_in
+from ._workspace import Kernel
+
+logger = logging.getLogger(__name__)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss of a model output when no ``loss_fn`` is given.
+
+    ``output.loss`` or ``output["loss"]`` when the model computes its own
+    loss (Hugging Face models given labels); a scalar output as is; else a
+    stand-in: the mean of squares of every floating-point output tensor
+    that requires grad (its backward, like a real loss's, makes one
+    gradient the size of each output).  Pass ``loss_fn`` for the real one.
+    """
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    if isinstance(output, torch.Tensor) and output.dim() == 0 and output.requires_grad:
+        return output
+    parts = [t for t in tensors_in(output) if t.requires_grad and t.is_floating_point()]
+    if not parts:
+        raise ValueError(
+            "the model's output holds no tensor that requires grad, so there "
+            "is no training step to predict; pass loss_fn=... (a callable from "
+            "the output to a scalar loss)"
+        )
+    total = parts[0].pow(2).mean()
+    for t in parts[1:]:
+        total = total + t.pow(2).mean()
+    return total
+
+
+def _foreach_default(device_type: str) -> bool:
+    # torch.optim picks the foreach implementation by default only for
+    # tensors on these device types (torch/optim/optimizer.py); fake
+    # tensors are not of a foreach-supported type, so the choice is made here.
+    return device_type in ("cuda", "xpu")
+
+
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer,
+    param: Callable[[torch.Tensor], torch.Tensor] = lambda p: p,
+    foreach: bool | None = None,
+) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class with the same parameter
+    groups and settings and no state; ``param`` maps each parameter to the
+    one to use.  With ``foreach`` given, a group whose ``foreach`` is unset
+    (None, torch's "decide for me") gets it.  Settings travel in the groups;
+    the constructor gets the defaults it names (AdamW's records
+    ``decoupled_weight_decay``, which its constructor does not take)."""
+    cls = type(optimizer)
+    groups = []
+    for group in optimizer.param_groups:
+        new = {k: v for k, v in group.items() if k != "params"}
+        new["params"] = [param(p) for p in group["params"]]
+        if (
+            foreach is not None
+            and "foreach" in new
+            and new["foreach"] is None
+            and not new.get("fused")
+            and not new.get("differentiable")
+        ):
+            new["foreach"] = foreach
+        groups.append(new)
+    sig = inspect.signature(cls.__init__)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in sig.parameters}
+    return cls(groups, **kwargs)
+
+
+def fake_optimizer(
+    optimizer: torch.optim.Optimizer | None, world: FakeWorld, target_type: str
+) -> tuple[torch.optim.Optimizer | None, str]:
+    """An optimizer of the same class and settings over the fake parameters
+    (AdamW with its defaults when none is given); None when the class cannot
+    be rebuilt.  An unset ``foreach`` is decided as torch decides it for the
+    target device type (the foreach kernels keep whole-model temporaries)."""
+    foreach = _foreach_default(target_type)
+    if optimizer is None:
+        params = [p for p in world.params if p.requires_grad]
+        return torch.optim.AdamW(params, foreach=foreach), "AdamW"
+    cls = type(optimizer)
+    try:
+        return rebuild_optimizer(optimizer, world.fake, foreach), cls.__name__
+    except Exception as exc:  # noqa: BLE001 - reported, estimated instead
+        logger.info(
+            "memscale: cannot rebuild %s on fake tensors (%s: %s); its "
+            "state is estimated from its class",
+            cls.__name__,
+            type(exc).__name__,
+            exc,
+        )
+        return None, cls.__name__
+
+
+def estimated_state(
+    world: FakeWorld, optimizer: torch.optim.Optimizer | None, model: nn.Module
+) -> list[torch.Tensor]:
+    """Fake state tensors for an optimizer that cannot run on fake tensors:
+    as many parameter-sized tensors as ``_model.optimizer_state_bytes``
+    counts."""
+    trainable = [p for p in world.params if p.requires_grad]
+    per = sum(p.untyped_storage().nbytes() for p in trainable)
+    want = _model.optimizer_state_bytes(model, optimizer)
+    copies = round(want / per) if per else 0
+    return [torch.empty_like(p) for _ in range(copies) for p in trainable]
+
+
+def _rng_state_bytes() -> int:
+    """Bytes of the RNG state a checkpoint frame records (csrc/frame.c,
+    ms_frame_new): the CPU generator's, plus every CUDA generator's once CUDA
+    is initialized."""
+    total = torch.get_rng_state().untyped_storage().nbytes()
+    if torch.cuda.is_initialized():
+        total += sum(s.untyped_storage().nbytes() for s in torch.cuda.get_rng_state_all())
+    return total
+
+
+def _leaves_reached(loss: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors backward from ``loss`` would accumulate a
+    gradient into (the AccumulateGrad nodes of its graph)."""
+    return {
+        id(node.variable)
+        for node in _torch_compat.autograd_nodes(loss)
+        if isinstance(getattr(node, "variable", None), torch.Tensor)
+    }
+
+
+@dataclasses.dataclass
+class Trace:
+    """One tracked step: its events, and the categories learnt at its end."""
+
+    tracker: Any
+    recategorize: dict[int, str]
+
+    def signatures(self) -> dict[Any, int]:
+        """Recorded kernel calls, each with the bytes it returned."""
+        sizes = self.tracker.sizes_at_birth
+        return {
+            sig: sum(sizes[s] for s in serials if s is not None)
+            for _, sig, serials in self.tracker.kernel_calls or ()
+        }
+
+    def breakdown(self, workspace: Mapping[Any, Kernel]) -> PeakBreakdown:
+        return self.tracker.breakdown(self.recategorize, workspace)
+
+
+class Step:
+    """One simulated training step at a time over a FakeWorld."""
+
+    def __init__(
+        self,
+        world: FakeWorld,
+        inputs: tuple[Any, Any],
+        strict_inputs: tuple[Any, Any],
+        loss_fn: Callable[[Any], Any] | None,
+        optimizer: torch.optim.Optimizer | None,
+        fallback_state: list[torch.Tensor],
+    ) -> None:
+        self.world = world
+        # Inputs of the tracked steps (small integer tensors real), and of
+        # the warm-up, all fake as in wrap()'s static profiling.
+        self.args, self.kwargs = inputs
+        self.strict_args, self.strict_kwargs = strict_inputs
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.fallback_state = fallback_state
+
+    def _loss(self, output: Any) -> torch.Tensor:
+        loss = self.loss_fn(output) if self.loss_fn is not None else default_loss(output)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+        return loss
+
+    def _zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            for p in self.world.params:
+                p.grad = None
+
+    def run(self, tracker: Any) -> None:
+        """zero_grad, forward, loss, backward, optimizer step, each phase
+        marked in ``tracker``'s events."""
+        self._zero_grad()
+        tracker.set_phase("forward")
+        with torch.enable_grad():
+            output = self.world.model(*self.args, **self.kwargs)
+            loss = self._loss(output)
+            del output
+            tracker.set_phase("backward")
+            loss.backward()
+        tracker.set_phase("optimizer")
+        if self.optimizer is not None:
+            self.optimizer.step()
+        del loss
+        tracker.set_phase("end")
+
+    def warm_up(self, on_forward: Callable[[], Any]) -> Any:
+        """The first step, untracked: a steady-state step starts with
+        gradients and optimizer state, so this one makes them.  The forward
+        runs inside ``on_forward()`` (the profiler's pass, whose value is
+        returned) on all-fake inputs, as wrap()'s static profiling does.
+        Backward is not run: the parameters it would give a gradient are
+        the ones the loss's graph reaches, and a zero gradient of each is
+        enough for the optimizer to build its state."""
+        self._zero_grad()
+        with torch.enable_grad():
+            with on_forward() as result:
+                output = self.world.model(*self.strict_args, **self.strict_kwargs)
+            loss = self._loss(output)
+            del output
+            reached = _leaves_reached(loss)
+            del loss
+        for p in self.world.params:
+            if p.requires_grad and id(p) in reached:
+                p.grad = torch.zeros_like(p)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return result
+
+    def existing(self) -> list[tuple[torch.Tensor, str]]:
+        """Tensors alive when a step starts, with their category."""
+        out: list[tuple[torch.Tensor, str]] = []
+        out += [(t, "parameters") for t in self.world.params + self.world.buffers]
+        out += [(p.grad, "gradients") for p in self.world.params if p.grad is not None]
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                out += [
+                    (v, "optimizer_state") for v in state.values() if isinstance(v, torch.Tensor)
+                ]
+        out += [(t, "optimizer_state") for t in self.fallback_state]
+        out += [(t, "inputs") for t in tensors_in((self.args, self.kwargs))]
+        return out
+
+    def tracked(self, recompute_units: list[nn.Module]) -> Trace:
+        """Run one step under a StorageTracker; what it recorded."""
+        tracker = StorageTracker(REAL_VALUE_LIMIT)
+        if self.world.device.type == "cpu":
+            tracker.kernel_calls = []
+        handles = []
+
+        # The executor's checkpoint frame keeps the RNG state of its layer's
+        # forward (a real ByteTensor made outside any operator, so the
+        # tracker cannot see it) until backward is done with the layer,
+        # which is when the next layer is recomputed, or backward ends: a
+        # fake tensor of that size stands in for it over the same span.
+        rng_bytes = _rng_state_bytes()
+        held: dict[int, list[torch.Tensor]] = {}
+        done: list[torch.Tensor] = []
+        nesting = [0]
+
+        def enter(module: nn.Module, *_: Any) -> None:
+            if tracker.phase == "backward":
+                if tracker.recompute_depth == 0:
+                    done.clear()
+                tracker.recompute_depth += 1
+            elif tracker.phase == "forward":
+                if nesting[0] == 0 and module.training and torch.is_grad_enabled():
+                    held.setdefault(id(module), []).append(
+                        torch.empty(rng_bytes, dtype=torch.uint8, device=self.world.device)
+                    )
+                nesting[0] += 1
+
+        def leave(module: nn.Module, *_: Any) -> None:
+            if tracker.phase == "backward" and tracker.recompute_depth > 0:
+                tracker.recompute_depth -= 1
+                if held.get(id(module)):
+                    done.append(held[id(module)].pop(0))
+            elif tracker.phase == "forward" and nesting[0] > 0:
+                nesting[0] -= 1
+
+        gc_was_enabled = gc.isenabled()
+        # Frees at refcount zero only, the same every run: a collection in
+        # the middle of the step would free cyclic garbage at a moment that
+        # depends on what ran before.
+        gc.disable()
+        try:
+            for unit in recompute_units:
+                handles.append(unit.register_forward_pre_hook(enter))
+                handles.append(unit.register_forward_hook(leave, always_call=True))
+            for t, category in self.existing():
+                tracker.track(t, category)
+
+            def on_phase(phase: str) -> None:
+                if phase == "optimizer":  # the graph and its frames are gone
+                    held.clear()
+                    done.clear()
+
+            tracker.on_phase = on_phase
+            with tracker:
+                self.run(tracker)
+                held.clear()
+                done.clear()
+            tracker.active = False
+            recategorize: dict[int, str] = {}
+            for p in self.world.params:
+                if p.grad is not None:
+                    serial = tracker.serial_of(p.grad)
+                    if serial is not None:
+                        recategorize[serial] = "gradients"
+            if self.optimizer is not None:
+                for state in self.optimizer.state.values():
+                    for v in state.values():
+                        if isinstance(v, torch.Tensor):
+                            serial = tracker.serial_of(v)
+                            if serial is not None:
+                                recategorize[serial] = "optimizer_state"
+            return Trace(tracker, recategorize)
+        finally:
+            tracker.active = False
+            for h in handles:
+                h.remove()
+            if gc_was_enabled:
+                gc.enable()

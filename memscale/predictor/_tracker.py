@@ -1,0 +1,197 @@
+"""The storage tracker: a dispatch mode below autograd that registers the
+storage of every tensor an operator returns, hears through a weak
+reference when it is freed, and turns the events of one step into its peak
+and what made it up."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .. import _torch_compat
+from ._results import CATEGORIES, PeakBreakdown
+from ._tree import tensors_in
+from ._workspace import Kernel, signature, workspace_ops
+
+_EQUAL = torch.ops.aten.equal.default
+
+# The base class, looked up once at import: torch's TorchDispatchMode (its
+# module is loaded by ``import torch`` already, so this costs nothing).  A
+# torch without it (before 2.4) gets the class on ``object``, so that
+# importing memscale still works (wrap() does not need it), and a
+# StorageTracker refuses to be made, saying why.
+_DispatchMode: type = _torch_compat.dispatch_mode_base() or object
+
+
+class StorageTracker(_DispatchMode):
+    """Registers the storage of every tensor an operator returns and
+    records an event when it is allocated and when it is freed."""
+
+    def __init__(self, real_limit: int = 0) -> None:
+        if _torch_compat.dispatch_mode_base() is None:
+            raise RuntimeError(
+                f"memscale's OOM predictor needs torch's TorchDispatchMode, which "
+                f"torch {torch.__version__} does not provide; install torch >= 2.4"
+            )
+        super().__init__()
+        tools = _torch_compat.fake_tensor_tools() if real_limit else None
+        self._real_limit = real_limit if tools is not None else 0
+        if tools is not None:
+            self._is_fake, self._unset_fake, self._value_errors = tools
+        # id(storage) -> (weakref, serial); the weakref's callback
+        # records the free.
+        self._known: dict[int, tuple[weakref.ref, int]] = {}
+        self.sizes: list[int] = []  # per serial, current bytes
+        self.sizes_at_birth: list[int] = []
+        self.categories: list[str] = []  # per serial
+        self.events: list[tuple[int, int]] = []  # (serial, +/- bytes)
+        self.phase_marks: list[tuple[int, str]] = [(0, "start")]
+        self.phase = "start"
+        self.recompute_depth = 0
+        self.active = True
+        # (event index, call signature, serials of the new storages it
+        # returned) of operators whose kernels keep scratch memory (see
+        # _workspace._WORKSPACE_OPS); None: not recorded.
+        self.kernel_calls: list[tuple[int, Any, tuple[int | None, ...]]] | None = None
+        # Called with each new phase before it is marked (the step's own
+        # bookkeeping of what the executor holds).
+        self.on_phase: Callable[[str], None] | None = None
+
+    def set_phase(self, phase: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(phase)
+        self.phase = phase
+        self.phase_marks.append((len(self.events), phase))
+
+    def _category(self) -> str:
+        if self.phase == "forward" or self.recompute_depth > 0:
+            return "activations"
+        return "workspace"
+
+    def serial_of(self, t: torch.Tensor) -> int | None:
+        st = t.untyped_storage()
+        entry = self._known.get(id(st))
+        if entry is not None and entry[0]() is st:
+            return entry[1]
+        return None
+
+    def track(self, t: torch.Tensor, category: str | None = None) -> int | None:
+        """Register the storage of ``t``; its serial if it is new."""
+        st = t.untyped_storage()
+        key = id(st)
+        entry = self._known.get(key)
+        if entry is not None and entry[0]() is st:
+            serial = entry[1]
+            nbytes = st.nbytes()
+            if nbytes != self.sizes[serial]:  # resized in place
+                self.events.append((serial, nbytes - self.sizes[serial]))
+                self.sizes[serial] = nbytes
+            return None
+        nbytes = st.nbytes()
+        serial = len(self.sizes)
+        self.sizes.append(nbytes)
+        self.sizes_at_birth.append(nbytes)
+        self.categories.append(category or self._category())
+        known = self._known
+        events = self.events
+        sizes = self.sizes
+
+        def freed(ref: weakref.ref, key: int = key, serial: int = serial) -> None:
+            if known.get(key, (None,))[0] is ref:
+                del known[key]
+            if self.active and sizes[serial]:
+                events.append((serial, -sizes[serial]))
+                sizes[serial] = 0
+
+        self._known[key] = (weakref.ref(st, freed), serial)
+        if nbytes:
+            self.events.append((serial, nbytes))
+        return serial
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _EQUAL and self.phase == "backward":
+            # The executor compares a layer's buffers before and after
+            # its recompute (csrc/frame.c, restore_buffers) to put
+            # updated statistics back.  Fake tensors have no values; a
+            # layer whose recompute can change its buffers does (e.g.
+            # BatchNorm), so answer "changed": the executor copies the
+            # snapshot back, as it does in a real step.
+            return False
+        kwargs = kwargs or {}
+        if self._real_limit and self._all_real(args, kwargs):
+            out = self._run_real(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if self.active:
+            serials = tuple(self.track(t) for t in tensors_in(out))
+            if self.kernel_calls is not None and func in workspace_ops():
+                sig = signature(func, args, kwargs)
+                if sig is not None:
+                    self.kernel_calls.append((len(self.events), sig, serials))
+        return out
+
+    def _all_real(self, args: Any, kwargs: Any) -> bool:
+        return not any(self._is_fake(t) for t in tensors_in((args, kwargs)))
+
+    def _run_real(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """An operator on real tensors only (or none): its result's size
+        is learnt on fake tensors first; small results are computed for
+        real, so their values exist."""
+        try:
+            out = func(*args, **kwargs)
+        except self._value_errors:
+            out = None  # it reads values (item(), nonzero(), ...)
+        else:
+            sizes = [t.untyped_storage().nbytes() for t in tensors_in(out)]
+            if not sizes or sum(sizes) > self._real_limit:
+                return out
+        with self._unset_fake():
+            return func(*args, **kwargs)
+
+    def breakdown(
+        self, recategorize: Mapping[int, str], workspace: Mapping[Any, Kernel]
+    ) -> PeakBreakdown:
+        """The peak of the event sequence and what was alive then.
+        ``workspace`` gives, per recorded kernel call, its scratch bytes
+        (alive only during the call, on top of everything else) and the
+        real storage sizes of what it returns (a CPU kernel may return a
+        scalar whose storage is its whole elementwise buffer)."""
+        cats = [recategorize.get(i, c) for i, c in enumerate(self.categories)]
+        scratch: dict[int, int] = {}
+        scale: dict[int, int] = {}  # serial -> real bytes
+        for at, sig, serials in self.kernel_calls or ():
+            kernel = workspace.get(sig)
+            if kernel is None:
+                continue
+            if kernel.scratch > scratch.get(at, 0):
+                scratch[at] = kernel.scratch
+            for serial, real in zip(serials, kernel.returned):
+                if serial is not None and real > self.sizes_at_birth[serial]:
+                    scale[serial] = real
+        totals = dict.fromkeys(CATEGORIES, 0)
+        level = peak = 0
+        best = dict(totals)
+        marks = iter(self.phase_marks[1:] + [(len(self.events) + 1, "")])
+        phase, (next_at, next_phase) = "start", next(marks)
+        peak_phase = "start"
+        for i in range(len(self.events) + 1):
+            while i >= next_at:
+                phase, (next_at, next_phase) = next_phase, next(marks)
+            w = scratch.get(i, 0)
+            if w and level + w > peak:
+                peak, peak_phase = level + w, phase
+                best = dict(totals)
+                best["workspace"] += w
+            if i == len(self.events):
+                break
+            serial, delta = self.events[i]
+            if serial in scale:  # one alloc and one free, real size
+                delta = scale[serial] if delta > 0 else -scale[serial]
+            totals[cats[serial]] += delta
+            level += delta
+            if level > peak:
+                peak, best, peak_phase = level, dict(totals), phase
+        return PeakBreakdown(peak_bytes=peak, phase=peak_phase, **best)

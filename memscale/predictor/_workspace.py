@@ -1,0 +1,218 @@
+"""Kernel workspace probing: the scratch memory a kernel keeps inside one
+operator call, which a fake tensor cannot show, measured by running each
+distinct call once for real on zero-filled CPU tensors under the memory
+profiler."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from .. import _measure as measure
+from .. import _torch_compat
+from ._tree import tensors_in
+
+logger = logging.getLogger(__name__)
+
+# CPU kernels that allocate scratch memory of their own inside one operator
+# call (oneDNN convolutions reorder activations into blocked layouts; some
+# losses and normalizations build an input-sized temporary).  A fake
+# tensor cannot show it, so each distinct call (operator, shapes, strides,
+# dtypes, arguments) is run once for real on zero-filled tensors: the
+# allocator's peak inside it, minus what it returns, is added at that point
+# of the step, and what it returns counts at its real storage size (CPU
+# mse_loss returns a scalar whose storage is its whole elementwise buffer).
+# Measured on torch 2.13 CPU: the other operators of the benchmark and test
+# models allocate nothing of their own above a few bytes.
+_WORKSPACE_OPS = (
+    "convolution.default",
+    "convolution_backward.default",
+    "native_batch_norm_backward.default",
+    "native_group_norm_backward.default",
+    "max_pool2d_with_indices_backward.default",
+    "upsample_nearest2d.default",
+    "upsample_nearest2d_backward.default",
+    "upsample_bilinear2d.default",
+    "upsample_bilinear2d_backward.default",
+    "mse_loss.default",
+    "smooth_l1_loss.default",
+    "huber_loss.default",
+    "binary_cross_entropy.default",
+    "binary_cross_entropy_with_logits.default",
+    "_safe_softmax.default",
+    "embedding_dense_backward.default",
+    "_scaled_dot_product_flash_attention_for_cpu.default",
+    "_scaled_dot_product_flash_attention_for_cpu_backward.default",
+)
+# A call is run for real only if its inputs and outputs take at most this
+# many bytes (and at most 1/8 of the device's capacity); larger ones are not
+# probed, and PeakPrediction.unprobed_calls counts them.
+PROBE_LIMIT = 256 << 20
+
+
+_WORKSPACE_OP_SET: frozenset[Any] | None = None
+
+
+def workspace_ops() -> frozenset[Any]:
+    global _WORKSPACE_OP_SET
+    if _WORKSPACE_OP_SET is None:
+        found = []
+        for name in _WORKSPACE_OPS:
+            packet, _, overload = name.partition(".")
+            op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+            if op is not None:
+                found.append(op)
+        _WORKSPACE_OP_SET = frozenset(found)
+    return _WORKSPACE_OP_SET
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        if not self.shape:
+            return self.dtype.itemsize
+        span = 1 + sum((n - 1) * st for n, st in zip(self.shape, self.stride) if n)
+        return span * self.dtype.itemsize if all(self.shape) else 0
+
+    def make(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype).zero_()
+
+
+def _spec(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _TensorSpec(tuple(obj.shape), tuple(obj.stride()), obj.dtype)
+    if isinstance(obj, (tuple, list)):
+        return tuple(_spec(o) for o in obj)
+    hash(obj)  # TypeError for anything a signature cannot hold
+    return obj
+
+
+def signature(func: Any, args: Any, kwargs: Mapping[str, Any]) -> Any:
+    """A hashable description of one operator call; None if it has an
+    argument that cannot be described."""
+    try:
+        return (func, _spec(tuple(args)), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))
+    except TypeError:
+        return None
+
+
+def _build(spec: Any) -> Any:
+    if isinstance(spec, _TensorSpec):
+        return spec.make()
+    if isinstance(spec, tuple):
+        return [_build(s) for s in spec]
+    return spec
+
+
+def _call_of(sig: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """The operator and real, zero-filled arguments of a recorded call."""
+    func, args, kwargs = sig
+    return func, tuple(_build(a) for a in args), {k: _build(v) for k, v in kwargs}
+
+
+def _input_bytes(sig: Any) -> int:
+    total = 0
+    stack = [sig[1], tuple(v for _, v in sig[2])]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _TensorSpec):
+            total += item.nbytes
+        elif isinstance(item, tuple):
+            stack.extend(item)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """What one kernel call really allocates beyond its fake twin."""
+
+    scratch: int  # peak bytes inside the call, not returned
+    returned: tuple[int, ...]  # storage bytes of each tensor returned
+
+
+# (signature, threads) -> Kernel, for this process.
+_PROBED: dict[tuple[Any, int], Kernel] = {}
+
+
+def probe_workspace(signatures: Mapping[Any, int], limit: int) -> tuple[dict[Any, Kernel], int]:
+    """Scratch bytes of each kernel call, measured by running it once on
+    real zero-filled CPU tensors under the memory profiler (as
+    memscale._measure does): the allocator's peak inside the
+    call minus the bytes it returns.  Returns the figures and the number of
+    calls not probed (inputs and outputs above ``limit`` bytes, or a
+    profiler is already running).  ``signatures`` maps each call to the
+    bytes its fake twin returned."""
+    threads = torch.get_num_threads()
+    out: dict[Any, Kernel] = {}
+    todo = []
+    skipped = 0
+    for sig in sorted(signatures, key=repr):
+        key = (sig, threads)
+        if key in _PROBED:
+            out[sig] = _PROBED[key]
+        elif _input_bytes(sig) + signatures[sig] > limit:
+            skipped += 1
+        else:
+            todo.append(sig)
+    if not todo:
+        return out, skipped
+    if measure.profiler_active():
+        logger.info(
+            "memscale: a torch profiler is running; kernel scratch "
+            "memory of %d operator calls is not measured",
+            len(todo),
+        )
+        return out, skipped + len(todo)
+    tools = _torch_compat.fake_tensor_tools()
+    real = tools[1]() if tools is not None else contextlib.nullcontext()
+    calls: list[tuple[int, tuple[int, ...]]] = []
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with measure.quiet_profiler("probe start"):
+        prof.start()
+    try:
+        with real, torch.no_grad():  # real tensors, also inside a fake world
+            for i, sig in enumerate(todo):
+                func, args, kwargs = _call_of(sig)
+                func(*args, **kwargs)  # first call: caches, lazy init
+                with record_function(f"memscale::probe{i}"):
+                    result = func(*args, **kwargs)
+                sizes = {}
+                per_output = []
+                for t in tensors_in(result):
+                    st = t.untyped_storage()
+                    sizes[id(st)] = st.nbytes()
+                    per_output.append(st.nbytes())
+                calls.append((sum(sizes.values()), tuple(per_output)))
+                del result, args, kwargs
+    finally:
+        with measure.quiet_profiler("probe stop"):
+            prof.stop()
+    raw = _torch_compat.profiler_memory_events(prof)
+    if raw is None:  # pragma: no cover - depends on the torch build
+        return out, skipped + len(todo)
+    windows: dict[int, tuple[int, int]] = {}
+    memory = []
+    for name, begin, end, nbytes in raw:
+        if name.startswith("memscale::probe"):
+            windows[int(name[len("memscale::probe") :])] = (begin, end)
+        elif name == "[memory]":
+            memory.append((begin, nbytes))
+    memory.sort(key=lambda e: e[0])
+    for i, sig in enumerate(todo):
+        begin, end = windows[i]
+        peak, _ = measure.running_peak(e for e in memory if begin <= e[0] <= end)
+        returned, returned_each = calls[i]
+        kernel = Kernel(max(0, peak - returned), returned_each)
+        _PROBED[(sig, threads)] = out[sig] = kernel
+    return out, skipped
