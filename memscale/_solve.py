@@ -6,10 +6,10 @@ activation bytes, the device's figures, the budget and the techniques the
 Config allows, the OOM predictor's corrections, the offload tiers and the
 budget planner's cost model.  :func:`solve` hands it to
 ``_core.build_plan`` and returns the immutable ``_core.Plan``; no other
-module calls the C planner (``tests/test_boundary.py`` checks).
+module calls the C planner (``tests/test_imports.py`` checks).
 
 A problem is plain data: ranks exchange it pickled
-(``distributed.shared_plan``), and variants of it are made with
+(``_distributed.shared_plan``), and variants of it are made with
 :meth:`PlanProblem.replace` (the least budget, a Config change the budget
 error suggests, a layer the first step found unrepeatable).
 """
