@@ -23,6 +23,7 @@ SOURCES = [
     "csrc/module.c",
     "csrc/engine.c",
     "csrc/memory.c",
+    "csrc/layer_stats.c",
     "csrc/plan.c",
     "csrc/profiler.c",
     "csrc/hardware.c",

@@ -12,6 +12,7 @@
 #include "engine.h"
 #include "executor.h"
 #include "hardware.h"
+#include "layer_stats.h"
 #include "plan.h"
 #include "profiler.h"
 #include "spill.h"
@@ -185,8 +186,8 @@ PyDoc_STRVAR(build_plan_doc,
 "           async_offload=False, flop_rate=0.0, offload_bandwidth=0.0,\n"
 "           tile_overhead=0.0, max_segment=64, resolution=512)\n--\n\n"
 "Run the decision engine and return an immutable Plan.\n\n"
-"layers is a sequence of (name, kind, param_bytes, saved_bytes,\n"
-"input_bytes, flops, flags) tuples as the profiler reports them.\n"
+"layers is a sequence of LayerStats (or plain tuples of its fields:\n"
+"name, kind, param_bytes, saved_bytes, input_bytes, flops, flags).\n"
 "plan_offset_bytes=None (or absent) uses peak_offset_bytes for plans too.");
 /* clang-format on */
 
@@ -302,7 +303,8 @@ module_exec(PyObject *module)
     if (state_exec(st) < 0) {
         return -1;
     }
-    if (ms_plan_init_types(module, st) < 0
+    if (ms_layer_stats_init_type(module, st) < 0
+        || ms_plan_init_types(module, st) < 0
         || ms_executor_init_types(module, st) < 0
         || ms_profiler_init_types(module, st) < 0
         || ms_spill_init_types(module, st) < 0)

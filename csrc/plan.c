@@ -10,6 +10,7 @@
 #include "plan.h"
 
 #include "engine.h"
+#include "layer_stats.h"
 
 #include <limits.h>
 #include <math.h>
@@ -643,12 +644,6 @@ error:
     return NULL;
 }
 
-/* Sizes above this are not a real device: refusing them keeps every sum
-   the engine makes far from int64 overflow. */
-#define MS_MAX_BYTES (1LL << 50)
-#define MS_KNOWN_FLAGS                                                        \
-    (MS_LAYER_INPLACE_INPUT | MS_LAYER_NOT_CALLED | MS_LAYER_TILEABLE         \
-     | MS_LAYER_UNREPEATABLE)
 #define MS_KNOWN_TECH (MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING)
 
 static int
@@ -670,41 +665,6 @@ check_flops(const char *what, double v)
                      "%s must be a finite number >= 0 (not inf or nan)", what);
         return -1;
     }
-    return 0;
-}
-
-static int
-parse_layer(PyObject *item, PyObject **name, PyObject **kind, ms_layer *out)
-{
-    long flags = 0;
-    if (!PyTuple_Check(item)) {
-        PyErr_Format(PyExc_TypeError,
-                     "each layer must be a tuple (name, kind, param_bytes, "
-                     "saved_bytes, input_bytes, flops, flags), got %.200s",
-                     Py_TYPE(item)->tp_name);
-        return -1;
-    }
-    if (!PyArg_ParseTuple(item,
-                          "UULLLdl;each layer must be (name, kind, "
-                          "param_bytes, saved_bytes, input_bytes, flops, "
-                          "flags)",
-                          name, kind, &out->param_bytes, &out->saved_bytes,
-                          &out->input_bytes, &out->flops, &flags))
-    {
-        return -1;
-    }
-    if (check_bytes("param_bytes", out->param_bytes) < 0
-        || check_bytes("saved_bytes", out->saved_bytes) < 0
-        || check_bytes("input_bytes", out->input_bytes) < 0
-        || check_flops("flops", out->flops) < 0)
-    {
-        return -1;
-    }
-    if (flags < 0 || (flags & ~(long)MS_KNOWN_FLAGS) != 0) {
-        PyErr_Format(PyExc_ValueError, "unknown layer flags %ld", flags);
-        return -1;
-    }
-    out->flags = (unsigned)flags;
     return 0;
 }
 
@@ -932,7 +892,10 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name, *kind;
-        if (parse_layer(PyTuple_GET_ITEM(seq, i), &name, &kind, &in[i]) < 0) {
+        if (ms_layer_stats_parse(PyTuple_GET_ITEM(seq, i), i, &name, &kind,
+                                 &in[i])
+            < 0)
+        {
             goto error;
         }
     }
@@ -960,7 +923,10 @@ ms_plan_build(PyObject *module, PyObject *args, PyObject *kwargs)
         PyObject *name, *kind;
         ms_layer dummy;
         /* Parsed once already: cannot fail now, but check anyway. */
-        if (parse_layer(PyTuple_GET_ITEM(seq, i), &name, &kind, &dummy) < 0) {
+        if (ms_layer_stats_parse(PyTuple_GET_ITEM(seq, i), i, &name, &kind,
+                                 &dummy)
+            < 0)
+        {
             goto error;
         }
         LayerPlan *l = make_layer(st, i, name, kind, &in[i], &out[i]);

@@ -32,6 +32,7 @@
     /* Our heap types. */                                                    \
     TYPE(plan_type)                                                          \
     TYPE(layer_plan_type)                                                    \
+    TYPE(layer_stats_type)                                                   \
     TYPE(executor_type)                                                      \
     TYPE(frame_type)                                                         \
     TYPE(handle_type)                                                        \

@@ -15,6 +15,7 @@ from typing import Any
 from . import _core
 from ._format import format_bytes
 from ._planner import least_budget
+from ._solve import PlanProblem
 from .config import Config
 
 
@@ -41,33 +42,26 @@ def _gib(n: float) -> str:
     return format_bytes(n, digits=1)
 
 
-def _scaled_activations(inputs: dict[str, Any], factor: float) -> dict[str, Any]:
-    layers = [
-        (n, k, p, int(s * factor), int(i * factor), f, fl)
-        for (n, k, p, s, i, f, fl) in inputs["layers"]
-    ]
-    return dict(inputs, layers=layers, activation_bytes=int(inputs["activation_bytes"] * factor))
-
-
 def suggestions(
-    inputs: dict[str, Any], config: Config, optimizer_state_bytes: int
+    problem: PlanProblem, config: Config, optimizer_state_bytes: int
 ) -> list[tuple[str, int]]:
     """Config changes that lower the smallest reachable budget, with it."""
     out: list[tuple[str, int]] = []
-    allowed = inputs["allowed"]
-    if not allowed & _core.TECH_OFFLOAD and (inputs.get("host_tier") or inputs.get("disk_tier")):
+    allowed = problem.allowed
+    if not allowed & _core.TECH_OFFLOAD and (
+        problem.offload.host_tier or problem.offload.disk_tier
+    ):
         what = (
             "mode=OptimizationMode.BALANCED (offload)"
             if config.enable_offloading
             else "enable_offloading=True"
         )
-        mode = "balanced" if inputs["mode"] == "conservative" else inputs["mode"]
+        mode = "balanced" if problem.mode == "conservative" else problem.mode
         out.append(
             (
                 what,
                 least_budget(
-                    dict(
-                        inputs,
+                    problem.replace(
                         mode=mode,
                         allowed=allowed
                         | _core.TECH_OFFLOAD
@@ -78,13 +72,16 @@ def suggestions(
         )
     if not allowed & _core.TECH_TILING:
         out.append(
-            ("enable_tiling=True", least_budget(dict(inputs, allowed=allowed | _core.TECH_TILING)))
+            (
+                "enable_tiling=True",
+                least_budget(problem.replace(allowed=allowed | _core.TECH_TILING)),
+            )
         )
     if not config.use_mixed_precision:
         out.append(
             (
                 "use_mixed_precision=True (activations in 16 bits, about half)",
-                least_budget(_scaled_activations(inputs, 0.5)),
+                least_budget(problem.scaled_activations(0.5)),
             )
         )
     if not config.use_8bit_optimizer and optimizer_state_bytes > 0:
@@ -93,13 +90,13 @@ def suggestions(
             (
                 "the 8-bit optimizer (use_8bit_optimizer=True with your "
                 "optimizer, or memscale.apply_all_optimizations)",
-                least_budget(dict(inputs, fixed_bytes=max(0, inputs["fixed_bytes"] - saved))),
+                least_budget(problem.replace(fixed_bytes=max(0, problem.fixed_bytes - saved))),
             )
         )
     out.append(
         (
             "half the batch size (activations scale with it)",
-            least_budget(_scaled_activations(inputs, 0.5)),
+            least_budget(problem.scaled_activations(0.5)),
         )
     )
     return out
@@ -107,7 +104,7 @@ def suggestions(
 
 def check(
     plan: Any,
-    inputs: dict[str, Any],
+    problem: PlanProblem,
     config: Config,
     optimizer_state_bytes: int,
     least: int | None = None,
@@ -127,7 +124,7 @@ def check(
     correction = least - planner_least
     tips = [
         (what, b + correction)
-        for what, b in suggestions(inputs, config, optimizer_state_bytes)
+        for what, b in suggestions(problem, config, optimizer_state_bytes)
         if b < planner_least
     ]
     lines = [f"  - {what}: {_gib(b)}" for what, b in tips]

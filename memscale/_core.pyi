@@ -1,13 +1,16 @@
 """Type stubs for memscale._core, the C extension (internal API).
 
 Checked against the built module in CI by ``python -m mypy.stubtest
-memscale._core`` (scripts/lint.sh).
+memscale._core`` (scripts/lint.sh: names, types and signatures, with no
+allowlist); ``tests/test_core_module.py`` checks that every name the
+module and its types have, private ones included, is declared here.
 """
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, final
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final, Protocol, TypedDict, final
 
 import torch
+from _typeshed import structseq
 from typing_extensions import disjoint_base
 
 ABI: str
@@ -18,13 +21,64 @@ LAYER_TILEABLE: int
 LAYER_UNREPEATABLE: int
 MAX_TILES: int
 
-# (name, kind, param_bytes, saved_bytes, input_bytes, flops, flags)
+@final
+class LayerStats(structseq[Any], tuple[str, str, int, int, int, float, int]):
+    __match_args__: Final = (
+        "name",
+        "kind",
+        "param_bytes",
+        "saved_bytes",
+        "input_bytes",
+        "flops",
+        "flags",
+    )
+    def __new__(
+        cls, sequence: Iterable[str | int | float], dict: dict[str, Any] | None = None
+    ) -> LayerStats: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def param_bytes(self) -> int: ...
+    @property
+    def saved_bytes(self) -> int: ...
+    @property
+    def input_bytes(self) -> int: ...
+    @property
+    def flops(self) -> float: ...
+    @property
+    def flags(self) -> int: ...
+
+# What build_plan accepts per layer: a LayerStats or a plain tuple of its
+# fields.
 _LayerRow = tuple[str, str, int, int, int, float, int]
 
+class _HardwareDict(TypedDict):
+    """What detect_hardware returns (memscale._hardware.Hardware's fields)."""
+
+    device: str
+    index: int
+    count: int
+    capacity_bytes: int
+    bf16: bool
+    name: str
+
+class _UnitResult(TypedDict):
+    """One unit's figures in Profiler.results()."""
+
+    param_bytes: int
+    saved_bytes: int
+    input_bytes: int
+    output_bytes: int
+    flops: float
+    calls: int
+    flags: int
+
 def find_units(model: torch.nn.Module, /) -> list[tuple[str, torch.nn.Module]]: ...
-def detect_hardware(device_type: str, index: int = 0) -> dict[str, Any]: ...
+def detect_hardware(device_type: str, index: int = 0) -> _HardwareDict: ...
 def build_plan(
-    layers: Sequence[_LayerRow],
+    layers: Sequence[LayerStats | _LayerRow],
     *,
     mode: str,
     allowed: int,
@@ -172,7 +226,15 @@ class Profiler:
     def detach(self) -> None: ...
     def begin_pass(self) -> None: ...
     def end_pass(self, ok: bool = True) -> None: ...
-    def results(self) -> list[dict[str, Any]]: ...
+    def results(self) -> list[_UnitResult]: ...
+    # The hooks it registers on the units (forward pre-hook with kwargs,
+    # forward hook, saved-tensor pack and unpack).
+    def _pre(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], /
+    ) -> None: ...
+    def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any, /) -> None: ...
+    def _count(self, tensor: torch.Tensor, /) -> torch.Tensor: ...
+    def _ident(self, obj: Any, /) -> Any: ...
 
 class _Spilled(Protocol):
     nbytes: int
@@ -250,3 +312,9 @@ class Executor:
     ) -> None: ...
     def pause(self) -> None: ...
     def resume(self) -> None: ...
+    # The hooks it registers on each planned unit (forward pre-hook with
+    # kwargs, always-called forward hook).
+    def _pre(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], /
+    ) -> None: ...
+    def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any, /) -> None: ...

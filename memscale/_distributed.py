@@ -12,9 +12,10 @@ plan once:
    rank that never calls ``wrap`` is named in the error instead of hanging
    the others;
 2. the ranks' budgets are gathered and the smallest is used;
-3. rank 0 sends its engine inputs (plain data: the profiled layers and the
-   figures) with that budget; every rank builds the plan from them, so the
-   plan and its hash are the same on every rank, and each rank logs it.
+3. rank 0 sends its planning problem (``_solve.PlanProblem``, plain data:
+   the profiled layers and the figures) with that budget; every rank builds
+   the plan from it, so the plan and its hash are the same on every rank,
+   and each rank logs it.
 
 Under FSDP2 the engine counts what a rank holds: parameter, gradient and
 optimizer-state shards (the DTensors' local storage) plus the largest
@@ -30,6 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from ._solve import PlanProblem, solve
 
 logger = logging.getLogger(__name__)
 
@@ -126,27 +129,28 @@ def _barrier(timeout: float) -> None:
 
 
 def shared_plan(
-    inputs: dict[str, Any], *, timeout: float | None = None, build: Callable[..., Any] | None = None
+    problem: PlanProblem,
+    *,
+    timeout: float | None = None,
+    build: Callable[[PlanProblem], Any] = solve,
 ) -> Any:
-    """The plan every rank uses: rank 0's engine inputs, with the smallest
-    budget of all ranks.  ``inputs`` are this rank's ``build_plan``
-    keywords.  Not distributed (or one rank): the plan of ``inputs``."""
-    from . import _core
-
-    build = build or _core.build_plan
+    """The plan every rank uses: rank 0's planning problem, with the
+    smallest budget of all ranks.  ``problem`` is this rank's.  Not
+    distributed (or one rank): the plan of ``problem``.  ``build`` makes
+    the plan of a problem (a test's seam)."""
     if not active():
-        return build(**inputs)
+        return build(problem)
     dist = _dist()
     rank, world = dist.get_rank(), dist.get_world_size()
     _barrier(timeout_seconds() if timeout is None else timeout)
     budgets: list[Any] = [None] * world
-    dist.all_gather_object(budgets, int(inputs["budget_bytes"]))
+    dist.all_gather_object(budgets, problem.budget_bytes)
     smallest = min(int(b) for b in budgets)
-    payload = [dict(inputs, budget_bytes=smallest) if rank == 0 else None]
+    payload = [problem.replace(budget_bytes=smallest) if rank == 0 else None]
     dist.broadcast_object_list(payload, src=0)
     chosen = payload[0]
     assert chosen is not None  # broadcast_object_list filled it
-    plan = build(**chosen)
+    plan = build(chosen)
     logger.info(
         "memscale: rank %d of %d: plan %s, decided on rank 0 with the "
         "smallest budget of all ranks (%d bytes; this rank's: %d)",
@@ -154,6 +158,6 @@ def shared_plan(
         world,
         plan.hash[:12],
         smallest,
-        int(inputs["budget_bytes"]),
+        problem.budget_bytes,
     )
     return plan

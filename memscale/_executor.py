@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _core
 from ._format import format_bytes, plan_table
+from ._hardware import Hardware
 from .config import Config
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class Executor(_core.Executor):
     """
 
     config: Config
-    hardware: dict[str, Any]
+    hardware: Hardware
     profiling: str
     profile: Any  # the _planning.Profile measured (None while warming up)
     decision: Any  # a memscale.policy.StrategyDecision, or None until made
@@ -52,7 +53,7 @@ class Executor(_core.Executor):
     _first_forward: Any  # the memscale._firststep.FirstForward hooks
     _measure_instead: Callable[[], None]  # switches to measuring real steps
 
-    def init_python_state(self, config: Config, hardware: dict[str, Any], profiling: str) -> None:
+    def init_python_state(self, config: Config, hardware: Hardware, profiling: str) -> None:
         """Set what the Python layer keeps (see the class docstring); once,
         right after the executor is made."""
         self.config = config
@@ -232,8 +233,8 @@ class Executor(_core.Executor):
         logs at DEBUG); a line saying so while there is no plan yet."""
         hw = self.hardware
         lines = [
-            f"memscale hardware: {hw['device']} x{hw['count']}, "
-            f"{format_bytes(hw['capacity_bytes'], digits=1)} each ({hw['name']})"
+            f"memscale hardware: {hw.device} x{hw.count}, "
+            f"{format_bytes(hw.capacity_bytes, digits=1)} each ({hw.name})"
         ]
         plan = self.plan
         if plan is None:

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 
 from . import _core
+from ._hardware import Hardware
+from ._solve import OffloadInputs
 from .config import GIB, AsyncOffloadConfig, Config
 
 logger = logging.getLogger(__name__)
@@ -65,15 +67,16 @@ def host_cap_bytes(config: Config) -> int:
     return int(config.max_cpu_offload_gb * GIB)
 
 
-def plan_inputs(config: Config, hardware: dict[str, Any]) -> dict[str, Any]:
-    """The engine's offload inputs (``build_plan`` keywords)."""
+def plan_inputs(config: Config, hardware: Hardware) -> OffloadInputs:
+    """The engine's offload inputs: the tiers ``config`` allows on
+    ``hardware``."""
     cap = disk_cap_bytes(config)
-    return {
-        "min_offload_bytes": async_settings(config).min_offload_bytes,
-        "host_tier": hardware["device"] not in ("cpu",),
-        "host_cap_bytes": host_cap_bytes(config),
-        "disk_tier": cap is None or cap > 0,
-    }
+    return OffloadInputs(
+        min_offload_bytes=async_settings(config).min_offload_bytes,
+        host_tier=hardware.device not in ("cpu",),
+        host_cap_bytes=host_cap_bytes(config),
+        disk_tier=cap is None or cap > 0,
+    )
 
 
 def offloaded_bytes(plan: Any, tier: str) -> int:
@@ -138,7 +141,7 @@ def _log_event(level: str, message: str) -> None:
     logger.log(logging.WARNING if level == "warning" else logging.INFO, "%s", message)
 
 
-def attach(executor: Any, config: Config, hardware: dict[str, Any], plan: Any) -> None:
+def attach(executor: Any, config: Config, plan: Any) -> None:
     """Give ``executor`` the tiers ``plan`` uses; clean-up on detach, GC and
     exit.  Raises ``ValueError`` (and leaves nothing behind) when the disk
     tier is needed and unusable."""

@@ -28,7 +28,9 @@ from torch import nn
 
 from . import _core, _model, _planning, policy, predictor
 from ._format import format_bytes
+from ._hardware import Hardware
 from ._planning import Profile
+from ._solve import PlanProblem, solve
 from .config import GIB, Config, OptimizationMode
 from .predictor import PeakPrediction, SavingsEstimate
 
@@ -54,25 +56,22 @@ def _size(n: float) -> str:
 def make_plan(
     profile: Profile,
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware,
     fixed: int,
     peak_offset: int = 0,
     plan_offset: int | None = None,
-) -> Any:
+) -> _core.Plan:
     """The engine's plan.  ``peak_offset`` and ``plan_offset`` are the OOM
     predictor's corrections of the engine's unoptimized peak and of its
     plans' peaks (see :meth:`PredictionSession.plan_offsets`)."""
-    return _core.build_plan(
-        **_planning.plan_inputs(profile, config, hardware, fixed, peak_offset, plan_offset)
-    )
+    return solve(_planning.plan_problem(profile, config, hardware, fixed, peak_offset, plan_offset))
 
 
-def least_budget(inputs: dict[str, Any]) -> int:
-    """The planner's smallest feasible budget for these engine inputs (a
-    budget of 1 byte makes every plan infeasible, so the planner reports
-    its minimum)."""
-    probe = dict(inputs, budget_bytes=1, force=False)
-    plan = _core.build_plan(**probe)
+def least_budget(problem: PlanProblem) -> int:
+    """The planner's smallest feasible budget for ``problem`` (a budget of
+    1 byte makes every plan infeasible, so the planner reports its
+    minimum)."""
+    plan = solve(problem.replace(budget_bytes=1, force=False))
     if plan.min_budget_bytes >= 0:
         return int(plan.min_budget_bytes)
     return int(plan.peak_projected_bytes)
@@ -276,9 +275,9 @@ class PredictionSession:
         result = PeakPrediction(
             unoptimized=unoptimized,
             optimized=optimized,
-            device=self.hardware["device"],
-            device_name=str(self.hardware.get("name", self.hardware["device"])),
-            capacity_bytes=int(self.hardware["capacity_bytes"]),
+            device=self.hardware.device,
+            device_name=self.hardware.name,
+            capacity_bytes=self.hardware.capacity_bytes,
             budget_bytes=_planning.budget_bytes(config, self.hardware),
             simulated_on=self.sim_device.type,
             plan_hash=plan.hash,
@@ -451,7 +450,7 @@ def predicted_offsets(
     optimizer: torch.optim.Optimizer | None,
     profile: Profile,
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware,
     fixed: int,
 ) -> Offsets:
     """The OOM predictor's corrections of the engine, for ``wrap``: of its
@@ -493,7 +492,7 @@ def verified_least_budget(
     optimizer: torch.optim.Optimizer | None,
     profile: Profile,
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware,
     fixed: int,
     offsets: Offsets,
     rounds: int = 3,

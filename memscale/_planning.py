@@ -3,8 +3,8 @@
 The measuring itself is the C profiler (``memscale._core.Profiler``); this
 module decides how to run it (fake tensors first, a real forward as
 fallback, or the user's first training steps) and assembles the engine's
-inputs (``_core.build_plan``'s keywords).  Planning with them, and with the
-OOM predictor's corrections, is :mod:`memscale._planner`'s job.
+problem (``_solve.PlanProblem``).  Planning with it, and with the OOM
+predictor's corrections, is :mod:`memscale._planner`'s job.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import _core, _distributed, _offload, _tiling, _torch_compat
+from ._hardware import Hardware
 from ._model import split_input, tensors_of
+from ._solve import OffloadInputs, PlanProblem, SolverInputs
 from .config import GIB, Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ TECHNIQUE_BITS = {
 class Profile:
     """What one profiling run measured, in engine units."""
 
-    layers: tuple[tuple[str, str, int, int, int, float, int], ...]
+    layers: tuple[_core.LayerStats, ...]
     activation_bytes: int
     total_flops: float
     method: str  # "static", "empirical" or "warmup"
@@ -226,14 +228,16 @@ def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]], method
     for (name, module), r, tile_flag in zip(units, profiler.results(), _tiling.layer_flags(units)):
         kind = type(module).__name__
         layers.append(
-            (
-                name,
-                kind,
-                r["param_bytes"],
-                r["saved_bytes"],
-                r["input_bytes"],
-                float(r["flops"]),
-                r["flags"] | tile_flag,
+            _core.LayerStats(
+                (
+                    name,
+                    kind,
+                    r["param_bytes"],
+                    r["saved_bytes"],
+                    r["input_bytes"],
+                    float(r["flops"]),
+                    r["flags"] | tile_flag,
+                )
             )
         )
         details.append({"name": name, "kind": kind, **r})
@@ -285,10 +289,15 @@ def allowed_techniques(config: Config) -> int:
     return wanted & IMPLEMENTED
 
 
-def budget_bytes(config: Config, hardware: dict[str, Any]) -> int:
+def budget_bytes(config: Config, hardware: Hardware | None) -> int:
+    """The memory a plan must fit: ``Config.memory_budget_gb``, else the
+    device's capacity times ``target_gpu_utilization`` (``hardware`` may
+    be None only when the Config sets the budget)."""
     if config.memory_budget_gb is not None:
         return max(1, int(config.memory_budget_gb * GIB))
-    return max(1, int(hardware["capacity_bytes"] * config.target_gpu_utilization))
+    if hardware is None:
+        raise ValueError("the budget of a Config without memory_budget_gb needs the hardware")
+    return max(1, int(hardware.capacity_bytes * config.target_gpu_utilization))
 
 
 # The budget planner's cost model (csrc/solver.c), per device type: forward
@@ -306,36 +315,34 @@ MAX_SEGMENT = 64  # longest checkpoint segment the planner considers
 RESOLUTION = 512  # memory buckets of the planner's DP
 
 
-def solver_inputs(
-    config: Config, hardware: dict[str, Any], offload_in: dict[str, Any]
-) -> dict[str, Any]:
-    """The budget planner's keywords of ``_core.build_plan``."""
-    costs = SOLVER_COSTS.get(hardware["device"], SOLVER_COSTS["cuda"])
-    bandwidth = costs["host_bw"] if offload_in["host_tier"] else costs["disk_bw"]
-    return {
-        "solver": True,
-        "flop_rate": costs["flop_rate"],
-        "offload_bandwidth": bandwidth,
-        "async_offload": bool(config.async_offload),
-        "tile_overhead": costs["tile_overhead"],
-        "max_segment": MAX_SEGMENT,
-        "resolution": RESOLUTION,
-    }
+def solver_inputs(config: Config, hardware: Hardware, offload_in: OffloadInputs) -> SolverInputs:
+    """The budget planner's cost model for ``hardware``, offloading to the
+    tier ``offload_in`` names first."""
+    costs = SOLVER_COSTS.get(hardware.device, SOLVER_COSTS["cuda"])
+    bandwidth = costs["host_bw"] if offload_in.host_tier else costs["disk_bw"]
+    return SolverInputs(
+        flop_rate=costs["flop_rate"],
+        offload_bandwidth=bandwidth,
+        async_offload=bool(config.async_offload),
+        tile_overhead=costs["tile_overhead"],
+        max_segment=MAX_SEGMENT,
+        resolution=RESOLUTION,
+    )
 
 
-def plan_inputs(
+def plan_problem(
     profile: Profile,
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware,
     fixed: int,
     peak_offset: int = 0,
     plan_offset: int | None = None,
-) -> dict[str, Any]:
-    """Every input of the engine (``_core.build_plan`` keywords): plain
-    data, so that one rank can send them to the others."""
+) -> PlanProblem:
+    """The engine's problem for ``profile`` under ``config`` on
+    ``hardware``: plain data, so that one rank can send it to the others."""
     offload_in = _offload.plan_inputs(config, hardware)
-    return dict(
-        layers=[tuple(layer) for layer in profile.layers],
+    return PlanProblem(
+        layers=tuple(profile.layers),
         mode=config.mode.value,
         allowed=allowed_techniques(config),
         force=config.force_optimize,
@@ -343,13 +350,13 @@ def plan_inputs(
         fixed_bytes=fixed,
         activation_bytes=profile.activation_bytes,
         total_flops=profile.total_flops,
-        device=hardware["device"],
-        device_count=int(hardware["count"]),
-        capacity_bytes=int(hardware["capacity_bytes"]),
+        device=hardware.device,
+        device_count=hardware.count,
+        capacity_bytes=hardware.capacity_bytes,
         peak_offset_bytes=int(peak_offset),
         plan_offset_bytes=int(peak_offset if plan_offset is None else plan_offset),
-        **offload_in,
-        **solver_inputs(config, hardware, offload_in),
+        offload=offload_in,
+        solver=solver_inputs(config, hardware, offload_in),
     )
 
 

@@ -51,6 +51,7 @@ from torch import nn
 
 from . import _core, _distributed, _offload, _tiling, _torch_compat, _verify
 from ._format import plan_table
+from ._solve import PlanProblem, solve
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +160,11 @@ class RecomputeCheck:
         executor: Any,
         model: nn.Module,
         plan: Any,
-        inputs: dict[str, Any] | None,
+        problem: PlanProblem | None,
         strict: bool,
     ) -> None:
         self._executor = weakref.ref(executor)
-        self._inputs = inputs
+        self._problem = problem
         self.strict = strict
         self.names = list(executor.layer_names)
         self.units = [model.get_submodule(name) for name in self.names]
@@ -216,7 +217,7 @@ class RecomputeCheck:
             self._unwrap(i)
         self._root.remove()
         self.units = []
-        self._inputs = None
+        self._problem = None
 
     # ---- the check ---------------------------------------------------------
 
@@ -342,20 +343,16 @@ class RecomputeCheck:
         failed the check (once per failed layer)."""
         todo = sorted(set(self.failed) - self._replanned)
         executor = self._executor()
-        if not todo or executor is None or self._inputs is None:
+        if not todo or executor is None or self._problem is None:
             return
         self._replanned.update(todo)
-        inputs = dict(self._inputs)
-        layers = [list(row) for row in inputs["layers"]]
-        for i in self.failed:
-            layers[i][6] |= _core.LAYER_UNREPEATABLE
-        inputs["layers"] = [tuple(row) for row in layers]
-        plan = _core.build_plan(**inputs)
+        problem = self._problem.with_layer_flags(self.failed, _core.LAYER_UNREPEATABLE)
+        plan = solve(problem)
         old = executor.plan
         executor.apply(plan)
         for i in todo:
             self._unwrap(i)
-        self._inputs = inputs
+        self._problem = problem
         _attach_new_needs(executor, old, plan)
         logger.warning(
             "memscale: plan made again without checkpointing %s "
@@ -388,7 +385,7 @@ def _attach_new_needs(executor: Any, old: Any, plan: Any) -> None:
     """What the new plan uses and the old one did not set up: an offload
     tier, tiled forwards."""
     if executor.offload_store is None and executor.offload_host is None:
-        _offload.attach(executor, executor.config, executor.hardware, plan)
+        _offload.attach(executor, executor.config, plan)
     before = {i for i, layer in enumerate(old.layers) if layer.tiles > 1} if old else set()
     new = [i for i, layer in enumerate(plan.layers) if layer.tiles > 1 and i not in before]
     if new:
@@ -410,10 +407,14 @@ class _Layers:
 
 
 def install(
-    executor: Any, model: nn.Module, plan: Any, inputs: dict[str, Any] | None
+    executor: Any,
+    model: nn.Module,
+    plan: Any,
+    problem: PlanProblem | None,
 ) -> RecomputeCheck | None:
     """Check ``plan``'s checkpointed layers at their first checkpointed
-    forward (removed by the executor's detach)."""
+    forward (removed by the executor's detach).  ``problem``, the plan's,
+    is solved again without a layer that fails (None: not planned again)."""
     if not any("checkpoint" in layer.techniques and layer.tiles <= 1 for layer in plan.layers):
         return None
     if _distributed.is_fsdp2(model):
@@ -435,7 +436,7 @@ def install(
         )
         return None
     check = RecomputeCheck(
-        executor, model, plan, inputs, bool(getattr(executor.config, "strict_recompute", False))
+        executor, model, plan, problem, bool(getattr(executor.config, "strict_recompute", False))
     )
     executor.on_detach(check.remove)
 

@@ -300,7 +300,7 @@ def _event(name: str, executor: Any, arch: str, params: int, plan: Any = None) -
     if plan is None:
         plan = executor.plan
     decision = getattr(executor, "decision", None)
-    device = str(hardware.get("device", "other"))
+    device = hardware.device
     mode = plan.mode if plan is not None else config.mode.value
     event: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
@@ -311,10 +311,8 @@ def _event(name: str, executor: Any, arch: str, params: int, plan: Any = None) -
         "python_version": f"{sys.version_info.major}.{sys.version_info.minor}",
         "os": _os(),
         "device_type": device if device in SCHEMA["device_type"] else "other",
-        "device_count_bucket": _count_bucket(int(hardware.get("count", 1))),
-        "device_memory_bucket": _bucket(
-            int(hardware.get("capacity_bytes", 0)) / GIB, _BYTES_BUCKETS, ">=128GiB"
-        ),
+        "device_count_bucket": _count_bucket(hardware.count),
+        "device_memory_bucket": _bucket(hardware.capacity_bytes / GIB, _BYTES_BUCKETS, ">=128GiB"),
         "arch_class": arch,
         "param_bucket": _bucket(params, _PARAM_BUCKETS, ">=10B"),
         "layer_count_bucket": _layer_bucket(len(executor.layer_names)),

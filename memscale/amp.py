@@ -33,14 +33,18 @@ from typing import Any
 
 import torch
 
+from ._hardware import Hardware
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["autocast_dtype", "grad_scaler"]
 
 
-def autocast_dtype(hardware: dict[str, Any]) -> torch.dtype:
-    """BF16 when the device supports it, else FP16."""
-    return torch.bfloat16 if hardware.get("bf16") else torch.float16
+def autocast_dtype(hardware: Hardware | Mapping[str, Any]) -> torch.dtype:
+    """BF16 when the device supports it, else FP16.  ``hardware``: a
+    ``Hardware``, or a dict with the keys of
+    ``memscale._core.detect_hardware``."""
+    return torch.bfloat16 if Hardware.of(hardware).bf16 else torch.float16
 
 
 def _to_float32(obj: Any) -> Any:
@@ -62,21 +66,21 @@ def _to_float32(obj: Any) -> Any:
     return obj
 
 
-def profiling_context(config: Any, hardware: dict[str, Any]) -> Any:
+def profiling_context(config: Any, hardware: Hardware) -> Any:
     """The autocast the model will run under, for profiling it up front
     (activations are measured at the dtype they will have)."""
     import contextlib
 
-    if not config.use_mixed_precision or hardware["device"] not in ("cpu", "cuda"):
+    if not config.use_mixed_precision or hardware.device not in ("cpu", "cuda"):
         return contextlib.nullcontext()
-    return torch.autocast(hardware["device"], dtype=autocast_dtype(hardware))
+    return torch.autocast(hardware.device, dtype=autocast_dtype(hardware))
 
 
-def attach(executor: Any, model: torch.nn.Module, config: Any, hardware: dict[str, Any]) -> None:
+def attach(executor: Any, model: torch.nn.Module, config: Any, hardware: Hardware) -> None:
     """Turn mixed precision on for ``model`` if the Config asks for it."""
     if not config.use_mixed_precision:
         return
-    device_type = hardware["device"]
+    device_type = hardware.device
     if device_type not in ("cpu", "cuda"):
         logger.warning(
             "memscale: use_mixed_precision is not supported on %s; "
@@ -99,7 +103,7 @@ def attach(executor: Any, model: torch.nn.Module, config: Any, hardware: dict[st
             "scale the loss with scaler = memscale.amp.grad_scaler(model), "
             "scaler.scale(loss).backward(), scaler.step(optimizer), "
             "scaler.update()",
-            hardware.get("name", device_type),
+            hardware.name,
         )
     else:
         logger.info(

@@ -25,6 +25,7 @@ from . import (
     _core,
     _distributed,
     _firststep,
+    _hardware,
     _hf_cache,
     _model,
     _offload,
@@ -41,6 +42,8 @@ from . import (
 )
 from ._executor import Executor
 from ._format import format_bytes, plan_table
+from ._hardware import Hardware
+from ._solve import PlanProblem
 from .config import GIB, AsyncOffloadConfig, Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
@@ -88,7 +91,7 @@ def _warn_8bit_without_optimizer(config: Config, optimizer: Any) -> None:
 
 
 def _stage1(
-    executor: Executor, config: Config, hardware: dict[str, Any], profile: Any, fixed: int
+    executor: Executor, config: Config, hardware: Hardware, profile: Any, fixed: int
 ) -> Config:
     """Run Stage 1, record the decision on the executor, log it; return the
     effective Config for Stage 2."""
@@ -119,19 +122,19 @@ def _abandoner(ref: weakref.ref[Executor]) -> Any:
 DETAILS = "table: model._memscale_executor.describe(), or the 'memscale' logger at DEBUG"
 
 
-def _budget_source(config: Config, hardware: dict[str, Any]) -> str:
+def _budget_source(config: Config, hardware: Hardware) -> str:
     """Where the budget comes from, for the log."""
     if config.memory_budget_gb is not None:
         return "Config.memory_budget_gb"
-    where = "host RAM" if hardware["device"] == "cpu" else f"{hardware['device']} memory"
+    where = "host RAM" if hardware.device == "cpu" else f"{hardware.device} memory"
     return (
         f"{config.target_gpu_utilization:.0%} of "
-        f"{format_bytes(hardware['capacity_bytes'], digits=1)} {where}, "
+        f"{format_bytes(hardware.capacity_bytes, digits=1)} {where}, "
         "Config.target_gpu_utilization"
     )
 
 
-def _log_plan(config: Config, hardware: dict[str, Any], plan: Any, decision: Any = None) -> None:
+def _log_plan(config: Config, hardware: Hardware, plan: Any, decision: Any = None) -> None:
     """One INFO line per plan (what was decided, the expected peak, where
     the details are); the hardware and the per-layer table at DEBUG."""
     if not config.enable_logging:
@@ -145,10 +148,10 @@ def _log_plan(config: Config, hardware: dict[str, Any], plan: Any, decision: Any
         mode += f", strategy {decision.strategy} (decision_source={decision.decision_source})"
     logger.debug(
         "memscale hardware: %s x%d, %s each (%s)",
-        hardware["device"],
-        hardware["count"],
-        fmt(hardware["capacity_bytes"]),
-        hardware["name"],
+        hardware.device,
+        hardware.count,
+        fmt(hardware.capacity_bytes),
+        hardware.name,
     )
     logger.debug("%s", plan_table(plan))
     budget = f"{fmt(plan.budget_bytes)} ({_budget_source(config, hardware)})"
@@ -189,17 +192,17 @@ def _log_plan(config: Config, hardware: dict[str, Any], plan: Any, decision: Any
 
 
 def _after_plan(
-    model: torch.nn.Module, executor: Executor, plan: Any, inputs: dict[str, Any]
+    model: torch.nn.Module, executor: Executor, plan: Any, problem: PlanProblem
 ) -> None:
     """Model-level settings that go with a plan (undone by detach): a
     checkpointed Hugging Face model trains with its key/value cache off on
     every config it holds (see ``_hf_cache``), and each checkpointed layer
     is checked at its first checkpointed forward (``_recompute_check``;
-    ``inputs``, the engine's, make the plan again without a layer that
+    ``problem``, the plan's, is solved again without a layer that
     fails)."""
     if not plan.technique_counts["checkpoint"]:
         return
-    _recompute_check.install(executor, model, plan, inputs)
+    _recompute_check.install(executor, model, plan, problem)
     changed, undo = _hf_cache.disable_use_cache(model)
     if changed:
 
@@ -234,7 +237,7 @@ def _profile_sample(
     units: list[tuple[str, torch.nn.Module]],
     sample_input: Any,
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware,
     optimizer: torch.optim.Optimizer | None,
     fixed: int,
 ) -> _Upfront:
@@ -268,7 +271,7 @@ def _apply_sample_plan(
     executor: Executor,
     units: list[tuple[str, torch.nn.Module]],
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware,
     fixed: int,
     optimizer: torch.optim.Optimizer | None,
     upfront: _Upfront,
@@ -279,7 +282,7 @@ def _apply_sample_plan(
     executor.profile = profile
     executor.profiling = profile.method
     plan_config = _stage1(executor, config, hardware, profile, fixed)
-    inputs = _planning.plan_inputs(
+    problem = _planning.plan_problem(
         profile,
         _planner.fallback_config(plan_config, offsets[2]),
         hardware,
@@ -287,13 +290,13 @@ def _apply_sample_plan(
         peak_offset=offsets[0],
         plan_offset=offsets[1],
     )
-    plan = _distributed.shared_plan(inputs)
+    plan = _distributed.shared_plan(problem)
     _log_plan(config, hardware, plan, executor.decision)
-    _budget.check(plan, inputs, plan_config, _model.optimizer_state_bytes(model, optimizer), least)
-    _offload.attach(executor, plan_config, hardware, plan)
+    _budget.check(plan, problem, plan_config, _model.optimizer_state_bytes(model, optimizer), least)
+    _offload.attach(executor, plan_config, plan)
     _tiling.install(executor, units, plan)
     executor.apply(plan)
-    _after_plan(model, executor, plan, inputs)
+    _after_plan(model, executor, plan, problem)
     return plan
 
 
@@ -310,7 +313,7 @@ def _plan_on_first_forward(
     executor: Executor,
     units: list[tuple[str, torch.nn.Module]],
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware,
     fixed: int,
     optimizer: torch.optim.Optimizer | None,
 ) -> None:
@@ -386,7 +389,7 @@ def _plan_after_warmup(
     executor: Executor,
     units: list[tuple[str, torch.nn.Module]],
     config: Config,
-    hardware: dict[str, Any],
+    hardware: Hardware,
     fixed: int,
     optimizer: torch.optim.Optimizer | None,
 ) -> None:
@@ -408,14 +411,14 @@ def _plan_after_warmup(
             if executor.decision is not None
             else _stage1(executor, config, hardware, warm, fixed)
         )
-        inputs = _planning.plan_inputs(warm, plan_config, hardware, fixed)
-        plan = _distributed.shared_plan(inputs)
+        problem = _planning.plan_problem(warm, plan_config, hardware, fixed)
+        plan = _distributed.shared_plan(problem)
         _log_plan(config, hardware, plan, executor.decision)
-        _budget.check(plan, inputs, plan_config, _model.optimizer_state_bytes(model, optimizer))
-        _offload.attach(executor, plan_config, hardware, plan)
+        _budget.check(plan, problem, plan_config, _model.optimizer_state_bytes(model, optimizer))
+        _offload.attach(executor, plan_config, plan)
         _tiling.install(executor, units, plan)
         executor.count_layer_recomputes(units, plan)
-        _after_plan(model, executor, plan, inputs)
+        _after_plan(model, executor, plan, problem)
         _telemetry.plan_built(executor, plan, model)
         return plan
 
@@ -472,16 +475,9 @@ def wrap(
 
     device = _model.model_device(model)
     if config.memory_budget_gb is not None and device.type not in ("cpu", "cuda"):
-        hardware = {
-            "device": device.type,
-            "index": 0,
-            "count": 1,
-            "capacity_bytes": int(config.memory_budget_gb * GIB),
-            "bf16": False,
-            "name": device.type,
-        }
+        hardware = _hardware.assumed(device.type, 0, int(config.memory_budget_gb * GIB))
     else:
-        hardware = _core.detect_hardware(device.type, device.index or 0)
+        hardware = _hardware.detect(device.type, device.index or 0)
     units = _core.find_units(model)
     fixed = _model.fixed_bytes(model, optimizer)  # FSDP2: the local shards
     if _distributed.is_fsdp2(model):

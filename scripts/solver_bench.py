@@ -1,6 +1,7 @@
-"""The budget planner's solve time on long chains, through the public engine
-entry point (``memscale._core.build_plan``: parsing the layer tuples, the
-C solver, building the Plan object).
+"""The budget planner's solve time on long chains, through the engine's one
+entry point (``memscale._solve.solve``, which calls
+``memscale._core.build_plan``: parsing the layers, the C solver, building
+the Plan object).
 
 Transformer-like chains: layers of 20 to 28 MiB saved and 2 MiB input,
 8e9 to 1.2e10 forward FLOPs each, every one a tiling candidate; the budget
@@ -16,29 +17,32 @@ import random
 import statistics
 import time
 
-from memscale import Config, _core, _planning
+from memscale import Config, _core, _hardware, _planning
+from memscale._solve import OffloadInputs, PlanProblem, solve
 
 GIB = 1 << 30
 
 
-def chain(n: int, seed: int) -> list[tuple]:
+def chain(n: int, seed: int) -> tuple[_core.LayerStats, ...]:
     rng = random.Random(seed)
-    return [
-        (
-            f"h.{i}",
-            "Block",
-            1 << 20,
-            rng.randint(20, 28) << 20,
-            2 << 20,
-            rng.randint(8, 12) * 1e9,
-            _core.LAYER_TILEABLE,
+    return tuple(
+        _core.LayerStats(
+            (
+                f"h.{i}",
+                "Block",
+                1 << 20,
+                rng.randint(20, 28) << 20,
+                2 << 20,
+                rng.randint(8, 12) * 1e9,
+                _core.LAYER_TILEABLE,
+            )
         )
         for i in range(n)
-    ]
+    )
 
 
 def main() -> None:
-    hardware = {"device": "cpu", "count": 1, "capacity_bytes": 1 << 50}
+    hardware = _hardware.assumed("cpu", 0, 1 << 50)
     config = Config(mode="aggressive", async_offload=True)
     print(
         "| layers | budget (% of activations) | solve time (median of 5) | plan fits "
@@ -47,16 +51,13 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for n in (1_000, 10_000):
         layers = chain(n, seed=n)
-        acts = sum(layer[3] for layer in layers)
+        acts = sum(layer.saved_bytes for layer in layers)
         fixed = 4 * GIB
         for frac in (0.2, 0.4, 0.6, 0.8):
-            offload_in = {
-                "min_offload_bytes": 1 << 20,
-                "host_tier": False,
-                "host_cap_bytes": -1,
-                "disk_tier": True,
-            }
-            kwargs = dict(
+            offload_in = OffloadInputs(
+                min_offload_bytes=1 << 20, host_tier=False, host_cap_bytes=-1, disk_tier=True
+            )
+            problem = PlanProblem(
                 layers=layers,
                 mode="aggressive",
                 allowed=7,
@@ -64,18 +65,18 @@ def main() -> None:
                 budget_bytes=fixed + int(frac * acts),
                 fixed_bytes=fixed,
                 activation_bytes=acts,
-                total_flops=sum(layer[5] for layer in layers),
+                total_flops=sum(layer.flops for layer in layers),
                 device="cpu",
                 device_count=1,
                 capacity_bytes=1 << 50,
                 peak_offset_bytes=0,
-                **offload_in,
-                **_planning.solver_inputs(config, hardware, offload_in),
+                offload=offload_in,
+                solver=_planning.solver_inputs(config, hardware, offload_in),
             )
             times = []
             for _ in range(5):
                 t0 = time.perf_counter()
-                plan = _core.build_plan(**kwargs)
+                plan = solve(problem)
                 times.append(time.perf_counter() - t0)
             segments = len({lp.segment for lp in plan.layers if lp.segment >= 0})
             print(

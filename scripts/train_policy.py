@@ -53,6 +53,7 @@ import torch  # noqa: E402
 
 import memscale  # noqa: E402
 from memscale import _core, _model, _planner, _planning  # noqa: E402
+from memscale._hardware import Hardware  # noqa: E402
 from memscale.benchmarks.measure import measure_peak  # noqa: E402
 from memscale.benchmarks.models import BenchmarkModel  # noqa: E402
 from memscale.policy import (  # noqa: E402
@@ -66,6 +67,20 @@ from memscale.policy import (  # noqa: E402
 )
 
 GIB = 1 << 30
+
+
+def _gpu(capacity_bytes: int) -> Hardware:
+    """The one GPU the sweep plans for."""
+    return Hardware(
+        device="cuda",
+        index=0,
+        count=1,
+        capacity_bytes=capacity_bytes,
+        bf16=True,
+        name="policy sweep",
+    )
+
+
 MISS_COST = 1.0  # a pick that does not fit costs as much as a 2x slowdown
 MAX_DEPTH = 3
 MIN_LEAF = 12
@@ -216,22 +231,13 @@ def generate(
         profile = _planning.profile_upfront(model, units, batch.sample_input, base)
         fixed = _model.fixed_bytes(model, None)
         del model
-        probe = StrategyContext.build(
-            base, {"device": "cuda", "count": 1, "capacity_bytes": GIB}, profile, fixed
-        )
+        probe = StrategyContext.build(base, _gpu(GIB), profile, fixed)
         unoptimized = probe.peak_unoptimized_bytes
         measured_here = 0
         for pressure in pressures:
             budget = int(unoptimized / pressure)
             # A GPU whose usable memory (capacity x 0.85) is this budget.
-            hardware = {
-                "device": "cuda",
-                "index": 0,
-                "count": 1,
-                "bf16": True,
-                "name": "policy sweep",
-                "capacity_bytes": int(budget / 0.85) + 1,
-            }
+            hardware = _gpu(int(budget / 0.85) + 1)
             context = StrategyContext.build(base, hardware, profile, fixed)
             outcomes = {}
             for strategy in ORDER:

@@ -476,3 +476,179 @@ def test_wrap_detach_cycles_do_not_leak():
     assert result["freed"], "the model outlived wrap/detach"
     assert result["executor_model_none"]
     assert result["executor_state"] == "detached"
+
+
+# ---------------------------------------------------------- LayerStats
+
+LAYER_FIELDS = ("name", "kind", "param_bytes", "saved_bytes", "input_bytes", "flops", "flags")
+
+
+def test_layer_stats_is_a_named_tuple_of_the_seven_figures():
+    stats = _core.LayerStats(("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE))
+    assert isinstance(stats, tuple) and len(stats) == 7
+    assert _core.LayerStats.n_fields == _core.LayerStats.n_sequence_fields == 7
+    assert _core.LayerStats.__match_args__ == LAYER_FIELDS
+    assert tuple(getattr(stats, f) for f in LAYER_FIELDS) == tuple(stats)
+    assert stats == ("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE)
+    assert stats.saved_bytes == 100 and stats.flops == 2.5
+    assert repr(stats).startswith("memscale._core.LayerStats(name='h.0', kind='Block'")
+    assert _core.LayerStats.__module__ == "memscale._core"
+    for field in LAYER_FIELDS:
+        assert getattr(_core.LayerStats, field).__doc__, field
+    with pytest.raises(AttributeError):
+        stats.saved_bytes = 5  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        _core.LayerStats(("h.0", "Block", 8))  # a LayerStats has 7 fields
+
+
+def test_layer_stats_pickles_by_name():
+    # The plan inputs travel between ranks pickled (distributed.shared_plan).
+    import pickle
+
+    stats = _core.LayerStats(("h.0", "Block", 8, 100, 10, 2.5, 0))
+    again = pickle.loads(pickle.dumps(stats))
+    assert type(again) is _core.LayerStats and again == stats
+
+
+def test_build_plan_reads_layer_stats_and_plain_tuples_alike():
+    stats = [_core.LayerStats(row) for row in PLAN_LAYERS]
+    assert _core.build_plan(stats, **PLAN_ARGS).to_json() == (
+        _core.build_plan(PLAN_LAYERS, **PLAN_ARGS).to_json()
+    )
+    plan = _core.build_plan(tuple(stats), **PLAN_ARGS)
+    assert [layer.name for layer in plan.layers] == ["a", "b"]
+    assert [layer.saved_bytes for layer in plan.layers] == [100, 100]
+
+
+def _bad_second_layer(position: int, value: object) -> list:
+    row = list(PLAN_LAYERS[1])
+    row[position] = value
+    return [PLAN_LAYERS[0], tuple(row)]
+
+
+@pytest.mark.parametrize(
+    "layers, error, message",
+    [
+        (
+            [PLAN_LAYERS[0], ["b", "L", 0, 1, 0, 1.0, 0]],
+            TypeError,
+            r"layers\[1\] must be a LayerStats or a tuple",
+        ),
+        (
+            [PLAN_LAYERS[0], ("b", "L", 0, 1, 0, 1.0)],
+            TypeError,
+            r"layers\[1\] has 6 fields; a layer has 7",
+        ),
+        ([PLAN_LAYERS[0], PLAN_LAYERS[1] + (0,)], TypeError, r"layers\[1\] has 8 fields"),
+        (_bad_second_layer(0, 5), TypeError, r"layers\[1\]\.name must be a str, got int"),
+        (_bad_second_layer(1, None), TypeError, r"layers\[1\]\.kind must be a str, got NoneType"),
+        (_bad_second_layer(2, "0"), TypeError, r"layers\[1\]\.param_bytes must be an int, got str"),
+        (
+            _bad_second_layer(3, 1.5),
+            TypeError,
+            r"layers\[1\]\.saved_bytes must be an int, got float",
+        ),
+        (
+            _bad_second_layer(4, -1),
+            ValueError,
+            r"layers\[1\]\.input_bytes must be >= 0 and <= 2\*\*50 bytes, got -1",
+        ),
+        (
+            _bad_second_layer(3, 1 << 70),
+            ValueError,
+            r"layers\[1\]\.saved_bytes must be >= 0 .* got 1180591620717411303424",
+        ),
+        (_bad_second_layer(5, "1.0"), TypeError, r"layers\[1\]\.flops must be a number, got str"),
+        (
+            _bad_second_layer(5, float("nan")),
+            ValueError,
+            r"layers\[1\]\.flops must be a finite number >= 0",
+        ),
+        (_bad_second_layer(6, 1 << 9), ValueError, r"layers\[1\]\.flags has unknown bits: 512"),
+        (_bad_second_layer(6, "0"), TypeError, r"layers\[1\]\.flags must be an int, got str"),
+    ],
+)
+def test_build_plan_names_the_layer_and_the_field_it_refuses(layers, error, message):
+    with pytest.raises(error, match=message):
+        _core.build_plan(layers, **PLAN_ARGS)
+
+
+def test_each_module_object_has_its_own_layer_stats_type():
+    spec = importlib.util.find_spec("memscale._core")
+    assert spec is not None and spec.loader is not None
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    assert other.LayerStats is not _core.LayerStats
+    # Either module's planner reads the other's LayerStats: a tuple is enough.
+    theirs = [other.LayerStats(row) for row in PLAN_LAYERS]
+    assert (
+        _core.build_plan(theirs, **PLAN_ARGS).hash
+        == other.build_plan(PLAN_LAYERS, **PLAN_ARGS).hash
+    )
+    del other, theirs
+    gc.collect()
+
+
+def test_the_profile_holds_layer_stats_of_the_units():
+    from memscale import _planning
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), Block())
+    units = _core.find_units(model)
+    profile = _planning.profile_upfront(
+        model, units, torch.randn(4, 8), memscale.Config(enable_logging=False)
+    )
+    assert all(type(layer) is _core.LayerStats for layer in profile.layers)
+    assert [layer.name for layer in profile.layers] == ["0", "1", "2"]
+    assert {layer.kind for layer in profile.layers} == {"Block"}
+    assert all(layer.saved_bytes > 0 and layer.flops > 0 for layer in profile.layers)
+    assert profile.activation_bytes >= sum(layer.saved_bytes for layer in profile.layers)
+
+
+# ---------------------------------------------------------- the stub
+
+
+def _stub_names() -> dict[str, set[str] | None]:
+    """Names memscale/_core.pyi declares: module level (None) and, for a
+    class, the names in its body."""
+    import ast
+
+    tree = ast.parse((ROOT / "memscale" / "_core.pyi").read_text())
+    out: dict[str, set[str] | None] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            members: set[str] = set()
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    members.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    members.add(item.target.id)
+            out[node.name] = members
+        elif isinstance(node, ast.FunctionDef):
+            out[node.name] = None
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out[node.target.id] = None
+    return out
+
+
+def test_the_stub_declares_everything_the_module_has():
+    # stubtest (scripts/lint.sh) checks the public names and signatures;
+    # this also holds the private ones (the hooks torch calls) to the stub.
+    stub = _stub_names()
+    for name in dir(_core):
+        if name.startswith("__"):
+            continue
+        assert name in stub, f"memscale/_core.pyi lacks _core.{name}"
+        obj = getattr(_core, name)
+        if not isinstance(obj, type):
+            continue
+        members = stub[name]
+        assert members is not None
+        # n_fields and its siblings come from _typeshed.structseq.
+        inherited = {"n_fields", "n_sequence_fields", "n_unnamed_fields"}
+        for attr in vars(obj):
+            if attr.startswith("__") and attr not in ("__new__", "__len__", "__match_args__"):
+                continue
+            if attr in inherited and obj is _core.LayerStats:
+                continue
+            assert attr in members, f"memscale/_core.pyi lacks {name}.{attr}"

@@ -17,6 +17,7 @@ from conftest import free_port
 
 import memscale
 from memscale import _distributed
+from memscale._solve import PlanProblem, solve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -114,8 +115,8 @@ def test_a_missing_rank_is_named_not_waited_for(tmp_path):
 
 def test_single_process_is_untouched():
     assert not _distributed.active()
-    plan_inputs = dict(
-        layers=[("a", "Block", 0, 100, 10, 1.0, 0)],
+    problem = PlanProblem(
+        layers=(memscale._core.LayerStats(("a", "Block", 0, 100, 10, 1.0, 0)),),
         mode="balanced",
         allowed=1,
         force=True,
@@ -127,8 +128,12 @@ def test_single_process_is_untouched():
         device_count=1,
         capacity_bytes=1 << 20,
     )
-    plan = _distributed.shared_plan(plan_inputs)
-    assert plan.hash == memscale._core.build_plan(**plan_inputs).hash
+    plan = _distributed.shared_plan(problem)
+    assert plan.hash == solve(problem).hash
+    # The seam: what makes the plan of the problem.
+    seen = []
+    assert _distributed.shared_plan(problem, build=lambda p: seen.append(p) or "plan") == "plan"
+    assert seen == [problem]
 
 
 def test_timeout_setting(monkeypatch):

@@ -201,3 +201,47 @@ def test_the_private_name_check_sees_a_reach(tmp_path):
         "memscale.api._select",
         "memscale.optim.Adam._bits",
     ]
+
+
+# ---- one caller of the C planner (memscale/_solve.py) ----------------------
+
+
+def _calls_build_plan(path: pathlib.Path) -> list[int]:
+    """Lines of ``path`` that name ``build_plan`` in code (an attribute, a
+    name, an import or a string such as getattr's), not in docstrings."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (
+            (isinstance(node, ast.Attribute) and node.attr == "build_plan")
+            or (isinstance(node, ast.Name) and node.id == "build_plan")
+            or (isinstance(node, ast.Constant) and node.value == "build_plan")
+            or (
+                isinstance(node, ast.ImportFrom)
+                and any(alias.name == "build_plan" for alias in node.names)
+            )
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_solve_module_calls_the_c_planner():
+    callers = {}
+    for path in sorted((ROOT / "memscale").rglob("*.py")):
+        lines = _calls_build_plan(path)
+        if lines:
+            callers[str(path.relative_to(ROOT))] = lines
+    assert list(callers) == ["memscale/_solve.py"], callers
+
+
+def test_the_check_finds_a_call(tmp_path):
+    # The test above can fail: a call through an alias or getattr is seen.
+    probe = tmp_path / "probe.py"
+    for source in (
+        "from . import _core\nplan = _core.build_plan([], **kw)\n",
+        "import memscale._core as c\nf = getattr(c, 'build_plan')\n",
+        "from ._core import build_plan\n",
+    ):
+        probe.write_text(source)
+        assert _calls_build_plan(probe), source
+    probe.write_text('"""Nothing here calls _core.build_plan."""\n')
+    assert not _calls_build_plan(probe)

@@ -21,6 +21,7 @@ from conftest import free_port, hook_count, mlp
 
 import memscale
 from memscale import _planning, observability
+from memscale._solve import solve
 from memscale.observability import MetricsPortInUseError
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -227,17 +228,21 @@ def test_layer_and_segment_recomputes_are_counted_apart():
     ex = model._memscale_executor
     # A plan with a segment of two blocks (the budget planner's, from the
     # profile with inflated inputs: see test_segments.py).
-    inputs = _planning.plan_inputs(ex.profile, ex.config, ex.hardware, 0)
-    rows = [(n, k, pb, sb, sb * 9 // 10, fl, fg) for (n, k, pb, sb, ib, fl, fg) in inputs["layers"]]
-    total = sum(row[3] for row in rows)
-    inputs.update(
-        layers=rows,
-        fixed_bytes=0,
-        activation_bytes=total,
-        peak_offset_bytes=0,
-        budget_bytes=int(total * 0.7),
+    problem = _planning.plan_problem(ex.profile, ex.config, ex.hardware, 0)
+    rows = [
+        _core.LayerStats((n, k, pb, sb, sb * 9 // 10, fl, fg))
+        for (n, k, pb, sb, ib, fl, fg) in problem.layers
+    ]
+    total = sum(row.saved_bytes for row in rows)
+    plan = solve(
+        problem.replace(
+            layers=tuple(rows),
+            fixed_bytes=0,
+            activation_bytes=total,
+            peak_offset_bytes=0,
+            budget_bytes=int(total * 0.7),
+        )
     )
-    plan = _core.build_plan(**inputs)
     assert [layer.segment for layer in plan.layers] == [0, 0, -1]
     ex.apply(plan)
     for _ in range(2):
@@ -286,7 +291,7 @@ def test_failure_after_the_server_started_stops_it(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("planning failed")
 
-    monkeypatch.setattr(_planning, "plan_inputs", broken)
+    monkeypatch.setattr(_planning, "plan_problem", broken)
     model = mlp()
     port = free_port()
     with pytest.raises(RuntimeError, match="planning failed"):

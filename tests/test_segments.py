@@ -5,6 +5,7 @@ ms_segment_continue / ms_segment_finish / ms_segment_replay)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 
 import memscale
 from memscale import _core, _planning
+from memscale._solve import solve
 
 W = 32
 
@@ -63,21 +65,23 @@ def segment_plan(model, sample, frac=0.9, inflate=9, config=None, layers=None, *
     planner makes segments."""
     memscale.wrap(model, config or memscale.Config(enable_logging=False), sample_input=sample)
     ex = model.__dict__["_memscale_executor"]
-    inputs = _planning.plan_inputs(ex.profile, ex.config, ex.hardware, 0)
+    problem = _planning.plan_problem(ex.profile, ex.config, ex.hardware, 0)
     rows = [
-        (n, k, pb, sb, sb * inflate // 10, fl, fg)
-        for (n, k, pb, sb, ib, fl, fg) in inputs["layers"]
+        (n, k, pb, sb, sb * inflate // 10, fl, fg) for (n, k, pb, sb, ib, fl, fg) in problem.layers
     ]
-    inputs["layers"] = layers(rows) if layers is not None else rows
-    tot = sum(row[3] for row in inputs["layers"])
-    inputs.update(
+    rows = layers(rows) if layers is not None else rows
+    tot = sum(row[3] for row in rows)
+    offload = {k: extra.pop(k) for k in list(extra) if hasattr(problem.offload, k)}
+    problem = problem.replace(
+        layers=tuple(_core.LayerStats(row) for row in rows),
         fixed_bytes=0,
         activation_bytes=tot,
         peak_offset_bytes=0,
         budget_bytes=int(tot * frac),
+        offload=dataclasses.replace(problem.offload, **offload),
         **extra,
     )
-    plan = _core.build_plan(**inputs)
+    plan = solve(problem)
     assert plan.fits
     return ex, plan
 
@@ -308,7 +312,7 @@ def test_segment_input_offloaded_to_disk(tmp_path, async_io):
     assert offloaded == [0], [(lay.segment, lay.tier) for lay in plan.layers]
     assert all(plan.layers[i].segment == i for i in offloaded)  # segment starts
     n_segments = len({lay.segment for lay in plan.layers if lay.segment >= 0})
-    memscale._offload.attach(ex, ex.config, ex.hardware, plan)
+    memscale._offload.attach(ex, ex.config, plan)
     ex.apply(plan)
     store = ex.offload_store
     assert store is not None

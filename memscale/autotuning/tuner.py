@@ -116,7 +116,7 @@ def _choice_rows(choices: tuple[Choice, ...]) -> list[str]:
             (
                 c.config.mode.value,
                 "yes" if c.config.force_optimize else "no",
-                _fmt(_planning.budget_bytes(c.config, {"capacity_bytes": 0}))
+                _fmt(_planning.budget_bytes(c.config, None))
                 if c.config.memory_budget_gb is not None
                 else "-",
                 str(c.checkpointed_layers),

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import memscale
-from memscale import _core
+from memscale import _hardware
 
 from .._format import format_bytes
 from .models import select
@@ -48,7 +48,7 @@ def machine() -> dict[str, Any]:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
-        "ram_bytes": _core.detect_hardware("cpu")["capacity_bytes"],
+        "ram_bytes": _hardware.detect("cpu").capacity_bytes,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
-    ram = _core.detect_hardware("cpu")["capacity_bytes"]
+    ram = _hardware.detect("cpu").capacity_bytes
     results: list[VariantResult] = []
     skipped: list[dict[str, Any]] = []
     from tqdm import tqdm

@@ -51,7 +51,7 @@ from torch.utils.checkpoint import (
 from torch.utils.flop_counter import FlopCounterMode
 
 import memscale
-from memscale import _core
+from memscale import _core, _hardware
 
 from .._measure import measure_peak, peak_rss_subprocess
 from .models import BENCHMARK_MODELS, Batch, BenchmarkModel
@@ -400,8 +400,7 @@ def run_model(
     # when they fit in memory together; otherwise one after the other.
     note(f"{entry.name}: step time")
     interleaved = (
-        entry.estimated_training_bytes() * len(names)
-        < 0.5 * _core.detect_hardware("cpu")["capacity_bytes"]
+        entry.estimated_training_bytes() * len(names) < 0.5 * _hardware.detect("cpu").capacity_bytes
     )
     times, offload = (
         _time_interleaved(entry, names, repeats)

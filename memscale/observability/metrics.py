@@ -81,8 +81,11 @@ import socketserver
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+if TYPE_CHECKING:
+    from .._hardware import Hardware
 
 __all__ = [
     "DEFAULT_HOST",
@@ -124,16 +127,16 @@ def _require_prometheus() -> Any:
 NAN = float("nan")
 
 
-def _device_peak(hardware: dict[str, Any]) -> float:
+def _device_peak(hardware: Hardware | None) -> float:
     """``torch.cuda.max_memory_allocated`` of the device; NaN on a host
     without a device allocator (CPU), or before CUDA is initialized."""
-    if hardware.get("device") != "cuda":
+    if hardware is None or hardware.device != "cuda":
         return NAN
     try:
         import torch
 
         if torch.cuda.is_initialized():
-            return float(torch.cuda.max_memory_allocated(int(hardware.get("index", 0))))
+            return float(torch.cuda.max_memory_allocated(hardware.index))
     except Exception:  # noqa: BLE001 - a scrape must not fail
         logger.debug("memscale metrics: CUDA peak unavailable", exc_info=True)
     return NAN
@@ -188,7 +191,7 @@ class _ExecutorCollector:
             return
         stats = ex.stats
         plan = ex.plan
-        hardware = getattr(ex, "hardware", {}) or {}
+        hardware: Hardware | None = getattr(ex, "hardware", None)
         decision = getattr(ex, "decision", None)
 
         state = GaugeMetricFamily(
@@ -237,7 +240,12 @@ class _ExecutorCollector:
         peak.add_metric(["optimized"], known(None if plan is None else plan.peak_projected_bytes))
         yield peak
         budget = plan.budget_bytes if plan is not None else None
-        if budget is None and config is not None and hardware.get("capacity_bytes"):
+        if (
+            budget is None
+            and config is not None
+            and hardware is not None
+            and hardware.capacity_bytes
+        ):
             from .._planning import budget_bytes
 
             budget = budget_bytes(config, hardware)
@@ -261,7 +269,7 @@ class _ExecutorCollector:
         yield GaugeMetricFamily(
             "memscale_device_capacity_bytes",
             "detected capacity of one device",
-            value=known(hardware.get("capacity_bytes")),
+            value=known(None if hardware is None else hardware.capacity_bytes),
         )
         profile = getattr(ex, "profile", None)
         yield GaugeMetricFamily(

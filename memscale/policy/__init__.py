@@ -23,6 +23,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .._hardware import Hardware
 from ..config import Config
 from ._types import (
     DECISION_SOURCES,
@@ -77,10 +78,12 @@ def requested_policy() -> str:
     return value
 
 
-def needs_profile(config: Config, hardware: Mapping[str, Any]) -> bool:
+def needs_profile(config: Config, hardware: Hardware | Mapping[str, Any]) -> bool:
     """Whether Stage 1 will consult a policy (and so needs the profiled
-    model): ``auto_policy`` is on and the model is on an accelerator."""
-    return bool(config.auto_policy) and str(hardware["device"]) not in ("cpu", "meta")
+    model): ``auto_policy`` is on and the model is on an accelerator.
+    ``hardware``: a ``Hardware``, or a dict with the keys of
+    ``memscale._core.detect_hardware``."""
+    return bool(config.auto_policy) and Hardware.of(hardware).device not in ("cpu", "meta")
 
 
 def select_strategy(config: Config, context: StrategyContext) -> tuple[StrategyDecision, Config]:

@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._hardware import Hardware
+from .._solve import PlanProblem, solve
 from ..config import Config, OptimizationMode
 
 __all__ = [
@@ -133,44 +135,50 @@ class StrategyContext:
 
     @classmethod
     def build(
-        cls, config: Config, hardware: Mapping[str, Any], profile: Any = None, fixed_bytes: int = 0
+        cls,
+        config: Config,
+        hardware: Hardware | Mapping[str, Any],
+        profile: Any = None,
+        fixed_bytes: int = 0,
     ) -> StrategyContext:
-        """The context for ``config`` on ``hardware`` (a dict as returned by
-        ``memscale._core.detect_hardware``), with the engine's predictions
-        when ``profile`` (a ``_planning.Profile``) is given."""
+        """The context for ``config`` on ``hardware`` (a ``Hardware``, or a
+        dict with the keys of ``memscale._core.detect_hardware``), with the
+        engine's predictions when ``profile`` (a ``_planning.Profile``) is
+        given."""
         from .. import _core, _planning
 
-        budget = _planning.budget_bytes(config, dict(hardware))
+        hw = Hardware.of(hardware)
+        budget = _planning.budget_bytes(config, hw)
         base: dict[str, Any] = dict(
-            device_type=str(hardware["device"]),
-            device_count=int(hardware["count"]),
-            capacity_bytes=int(hardware["capacity_bytes"]),
+            device_type=hw.device,
+            device_count=hw.count,
+            capacity_bytes=hw.capacity_bytes,
             budget_bytes=budget,
             fixed_bytes=int(fixed_bytes),
         )
         if profile is None:
             return cls(**base)
 
-        def predict(force: bool) -> Any:
-            return _core.build_plan(
-                profile.layers,
+        # Every eligible layer checkpointed, by the engine's greedy rules.
+        everything = solve(
+            PlanProblem(
+                layers=tuple(profile.layers),
                 mode=OptimizationMode.CONSERVATIVE.value,
                 allowed=_core.TECH_CHECKPOINT,
-                force=force,
+                force=True,
                 budget_bytes=budget,
                 fixed_bytes=int(fixed_bytes),
                 activation_bytes=profile.activation_bytes,
                 total_flops=profile.total_flops,
-                device=str(hardware["device"]),
-                device_count=int(hardware["count"]),
-                capacity_bytes=int(hardware["capacity_bytes"]),
+                device=hw.device,
+                device_count=hw.count,
+                capacity_bytes=hw.capacity_bytes,
             )
-
-        everything = predict(True)
+        )
         return cls(
             **base,
             activation_bytes=int(profile.activation_bytes),
-            unit_activation_bytes=int(sum(layer[3] for layer in profile.layers)),
+            unit_activation_bytes=int(sum(layer.saved_bytes for layer in profile.layers)),
             peak_unoptimized_bytes=int(everything.peak_unoptimized_bytes),
             peak_min_bytes=int(everything.peak_projected_bytes),
             layer_count=len(profile.layers),

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _core, _model
+from .. import _hardware, _model
+from .._hardware import Hardware
 from ..config import GIB, Config
 
 logger = logging.getLogger(__name__)
@@ -66,21 +67,19 @@ class DeviceSpec:
         if not isinstance(self.bf16, bool):
             raise TypeError(f"DeviceSpec.bf16 must be a bool, got {self.bf16!r}")
 
-    def hardware(self) -> dict[str, Any]:
+    def hardware(self) -> Hardware:
         """The description the decision engine plans with."""
-        return {
-            "device": self.type,
-            "index": self.index,
-            "count": self.count,
-            "capacity_bytes": self.capacity_bytes,
-            "bf16": self.bf16,
-            "name": self.name or self.type,
-        }
+        return Hardware(
+            device=self.type,
+            index=self.index,
+            count=self.count,
+            capacity_bytes=self.capacity_bytes,
+            bf16=self.bf16,
+            name=self.name or self.type,
+        )
 
 
-def resolve_device(
-    model: nn.Module, device: Any, config: Config
-) -> tuple[dict[str, Any], torch.device]:
+def resolve_device(model: nn.Module, device: Any, config: Config) -> tuple[Hardware, torch.device]:
     """(hardware description, device the fake tensors live on)."""
     if isinstance(device, Mapping):
         device = DeviceSpec(**dict(device))
@@ -111,7 +110,7 @@ def resolve_device(
             f"{dev.type!r}; pass device=DeviceSpec(...)"
         )
     try:
-        hardware = _core.detect_hardware(dev.type, dev.index or 0)
+        hardware = _hardware.detect(dev.type, dev.index or 0)
     except RuntimeError as exc:
         if config.memory_budget_gb is None:
             raise ValueError(
@@ -119,15 +118,7 @@ def resolve_device(
                 f"device=DeviceSpec({dev.type!r}, capacity_bytes=...) or "
                 "Config(memory_budget_gb=...)"
             ) from None
-        cap = int(config.memory_budget_gb * GIB)
-        hardware = {
-            "device": dev.type,
-            "index": dev.index or 0,
-            "count": 1,
-            "capacity_bytes": cap,
-            "bf16": False,
-            "name": dev.type,
-        }
+        hardware = _hardware.assumed(dev.type, dev.index or 0, int(config.memory_budget_gb * GIB))
     return hardware, _simulation_device(dev.type)
 
 

@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .. import _core, _hf_cache, _model, _verify
 from .._executor import Executor
+from .._hardware import Hardware
 from .._offload import SimulatedTier, async_settings
 from ..config import Config
 from ._fake import REAL_VALUE_LIMIT, FakeWorld
@@ -111,7 +112,7 @@ class _Simulation:
     def unoptimized(self) -> Trace:
         return self.step.tracked([])
 
-    def under(self, plan: Any, config: Config, hardware: dict[str, Any]) -> Trace:
+    def under(self, plan: Any, config: Config, hardware: Hardware) -> Trace:
         """The step with the C executor applying ``plan`` to the model, and
         the settings wrap() makes with it (a Hugging Face model trains with
         ``config.use_cache=False`` under checkpointing)."""
@@ -156,7 +157,7 @@ class SimulationSession:
         model: nn.Module,
         sample_input: Any,
         optimizer: torch.optim.Optimizer | None,
-        hardware: dict[str, Any],
+        hardware: Hardware,
         sim_device: torch.device,
         *,
         loss_fn: Callable[[Any], Any] | None,
@@ -165,7 +166,7 @@ class SimulationSession:
         self.model = model
         self.hardware = hardware
         self._sim = _Simulation(
-            model, sample_input, optimizer, loss_fn, sim_device, hardware["device"], read_profile
+            model, sample_input, optimizer, loss_fn, sim_device, hardware.device, read_profile
         )
         self._traces: dict[str, Trace] = {}
         self._workspace: dict[Any, Kernel] = {}
@@ -220,7 +221,7 @@ class SimulationSession:
         return self._sim.optimizer_simulated
 
     def _probe(self, trace: Trace, key: str) -> None:
-        limit = min(PROBE_LIMIT, max(1, int(self.hardware["capacity_bytes"]) // 8))
+        limit = min(PROBE_LIMIT, max(1, self.hardware.capacity_bytes // 8))
         found, unprobed = probe_workspace(trace.signatures(), limit)
         self._workspace.update(found)
         self._unprobed[key] = unprobed

@@ -1,0 +1,203 @@
+/*
+ * layer_stats.c: LayerStats, what the planner knows of one planning unit.
+ *
+ * A struct sequence (a named tuple made in C): the profiler's Python side
+ * builds one per unit, and build_plan reads them, or plain tuples of the
+ * same seven fields, into the engine's ms_layer.  A wrong layer is refused
+ * with an error that names its index and the field.
+ */
+#include "layer_stats.h"
+
+#include <limits.h>
+#include <math.h>
+
+/* The fields, in tuple order; the parser below names them from here. */
+enum {
+    F_NAME,
+    F_KIND,
+    F_PARAM_BYTES,
+    F_SAVED_BYTES,
+    F_INPUT_BYTES,
+    F_FLOPS,
+    F_FLAGS,
+    N_FIELDS
+};
+
+/* clang-format off */
+static PyStructSequence_Field fields[] = {
+    [F_NAME] = {"name",
+        "Qualified module name of the unit, as in model.named_modules()."},
+    [F_KIND] = {"kind", "Class name of the module."},
+    [F_PARAM_BYTES] = {"param_bytes",
+        "Bytes of the parameters the unit owns."},
+    [F_SAVED_BYTES] = {"saved_bytes",
+        "Activation bytes the unit saves for backward in an unoptimized\n"
+        "step (what checkpointing frees)."},
+    [F_INPUT_BYTES] = {"input_bytes",
+        "Bytes of the unit's inputs (what checkpointing keeps instead,\n"
+        "and what offload moves)."},
+    [F_FLOPS] = {"flops",
+        "Forward FLOPs of the unit, a float (the cost of a recompute)."},
+    [F_FLAGS] = {"flags",
+        "Bit set of what the profiler and the first step found: 1 the\n"
+        "unit changes its input in place, 2 it never ran while profiling,\n"
+        "LAYER_TILEABLE it may run in tiles, LAYER_UNREPEATABLE its\n"
+        "recompute did not match its forward."},
+    [N_FIELDS] = {NULL, NULL},
+};
+
+PyDoc_STRVAR(layer_stats_doc,
+"LayerStats(sequence, dict=None)\n--\n\n"
+"One planning unit's figures as the planner reads them: name, kind,\n"
+"param_bytes, saved_bytes, input_bytes, flops, flags.  A tuple:\n"
+"build_plan also accepts a plain tuple of these seven fields.");
+/* clang-format on */
+
+static PyStructSequence_Desc layer_stats_desc = {
+    .name = "memscale._core.LayerStats",
+    .doc = layer_stats_doc,
+    .fields = fields,
+    .n_in_sequence = N_FIELDS,
+};
+
+int
+ms_layer_stats_init_type(PyObject *module, ms_state *st)
+{
+    st->layer_stats_type = PyStructSequence_NewType(&layer_stats_desc);
+    if (st->layer_stats_type == NULL) {
+        return -1;
+    }
+    return PyModule_AddType(module, st->layer_stats_type);
+}
+
+/* ---- parsing ------------------------------------------------------ */
+
+#define MS_KNOWN_FLAGS                                                        \
+    (MS_LAYER_INPLACE_INPUT | MS_LAYER_NOT_CALLED | MS_LAYER_TILEABLE         \
+     | MS_LAYER_UNREPEATABLE)
+
+static int
+parse_str(PyObject *item, Py_ssize_t index, int f, PyObject **out)
+{
+    PyObject *v = PyTuple_GET_ITEM(item, f);
+    if (!PyUnicode_Check(v)) {
+        PyErr_Format(PyExc_TypeError,
+                     "layers[%zd].%s must be a str, got %.200s", index,
+                     fields[f].name, Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* An int field.  Not an int: a TypeError naming the field.  Beyond a long
+   long: *out = LLONG_MAX, which every range check below refuses (with the
+   value as given). */
+static int
+parse_ll(PyObject *item, Py_ssize_t index, int f, long long *out)
+{
+    PyObject *v = PyTuple_GET_ITEM(item, f);
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            x = LLONG_MAX;
+        }
+        else {
+            if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError,
+                             "layers[%zd].%s must be an int, got %.200s",
+                             index, fields[f].name, Py_TYPE(v)->tp_name);
+            }
+            return -1;
+        }
+    }
+    *out = x;
+    return 0;
+}
+
+static int
+parse_bytes(PyObject *item, Py_ssize_t index, int f, int64_t *out)
+{
+    long long x;
+    if (parse_ll(item, index, f, &x) < 0) {
+        return -1;
+    }
+    if (x < 0 || x > MS_MAX_BYTES) {
+        PyErr_Format(PyExc_ValueError,
+                     "layers[%zd].%s must be >= 0 and <= 2**50 bytes, got %R",
+                     index, fields[f].name, PyTuple_GET_ITEM(item, f));
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+static int
+parse_flops(PyObject *item, Py_ssize_t index, double *out)
+{
+    PyObject *v = PyTuple_GET_ITEM(item, F_FLOPS);
+    double x = PyFloat_AsDouble(v);
+    if (x == -1.0 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "layers[%zd].flops must be a number, got %.200s",
+                         index, Py_TYPE(v)->tp_name);
+        }
+        return -1;
+    }
+    if (!isfinite(x) || x < 0.0) {
+        PyErr_Format(PyExc_ValueError,
+                     "layers[%zd].flops must be a finite number >= 0 (not inf "
+                     "or nan), got %R",
+                     index, v);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+int
+ms_layer_stats_parse(PyObject *item, Py_ssize_t index, PyObject **name,
+                     PyObject **kind, ms_layer *out)
+{
+    if (!PyTuple_Check(item)) {
+        PyErr_Format(PyExc_TypeError,
+                     "layers[%zd] must be a LayerStats or a tuple (name, "
+                     "kind, param_bytes, saved_bytes, input_bytes, flops, "
+                     "flags), got %.200s",
+                     index, Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(item) != N_FIELDS) {
+        PyErr_Format(PyExc_TypeError,
+                     "layers[%zd] has %zd fields; a layer has %d: (name, "
+                     "kind, param_bytes, saved_bytes, input_bytes, flops, "
+                     "flags)",
+                     index, PyTuple_GET_SIZE(item), (int)N_FIELDS);
+        return -1;
+    }
+    long long flags;
+    if (parse_str(item, index, F_NAME, name) < 0
+        || parse_str(item, index, F_KIND, kind) < 0
+        || parse_bytes(item, index, F_PARAM_BYTES, &out->param_bytes) < 0
+        || parse_bytes(item, index, F_SAVED_BYTES, &out->saved_bytes) < 0
+        || parse_bytes(item, index, F_INPUT_BYTES, &out->input_bytes) < 0
+        || parse_flops(item, index, &out->flops) < 0
+        || parse_ll(item, index, F_FLAGS, &flags) < 0)
+    {
+        return -1;
+    }
+    if (flags < 0 || (flags & ~(long long)MS_KNOWN_FLAGS) != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "layers[%zd].flags has unknown bits: %R (known: 1, 2, "
+                     "LAYER_TILEABLE = %d, LAYER_UNREPEATABLE = %d)",
+                     index, PyTuple_GET_ITEM(item, F_FLAGS),
+                     (int)MS_LAYER_TILEABLE, (int)MS_LAYER_UNREPEATABLE);
+        return -1;
+    }
+    out->flags = (unsigned)flags;
+    return 0;
+}
