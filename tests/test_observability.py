@@ -572,6 +572,23 @@ def test_a_model_dropped_without_detach_frees_the_port():
     memscale.detach(again)
 
 
+def test_the_port_is_free_while_a_child_has_not_closed_its_copy_yet():
+    """A forked child closes its copy of the listening socket in its fork
+    hook, which runs only when the child is first scheduled: on a loaded
+    machine the parent could detach before that and find the port still
+    taken.  A descriptor duplicated here stands in for that copy."""
+    model = mlp()
+    port = free_port()
+    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port))
+    server = model._memscale_executor.metrics_server
+    copy = os.dup(server._httpd.socket.fileno())
+    try:
+        memscale.detach(model)
+        assert port_is_free(port)
+    finally:
+        os.close(copy)
+
+
 def test_a_forked_child_does_not_keep_the_port():
     """Issue 20, item 6: a forked DataLoader worker inherited the listening
     socket, so the port stayed bound after detach and a re-wrap failed."""

@@ -352,6 +352,18 @@ class _Server(WSGIServer):
     allow_reuse_address = True
     timeout = 0.05  # handle_request() returns this often to see a stop
 
+    def release(self) -> None:
+        """Stop listening and close: the port is free at once, even while a
+        forked child still holds a copy of the socket it has not closed yet
+        (its fork hook runs when the child is first scheduled).  Only the
+        process that serves calls this: ``shutdown`` acts on the socket
+        every copy shares, ``server_close`` on this process's descriptor."""
+        try:
+            self.socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not listening any more, or a platform that refuses it
+        self.server_close()
+
     def server_bind(self) -> None:
         # HTTPServer.server_bind calls socket.getfqdn(), a name lookup that
         # may go to DNS; memscale never touches the network.
@@ -429,7 +441,7 @@ def _serve(httpd: _Server, stop: threading.Event) -> None:
         while not stop.is_set():
             httpd.handle_request()
     finally:
-        httpd.server_close()
+        httpd.release()
 
 
 def _stop(httpd: _Server, stop: threading.Event, thread: threading.Thread) -> None:
@@ -440,7 +452,7 @@ def _stop(httpd: _Server, stop: threading.Event, thread: threading.Thread) -> No
         return  # the loop ends after this request and closes the socket
     if thread.is_alive():
         thread.join(timeout=5)
-    httpd.server_close()  # idempotent; frees the port if the join timed out
+    httpd.release()  # idempotent; frees the port if the join timed out
 
 
 # Every live server of this process, for the fork hook.
@@ -538,7 +550,7 @@ class MetricsServer:
         try:
             self._thread.start()
         except BaseException:
-            self._httpd.server_close()
+            self._httpd.release()
             raise
         # Stopped with the executor: a model dropped without detach frees
         # the port and the thread when it is collected.
