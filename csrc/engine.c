@@ -37,6 +37,7 @@
  */
 #include "engine.h"
 #include "memory.h"
+#include "solver.h"
 
 #include <math.h>
 #include <string.h>

@@ -24,7 +24,7 @@
 #ifndef MEMSCALE_MEMORY_H
 #define MEMSCALE_MEMORY_H
 
-#include "engine.h"
+#include "solver.h"
 
 #include <stddef.h>
 #include <stdint.h>

@@ -29,7 +29,7 @@
  * bytes of back-pointer per state, two rows of costs, and one tournament
  * tree of max_segment + 1 leaves per bucket (see below).
  */
-#include "engine.h"
+#include "solver.h"
 #include "memory.h"
 
 #include <math.h>

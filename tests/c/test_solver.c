@@ -16,8 +16,8 @@
  * The last line is "N passed, M failed"; exit status 0 only if none failed.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
-#include "../../csrc/engine.h"
 #include "../../csrc/memory.h"
+#include "../../csrc/solver.h"
 
 #include <math.h>
 #include <stdio.h>
