@@ -87,7 +87,13 @@ def _fingerprint(t: torch.Tensor, values: bool, state: set[int]) -> tuple[Any, .
     try:
         with torch.no_grad():
             x = t.detach().resolve_conj().resolve_neg().contiguous()
-            raw = x.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+            raw_t = x.reshape(-1).view(torch.uint8).cpu()
+            if raw_t.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                # numpy() marks a storage it reads as not resizable: not
+                # the model's (FSDP2 frees its unsharded parameters by
+                # resizing their storage to 0), a copy of it.
+                raw_t = raw_t.clone()
+            raw = raw_t.numpy().tobytes()
     except (RuntimeError, TypeError):  # sparse, nested, ...: shapes only
         return (*meta, None)
     return (*meta, hashlib.blake2b(raw, digest_size=16).hexdigest())
@@ -446,15 +452,6 @@ def install(
     forward (removed by the executor's detach).  ``problem``, the plan's,
     is solved again without a layer that fails (None: not planned again)."""
     if not any("checkpoint" in layer.techniques and layer.tiles <= 1 for layer in plan.layers):
-        return None
-    if _distributed.is_fsdp2(model):
-        logger.info(
-            "memscale: the model is sharded with FSDP2, whose "
-            "parameter state a second run inside a layer's forward "
-            "would disturb; checkpointed layers are not checked at "
-            "the first step (a recompute that differs in shape still "
-            "fails in backward)"
-        )
         return None
     if not _torch_compat.SAVED_TENSORS_HOOKS_VISIBLE:
         logger.info(
