@@ -345,6 +345,7 @@ class Step:
             return Trace(tracker, recategorize)
         finally:
             tracker.active = False
+            tracker.on_phase = None  # its closure refers to the tracker: no cycle
             for h in handles:
                 h.remove()
             if gc_was_enabled:
