@@ -325,26 +325,48 @@ def _plan_on_first_forward(
         policy.requested_policy()  # a bad MEMSCALE_POLICY fails now
     static_only = config.replace(use_empirical_fallback=False)
 
+    def profile(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # Profiled as an unwrapped model (the OOM predictor refuses a
+        # wrapped one): our hooks are paused, the attribute set aside.
+        wrapped = model.__dict__.pop(ATTR, None)
+        try:
+            with executor.paused():
+                return _profile_sample(
+                    module,
+                    units,
+                    _model.Inputs(args, kwargs),
+                    static_only,
+                    hardware,
+                    optimizer,
+                    fixed,
+                )
+        finally:
+            if wrapped is not None:
+                model.__dict__[ATTR] = wrapped
+
+    def apply(upfront: _Upfront) -> None:
+        try:
+            plan_made = _apply_sample_plan(
+                model, executor, units, config, hardware, fixed, optimizer, upfront
+            )
+        except BaseException:
+            leave()
+            raise
+        _telemetry.plan_built(executor, plan_made, model)
+
+    def leave() -> None:
+        # Leave nothing attached: the model runs as if never wrapped.
+        if model.__dict__.get(ATTR) is executor:
+            del model.__dict__[ATTR]
+        executor.detach()
+
     def plan(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
-            # Profiled as an unwrapped model (the OOM predictor refuses a
-            # wrapped one): our hooks are paused, the attribute set aside.
-            wrapped = model.__dict__.pop(ATTR, None)
             try:
-                with executor.paused():
-                    upfront = _profile_sample(
-                        module,
-                        units,
-                        _model.Inputs(args, kwargs),
-                        static_only,
-                        hardware,
-                        optimizer,
-                        fixed,
-                    )
+                upfront = profile(module, args, kwargs)
             except RuntimeError as exc:
                 if not config.use_empirical_fallback:
                     raise
-                upfront = None
                 logger.info(
                     "memscale: the first training forward could not be "
                     "profiled on fake tensors (%s); measuring the first %d "
@@ -352,22 +374,29 @@ def _plan_on_first_forward(
                     exc,
                     config.warmup_steps,
                 )
-            finally:
-                if wrapped is not None:
-                    model.__dict__[ATTR] = wrapped
-            if upfront is None:
                 _plan_after_warmup(model, executor, units, config, hardware, fixed, optimizer)
                 return
-            plan_made = _apply_sample_plan(
-                model, executor, units, config, hardware, fixed, optimizer, upfront
-            )
         except BaseException:
-            # Leave nothing attached: the model runs as if never wrapped.
-            if model.__dict__.get(ATTR) is executor:
-                del model.__dict__[ATTR]
-            executor.detach()
+            leave()
             raise
-        _telemetry.plan_built(executor, plan_made, model)
+        apply(upfront)
+
+    def plan_from(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        try:
+            upfront = profile(module, args, kwargs)
+        except RuntimeError as exc:
+            logger.info(
+                "memscale: the training step could not be profiled on fake "
+                "tensors (%s); the plan is made on the first training forward",
+                exc,
+            )
+            return False
+        except BaseException:
+            leave()
+            raise
+        first.remove()
+        apply(upfront)
+        return True
 
     logger.debug(
         "memscale: no sample_input; the plan is made on the first training "
@@ -381,7 +410,7 @@ def _plan_on_first_forward(
         first.remove()
         _plan_after_warmup(model, executor, units, config, hardware, fixed, optimizer)
 
-    executor.await_first_forward(first, measure_instead)
+    executor.await_first_forward(first, measure_instead, plan_from)
 
 
 def _plan_after_warmup(
