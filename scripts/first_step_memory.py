@@ -118,6 +118,60 @@ with open(os.path.join(os.environ["OUT_DIR"], "first_step_vmhwm"), "w") as f:
 """
 
 
+RECLAIM = r"""
+import ctypes, gc, sys, warnings
+warnings.filterwarnings("ignore")
+sys.path.insert(0, {root!r})
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+import memscale
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+def rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = GPT2LMHeadModel(GPT2Config(n_layer=6, n_embd=256, n_head=4, vocab_size=8192,
+                                   n_positions=256, use_cache=False))
+ids = torch.randint(0, 8192, (4, 256), generator=torch.Generator().manual_seed(1))
+rows = [("before planning", rss())]
+memscale.predict_peak(model, {{"input_ids": ids, "labels": ids}},
+                      memscale.Config(memory_budget_gb={budget}))
+rows.append(("after memscale.predict_peak", rss()))
+gc.collect()
+rows.append(("after gc.collect()", rss()))
+FakeTensorMode.cache_clear()
+gc.collect()
+rows.append(("after FakeTensorMode.cache_clear()", rss()))
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+rows.append(("after malloc_trim(0)", rss()))
+for name, value in rows:
+    print(f"  {{name:<36}} RSS {{value:7.1f}} MiB")
+"""
+
+
+def _reclaim(budget: float) -> None:
+    """Whether what the fake-tensor planning leaves in RSS can be given
+    back: RSS of one fresh process after planning, garbage collection,
+    clearing torch's fake-tensor cache and glibc's malloc_trim."""
+    import subprocess
+
+    print("What planning leaves in RSS (one process, GPT-2 6x256, batch 4x256):", flush=True)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore")
+    code = RECLAIM.format(root=ROOT, budget=budget)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    print(proc.stdout, end="", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -133,7 +187,9 @@ def main() -> int:
         action="store_true",
         help="also: Hugging Face's checkpointing with memscale's modules "
         "imported, then with its fake-tensor planning run once before "
-        "training; memscale without the first step's recompute check",
+        "training; memscale without the first step's recompute check; "
+        "and what of planning's RSS gc, torch's fake-tensor cache and "
+        "malloc_trim give back",
     )
     args = parser.parse_args()
     variants = ["plain", "hf-checkpointing", "memscale"]
@@ -170,6 +226,8 @@ def main() -> int:
                 f"{first[1] / mib:>6.1f} MiB",
                 flush=True,
             )
+    if args.breakdown:
+        _reclaim(args.budget_gb)
     return 0
 
 
