@@ -128,6 +128,17 @@ def _barrier(timeout: float) -> None:
         ) from exc
 
 
+def union_of_ranks(indices: set[int]) -> set[int]:
+    """The union of every rank's ``indices`` (a collective: every rank must
+    call it at the same point); not distributed: ``indices``."""
+    if not active():
+        return set(indices)
+    dist = _dist()
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(indices))
+    return {int(i) for part in gathered for i in part}
+
+
 def shared_plan(
     problem: PlanProblem,
     *,

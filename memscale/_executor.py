@@ -80,13 +80,21 @@ class Executor(_core.Executor):
         """Whether :meth:`init_python_state` has run."""
         return "_restore" in self.__dict__
 
-    def await_first_forward(self, first: Any, measure_instead: Callable[[], None]) -> None:
+    def await_first_forward(
+        self,
+        first: Any,
+        measure_instead: Callable[[], None],
+        plan_from: Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], bool],
+    ) -> None:
         """Plan on the first training forward: ``first`` (a
         ``memscale._firststep.FirstForward``) holds the hooks that do it,
         ``measure_instead`` switches to measuring real steps instead (see
-        :meth:`measure_real_steps`).  Both are dropped by detach."""
+        :meth:`measure_real_steps`), ``plan_from`` plans from another
+        module's forward (see :meth:`plan_from_step`).  All are dropped by
+        detach."""
         self._first_forward = first
         self._measure_instead = measure_instead
+        self._plan_from = plan_from
 
     def enter_root(self, module: torch.nn.Module) -> None:
         """What the root module's forward pre-hook does, called by hand: a
@@ -149,7 +157,7 @@ class Executor(_core.Executor):
         finally:
             # What refers to the model (the executor keeps no reference to
             # it once detached).
-            for name in ("units", "_first_forward", "_measure_instead"):
+            for name in ("units", "_first_forward", "_measure_instead", "_plan_from"):
                 self.__dict__.pop(name, None)
             while self._restore:
                 action = self._restore.pop()
@@ -227,6 +235,24 @@ class Executor(_core.Executor):
                 "before the first training forward was planned"
             )
         self.__dict__.pop("_measure_instead")()
+
+    def plan_from_step(
+        self, step: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> bool:
+        """Plan now, before the first training forward, from one call of
+        ``step`` (a module whose forward runs a whole training step of the
+        wrapped model, such as Lightning's ``training_step``, and holds the
+        wrapped model among its submodules) on ``args`` and ``kwargs``,
+        profiled on fake tensors as a first forward's inputs are.  True
+        when the plan is made and applied; False, with nothing changed,
+        when the step cannot be profiled (the plan is then made on the
+        first training forward, as before)."""
+        if not self.plans_on_first_forward:
+            raise RuntimeError(
+                "memscale: plan_from_step() is only possible before the "
+                "first training forward was planned"
+            )
+        return bool(self.__dict__["_plan_from"](step, args, kwargs))
 
     def describe(self) -> str:
         """The hardware and the plan, one row per layer (what ``wrap``

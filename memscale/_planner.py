@@ -269,12 +269,13 @@ class PredictionSession:
                 f"config must be a memscale.Config or None, got {type(config).__name__}"
             )
         plan = self.plan(config)
-        unoptimized, optimized, unprobed = self._steps.breakdowns(plan, config)
         steps = self._steps
+        unoptimized, optimized, unprobed = steps.breakdowns(plan, config)
         chosen = tuple(layer.name for layer in plan.layers if layer.techniques)
         result = PeakPrediction(
             unoptimized=unoptimized,
             optimized=optimized,
+            first_step=steps.first_step(plan, config),
             device=self.hardware.device,
             device_name=self.hardware.name,
             capacity_bytes=self.hardware.capacity_bytes,
@@ -349,7 +350,10 @@ def predict_peak(
 
     The step is ``optimizer.zero_grad(set_to_none=True)``, forward, loss,
     backward, ``optimizer.step()``, in steady state (gradients and
-    optimizer state exist when it starts).  The model's parameters, buffers,
+    optimizer state exist when it starts); ``first_step`` is the first
+    step after ``wrap`` under the plan (no optimizer state yet, each
+    checkpointed layer checked once: its saved tensors held while it runs
+    again), and ``fits`` asks both to fit.  The model's parameters, buffers,
     attributes, RNG state and training flags are as before when this
     returns, also when it raises.
     """

@@ -92,7 +92,15 @@ def _profile_static(model, units, args, kwargs):
     mode, convert = fake
 
     def to_fake(obj):
-        return convert(obj) if isinstance(obj, torch.Tensor) else obj
+        # Nested too: a batch can be a dict or a tuple of tensors (a
+        # Lightning training_step's).
+        if isinstance(obj, torch.Tensor):
+            return convert(obj)
+        if isinstance(obj, dict):
+            return type(obj)((k, to_fake(v)) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(to_fake(v) for v in obj)
+        return obj
 
     with mode, _fake_twins(model, convert) as fakes:
         fargs = tuple(to_fake(a) for a in args)

@@ -31,6 +31,12 @@ those), at its first training forward under a checkpoint frame:
    with that layer ineligible (rule ``ineligible:unrepeatable``).  With
    ``Config(strict_recompute=True)`` a :class:`RecomputeMismatchError`
    is raised instead.
+   Under ``torch.distributed`` the ranks agree first: at the next
+   training forward after one that checked a layer, every rank gathers
+   the layers that failed on any rank, and the plan made again is
+   exchanged as the first one was (``_distributed.shared_plan``), so
+   every rank runs the same plan.  (Every rank must run the same layers
+   in its training forwards, as DDP and FSDP2 require anyway.)
 
 The check costs one more forward of each checkpointed layer and, while a
 layer is checked, that layer's saved tensors: once per layer, at the first
@@ -51,7 +57,7 @@ from torch import nn
 
 from . import _core, _distributed, _offload, _tiling, _torch_compat, _verify
 from ._format import plan_table
-from ._solve import PlanProblem, solve
+from ._solve import PlanProblem
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +87,13 @@ def _fingerprint(t: torch.Tensor, values: bool, state: set[int]) -> tuple[Any, .
     try:
         with torch.no_grad():
             x = t.detach().resolve_conj().resolve_neg().contiguous()
-            raw = x.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+            raw_t = x.reshape(-1).view(torch.uint8).cpu()
+            if raw_t.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                # numpy() marks a storage it reads as not resizable: not
+                # the model's (FSDP2 frees its unsharded parameters by
+                # resizing their storage to 0), a copy of it.
+                raw_t = raw_t.clone()
+            raw = raw_t.numpy().tobytes()
     except (RuntimeError, TypeError):  # sparse, nested, ...: shapes only
         return (*meta, None)
     return (*meta, hashlib.blake2b(raw, digest_size=16).hexdigest())
@@ -173,6 +185,9 @@ class RecomputeCheck:
         self._replanned: set[int] = set()
         self._wrapped: dict[int, Any] = {}  # index -> previous forward
         self._busy = False
+        # Under torch.distributed: whether this rank checked a layer since
+        # the ranks last agreed on the failures.
+        self._exchange_due = False
         self._root = model.register_forward_pre_hook(self._replan, prepend=True)
         self._arm(plan)
 
@@ -263,6 +278,7 @@ class RecomputeCheck:
             out = inner(*args, **kwargs)
         again = self._run_again(i, inner, args, kwargs, rng, values, state)
         why = _difference(first, again)
+        self._exchange_due = True
         if why is None:
             for box in held:  # the frame keeps handles only, as always
                 box.handle = frame_pack(box.tensor)
@@ -340,24 +356,44 @@ class RecomputeCheck:
 
     def _replan(self, model: nn.Module, args: Any) -> None:
         """Before a forward: the plan made again without the layers that
-        failed the check (once per failed layer)."""
-        todo = sorted(set(self.failed) - self._replanned)
+        failed the check (once per failed layer); under torch.distributed,
+        the layers that failed on any rank, with the plan exchanged."""
         executor = self._executor()
-        if not todo or executor is None or self._problem is None:
+        if executor is None or self._problem is None:
+            return
+        if _distributed.active():
+            # A collective: only at a training forward (one every rank
+            # runs; an evaluation on one rank must not wait for the
+            # others), after one that checked a layer.
+            if not (self._exchange_due and model.training and torch.is_grad_enabled()):
+                return
+            self._exchange_due = False
+            failed = _distributed.union_of_ranks(set(self.failed))
+        else:
+            failed = set(self.failed)
+        todo = sorted(failed - self._replanned)
+        if not todo:
             return
         self._replanned.update(todo)
-        problem = self._problem.with_layer_flags(self.failed, _core.LAYER_UNREPEATABLE)
-        plan = solve(problem)
+        problem = self._problem.with_layer_flags(failed, _core.LAYER_UNREPEATABLE)
+        plan = _distributed.shared_plan(problem)
         old = executor.plan
         executor.apply(plan)
         for i in todo:
             self._unwrap(i)
         self._problem = problem
         _attach_new_needs(executor, old, plan)
+        elsewhere = [i for i in todo if i not in self.failed]
         logger.warning(
             "memscale: plan made again without checkpointing %s "
-            "(rule ineligible:unrepeatable):\n%s",
+            "(rule ineligible:unrepeatable%s):\n%s",
             ", ".join(repr(self.names[i]) for i in todo),
+            (
+                "; failed the check on another rank: "
+                + ", ".join(repr(self.names[i]) for i in elsewhere)
+                if elsewhere
+                else ""
+            ),
             plan_table(plan),
         )
         self._arm(plan)  # layers the new plan checkpoints are checked too
@@ -416,15 +452,6 @@ def install(
     forward (removed by the executor's detach).  ``problem``, the plan's,
     is solved again without a layer that fails (None: not planned again)."""
     if not any("checkpoint" in layer.techniques and layer.tiles <= 1 for layer in plan.layers):
-        return None
-    if _distributed.is_fsdp2(model):
-        logger.info(
-            "memscale: the model is sharded with FSDP2, whose "
-            "parameter state a second run inside a layer's forward "
-            "would disturb; checkpointed layers are not checked at "
-            "the first step (a recompute that differs in shape still "
-            "fails in backward)"
-        )
         return None
     if not _torch_compat.SAVED_TENSORS_HOOKS_VISIBLE:
         logger.info(

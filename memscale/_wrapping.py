@@ -365,7 +365,8 @@ class Wrapping:
     def plan_on_first_forward(self) -> None:
         """No ``sample_input``: run the pipeline inside the first training
         forward, from its own inputs, before it runs (see
-        ``memscale._firststep``).  If they cannot be profiled on fake
+        ``memscale._firststep``), or earlier from a training step's inputs
+        (``Executor.plan_from_step``).  If they cannot be profiled on fake
         tensors, measure that forward and the next ``warmup_steps - 1``
         instead (``use_empirical_fallback``)."""
         executor, config, model = self.attached, self.config, self.model
@@ -375,18 +376,43 @@ class Wrapping:
 
         def plan(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             try:
-                upfront = self._profile_first_forward(module, args, kwargs, static_only)
-                if upfront is None:
+                try:
+                    upfront = self._profile_unwrapped(module, args, kwargs, static_only)
+                except RuntimeError as exc:
+                    if not config.use_empirical_fallback:
+                        raise
+                    logger.info(
+                        "memscale: the first training forward could not be "
+                        "profiled on fake tensors (%s); measuring the first %d "
+                        "training forwards instead",
+                        exc,
+                        config.warmup_steps,
+                    )
                     self.plan_after_warmup()
                     return
-                plan_made = self.install(*upfront)
             except BaseException:
-                # Leave nothing attached: the model runs as if never wrapped.
-                if model.__dict__.get(ATTR) is executor:
-                    del model.__dict__[ATTR]
-                executor.detach()
+                self._leave()
                 raise
-            _telemetry.plan_built(executor, plan_made, model)
+            self._install_planned(upfront)
+
+        def plan_from(
+            module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> bool:
+            try:
+                upfront = self._profile_unwrapped(module, args, kwargs, static_only)
+            except RuntimeError as exc:
+                logger.info(
+                    "memscale: the training step could not be profiled on fake "
+                    "tensors (%s); the plan is made on the first training forward",
+                    exc,
+                )
+                return False
+            except BaseException:
+                self._leave()
+                raise
+            first.remove()
+            self._install_planned(upfront)
+            return True
 
         logger.debug(
             "memscale: no sample_input; the plan is made on the first training "
@@ -400,38 +426,43 @@ class Wrapping:
             first.remove()
             self.plan_after_warmup()
 
-        executor.await_first_forward(first, measure_instead)
+        executor.await_first_forward(first, measure_instead, plan_from)
 
-    def _profile_first_forward(
+    def _profile_unwrapped(
         self,
         module: torch.nn.Module,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         static_only: Config,
-    ) -> _Upfront | None:
-        """Profile the first training forward's inputs on fake tensors;
-        None when that fails and measuring real steps is allowed."""
+    ) -> _Upfront:
+        """Profile a training forward's inputs on fake tensors, as an
+        unwrapped model (the OOM predictor refuses a wrapped one): our hooks
+        are paused, the attribute set aside."""
         executor, model = self.attached, self.model
-        # Profiled as an unwrapped model (the OOM predictor refuses a
-        # wrapped one): our hooks are paused, the attribute set aside.
         wrapped = model.__dict__.pop(ATTR, None)
         try:
             with executor.paused():
                 return self.profile(module, _model.Inputs(args, kwargs), static_only)
-        except RuntimeError as exc:
-            if not self.config.use_empirical_fallback:
-                raise
-            logger.info(
-                "memscale: the first training forward could not be "
-                "profiled on fake tensors (%s); measuring the first %d "
-                "training forwards instead",
-                exc,
-                self.config.warmup_steps,
-            )
-            return None
         finally:
             if wrapped is not None:
                 model.__dict__[ATTR] = wrapped
+
+    def _install_planned(self, upfront: _Upfront) -> None:
+        """The pipeline inside a training forward; on an error nothing is
+        left attached."""
+        try:
+            plan_made = self.install(*upfront)
+        except BaseException:
+            self._leave()
+            raise
+        _telemetry.plan_built(self.attached, plan_made, self.model)
+
+    def _leave(self) -> None:
+        """Leave nothing attached: the model runs as if never wrapped."""
+        executor = self.attached
+        if self.model.__dict__.get(ATTR) is executor:
+            del self.model.__dict__[ATTR]
+        executor.detach()
 
     def plan_after_warmup(self) -> None:
         """Measure the first ``warmup_steps`` training forwards for real

@@ -9,7 +9,7 @@ so that freed tensors go back to the system).  It trains ``--steps`` AdamW
 steps and reports its VmHWM twice: at the end of the first training step
 (the first step's peak, set-up included) and at the end of the run.
 
-    .venv/bin/python scripts/first_step_memory.py [--steps 3] [--budget-gb 0.2]
+    .venv/bin/python scripts/first_step_memory.py [--steps 3] [--budget-gb 0.2] [--breakdown]
 """
 
 from __future__ import annotations
@@ -38,14 +38,28 @@ torch.manual_seed(0)
 torch.set_num_threads(1)
 model = GPT2LMHeadModel(GPT2Config(n_layer=6, n_embd=256, n_head=4, vocab_size=8192,
                                    n_positions=256, use_cache=False))
-if {variant!r} == "hf-checkpointing":
+if {variant!r}.startswith("hf-checkpointing"):
     model.gradient_checkpointing_enable()
 g = torch.Generator().manual_seed(1)
 ids = [torch.randint(0, 8192, (256,), generator=g) for _ in range(4 * {steps})]
 first = []
-if {variant!r} == "memscale":
+if {variant!r} in ("hf-checkpointing+imports", "hf-checkpointing+prediction"):
+    # The breakdown: memscale's modules imported, and (+prediction) its
+    # fake-tensor machinery run once on this model and batch before
+    # training, with Hugging Face's checkpointing doing the work.
+    import memscale
+    import memscale.integrations.hf
+    if {variant!r} == "hf-checkpointing+prediction":
+        batch = torch.stack(ids[:4])
+        memscale.predict_peak(model, {{"input_ids": batch, "labels": batch}},
+                              memscale.Config(memory_budget_gb={budget}))
+if {variant!r}.startswith("memscale"):
     import memscale
     config = memscale.Config(memory_budget_gb={budget}, enable_logging=False)
+    if {variant!r} == "memscale-no-check":
+        # The breakdown only: without the first step's recompute check.
+        from memscale import _recompute_check
+        _recompute_check.install = lambda *args, **kwargs: None
 
 if {framework!r} == "hf":
     import logging
@@ -65,7 +79,7 @@ if {framework!r} == "hf":
                 first.append(vmhwm())
 
     callbacks = [FirstStep()]
-    if {variant!r} == "memscale":
+    if {variant!r}.startswith("memscale"):
         from memscale.integrations.hf import MemScaleCallback
         callbacks.insert(0, MemScaleCallback(config))
     args = TrainingArguments(output_dir=os.environ["OUT_DIR"], per_device_train_batch_size=4,
@@ -91,7 +105,7 @@ else:
                 first.append(vmhwm())
 
     callbacks = [FirstStep()]
-    if {variant!r} == "memscale":
+    if {variant!r}.startswith("memscale"):
         from memscale.integrations.lightning import MemScaleCallback
         callbacks.insert(0, MemScaleCallback(config))
     loader = torch.utils.data.DataLoader(torch.stack(ids), batch_size=4)
@@ -104,6 +118,60 @@ with open(os.path.join(os.environ["OUT_DIR"], "first_step_vmhwm"), "w") as f:
 """
 
 
+RECLAIM = r"""
+import ctypes, gc, sys, warnings
+warnings.filterwarnings("ignore")
+sys.path.insert(0, {root!r})
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+import memscale
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+def rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = GPT2LMHeadModel(GPT2Config(n_layer=6, n_embd=256, n_head=4, vocab_size=8192,
+                                   n_positions=256, use_cache=False))
+ids = torch.randint(0, 8192, (4, 256), generator=torch.Generator().manual_seed(1))
+rows = [("before planning", rss())]
+memscale.predict_peak(model, {{"input_ids": ids, "labels": ids}},
+                      memscale.Config(memory_budget_gb={budget}))
+rows.append(("after memscale.predict_peak", rss()))
+gc.collect()
+rows.append(("after gc.collect()", rss()))
+FakeTensorMode.cache_clear()
+gc.collect()
+rows.append(("after FakeTensorMode.cache_clear()", rss()))
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+rows.append(("after malloc_trim(0)", rss()))
+for name, value in rows:
+    print(f"  {{name:<36}} RSS {{value:7.1f}} MiB")
+"""
+
+
+def _reclaim(budget: float) -> None:
+    """Whether what the fake-tensor planning leaves in RSS can be given
+    back: RSS of one fresh process after planning, garbage collection,
+    clearing torch's fake-tensor cache and glibc's malloc_trim."""
+    import subprocess
+
+    print("What planning leaves in RSS (one process, GPT-2 6x256, batch 4x256):", flush=True)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore")
+    code = RECLAIM.format(root=ROOT, budget=budget)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    print(proc.stdout, end="", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -114,7 +182,20 @@ def main() -> int:
         help="memscale's Config(memory_budget_gb=...) (GiB of live tensors)",
     )
     parser.add_argument("--frameworks", default="hf,lightning")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also: Hugging Face's checkpointing with memscale's modules "
+        "imported, then with its fake-tensor planning run once before "
+        "training; memscale without the first step's recompute check; "
+        "and what of planning's RSS gc, torch's fake-tensor cache and "
+        "malloc_trim give back",
+    )
     args = parser.parse_args()
+    variants = ["plain", "hf-checkpointing", "memscale"]
+    if args.breakdown:
+        variants[2:2] = ["hf-checkpointing+imports", "hf-checkpointing+prediction"]
+        variants.append("memscale-no-check")
     sys.path.insert(0, ROOT)
     import tempfile
 
@@ -125,9 +206,9 @@ def main() -> int:
         f"GPT-2 6x256, vocab 8192, batch 4x256, {args.steps} AdamW steps, CPU; "
         f"memscale budget {args.budget_gb} GiB, no sample_input"
     )
-    print(f"{'framework':<10} {'variant':<17} {'first step':>11} {'whole run':>10}")
+    print(f"{'framework':<10} {'variant':<28} {'first step':>11} {'whole run':>10}")
     for framework in args.frameworks.split(","):
-        for variant in ("plain", "hf-checkpointing", "memscale"):
+        for variant in variants:
             code = CHILD.format(
                 root=ROOT,
                 variant=variant,
@@ -141,10 +222,12 @@ def main() -> int:
                 )
                 first = _run(peak_rss_subprocess, code, env)
             print(
-                f"{framework:<10} {variant:<17} {first[0] / mib:>7.1f} MiB "
+                f"{framework:<10} {variant:<28} {first[0] / mib:>7.1f} MiB "
                 f"{first[1] / mib:>6.1f} MiB",
                 flush=True,
             )
+    if args.breakdown:
+        _reclaim(args.budget_gb)
     return 0
 
 

@@ -37,8 +37,26 @@ def _step(target, x):
     return out.loss.detach().item()
 
 
+def _unrepeatable(model, rank):
+    """On rank 1 only, block 1 reads a counter its forward bumps: run again,
+    as its recompute would, it computes something else, so it fails the
+    first-step recompute check there (and passes it on rank 0)."""
+    if rank != 1:
+        return
+    calls = [0]
+
+    def bump(module, args):
+        calls[0] += 1
+        return (args[0] * (1.0 + calls[0] / 64),)
+
+    model.transformer.h[1].mlp.register_forward_pre_hook(bump)
+
+
 def _train(rank, scenario, use_memscale, budget_gb=None):
     # "-first": no sample_input; the plan is made in the first training forward.
+    # "-unrepeatable": block 1 fails the recompute check on rank 1 only.
+    unrepeatable = scenario.endswith("-unrepeatable")
+    scenario = scenario.removesuffix("-unrepeatable")
     first = scenario.endswith("-first")
     scenario = scenario.removesuffix("-first")
     from conftest import tiny_gpt2, token_batch
@@ -51,6 +69,8 @@ def _train(rank, scenario, use_memscale, budget_gb=None):
     torch.manual_seed(100 + rank)  # each rank its own batch
     x = token_batch(batch=2, seq=32)
     info = {}
+    if unrepeatable:
+        _unrepeatable(model, rank)
     if scenario == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -82,6 +102,7 @@ def _train(rank, scenario, use_memscale, budget_gb=None):
             budget=plan.budget_bytes,
             fixed=plan.fixed_bytes,
             techniques=plan.technique_counts,
+            layers=[list(layer.techniques) for layer in plan.layers],
         )
         info["recomputes"] = wrapped._memscale_executor.stats["recomputes"]
         info["spilled"] = wrapped._memscale_executor.offload_store.stats["tensors_written"]
@@ -97,6 +118,8 @@ def run(rank, world, scenario, port, out_dir):
     try:
         if scenario in ("ddp", "ddp-outer", "fsdp2", "ddp-first", "ddp-outer-first"):
             result["plain"] = _train(rank, scenario, False)
+            result["memscale"] = _train(rank, scenario, True)
+        elif scenario.endswith("-unrepeatable"):
             result["memscale"] = _train(rank, scenario, True)
         elif scenario == "budgets":
             # Rank 1 is told it has far less memory: the plan is still one.

@@ -91,6 +91,21 @@ def test_a_rank_with_another_budget_gets_the_shared_plan(first, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["ddp-unrepeatable", "fsdp2-unrepeatable"])
+def test_a_layer_failing_the_recompute_check_on_one_rank_is_replanned_on_all(scenario, tmp_path):
+    # Issue 22: block 1 fails the first-step check on rank 1 only; the plan
+    # made again without it is the same on both ranks (it was rank 1's own).
+    # Under FSDP2 the check runs too (it was skipped, and such a layer
+    # failed in backward).
+    ranks = run_ranks(scenario, tmp_path)
+    a, b = ranks[0]["memscale"], ranks[1]["memscale"]
+    assert a["hash"] == b["hash"]
+    assert "checkpoint" not in a["layers"][1] and "checkpoint" not in b["layers"][1]
+    assert "checkpoint" in a["layers"][0] and "checkpoint" in a["layers"][2]
+    assert_equal_grads(a["grads"], b["grads"])
+
+
+@pytest.mark.slow
 def test_a_missing_rank_is_named_not_waited_for(tmp_path):
     ranks_dir = tmp_path
     proc = subprocess.run(

@@ -228,3 +228,57 @@ def test_a_model_dropped_without_detach_is_collected(trained):
     del model
     gc.collect()
     assert ref() is None
+
+
+def lightning_split_step(callbacks):
+    """A LightningModule whose training_step calls two submodules in turn
+    (never the module's own forward, and no single submodule holds every
+    planned layer), and logs its loss."""
+    import lightning.pytorch as pl
+    from conftest import mlp
+
+    class Split(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.encoder = mlp(depth=2, width=64)
+            self.decoder = mlp(depth=2, width=64)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.decoder(self.encoder(x)), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Split()
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 64, generator=g), torch.randn(8, 64))
+    trainer = lightning_trainer(pl, max_steps=1, callbacks=callbacks)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    return trainer, [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.slow
+def test_lightning_training_step_calling_submodules_is_planned_from_the_first_batch():
+    # Issue 21: no forward of the module saw the whole model, so the first
+    # batch ran unoptimized (then warmup_steps more were measured); asked
+    # to, the callback plans from the batch at on_train_batch_start by
+    # running training_step on fake tensors.
+    from memscale.integrations.lightning import MemScaleCallback
+
+    plain_trainer, plain = lightning_split_step([])
+    config = memscale.Config(force_optimize=True, enable_logging=False)
+    callback = MemScaleCallback(config, plan_from_training_step=True)
+    trainer, params = lightning_split_step([callback])
+    assert callback.plan_hash is not None  # planned within the one step
+    figures = callback.figures()
+    assert figures["memscale/checkpointed_layers"] == 4
+    assert figures["memscale/recomputes"] > 0  # the first batch ran under it
+    assert all(torch.equal(a, b) for a, b in zip(params, plain))
+    # What training_step logged is the real step's, not the fake pass's.
+    assert torch.equal(
+        trainer.callback_metrics["train_loss"], plain_trainer.callback_metrics["train_loss"]
+    )

@@ -10,6 +10,7 @@ resumed from a Lightning checkpoint must re-plan to the same plan hash.
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import lightning.pytorch as L
@@ -138,12 +139,15 @@ def test_fit_with_memscale(via_forward, baseline):
     assert no_contexts_left()
 
 
-def test_submodule_call_profiles_through_the_callback(baseline):
+def test_submodule_call_profiles_through_the_callback(baseline, caplog):
     # training_step never calls self(...), nor one module that holds every
-    # planned layer: the first batch shows it, and the callback marks the
-    # next warm-up passes itself.
+    # planned layer: the first batch shows it (a warning names the two
+    # remedies), and the callback marks the next warm-up passes itself.
     module = Lit(via_forward="blockwise")
-    fit(module, [MemScaleCallback(FORCE)], steps=5)
+    with caplog.at_level(logging.WARNING, logger="memscale"):
+        fit(module, [MemScaleCallback(FORCE)], steps=5)
+    assert "the first batch ran unoptimized" in caplog.text
+    assert "MemScaleCallback(plan_from_training_step=True)" in caplog.text
     assert [s for s, _, _ in module.seen] == [
         "idle",
         "profiling",
@@ -219,6 +223,8 @@ def test_module_wrapped_by_hand_is_left_alone():
 def test_bad_config_and_wrap_of_a_lightning_trainer():
     with pytest.raises(TypeError, match="memscale.Config"):
         MemScaleCallback({"mode": "balanced"})
+    with pytest.raises(TypeError, match="plan_from_training_step"):
+        MemScaleCallback(plan_from_training_step="yes")
     trainer = lightning_trainer(L)
     with pytest.raises(TypeError, match="MemScaleCallback"):
         memscale.wrap(trainer)

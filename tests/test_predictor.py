@@ -110,6 +110,26 @@ def test_prediction_matches_the_measured_step(name):
     assert prediction.optimized.activations <= prediction.unoptimized.activations
 
 
+@pytest.mark.parametrize("name", ["llama", "mlp"])
+def test_the_first_step_after_wrap_is_predicted(name):
+    # Issue 22: the first step checks each checkpointed layer (its saved
+    # tensors held while it runs again) and starts without optimizer
+    # state; measured: the first step after wrap (no warm-up step).
+    model, x, loss_fn = _case(name)
+    prediction = predict_peak(model, x, FORCE, loss_fn=loss_fn)
+    measured = measure_step(model, x, FORCE, loss_fn=loss_fn, warmup=0).peak_bytes
+    got = prediction.first_step
+    assert abs(got.peak_bytes - measured) <= TOLERANCE * measured, (got, measured)
+    assert got.optimizer_state == 0 or got.phase == "optimizer"
+    if name == "llama":
+        # Its first step peaks in forward, at the check of a layer (without
+        # the check it peaks in backward, 4% lower, and misses the measure).
+        assert got.phase == "forward"
+    assert prediction.fits == (
+        max(got.peak_bytes, prediction.optimized.peak_bytes) <= prediction.budget_bytes
+    )
+
+
 @pytest.mark.parametrize("name", ["mlp", "gpt2"])
 def test_the_plan_is_the_plan_wrap_applies(name):
     model, x, _ = _case(name)

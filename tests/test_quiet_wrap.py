@@ -88,3 +88,34 @@ def test_other_output_in_the_window_is_kept():
         os.write(2, b"after\\n")
     """)
     assert proc.stderr == "the user's own line\nafter\n"
+
+
+@pytest.mark.slow
+def test_log_lines_do_not_land_inside_the_trainers_progress_bar():
+    """Issue 21: the plan line, logged inside the Trainer's first step, and
+    the summary at train end were appended to tqdm's bar line.  Each now
+    stands on a line of its own (the bar cleared before it, drawn again
+    after it)."""
+    proc = run("""
+        import warnings
+        warnings.filterwarnings("ignore")
+        from conftest import TokenDataset, hf_training_args, tiny_gpt2, token_batch
+        from transformers import Trainer
+        from memscale.integrations.hf import MemScaleCallback
+        import tempfile
+        with tempfile.TemporaryDirectory() as out:
+            args = hf_training_args(out, per_device_train_batch_size=2, max_steps=2,
+                                    logging_strategy="no", disable_tqdm=False)
+            config = memscale.Config(force_optimize=True)
+            trainer = Trainer(model=tiny_gpt2(0.0), args=args,
+                              train_dataset=TokenDataset(token_batch(batch=4, seq=32)),
+                              callbacks=[MemScaleCallback(config)])
+            trainer.train()
+    """)
+    out = proc.stderr
+    assert "%|" in out  # the bar was drawn on this stream
+    ours = [line for line in out.split("\n") if "INFO memscale" in line]
+    assert any(": plan " in line for line in ours)
+    assert any("training ended" in line for line in ours)
+    for line in ours:  # the record starts its line, after the bar is cleared
+        assert line.split("\r")[-1].startswith("INFO memscale"), repr(line)

@@ -201,3 +201,20 @@ def test_a_shared_layer_that_fails_keeps_every_call_of_that_step():
         assert [layer.rule for layer in ex.plan.layers] == ["ineligible:unrepeatable"] * 2
     finally:
         memscale.detach(model)
+
+
+def test_the_check_leaves_every_storage_it_read_resizable():
+    # Its fingerprint read the saved tensors' bytes through numpy, which
+    # marks a storage it reads as not resizable: the user's input here
+    # (and under FSDP2, which frees unsharded parameters by resizing their
+    # storage to 0, the first forward failed).
+    from conftest import mlp
+
+    model = mlp()
+    memscale.wrap(model, FORCE)
+    x = torch.randn(4, 32)
+    model(x).sum().backward()
+    assert model._memscale_executor.recompute_check.passed  # the check ran
+    assert x.untyped_storage().resizable()
+    assert all(p.untyped_storage().resizable() for p in model.parameters())
+    memscale.detach(model)

@@ -19,11 +19,20 @@ installed (``lightning.pytorch`` and the older ``pytorch_lightning``; the
   inputs (on fake tensors), and that forward already runs under it, as
   with ``memscale.wrap(model)``: when ``training_step`` calls
   ``self(...)``, or a submodule that holds every layer memscale plans
-  (``self.model(**batch)`` around a Hugging Face model).  When it calls
-  several submodules directly, no single forward sees the whole model;
-  the callback sees this on the first training batch (which then runs
-  unoptimized), measures the next ``config.warmup_steps`` batches for real,
-  from ``on_train_batch_start`` to ``on_before_backward``, and plans after
+  (``self.model(**batch)`` around a Hugging Face model).
+- A ``training_step`` that calls several submodules directly (an encoder,
+  then a decoder) reaches no single forward that sees the whole model.
+  With ``MemScaleCallback(plan_from_training_step=True)`` the plan is made
+  at ``on_train_batch_start`` of the first training batch, by running
+  ``training_step`` on that batch once on fake tensors (``self.log``
+  records nothing of that pass; automatic optimization only), and the
+  batch's real ``training_step`` already runs under it.  That pass repeats
+  the step's other side effects (a counter it bumps, a list it appends
+  to), so it is asked for, not done by default.  Without it, the callback
+  sees on the first training batch (which then runs unoptimized) that no
+  forward planned, says so in a warning naming the two remedies, measures
+  the next ``config.warmup_steps`` batches for real, from
+  ``on_train_batch_start`` to ``on_before_backward``, and plans after
   them.  Sanity-check and validation batches are never counted.
 - ``teardown`` (and ``on_exception``) detach, so nothing is left on the
   module once ``fit`` returns or raises.
@@ -83,6 +92,51 @@ def _callback_bases() -> tuple[type, ...]:
 _BASES = _callback_bases()
 
 
+class _TrainingStep(torch.nn.Module):
+    """A module whose forward is the LightningModule's ``training_step``
+    (the LightningModule is its one submodule): what memscale profiles on
+    fake tensors to plan from the first batch.  During the call the
+    LightningModule is detached from its Trainer (``_trainer`` None, put
+    back after), so that ``self.log`` records nothing of the fake pass."""
+
+    def __init__(self, module: Any) -> None:
+        super().__init__()
+        self.module = module
+        step = module.training_step
+        try:
+            takes_index = _signature_utils().is_param_in_hook_signature(
+                step, "batch_idx", min_args=2
+            )
+        except ImportError:
+            takes_index = True
+        self._takes_index = bool(takes_index)
+
+    def forward(self, batch: Any, batch_idx: int) -> Any:
+        module = self.module
+        trainer = module.__dict__.get("_trainer")
+        module._trainer = None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # self.log's "no Trainer" warning
+                if self._takes_index:
+                    return module.training_step(batch, batch_idx)
+                return module.training_step(batch)
+        finally:
+            module._trainer = trainer
+
+
+def _signature_utils() -> Any:
+    for name in (
+        "lightning.pytorch.utilities.signature_utils",
+        "pytorch_lightning.utilities.signature_utils",
+    ):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError("no Lightning signature_utils")
+
+
 def _config_from_dict(data: dict[str, Any]) -> Config:
     data = dict(data)
     if isinstance(data.get("async_config"), dict):
@@ -95,18 +149,29 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
     from ``on_fit_start`` to ``teardown``; see the module docstring.
 
     ``config`` is a :class:`memscale.Config` (None: the one stored in the
-    checkpoint a run resumes from, else ``Config()``).  While fitting,
+    checkpoint a run resumes from, else ``Config()``).
+    ``plan_from_training_step=True`` plans at the first training batch by
+    running ``training_step`` on it once on fake tensors (for a
+    ``training_step`` that calls several submodules directly).  While fitting,
     :attr:`executor` is memscale's executor; :attr:`plan_hash` is the hash
     of the last plan made (kept after teardown, and saved in checkpoints).
     """
 
-    def __init__(self, config: Config | None = None) -> None:
+    def __init__(
+        self, config: Config | None = None, *, plan_from_training_step: bool = False
+    ) -> None:
         if config is not None and not isinstance(config, Config):
             raise TypeError(
                 "MemScaleCallback(config=...) must be a memscale.Config "
                 f"or None, got {type(config).__name__}"
             )
+        if not isinstance(plan_from_training_step, bool):
+            raise TypeError(
+                "MemScaleCallback(plan_from_training_step=...) must be True or "
+                f"False, got {plan_from_training_step!r}"
+            )
         self.config = config
+        self.plan_from_training_step = plan_from_training_step
         self.plan_hash: str | None = None
         self._expected_hash: str | None = None
         self._executor: Any = None
@@ -161,6 +226,18 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
     def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
         executor = self._executor
         if (
+            self.plan_from_training_step
+            and executor is not None
+            and self._bracket is None
+            and executor.plans_on_first_forward
+            and getattr(pl_module, "automatic_optimization", False)
+        ):
+            batch = args[0] if args else kwargs.get("batch")
+            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+            # Plan from this batch's training_step, on fake tensors, so that
+            # it runs under the plan (False: planned on the first forward).
+            executor.plan_from_step(_TrainingStep(pl_module), (batch, batch_idx), {})
+        if (
             executor is None
             or self._in_pass
             or not (executor.state == "profiling" or executor.plans_on_first_forward)
@@ -187,14 +264,19 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
             if self._bracket and executor.plans_on_first_forward:
                 # Neither the LightningModule's forward nor a module that
                 # holds every planning unit ran: no inputs to plan from.
-                logger.info(
+                logger.warning(
                     "memscale: training_step calls neither the "
                     "LightningModule's forward nor one module holding "
-                    "every layer memscale plans; measuring the next %d "
-                    "training steps for real (they run unoptimized), "
-                    "then planning. Call self(...) in training_step to "
-                    "have the plan from the first step.",
+                    "every layer memscale plans, so the first batch ran "
+                    "unoptimized; measuring the next %d training steps "
+                    "for real (they run unoptimized too), then planning. "
+                    "To have the plan from the first batch, call self(...) "
+                    "in training_step, or use "
+                    "MemScaleCallback(plan_from_training_step=True)%s.",
                     executor.config.warmup_steps,
+                    " (its pass on fake tensors failed: see the log above)"
+                    if self.plan_from_training_step
+                    else "",
                 )
                 executor.measure_real_steps()
             if self._bracket and executor.state == "profiling":

@@ -11,6 +11,8 @@ asked.  ``wrap`` asks, per its Config:
   expected peak, where the details are), warnings, and little else.  The
   hardware, the strategy decision and the per-layer plan table are DEBUG
   records (``model._memscale_executor.describe()`` returns them too).
+  While a tqdm progress bar is open (a Trainer's), a record is written
+  with ``tqdm.write``: on a line of its own, the bar drawn again below it.
   When the application has configured logging, memscale adds nothing: its
   records reach the application's handlers at the application's levels.
 * ``log_file=PATH``: DEBUG and above (the plan table included) are
@@ -63,7 +65,28 @@ class _StderrHandler(logging.StreamHandler):
         if logging.getLogger().handlers:
             return
         self.setStream(sys.stderr)
-        super().emit(record)
+        bars = _open_progress_bars()
+        if bars is None:
+            super().emit(record)
+            return
+        # A progress bar is drawn on its line (a Trainer's tqdm bar): the
+        # bar is cleared, the record written on a line of its own, and the
+        # bar drawn again below it, instead of the record being appended
+        # to the bar's line.
+        try:
+            bars.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging's own convention
+            self.handleError(record)
+
+
+def _open_progress_bars() -> Any:
+    """tqdm's bar class when tqdm is imported and a bar is open (tqdm's
+    ``write`` then prints around every open bar), else None."""
+    std = sys.modules.get("tqdm.std")
+    bar = getattr(std, "tqdm", None)
+    if bar is None or not getattr(bar, "_instances", None):
+        return None
+    return bar
 
 
 class _FileHandler(logging.FileHandler):

@@ -64,6 +64,11 @@ class PeakPrediction:
     # Under the plan memscale.wrap() would apply with this Config (equal to
     # ``unoptimized`` when the plan applies nothing, e.g. smart-skip).
     optimized: PeakBreakdown
+    # The first training step after wrap() under the plan: no gradients or
+    # optimizer state when it starts (unless the optimizer given has
+    # state), and each checkpointed layer checked once (its saved tensors
+    # held while it runs a second time; memscale._recompute_check).
+    first_step: PeakBreakdown
     # Device type, name and total memory the prediction is for, and the
     # device type whose kernels were simulated (the CPU's when the target
     # device's runtime is not available here).
@@ -106,8 +111,9 @@ class PeakPrediction:
 
     @property
     def fits(self) -> bool:
-        """Whether the step fits the usable memory under memscale's plan."""
-        return self.optimized.peak_bytes <= self.budget_bytes
+        """Whether the steps fit the usable memory under memscale's plan:
+        the steady-state step and the first one."""
+        return max(self.optimized.peak_bytes, self.first_step.peak_bytes) <= self.budget_bytes
 
     @property
     def saved_bytes(self) -> int:
@@ -123,6 +129,7 @@ class PeakPrediction:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
         out["unoptimized"] = self.unoptimized.to_dict()
         out["optimized"] = self.optimized.to_dict()
+        out["first_step"] = self.first_step.to_dict()
         out["checkpointed_layers"] = list(self.checkpointed_layers)
         out.update(
             fits_unoptimized=self.fits_unoptimized,
@@ -144,6 +151,13 @@ class PeakPrediction:
             )
         rows.append(("peak", _fmt(self.unoptimized.peak_bytes), _fmt(self.optimized.peak_bytes)))
         rows.append(("peak falls in", self.unoptimized.phase, self.optimized.phase))
+        rows.append(
+            (
+                "first step's peak",
+                "",
+                _fmt(self.first_step.peak_bytes),
+            )
+        )
         rows.append(
             ("fits", "yes" if self.fits_unoptimized else "NO", "yes" if self.fits else "NO")
         )

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .. import _core, _hf_cache, _model, _verify
+from .. import _core, _hf_cache, _model, _recompute_check, _verify
 from .._executor import Executor
 from .._hardware import Hardware
 from .._offload import SimulatedTier, async_settings
@@ -116,6 +116,37 @@ class _Simulation:
         """The step with the C executor applying ``plan`` to the model, and
         the settings wrap() makes with it (a Hugging Face model trains with
         ``config.use_cache=False`` under checkpointing)."""
+        return self._under(plan, config, hardware, self.step, first=False)
+
+    def first_step(self, plan: Any, config: Config, hardware: Hardware) -> Trace:
+        """The first training step after ``wrap``, under ``plan``: no
+        gradient exists when it starts, the optimizer has no state yet
+        (unless the one given already has some), and each checkpointed
+        layer is checked at its first forward (``_recompute_check``: the
+        layer's saved tensors held while it runs once more).  The
+        steady-state steps' gradients are put back after it."""
+        stateful = self.real_optimizer is not None and bool(self.real_optimizer.state)
+        step = Step(
+            self.world,
+            (self.step.args, self.step.kwargs),
+            (self.step.strict_args, self.step.strict_kwargs),
+            self.loss_fn,
+            self.step.optimizer,
+            self.step.fallback_state,
+            state_made_in_step=not stateful,
+        )
+        grads = [(p, p.grad) for p in self.world.params]
+        try:
+            for p, _ in grads:
+                p.grad = None
+            return self._under(plan, config, hardware, step, first=True)
+        finally:
+            for p, grad in grads:
+                p.grad = grad
+
+    def _under(
+        self, plan: Any, config: Config, hardware: Hardware, step: Step, first: bool
+    ) -> Trace:
         undo_cache = None
         executor = Executor(self.model, self.units, warmup_steps=config.warmup_steps)
         try:
@@ -132,8 +163,10 @@ class _Simulation:
                 )
             if plan.technique_counts["checkpoint"]:
                 undo_cache = _hf_cache.disable_use_cache(self.model)[1]
+                if first:  # as wrap() installs it
+                    _recompute_check.install(executor, self.model, plan, None)
             chosen = [m for (_, m), layer in zip(self.units, plan.layers) if layer.techniques]
-            return self.step.tracked(chosen)
+            return step.tracked(chosen)
         finally:
             if undo_cache is not None:
                 undo_cache()
@@ -236,6 +269,19 @@ class SimulationSession:
             self._traces[key] = self._guard(lambda: self._sim.under(plan, config, self.hardware))
             self._probe(self._traces[key], key)
         return key, self._traces[key]
+
+    def first_step(self, plan: Any, config: Config) -> PeakBreakdown:
+        """The first training step after ``wrap`` under ``plan`` (see
+        ``_Simulation.first_step``), simulated once per plan."""
+        key = "first/" + plan.hash
+        if plan.technique_counts["offload"] and config.async_offload:
+            key += f"/prefetch{async_settings(config).prefetch_depth}"
+        if key not in self._traces:
+            self._traces[key] = self._guard(
+                lambda: self._sim.first_step(plan, config, self.hardware)
+            )
+            self._probe(self._traces[key], key)
+        return self._traces[key].breakdown(self._workspace)
 
     def simulated_peak(self, plan: Any, config: Config) -> int:
         """The peak bytes of the step under ``plan`` (made with ``config``)."""

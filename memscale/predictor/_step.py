@@ -179,8 +179,14 @@ class Step:
         loss_fn: Callable[[Any], Any] | None,
         optimizer: torch.optim.Optimizer | None,
         fallback_state: list[torch.Tensor],
+        *,
+        state_made_in_step: bool = False,
     ) -> None:
         self.world = world
+        # The first step of a fresh optimizer: its state is made at the
+        # start of its step (torch's optimizers build it there), not
+        # alive before; the warmed-up state objects stand in for it.
+        self.state_made_in_step = state_made_in_step
         # Inputs of the tracked steps (small integer tensors real), and of
         # the warm-up, all fake as in wrap()'s static profiling.
         self.args, self.kwargs = inputs
@@ -242,17 +248,21 @@ class Step:
             self.optimizer.step()
         return result
 
+    def optimizer_state(self) -> list[torch.Tensor]:
+        """The optimizer's state tensors (or the estimated stand-ins)."""
+        out: list[torch.Tensor] = []
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return out + list(self.fallback_state)
+
     def existing(self) -> list[tuple[torch.Tensor, str]]:
         """Tensors alive when a step starts, with their category."""
         out: list[tuple[torch.Tensor, str]] = []
         out += [(t, "parameters") for t in self.world.params + self.world.buffers]
         out += [(p.grad, "gradients") for p in self.world.params if p.grad is not None]
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                out += [
-                    (v, "optimizer_state") for v in state.values() if isinstance(v, torch.Tensor)
-                ]
-        out += [(t, "optimizer_state") for t in self.fallback_state]
+        if not self.state_made_in_step:
+            out += [(t, "optimizer_state") for t in self.optimizer_state()]
         out += [(t, "inputs") for t in tensors_in((self.args, self.kwargs))]
         return out
 
@@ -309,6 +319,9 @@ class Step:
                 if phase == "optimizer":  # the graph and its frames are gone
                     held.clear()
                     done.clear()
+                    if self.state_made_in_step:
+                        for t in self.optimizer_state():
+                            tracker.track(t, "optimizer_state")
 
             tracker.on_phase = on_phase
             with tracker:
@@ -332,6 +345,7 @@ class Step:
             return Trace(tracker, recategorize)
         finally:
             tracker.active = False
+            tracker.on_phase = None  # its closure refers to the tracker: no cycle
             for h in handles:
                 h.remove()
             if gc_was_enabled:
