@@ -32,6 +32,7 @@ from . import (
     _planner,
     _planning,
     _recompute_check,
+    _step_in_backward,
     _telemetry,
     _tiling,
     _torch_compat,
@@ -463,6 +464,7 @@ def wrap(
         )
     config = effective_config(config, async_offload, async_config)
     _warn_8bit_without_optimizer(config, optimizer)
+    _step_in_backward.check(config, optimizer)
     given_optimizer = optimizer
     if optimizer is not None and config.use_8bit_optimizer and not optim.is_8bit(optimizer):
         optimizer = optim.to_8bit(optimizer)  # ValueError says why not
@@ -506,6 +508,10 @@ def wrap(
             _torch_compat.install_call_guard(model, _abandoner(weakref.ref(executor)))
         )
         amp.attach(executor, model, config, hardware)
+        if config.optimizer_in_backward:
+            assert optimizer is not None  # _step_in_backward.check
+            _refuse_fp16_scaler(executor)
+            _step_in_backward.install(executor, config, optimizer)
         if config.observability_port is not None:
             executor.metrics_server = observability.start_metrics_server(
                 executor, config.observability_port
@@ -530,6 +536,18 @@ def wrap(
         raise
     _telemetry.wrap_called(model, executor)  # never raises
     return target
+
+
+def _refuse_fp16_scaler(executor: Executor) -> None:
+    autocast = executor.autocast
+    if autocast is not None and autocast[1] is torch.float16:
+        raise ValueError(
+            "memscale: Config.optimizer_in_backward cannot be combined with "
+            "FP16 mixed precision on this device: a GradScaler must see every "
+            "gradient (to unscale it and skip the step on an overflow) before "
+            "any parameter is updated. Use a device with BF16, or "
+            "use_mixed_precision=False"
+        )
 
 
 def detach(model: Any) -> bool:
