@@ -293,7 +293,14 @@ def _apply_sample_plan(
     )
     plan = _distributed.shared_plan(problem)
     _log_plan(config, hardware, plan, executor.decision)
-    _budget.check(plan, problem, plan_config, _model.optimizer_state_bytes(model, optimizer), least)
+    _budget.check(
+        plan,
+        problem,
+        plan_config,
+        _model.optimizer_state_bytes(model, optimizer),
+        least,
+        _model.floor_options(model, optimizer, config, hardware.device),
+    )
     _offload.attach(executor, plan_config, plan)
     _tiling.install(executor, units, plan)
     executor.apply(plan)
@@ -415,7 +422,14 @@ def _plan_after_warmup(
         problem = _planning.plan_problem(warm, plan_config, hardware, fixed)
         plan = _distributed.shared_plan(problem)
         _log_plan(config, hardware, plan, executor.decision)
-        _budget.check(plan, problem, plan_config, _model.optimizer_state_bytes(model, optimizer))
+        _budget.check(
+            plan,
+            problem,
+            plan_config,
+            _model.optimizer_state_bytes(model, optimizer),
+            None,
+            _model.floor_options(model, optimizer, config, hardware.device),
+        )
         _offload.attach(executor, plan_config, plan)
         _tiling.install(executor, units, plan)
         executor.count_layer_recomputes(units, plan)
@@ -481,7 +495,8 @@ def wrap(
     else:
         hardware = _hardware.detect(device.type, device.index or 0)
     units = _core.find_units(model)
-    fixed = _model.fixed_bytes(model, optimizer)  # FSDP2: the local shards
+    # FSDP2: the local shards; the floor as the Config places it
+    fixed = _model.fixed_bytes(model, optimizer, _model.floor_of(config))
     if _distributed.is_fsdp2(model):
         fixed += _distributed.fsdp2_in_flight_bytes(model)
 
