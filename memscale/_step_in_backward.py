@@ -303,8 +303,6 @@ def _reason_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
         )
     seen: set[int] = set()
     for i, group in enumerate(optimizer.param_groups):
-        if group.get("fused"):
-            return f"param group {i} sets fused=True (a whole-model kernel); use fused=None"
         if group.get("differentiable"):
             return f"param group {i} sets differentiable=True"
         for p in group["params"]:
@@ -314,6 +312,18 @@ def _reason_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
             if p.requires_grad and not p.is_leaf:
                 return "a parameter is not a leaf tensor"
     return None
+
+
+def _is_ours(step: Any) -> bool:
+    """Whether ``step`` is the step StepInBackward puts on an optimizer, or
+    a wrapper made around it since (``functools.wraps``: an lr scheduler's)."""
+    for _ in range(8):
+        if step is None:
+            return False
+        if getattr(getattr(step, "__func__", step), "_memscale_step_in_backward", False):
+            return True
+        step = getattr(step, "__wrapped__", None)
+    return False
 
 
 class StepInBackward:
@@ -396,15 +406,20 @@ class StepInBackward:
             """memscale (optimizer_in_backward): the update ran inside
             backward; this runs ``closure`` (which runs backward) if given,
             then the step post-hooks, and returns the closure's loss."""
+            me = ref()
+            if me is None or me._removed:
+                # Detached, and still called through a wrapper made around
+                # this step (an lr scheduler built after wrap): the
+                # ordinary step.
+                return type(opt).step(opt, closure)
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
             opt._opt_called = True  # type: ignore[attr-defined]  # as lr schedulers expect
-            if ref() is not None:
-                _, post = _torch_compat.optimizer_step_hooks(opt)
-                for h in post:
-                    h(opt, (), {} if closure is None else {"closure": closure})
+            _, post = _torch_compat.optimizer_step_hooks(opt)
+            for h in post:
+                h(opt, (), {} if closure is None else {"closure": closure})
             return loss
 
         step._memscale_step_in_backward = True  # type: ignore[attr-defined]
@@ -566,8 +581,7 @@ class StepInBackward:
                 h.remove()
             self._handles.clear()
             opt = self.optimizer
-            current = opt.__dict__.get("step")
-            if getattr(getattr(current, "__func__", None), "_memscale_step_in_backward", False):
+            if _is_ours(opt.__dict__.get("step")):
                 if self._had_step:
                     opt.__dict__["step"] = self._prev_step
                 else:

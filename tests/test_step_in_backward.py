@@ -283,3 +283,19 @@ def test_the_planner_counts_the_floor():
     below_config = config.replace(optimizer_in_backward=True, offload_optimizer_state="disk")
     memscale.wrap(model, below_config, batch, optimizer=opt)
     memscale.detach(model)
+
+
+def test_a_scheduler_built_after_wrap_keeps_working_after_detach():
+    model = tiny_gpt2(dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    memscale.wrap(model, IN_BACKWARD, optimizer=opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)  # wraps opt.step
+    x = token_batch(batch=2, seq=16)
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    sched.step()
+    memscale.detach(model)
+    model(input_ids=x, labels=x).loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()  # through the scheduler's wrapper: the ordinary step
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
