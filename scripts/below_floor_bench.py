@@ -140,8 +140,12 @@ def run_row(size: str, setup: str, timeout: float) -> dict:
     }
     avail = available_bytes()
     row["available_bytes"] = avail
+    row["machine_bytes"] = total_bytes()
+    if row["lower_bound_bytes"] > row["machine_bytes"]:
+        row["status"] = "skipped: predicted not to fit this machine"
+        return row
     if row["lower_bound_bytes"] > avail:
-        row["status"] = "skipped: predicted not to fit"
+        row["status"] = "not run: not enough memory available now"
         return row
     cmd = [sys.executable, __file__, "--child", size, setup]
     try:
@@ -164,7 +168,7 @@ def fmt(row: dict) -> str:
     if row["status"] != "completed":
         return (
             f"{head}  {row['status']}: lower bound {gib(row['lower_bound_bytes'])}"
-            f" vs available {gib(row['available_bytes'])}"
+            f" vs {gib(row.get('machine_bytes', 0))} RAM ({gib(row['available_bytes'])} available)"
         )
     extra = ""
     if row.get("disk_bytes_written"):
