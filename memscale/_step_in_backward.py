@@ -79,7 +79,7 @@ class StateTier(Protocol):
 
 
 class _DiskRecord:
-    __slots__ = ("spilled", "device")
+    __slots__ = ("device", "spilled")
 
     def __init__(self, spilled: Any, device: torch.device) -> None:
         self.spilled = spilled
@@ -132,7 +132,7 @@ class DiskStateTier:
         t = record.spilled.get()
         if record.device.type != "cpu":
             t = t.to(record.device)
-        return t  # type: ignore[no-any-return]
+        return t
 
     def end_step(self) -> None:
         self.store.new_step()  # forget the step's put order
@@ -147,7 +147,7 @@ class DiskStateTier:
 
 
 class _HostRecord:
-    __slots__ = ("host", "device", "nbytes", "event", "back", "back_event")
+    __slots__ = ("back", "back_event", "device", "event", "host", "nbytes")
 
     def __init__(self, host: torch.Tensor, device: torch.device, nbytes: int, event: Any) -> None:
         self.host = host
@@ -243,7 +243,7 @@ class HostStateTier:
 
 
 class _SimRecord:
-    __slots__ = ("proto", "layout", "tensor")
+    __slots__ = ("layout", "proto", "tensor")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.proto = t.new_empty((0,))  # same kind of tensor (fake), no bytes
@@ -704,4 +704,3 @@ def state_bytes_in_flight(per_param_state: list[int], prefetch_depth: int) -> in
     most, the largest ones)."""
     ranked = sorted(per_param_state, reverse=True)
     return sum(ranked[: 1 + max(0, prefetch_depth)])
-

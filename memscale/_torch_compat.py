@@ -266,7 +266,7 @@ def at_backward_end(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward pass running now completes (not
     when it raises): the autograd engine's ``queue_callback``, called from
     inside a backward hook."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def raw_optimizer_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
@@ -276,7 +276,7 @@ def raw_optimizer_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     step = type(optimizer).step
     if getattr(step, "hooked", False):
         step = getattr(step, "__wrapped__", step)
-    return step  # type: ignore[no-any-return]
+    return step
 
 
 def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:

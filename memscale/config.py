@@ -348,7 +348,9 @@ class Config(_ConfigBase):
             raise self._type_error("offload_optimizer_state", expected, value)
         tier = value.strip().lower()
         if tier not in STATE_TIERS:
-            raise ValueError(f"{self._where('offload_optimizer_state')} must be {expected}, got {value!r}")
+            raise ValueError(
+                f"{self._where('offload_optimizer_state')} must be {expected}, got {value!r}"
+            )
         if not self.optimizer_in_backward:
             raise ValueError(
                 f"{self._where('offload_optimizer_state')}={tier!r} needs "

@@ -108,7 +108,9 @@ def losses(steps: int) -> None:
 
 
 def cost(repeats: int) -> None:
-    print(f"## 3. Step time, interleaved, {repeats} rounds (torch threads {torch.get_num_threads()})")
+    print(
+        f"## 3. Step time, interleaved, {repeats} rounds (torch threads {torch.get_num_threads()})"
+    )
     variants = {
         "apply_all": build("apply-all", APPLY_ALL),
         "+ floor, prefetch 2": build("apply-all", floor(2)),

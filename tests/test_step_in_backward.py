@@ -30,6 +30,7 @@ def _groups(model, **kw):
 OPTIMIZERS = {
     "adamw": lambda m: torch.optim.AdamW(_groups(m)),
     "adamw-foreach": lambda m: torch.optim.AdamW(_groups(m), foreach=True),
+    "adamw-fused": lambda m: torch.optim.AdamW(_groups(m), fused=True),
     "adamw8bit": lambda m: AdamW8bit(_groups(m), min_8bit_size=64),
 }
 
@@ -130,9 +131,7 @@ def test_state_dict_round_trip_with_the_state_on_disk():
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
     saved_opt = opt.state_dict()
     saved_opt = {
-        "state": {
-            k: {n: t.clone() for n, t in s.items()} for k, s in saved_opt["state"].items()
-        },
+        "state": {k: {n: t.clone() for n, t in s.items()} for k, s in saved_opt["state"].items()},
         "param_groups": saved_opt["param_groups"],
     }
     step(model, opt)
