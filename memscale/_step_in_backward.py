@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import _core, _offload, _torch_compat
+from . import _core, _distributed, _offload, _torch_compat
 from .config import Config
 
 logger = logging.getLogger(__name__)
@@ -477,7 +477,7 @@ class StepInBackward:
             p.grad = None
             if self.tier is not None:
                 self._send(i)
-        except BaseException as exc:
+        except Exception as exc:  # an interruption (KeyboardInterrupt) goes as is
             raise RuntimeError(
                 f"memscale (optimizer_in_backward): updating parameter {i} of "
                 f"{len(self._params)} ({tuple(p.shape)}) failed: "
@@ -620,8 +620,12 @@ def check(config: Config, optimizer: torch.optim.Optimizer | None) -> None:
             "memscale.optimize(model, opt, config) or "
             "memscale.apply_all_optimizations(model, opt, config=config)"
         )
-    from . import _distributed  # noqa: PLC0415 - only when asked for
-
+    if config.verify_correctness:
+        raise ValueError(
+            "memscale: Config.optimizer_in_backward cannot be combined with "
+            "verify_correctness=True: replaying the step would update the "
+            "parameters a second time; set one of them to False"
+        )
     if _distributed.active():
         raise ValueError(
             "memscale: Config.optimizer_in_backward is not supported with "

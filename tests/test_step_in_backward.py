@@ -185,6 +185,8 @@ def test_wrap_refuses_what_it_cannot_do():
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="offload_optimizer_state='disk'"):
         memscale.wrap(model, IN_BACKWARD.replace(offload_optimizer_state="host"), optimizer=opt)
+    with pytest.raises(ValueError, match="verify_correctness"):
+        memscale.wrap(model, IN_BACKWARD.replace(verify_correctness=True), optimizer=opt)
     off = memscale.AsyncOffloadConfig(max_disk_gb=0)
     with pytest.raises(ValueError, match="max_disk_gb"):
         memscale.wrap(model, ON_DISK.replace(async_config=off), optimizer=opt)
