@@ -300,3 +300,18 @@ def test_a_scheduler_built_after_wrap_keeps_working_after_detach():
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()  # through the scheduler's wrapper: the ordinary step
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_the_disk_cap_keeps_the_rest_of_the_state_in_memory():
+    """max_disk_gb applies: what does not fit stays in optimizer.state, and
+    the results are still the ordinary step's."""
+    ref, ref_losses, ref_state, _ = _train(OPTIMIZERS["adamw"], None, steps=2)
+    capped = ON_DISK.replace(async_config=memscale.AsyncOffloadConfig(max_disk_gb=64 / 2**20))
+    model, losses, state, stats = _train(OPTIMIZERS["adamw"], capped, steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    _assert_same_state(state, ref_state)
+    tier = stats["tier"]
+    assert tier["refused_over_cap"] > 0
+    assert 0 < tier["peak_bytes_on_disk"] <= 64 << 10
