@@ -828,6 +828,33 @@ spilled_get(Spilled *self, PyObject *Py_UNUSED(ignored))
     return ms_spill_get((PyObject *)self);
 }
 
+/* Start reading the record back on the worker thread, so that a later
+   get() finds it read or in flight (the optimizer state's tier prefetches
+   the next parameter's state with it).  True when a read was started;
+   False when there is nothing to start: a synchronous or closed store,
+   or a record not on disk. */
+static PyObject *
+spilled_prefetch(Spilled *self, PyObject *Py_UNUSED(ignored))
+{
+    SpillStore *s = self->store;
+    if (s == NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memscale offload: this record was cleared");
+        return NULL;
+    }
+    if (!s->async || s->closed || self->state != R_DISK) {
+        Py_RETURN_FALSE;
+    }
+    if (begin_read(self, 0) < 0) {
+        return NULL;
+    }
+    if (self->state != R_READING) {
+        Py_RETURN_FALSE; /* another caller moved it on meanwhile */
+    }
+    s->n_prefetched++;
+    Py_RETURN_TRUE;
+}
+
 static PyObject *
 spilled_get_state(Spilled *self, void *Py_UNUSED(c))
 {
@@ -840,6 +867,9 @@ spilled_get_state(Spilled *self, void *Py_UNUSED(c))
 static PyMethodDef spilled_methods[] = {
     {"get", (PyCFunction)spilled_get, METH_NOARGS,
      "get($self, /)\n--\n\nThe tensor, read back if it is on disk."},
+    {"prefetch", (PyCFunction)spilled_prefetch, METH_NOARGS,
+     "prefetch($self, /)\n--\n\nStart reading the tensor back on the I/O "
+     "thread;\nwhether a read was started."},
     {NULL, NULL, 0, NULL},
 };
 

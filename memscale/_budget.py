@@ -43,10 +43,19 @@ def _gib(n: float) -> str:
 
 
 def suggestions(
-    problem: PlanProblem, config: Config, optimizer_state_bytes: int
+    problem: PlanProblem,
+    config: Config,
+    optimizer_state_bytes: int,
+    floor_savings: list[tuple[str, int]] | None = None,
 ) -> list[tuple[str, int]]:
-    """Config changes that lower the smallest reachable budget, with it."""
+    """Config changes that lower the smallest reachable budget, with it.
+    ``floor_savings``: the below-the-floor changes, each with the bytes it
+    takes off the step's fixed bytes (``_model.floor_options``)."""
     out: list[tuple[str, int]] = []
+    for what, saved in floor_savings or ():
+        out.append(
+            (what, least_budget(problem.replace(fixed_bytes=max(0, problem.fixed_bytes - saved))))
+        )
     allowed = problem.allowed
     if not allowed & _core.TECH_OFFLOAD and (
         problem.offload.host_tier or problem.offload.disk_tier
@@ -108,6 +117,7 @@ def check(
     config: Config,
     optimizer_state_bytes: int,
     least: int | None = None,
+    floor_savings: list[tuple[str, int]] | None = None,
 ) -> None:
     """Raise :class:`MemoryBudgetError` when the planner found no plan.
     ``least``: the least budget as checked by simulation (wrap with a
@@ -124,7 +134,7 @@ def check(
     correction = least - planner_least
     tips = [
         (what, b + correction)
-        for what, b in suggestions(problem, config, optimizer_state_bytes)
+        for what, b in suggestions(problem, config, optimizer_state_bytes, floor_savings)
         if b < planner_least
     ]
     lines = [f"  - {what}: {_gib(b)}" for what, b in tips]

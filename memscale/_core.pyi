@@ -240,6 +240,7 @@ class _Spilled(Protocol):
     nbytes: int
     state: str
     def get(self) -> torch.Tensor: ...
+    def prefetch(self) -> bool: ...
 
 @final
 class SpillStore:

@@ -74,6 +74,8 @@ class Executor(_core.Executor):
         self._copy_fixups: list[Callable[[Callable[[Any], Any]], None]] = []
         self.layer_recomputes = 0  # see count_layer_recomputes
         self.optimizer_steps = 0  # see count_steps
+        # memscale._step_in_backward.StepInBackward (optimizer_in_backward)
+        self.step_in_backward: Any = None
 
     @property
     def has_python_state(self) -> bool:

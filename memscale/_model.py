@@ -16,11 +16,15 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _torch_compat
+from .config import AsyncOffloadConfig, Config
 from .optim import AdamW8bit
 
 __all__ = [
+    "Floor",
     "Inputs",
     "fixed_bytes",
+    "floor_of",
+    "floor_options",
     "model_device",
     "optimizer_state_bytes",
     "split_input",
@@ -125,8 +129,105 @@ def optimizer_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return 2 * per_param
 
 
-def fixed_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Parameters + buffers + gradients + optimizer state."""
+class Floor(NamedTuple):
+    """Where a step keeps the gradients and the optimizer state: the
+    Config's below-the-floor options (docs/below-the-floor.md)."""
+
+    step_in_backward: bool = False  # Config.optimizer_in_backward
+    state_tier: str | None = None  # Config.offload_optimizer_state
+    prefetch_depth: int = 0  # states read ahead of the one updated
+
+
+NO_FLOOR = Floor()
+
+
+def floor_of(config: Config) -> Floor:
+    """The floor ``config`` asks for."""
+    if not config.optimizer_in_backward:
+        return NO_FLOOR
+    settings = config.async_config if config.async_config is not None else AsyncOffloadConfig()
+    return Floor(True, config.offload_optimizer_state, settings.prefetch_depth)
+
+
+def _layer_in_flight_bytes(model: torch.nn.Module) -> int:
+    """The gradients a step in backward holds at once, at most: those of
+    the module whose parameters' gradients are computed together (its own
+    trainable parameters), the largest such module."""
+    best = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        own = [
+            p
+            for p in module.parameters(recurse=False)
+            if p.requires_grad and _torch_compat.storage_key(p) not in seen
+        ]
+        for p in own:
+            seen.add(_torch_compat.storage_key(p))
+        best = max(best, storage_bytes(own))
+    return best
+
+
+def _state_in_flight_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, depth: int
+) -> int:
+    """The optimizer state a tiered step holds at once: the largest
+    parameter's state and the ``depth`` next (counted as the largest),
+    each in proportion to the parameter's size."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    total = storage_bytes(trainable)
+    if not total:
+        return 0
+    ratio = optimizer_state_bytes(model, optimizer) / total
+    sizes = sorted((p.untyped_storage().nbytes() for p in trainable), reverse=True)
+    return int(ratio * sum(sizes[: 1 + max(0, depth)]))
+
+
+def fixed_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, floor: Floor = NO_FLOOR
+) -> int:
+    """Parameters + buffers + gradients + optimizer state, as ``floor``
+    places them: with the step in backward, only the gradients of the
+    layer in flight; with the state on a tier, only the state in flight
+    (on the device: the tier is host memory or disk)."""
     params_and_buffers = storage_bytes(list(tensors_of(model)))
-    grads = storage_bytes([p for p in model.parameters() if p.requires_grad])
-    return params_and_buffers + grads + optimizer_state_bytes(model, optimizer)
+    if floor.step_in_backward:
+        grads = _layer_in_flight_bytes(model)
+    else:
+        grads = storage_bytes([p for p in model.parameters() if p.requires_grad])
+    if floor.state_tier is not None:
+        state = _state_in_flight_bytes(model, optimizer, floor.prefetch_depth)
+    else:
+        state = optimizer_state_bytes(model, optimizer)
+    return params_and_buffers + grads + state
+
+
+def floor_options(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    config: Config,
+    device_type: str,
+) -> list[tuple[str, int]]:
+    """The below-the-floor Config changes ``config`` has not made, each
+    with the bytes it takes off :func:`fixed_bytes` (for
+    ``MemoryBudgetError``'s suggestions)."""
+    now = fixed_bytes(model, optimizer, floor_of(config))
+    depth = floor_of(config.replace(optimizer_in_backward=True)).prefetch_depth
+    tier = "host" if device_type == "cuda" else "disk"
+    out: list[tuple[str, int]] = []
+    if not config.optimizer_in_backward:
+        out.append(
+            (
+                "optimizer_in_backward=True (with the optimizer passed to wrap: "
+                "each gradient freed as soon as its parameter is updated)",
+                now - fixed_bytes(model, optimizer, Floor(True, None, depth)),
+            )
+        )
+    if config.offload_optimizer_state is None:
+        out.append(
+            (
+                f"optimizer_in_backward=True, offload_optimizer_state={tier!r} "
+                f"(the optimizer state on the {tier} tier between updates)",
+                now - fixed_bytes(model, optimizer, Floor(True, tier, depth)),
+            )
+        )
+    return [(what, saved) for what, saved in out if saved > 0]

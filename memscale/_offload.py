@@ -84,7 +84,7 @@ def offloaded_bytes(plan: Any, tier: str) -> int:
     return sum(layer.input_bytes for layer in plan.layers if layer.tier == tier)
 
 
-def _make_spill_dir(parent: str | None) -> str:
+def make_spill_dir(parent: str | None) -> str:
     try:
         return tempfile.mkdtemp(prefix="memscale-spill-", dir=parent)  # 0700
     except OSError as exc:
@@ -111,7 +111,7 @@ def _check_free_space(path: str, need: int, cap: int | None) -> None:
         )
 
 
-def _remove_dir(path: str, creator: int) -> None:
+def remove_dir(path: str, creator: int) -> None:
     # Only by the process that made it: a forked child's exit (its
     # finalizers run too) must not take the directory from its parent.
     # Files are unlinked when created, so the directory is normally empty.
@@ -121,6 +121,11 @@ def _remove_dir(path: str, creator: int) -> None:
 
 # Every live SpillStore of this process, for the fork hooks.
 _STORES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def register_store(store: Any) -> None:
+    """Have ``store`` wait for its I/O before a fork and reset in the child."""
+    _STORES.add(store)
 
 
 def _before_fork() -> None:
@@ -137,7 +142,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
-def _log_event(level: str, message: str) -> None:
+def log_event(level: str, message: str) -> None:
     logger.log(logging.WARNING if level == "warning" else logging.INFO, "%s", message)
 
 
@@ -152,7 +157,7 @@ def attach(executor: Any, config: Config, plan: Any) -> None:
     settings = async_settings(config)
     cap = disk_cap_bytes(config)
     # The disk tier (also where the host tier spills beyond its cap).
-    path = _make_spill_dir(settings.spill_dir)
+    path = make_spill_dir(settings.spill_dir)
     creator = os.getpid()
     try:
         if disk:
@@ -164,13 +169,13 @@ def attach(executor: Any, config: Config, plan: Any) -> None:
             max_bytes=-1 if cap is None else cap,
             prefetch_depth=settings.prefetch_depth,
             debug=settings.debug,
-            log=_log_event,
+            log=log_event,
         )
     except BaseException:
-        _remove_dir(path, creator)
+        remove_dir(path, creator)
         raise
-    _STORES.add(store)
-    finalizer = weakref.finalize(executor, _remove_dir, path, creator)
+    register_store(store)
+    finalizer = weakref.finalize(executor, remove_dir, path, creator)
     host_tier = None
     if host:
         host_tier = HostTier(

@@ -121,6 +121,9 @@ class PredictionSession:
         config = _check_args(model, sample_input, config, optimizer, loss_fn, "predict_peak")
         self.model = model
         self.optimizer = optimizer
+        # Where the steps simulated keep gradients and optimizer state (the
+        # Config's below-the-floor options, the same for every prediction).
+        self.floor = _model.floor_of(config)
         self.hardware, self.sim_device = predictor.resolve_device(model, device, config)
         self._steps = predictor.SimulationSession(
             model,
@@ -130,6 +133,7 @@ class PredictionSession:
             self.sim_device,
             loss_fn=loss_fn,
             read_profile=_read_profile,
+            floor=self.floor,
         )
         # Configs whose plan is every layer checkpointed alone, because the
         # planner's did not fit when simulated (see plan_offsets).
@@ -150,7 +154,7 @@ class PredictionSession:
         """The plan wrap() makes with ``config``: the same profile (the
         warm-up's forward on fake tensors), the same Stage 1 (the strategy
         policy, when ``auto_policy`` is on) and the same engine inputs."""
-        fixed = _model.fixed_bytes(self.model, self.optimizer)
+        fixed = _model.fixed_bytes(self.model, self.optimizer, self.floor)
         profile = self._steps.profile
         if config.auto_policy:
             context = policy.StrategyContext.build(
@@ -190,7 +194,7 @@ class PredictionSession:
         if profile is None:
             profile = self._steps.profile
         if fixed is None:
-            fixed = _model.fixed_bytes(self.model, self.optimizer)
+            fixed = _model.fixed_bytes(self.model, self.optimizer, self.floor)
         hw = self.hardware
         base = make_plan(profile, config, hw, fixed)
         offset = self.unoptimized_peak() - base.peak_unoptimized_bytes

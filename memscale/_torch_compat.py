@@ -254,3 +254,50 @@ def install_call_guard(model: torch.nn.Module, on_abort: Callable[[], None]) -> 
             m.__dict__["_compiled_call_impl"] = prev
 
     return remove
+
+
+def graph_task_id() -> int:
+    """The id of the backward pass running in this thread, -1 outside one
+    (``torch._C._current_graph_task_id``)."""
+    return int(torch._C._current_graph_task_id())
+
+
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the backward pass running now completes (not
+    when it raises): the autograd engine's ``queue_callback``, called from
+    inside a backward hook."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def raw_optimizer_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """``optimizer``'s class ``step`` without the wrapper ``Optimizer``
+    puts around it (``profile_hook_step``: the profiler range and the step
+    hooks), unbound.  The class's own step when it is not wrapped."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):
+        step = getattr(step, "__wrapped__", step)
+    return step
+
+
+def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:
+    """The step pre-hooks and post-hooks that run around ``optimizer.step``
+    (its own and the global ones, in torch's order)."""
+    from torch.optim import optimizer as _opt
+
+    pre = list(getattr(_opt, "_global_optimizer_pre_hooks", {}).values())
+    pre += list(getattr(optimizer, "_optimizer_step_pre_hooks", {}).values())
+    post = list(getattr(optimizer, "_optimizer_step_post_hooks", {}).values())
+    post += list(getattr(_opt, "_global_optimizer_post_hooks", {}).values())
+    return pre, post
+
+
+def default_foreach(params: list[torch.Tensor]) -> bool:
+    """Whether torch's optimizers take their foreach path for ``params``
+    when a group says ``foreach=None`` (the decision is made over all of a
+    step's parameters; a step of one parameter must make the same one)."""
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+    except ImportError:  # pragma: no cover - depends on the torch release
+        return False
+    _, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
+    return bool(foreach)

@@ -25,6 +25,7 @@ from . import (
     _planner,
     _planning,
     _recompute_check,
+    _step_in_backward,
     _telemetry,
     _tiling,
     _torch_compat,
@@ -214,7 +215,8 @@ class Wrapping:
         else:
             self.hardware = _hardware.detect(device.type, device.index or 0)
         self.units = _core.find_units(model)
-        self.fixed = _model.fixed_bytes(model, optimizer)  # FSDP2: the local shards
+        # FSDP2: the local shards; the floor as the Config places it
+        self.fixed = _model.fixed_bytes(model, optimizer, _model.floor_of(config))
         if _distributed.is_fsdp2(model):
             self.fixed += _distributed.fsdp2_in_flight_bytes(model)
         self.executor: Executor | None = None
@@ -286,6 +288,10 @@ class Wrapping:
             _torch_compat.install_call_guard(model, _abandoner(weakref.ref(executor)))
         )
         amp.attach(executor, model, config, self.hardware)
+        if config.optimizer_in_backward:
+            assert self.optimizer is not None  # _step_in_backward.check
+            _refuse_fp16_scaler(executor)
+            _step_in_backward.install(executor, config, self.optimizer)
         if config.observability_port is not None:
             executor.metrics_server = observability.start_metrics_server(
                 executor, config.observability_port
@@ -341,6 +347,7 @@ class Wrapping:
             plan_config,
             _model.optimizer_state_bytes(self.model, self.optimizer),
             least,
+            _model.floor_options(self.model, self.optimizer, config, hardware.device),
         )
         _offload.attach(executor, plan_config, plan)
         _tiling.install(executor, self.units, plan)
@@ -516,3 +523,16 @@ class Wrapping:
             _verify.attach(self.model, executor)
         executor.on_detach(_copying.install(self.model, executor))
         self.model.__dict__[ATTR] = executor
+
+
+def _refuse_fp16_scaler(executor: Executor) -> None:
+    """``optimizer_in_backward`` with FP16 autocast: a clear error at wrap."""
+    autocast = executor.autocast
+    if autocast is not None and autocast[1] is torch.float16:
+        raise ValueError(
+            "memscale: Config.optimizer_in_backward cannot be combined with "
+            "FP16 mixed precision on this device: a GradScaler must see every "
+            "gradient (to unscale it and skip the step on an overflow) before "
+            "any parameter is updated. Use a device with BF16, or "
+            "use_mixed_precision=False"
+        )

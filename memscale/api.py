@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import _telemetry, _wrapping, optim
+from . import _step_in_backward, _telemetry, _wrapping, optim
 from ._executor import Executor
 from ._wrapping import ATTR
 from .config import AsyncOffloadConfig, Config, OptimizationMode
@@ -119,6 +119,7 @@ def wrap(
             f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
         )
     config = effective_config(config, async_offload, async_config)
+    _step_in_backward.check(config, optimizer)
     wrapping = _wrapping.Wrapping(model, config, _training_optimizer(config, optimizer))
     # Profile before any hook of ours exists, so that the profiling pass
     # is not seen (or counted) as a training forward.

@@ -39,6 +39,8 @@ MAX_GB = MAX_BYTES // GIB  # 1048576 GiB
 MAX_PREFETCH_DEPTH = 1024
 # warmup_steps: training forwards measured before planning.
 MAX_WARMUP_STEPS = 1 << 31
+# offload_optimizer_state: the tiers the optimizer state can wait in.
+STATE_TIERS = ("host", "disk")
 
 
 class OptimizationMode(str, enum.Enum):
@@ -290,6 +292,18 @@ class Config(_ConfigBase):
     # checkpointing that layer (the plan is made again without it).
     strict_recompute: bool = False
 
+    # --- Below the floor (docs/below-the-floor.md): what activation
+    # techniques leave alone, the gradients and the optimizer state.
+    # Update each parameter as soon as its gradient is complete (during
+    # backward) and free that gradient at once; needs the optimizer passed
+    # to wrap/optimize/apply_all_optimizations.
+    optimizer_in_backward: bool = False
+    # Where the optimizer state waits between two updates of its parameter:
+    # None = with the parameter; "host" = pinned host memory (a CUDA model;
+    # max_cpu_offload_gb applies); "disk" = the disk tier (max_disk_gb
+    # applies).  Needs optimizer_in_backward=True.
+    offload_optimizer_state: str | None = None
+
     def __post_init__(self) -> None:
         self._set("mode", OptimizationMode.coerce(self.mode, self._where("mode")))
         for f in dataclasses.fields(self):
@@ -323,3 +337,26 @@ class Config(_ConfigBase):
         value = self.async_config
         if value is not None and not isinstance(value, AsyncOffloadConfig):
             raise self._type_error("async_config", "an AsyncOffloadConfig or None", value)
+        self._check_state_tier()
+
+    def _check_state_tier(self) -> None:
+        value = self.offload_optimizer_state
+        if value is None:
+            return
+        expected = "'host', 'disk' or None"
+        if not isinstance(value, str):
+            raise self._type_error("offload_optimizer_state", expected, value)
+        tier = value.strip().lower()
+        if tier not in STATE_TIERS:
+            raise ValueError(
+                f"{self._where('offload_optimizer_state')} must be {expected}, got {value!r}"
+            )
+        if not self.optimizer_in_backward:
+            raise ValueError(
+                f"{self._where('offload_optimizer_state')}={tier!r} needs "
+                "optimizer_in_backward=True: the state is streamed in for each "
+                "parameter's update during backward; set "
+                "Config(optimizer_in_backward=True, offload_optimizer_state="
+                f"{tier!r})"
+            )
+        self._set("offload_optimizer_state", tier)

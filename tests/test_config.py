@@ -35,6 +35,8 @@ CONFIG_FIELDS = [
     "async_config",
     "auto_policy",
     "strict_recompute",
+    "optimizer_in_backward",
+    "offload_optimizer_state",
 ]
 ASYNC_FIELDS = [
     "pinned_pool_mb",
@@ -58,6 +60,7 @@ BOOL_FIELDS = [
     "async_offload",
     "auto_policy",
     "strict_recompute",
+    "optimizer_in_backward",
 ]
 
 
@@ -86,6 +89,8 @@ def test_config_defaults() -> None:
     assert c.async_offload is False
     assert c.async_config is None
     assert c.auto_policy is False
+    assert c.optimizer_in_backward is False
+    assert c.offload_optimizer_state is None
 
 
 def test_async_defaults() -> None:
@@ -297,8 +302,8 @@ def test_async_unknown_keyword() -> None:
 
 
 def test_too_many_positional() -> None:
-    with pytest.raises(TypeError, match="at most 21 positional"):
-        Config(*([True] * 22))
+    with pytest.raises(TypeError, match="at most 23 positional"):
+        Config(*([True] * 24))
     with pytest.raises(TypeError, match="at most 6 positional"):
         AsyncOffloadConfig(1, 2, 3, None, None, False, 7)
 

@@ -91,6 +91,7 @@ def _integrations(tmp_path: Path) -> dict[str, Any]:
 CONTEXTS: dict[str, tuple[Callable[[Path], dict[str, Any]], bool]] = {
     "README.md": (lambda tmp: {}, True),  # the Quickstart, then the context manager on its names
     "docs/8bit-optimizer.md": (_gpt2, False),
+    "docs/below-the-floor.md": (_gpt2, False),
     "docs/distributed.md": (_gpt2, False),
     "docs/integrations.md": (_integrations, False),
     "docs/observability.md": (lambda tmp: {}, False),

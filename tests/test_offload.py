@@ -420,6 +420,34 @@ def test_spill_store_round_trip_and_stats(tmp_path):
     assert logged == []
 
 
+def test_spilled_prefetch_starts_a_read_on_the_io_thread(tmp_path):
+    """_Spilled.prefetch(): the optimizer-state tier reads the next
+    parameter's state ahead by hand (any tensor, put_copy)."""
+    store = _core.SpillStore(str(tmp_path), async_io=True, min_bytes=0)
+    state = torch.randn(64, 64)
+    expected = state.clone()
+    rec = store.put_copy(state)
+    del state
+    store.flush()
+    assert rec.state == "disk"
+    assert rec.prefetch() is True
+    assert rec.state in ("reading", "loaded")
+    assert rec.prefetch() is False  # nothing left to start
+    assert torch.equal(rec.get(), expected)
+    assert store.stats["prefetched"] == 1
+    assert rec.prefetch() is False  # loaded
+    sync = _core.SpillStore(str(tmp_path), async_io=False, min_bytes=0)
+    other = sync.put_copy(torch.randn(8))
+    assert other.state == "disk" and other.prefetch() is False  # no I/O thread
+    store.close()
+    sync.close()
+    late = _core.SpillStore(str(tmp_path), async_io=True, min_bytes=0)
+    kept = late.put_copy(torch.randn(8))
+    late.flush()
+    late.close()
+    assert kept.prefetch() is False  # a closed store starts nothing
+
+
 def test_spill_store_rejects_bad_arguments(tmp_path):
     with pytest.raises(OSError):
         _core.SpillStore(str(tmp_path / "missing"))

@@ -115,3 +115,47 @@ def summary(executor: Any) -> str:
         f"{format_bytes(plan.peak_projected_bytes, digits=1)}, "
         f"{executor.stats['recomputes']} recomputes"
     )
+
+
+def check_step_in_backward(
+    config: Any,
+    framework: str,
+    *,
+    clip: tuple[str, Any],
+    accumulation: tuple[str, int],
+    fp16: tuple[str, bool],
+    optimizers: int,
+) -> None:
+    """Refuse, before anything is attached, a training set-up the step in
+    backward (``Config.optimizer_in_backward``) would silently change: each
+    item names the framework's setting, then its value."""
+    if not config.optimizer_in_backward:
+        return
+    where = f"memscale: Config.optimizer_in_backward with the {framework}"
+    name, value = clip
+    if value:
+        raise ValueError(
+            f"{where}: gradient clipping by norm ({name}={value!r}) needs every "
+            "gradient before any parameter is updated, and the update runs as "
+            f"each gradient is ready, which frees it; set {name} to 0/None, or "
+            "optimizer_in_backward=False"
+        )
+    name, steps = accumulation
+    if steps > 1:
+        raise ValueError(
+            f"{where}: gradient accumulation ({name}={steps}) sums gradients "
+            "over several backward passes, and the update runs in each; set "
+            f"{name}=1 (and a larger batch), or optimizer_in_backward=False"
+        )
+    name, on = fp16
+    if on:
+        raise ValueError(
+            f"{where}: FP16 mixed precision ({name}) needs a GradScaler, which "
+            "unscales and checks every gradient before the update; use BF16, "
+            "or optimizer_in_backward=False"
+        )
+    if optimizers != 1:
+        raise ValueError(
+            f"{where}: it needs exactly one optimizer, and the {framework} has "
+            f"{optimizers}; use one optimizer, or optimizer_in_backward=False"
+        )

@@ -125,6 +125,17 @@ class MemScaleCallback(TrainerCallback):
             return
         config = _common.for_rank(self.config if self.config is not None else Config(), zero)
         optimizer = _common.unwrap_optimizer(kwargs.get("optimizer"))
+        _common.check_step_in_backward(
+            config,
+            "Hugging Face Trainer",
+            clip=("TrainingArguments.max_grad_norm", getattr(args, "max_grad_norm", None)),
+            accumulation=(
+                "TrainingArguments.gradient_accumulation_steps",
+                int(getattr(args, "gradient_accumulation_steps", 1) or 1),
+            ),
+            fp16=("TrainingArguments.fp16", bool(getattr(args, "fp16", False))),
+            optimizers=0 if optimizer is None else 1,
+        )
         restore = _take_over_hf_checkpointing(model, config, zero)
         try:
             api.wrap(model, config, self.sample_input, optimizer=optimizer)

@@ -206,6 +206,18 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
         config = _common.for_rank(self.config if self.config is not None else Config(), zero)
         optimizers = list(getattr(trainer, "optimizers", None) or [])
         optimizer = _common.unwrap_optimizer(optimizers[0]) if len(optimizers) == 1 else None
+        precision = str(getattr(trainer, "precision", ""))
+        _common.check_step_in_backward(
+            config,
+            "Lightning Trainer",
+            clip=("Trainer(gradient_clip_val=...)", getattr(trainer, "gradient_clip_val", None)),
+            accumulation=(
+                "Trainer(accumulate_grad_batches=...)",
+                int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+            ),
+            fp16=(f"Trainer(precision={precision!r})", precision.startswith("16")),
+            optimizers=len(optimizers),
+        )
         api.wrap(pl_module, config, optimizer=optimizer)
         self._executor = pl_module.__dict__[api.ATTR]
         self._module_ref = weakref.ref(pl_module)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .. import _core, _hf_cache, _model, _recompute_check, _verify
+from .. import _core, _hf_cache, _model, _recompute_check, _step_in_backward, _verify
 from .._executor import Executor
 from .._hardware import Hardware
 from .._offload import SimulatedTier, async_settings
@@ -20,6 +20,10 @@ from ._fake import REAL_VALUE_LIMIT, FakeWorld
 from ._results import PeakBreakdown
 from ._step import Step, Trace, estimated_state, fake_optimizer
 from ._workspace import PROBE_LIMIT, Kernel, probe_workspace
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
 
 
 class _Simulation:
@@ -35,8 +39,10 @@ class _Simulation:
         device: torch.device,
         target_type: str,
         read_profile: Callable[[Any, list[tuple[str, nn.Module]]], Any],
+        floor: _model.Floor = _model.NO_FLOOR,
     ) -> None:
         self.model = model
+        self.floor = floor
         self.target_type = target_type
         self.sample_input = sample_input
         self.real_optimizer = optimizer
@@ -67,10 +73,36 @@ class _Simulation:
             )
             self.step = Step(self.world, hybrid, strict, self.loss_fn, opt, fallback)
             self.profile = self._warm_up()
+            self._below_floor(opt)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _below_floor(self, opt: torch.optim.Optimizer | None) -> None:
+        """After the warm-up (which made the state): the step in backward,
+        and the state on a simulated tier, as ``self.floor`` says."""
+        self.in_backward: Any = None
+        if not self.floor.step_in_backward:
+            return
+        if opt is not None:
+            tier = (
+                _step_in_backward.SimulatedStateTier()
+                if self.floor.state_tier is not None
+                else None
+            )
+            self.in_backward = _step_in_backward.StepInBackward(
+                opt, tier, prefetch_depth=self.floor.prefetch_depth
+            )
+            return
+        # The optimizer's state is estimated, not simulated: the gradients
+        # are freed as the update would free them.
+        self.step.fallback_state = []
+        handles = []
+        for p in self.world.params:
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(_drop_grad))
+        self.in_backward = handles
 
     def _warm_up(self) -> Any:
         """The untracked first step: it creates gradients and optimizer
@@ -104,6 +136,12 @@ class _Simulation:
         return self.read_profile(profiler, units)
 
     def __exit__(self, *exc: Any) -> None:
+        in_backward = self.__dict__.pop("in_backward", None)
+        if isinstance(in_backward, list):
+            for h in in_backward:
+                h.remove()
+        elif in_backward is not None:
+            in_backward.remove()
         try:
             self.world.__exit__(None, None, None)
         finally:
@@ -195,11 +233,19 @@ class SimulationSession:
         *,
         loss_fn: Callable[[Any], Any] | None,
         read_profile: Callable[[Any, list[tuple[str, nn.Module]]], Any],
+        floor: _model.Floor = _model.NO_FLOOR,
     ) -> None:
         self.model = model
         self.hardware = hardware
         self._sim = _Simulation(
-            model, sample_input, optimizer, loss_fn, sim_device, hardware.device, read_profile
+            model,
+            sample_input,
+            optimizer,
+            loss_fn,
+            sim_device,
+            hardware.device,
+            read_profile,
+            floor,
         )
         self._traces: dict[str, Trace] = {}
         self._workspace: dict[Any, Kernel] = {}
