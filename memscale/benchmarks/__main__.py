@@ -370,7 +370,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(table(results))
     for r in results:
-        if r.offload:
+        if r.offload and "bytes_to_host" in r.offload:
+            print(
+                f"offload {r.model} {r.variant}: "
+                f"{format_bytes(r.offload['bytes_to_host'])} per step to host memory, "
+                f"{format_bytes(r.offload['bytes_written'])} on to disk"
+            )
+        elif r.offload:
             o = r.offload
             print(
                 f"offload {r.model} {r.variant}: {format_bytes(o['bytes_written'])} "

@@ -474,7 +474,11 @@ def _offload_counters(prepared: Prepared) -> dict[str, float] | None:
     if store is None:
         return None
     stats = store.stats
-    return {key: float(stats[key]) for key in OFFLOAD_FIGURES}
+    counters = {key: float(stats[key]) for key in OFFLOAD_FIGURES}
+    host = getattr(executor, "offload_host", None)
+    if host is not None:  # a GPU's host tier: bytes copied to host memory
+        counters["bytes_to_host"] = float(host.bytes_to_host)
+    return counters
 
 
 def _per_step(
@@ -482,7 +486,7 @@ def _per_step(
 ) -> dict[str, float] | None:
     if before is None or after is None or steps <= 0:
         return None
-    return {key: (after[key] - before[key]) / steps for key in OFFLOAD_FIGURES}
+    return {key: (after[key] - before[key]) / steps for key in before}
 
 
 Timings = tuple[dict[str, list[float]], dict[str, dict[str, float] | None]]
