@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,3 +270,45 @@ def test_gpu_check_dry_run_collects_and_skips_every_cuda_test(tmp_path):
     assert all("needs a CUDA device" in reason for reason in tests["skip_reasons"])
     assert summary["bench"]["status"] == "refused: no CUDA device"
     assert (tmp_path / "junit.xml").exists()
+
+
+def _newer_python_headers() -> list[str]:
+    """Include folders of CPython 3.12 and later on this machine (the GPU
+    machine's Python is 3.12): pyenv's versions beside this one, and the
+    system's."""
+    import glob
+
+    roots = [os.path.dirname(sys.base_prefix), "/usr", "/usr/local"]
+    found = set()
+    for root in roots:
+        for pattern in ("*/include/python3.*", "include/python3.*"):
+            for folder in glob.glob(os.path.join(root, pattern)):
+                minor = os.path.basename(folder).removeprefix("python3.").rstrip("dmu")
+                if minor.isdigit() and int(minor) >= 12 and os.path.exists(f"{folder}/Python.h"):
+                    found.add(os.path.realpath(folder))
+    return sorted(found)
+
+
+@pytest.mark.slow
+def test_c_core_compiles_against_newer_pythons_headers():
+    """Every C file compiles, warnings as errors, against CPython 3.12+
+    headers: 3.11's structmember.h brings <stddef.h> with it, 3.12's
+    Python.h does not (spill.c used offsetof without it)."""
+    folders = _newer_python_headers()
+    if not folders:
+        pytest.skip("no CPython 3.12+ headers on this machine")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    sources = sorted(str(p) for p in (Path(ROOT) / "csrc").glob("*.c"))
+    flags = ["-fsyntax-only", "-std=c11", "-D_POSIX_C_SOURCE=200809L", "-pthread"]
+    flags += ["-Wall", "-Wextra", "-Werror"]
+    failed = []
+    for folder in folders:
+        for source in sources:
+            proc = subprocess.run(
+                [cc, *flags, f"-I{folder}", source], capture_output=True, text=True, check=False
+            )
+            if proc.returncode != 0:
+                failed.append(f"{folder}: {os.path.basename(source)}: {proc.stderr[-800:]}")
+    assert not failed, "\n".join(failed)
