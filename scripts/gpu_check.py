@@ -300,7 +300,15 @@ def run_bench(run: Runner, out: str, missing: list[str], dry: bool, timeout: flo
     if "tqdm" in missing:
         return {"status": "not run: tqdm is missing"}
     models = [m for m in QUICK_MODELS if m in ("mlp", "cnn") or "transformers" not in missing]
-    cmd = [sys.executable, "-m", "memscale.benchmarks", "--device", "cuda", "--no-rss"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "memscale.benchmarks",
+        "--device",
+        "cuda",
+        "--no-rss",
+        "--keep-going",
+    ]
     cmd += ["--models", *models, "--repeats", "3", "--json", os.path.join(out, "bench.json")]
     if "matplotlib" in missing:
         cmd.append("--no-plot")

@@ -312,3 +312,32 @@ def test_c_core_compiles_against_newer_pythons_headers():
             if proc.returncode != 0:
                 failed.append(f"{folder}: {os.path.basename(source)}: {proc.stderr[-800:]}")
     assert not failed, "\n".join(failed)
+
+
+def test_benchmark_keep_going_names_a_failed_model_and_goes_on(tmp_path, monkeypatch, capsys):
+    """The GPU check runs the suite with --keep-going, so that one model
+    failing on the device does not lose the others' figures."""
+    ran = []
+
+    def run_model(entry, variants, **kwargs):
+        ran.append(entry.name)
+        raise RuntimeError(f"{entry.name} broke")
+
+    monkeypatch.setattr(cli, "run_model", run_model)
+    path = tmp_path / "out.json"
+    argv = ["--models", "mlp", "cnn", "--no-rss", "--no-plot", "--json", str(path)]
+    assert cli.main([*argv, "--keep-going"]) == 1
+    assert ran == ["mlp", "cnn"]
+    out = capsys.readouterr().out
+    assert (
+        "FAILED mlp: RuntimeError: mlp broke" in out
+        and "failed cnn: RuntimeError: cnn broke" in out
+    )
+    assert json.loads(path.read_text())["failed"] == [
+        {"model": "mlp", "error": "RuntimeError: mlp broke"},
+        {"model": "cnn", "error": "RuntimeError: cnn broke"},
+    ]
+    with pytest.raises(
+        RuntimeError, match="mlp broke"
+    ):  # without it, the first error stops the run
+        cli.main(argv)

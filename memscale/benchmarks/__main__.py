@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import sys
+import traceback
 import warnings
 from typing import Any
 
@@ -270,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         "path with .png; needs matplotlib, the [bench] extra)",
     )
     parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="when a model fails, say so and go on with the next one (exit status 1 at the end)",
+    )
+    parser.add_argument(
         "--no-plot",
         action="store_true",
         help="write no PNG beside --json (for a machine without matplotlib)",
@@ -324,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     ram = _hardware.detect(device.type, device.index or 0).capacity_bytes
     results: list[VariantResult] = []
     skipped: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
     from tqdm import tqdm
 
     bar = tqdm(entries, unit="model", disable=not sys.stderr.isatty(), file=sys.stderr)
@@ -355,14 +362,22 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append({"model": entry.name, "reason": reason})
             print(f"skipping {entry.name}: {reason}", file=sys.stderr)
             continue
-        rows = run_model(
-            entry,
-            args.variants,
-            repeats=args.repeats,
-            rss=not args.no_rss,
-            progress=lambda m: bar.set_description(m),
-            device=device,
-        )
+        try:
+            rows = run_model(
+                entry,
+                args.variants,
+                repeats=args.repeats,
+                rss=not args.no_rss,
+                progress=lambda m: bar.set_description(m),
+                device=device,
+            )
+        except Exception as exc:
+            if not args.keep_going:
+                raise
+            failed.append({"model": entry.name, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"FAILED {entry.name}: {type(exc).__name__}: {exc}", flush=True)
+            traceback.print_exc()
+            continue
         results.extend(rows)
         if bar.disable:  # no terminal: a line per finished row instead of the bar
             for r in rows:
@@ -420,13 +435,16 @@ def main(argv: list[str] | None = None) -> int:
             "variants": VARIANT_HELP,
             "results": [r.to_dict() for r in results],
             "skipped": skipped,
+            **({"failed": failed} if failed else {}),
         }
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=1)
-    if args.plot:
+    if args.plot and results:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
-    return 0
+    for failure in failed:
+        print(f"failed {failure['model']}: {failure['error']}")
+    return 1 if failed else 0
 
 
 def _sweep_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
