@@ -167,27 +167,6 @@ def test_pressure_against_a_stand_in_capacity(monkeypatch):
     check_pressure(mlp(depth=6, width=64), torch.randn(4096, 64), 1 << 30)
 
 
-def test_8bit_kernel_refuses_a_tensor_off_the_cpu_by_name():
-    n = 256
-    meta = dict(device="meta")
-    args = [
-        torch.zeros(n),
-        torch.zeros(n),
-        torch.zeros(n, dtype=torch.int8),
-        torch.zeros(n // 64),
-        torch.zeros(n, dtype=torch.uint8),
-        torch.zeros(n // 64),
-    ]
-    kwargs = dict(
-        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, block=64, threads=1
-    )
-    for i, what in enumerate(["param", "grad", "exp_avg", "exp_avg_scale"]):
-        moved = list(args)
-        moved[i] = torch.empty_like(args[i], **meta)
-        with pytest.raises(ValueError, match=rf"{what} is on meta, and memscale's 8-bit kernel"):
-            _core.adamw8bit_step(*moved, **kwargs)
-
-
 def test_benchmark_device_cuda_without_cuda_says_so(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
