@@ -1,9 +1,10 @@
 """What the CUDA check (tests/gpu, scripts/gpu-check.sh) relies on, tested
 on the CPU: the device measurement behind a stand-in allocator, the
 overlap arithmetic, the engine's decisions against a stand-in capacity,
-the 8-bit kernel's refusal of tensors off the CPU, the benchmark suite's
---device flag (the CPU figures unchanged), and the check script's answer
-on a machine without CUDA."""
+the benchmark suite's --device flag (the CPU figures unchanged), the C
+core against newer Pythons' headers, and the check script's answer on a
+machine without CUDA.  (The 8-bit kernel's refusal of tensors off the CPU
+is in test_optim.py.)"""
 
 from __future__ import annotations
 
