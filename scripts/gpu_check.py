@@ -259,6 +259,24 @@ def _junit(path: str) -> dict[str, Any]:
     return {**counts, "failures": failures, "skip_reasons": reasons, "cases": cases}
 
 
+def _from_log(path: str) -> dict[str, Any]:
+    """The outcomes ``pytest -v`` printed, for a run killed before it wrote
+    its JUnit file."""
+    names = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped"}
+    counts = dict.fromkeys(("total", *names.values()), 0)
+    failures: list[str] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].startswith("tests/gpu/") and parts[1] in names:
+                outcome = names[parts[1]]
+                counts["total"] += 1
+                counts[outcome] += 1
+                if outcome in ("failed", "errors"):
+                    failures.append(parts[0])
+    return {**counts, "failures": failures, "skip_reasons": [], "cases": []}
+
+
 def run_tests(
     run: Runner, out: str, missing: list[str], bundled: bool, timeout: float
 ) -> dict[str, Any]:
@@ -270,6 +288,9 @@ def run_tests(
     paths = [ROOT] + ([BUNDLE_DIR] if bundled else [])  # pytest from the carried bundle
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     junit = os.path.join(out, "junit.xml")
+    for stale in (junit, env["MEMSCALE_GPU_FIGURES"]):  # an earlier run's
+        if os.path.exists(stale):
+            os.remove(stale)
     cmd = [
         sys.executable,
         "-m",
@@ -287,6 +308,8 @@ def run_tests(
     result: dict[str, Any] = {"seconds": seconds, "returncode": rc}
     if os.path.exists(junit):
         result.update(_junit(junit))
+    else:  # killed before pytest wrote it: what the log says ran
+        result.update(_from_log(os.path.join(out, "pytest.log")))
     if rc is None:
         result["status"] = f"timed out after {timeout:.0f} s"
     elif rc in (0, 1) and os.path.exists(junit):

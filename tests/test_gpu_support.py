@@ -321,3 +321,29 @@ def test_benchmark_keep_going_names_a_failed_model_and_goes_on(tmp_path, monkeyp
         RuntimeError, match="mlp broke"
     ):  # without it, the first error stops the run
         cli.main(argv)
+
+
+def _gpu_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", os.path.join(ROOT, "scripts", "gpu_check.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_reads_outcomes_from_the_log_of_a_killed_run(tmp_path):
+    """A pytest run killed at the timeout writes no JUnit file: the summary
+    counts what its -v lines say ran."""
+    log = tmp_path / "pytest.log"
+    log.write_text(
+        "tests/gpu/test_a.py::test_x PASSED [ 5%]\n"
+        "tests/gpu/test_a.py::test_y[sync] FAILED [ 9%]\n"
+        "E   assert 1 == 2\n"
+        "tests/gpu/test_b.py::test_z SKIPPED (needs two GPUs) [14%]\n"
+    )
+    got = _gpu_check_module()._from_log(str(log))
+    assert (got["total"], got["passed"], got["failed"], got["skipped"]) == (3, 1, 1, 1)
+    assert got["failures"] == ["tests/gpu/test_a.py::test_y[sync]"]
