@@ -184,6 +184,28 @@ run_parallel(const step_args *a, int threads)
     }
 }
 
+/* The error for a tensor that is not on the CPU (a CUDA or meta tensor):
+   the kernel reads and writes its memory directly, so it refuses it and
+   says where the 8-bit update for that device is. */
+static void
+refuse_device(ms_state *st, PyObject *t, const char *what)
+{
+    PyObject *dev = PyObject_GetAttr(t, st->s_device);
+    PyObject *name = dev ? PyObject_Str(dev) : NULL;
+    Py_XDECREF(dev);
+    if (name == NULL) {
+        return;
+    }
+    PyErr_Format(PyExc_ValueError,
+                 "adamw8bit_step: %s is on %U, and memscale's 8-bit kernel "
+                 "runs on CPU tensors only; memscale.optim.AdamW8bit keeps "
+                 "float32 moments for parameters elsewhere, and "
+                 "memscale.optim.make_8bit_adamw picks bitsandbytes' "
+                 "AdamW8bit for CUDA parameters when it is installed",
+                 what, name);
+    Py_DECREF(name);
+}
+
 /* The data pointer of `t` after checking it: a contiguous CPU tensor of
    `dtype_name` with `numel` elements (numel < 0: any, reported back). */
 static void *
@@ -211,8 +233,7 @@ checked_ptr(ms_state *st, PyObject *t, const char *what,
     ok = ms_is_on_cpu(st, t);
     if (ok <= 0) {
         if (ok == 0) {
-            PyErr_Format(PyExc_ValueError,
-                         "adamw8bit_step: %s must be on the CPU", what);
+            refuse_device(st, t, what);
         }
         return NULL;
     }

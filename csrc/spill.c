@@ -40,6 +40,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stddef.h> /* offsetof, for the member tables */
 #include <string.h>
 #include <unistd.h>
 

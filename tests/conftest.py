@@ -10,6 +10,7 @@ import sys
 import textwrap
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -30,6 +31,29 @@ def pytest_configure(config) -> None:
     # module through tests/zoo_models.py and keeps torch's threads.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def cuda_skip_reason() -> str | None:
+    """Why a test marked ``cuda`` cannot run here (None when it can)."""
+    if torch.cuda.is_available():
+        return None
+    return (
+        "needs a CUDA device: torch.cuda.is_available() is False (torch "
+        f"{torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); "
+        "run bash scripts/gpu-check.sh on a GPU machine"
+    )
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    # Tests marked cuda (tests/gpu) are skipped, each with the reason, where
+    # there is no CUDA device: the suite stays green on CPU machines and
+    # says what it did not run.
+    reason = cuda_skip_reason()
+    if reason is None:
+        return
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 class Block(nn.Module):

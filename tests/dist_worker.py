@@ -1,6 +1,10 @@
 """Worker for tests/test_distributed.py: real torch.distributed processes
 (gloo, CPU).  Usage: python dist_worker.py SCENARIO PORT OUT_DIR
 
+With MEMSCALE_DIST_BACKEND=nccl (tests/gpu/test_cuda_distributed.py) each
+rank trains on its own GPU, deterministically (eager attention,
+torch.use_deterministic_algorithms), and offload goes to the host tier.
+
 Each rank writes OUT_DIR/rank<r>.pt with what the test compares.
 """
 
@@ -21,14 +25,26 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 
+BACKEND = os.environ.get("MEMSCALE_DIST_BACKEND", "gloo")
+
+
 def _grads(model):
     out = []
     for p in model.parameters():
         g = p.grad
         if hasattr(g, "full_tensor"):
             g = g.full_tensor()
-        out.append(g.detach().clone())
+        out.append(g.detach().cpu().clone())
     return out
+
+
+def _offloaded(executor):
+    """Tensors the executor offloaded: to the host tier from a GPU, to
+    disk on the CPU."""
+    host = executor.offload_host
+    if host is not None:
+        return host.stats["to_pool"] + host.stats["to_pageable"] + host.stats["to_disk"]
+    return executor.offload_store.stats["tensors_written"]
 
 
 def _step(target, x):
@@ -64,10 +80,14 @@ def _train(rank, scenario, use_memscale, budget_gb=None):
 
     import memscale
 
-    model = tiny_gpt2(dropout=0.0)  # same seed: same weights on every rank
+    if BACKEND == "nccl":
+        # Fused attention has no deterministic backward on CUDA.
+        model = tiny_gpt2(dropout=0.0, attn_implementation="eager").to(f"cuda:{rank}")
+    else:
+        model = tiny_gpt2(dropout=0.0)  # same seed: same weights on every rank
     model.train()
     torch.manual_seed(100 + rank)  # each rank its own batch
-    x = token_batch(batch=2, seq=32)
+    x = token_batch(batch=2, seq=32).to(next(model.parameters()).device)
     info = {}
     if unrepeatable:
         _unrepeatable(model, rank)
@@ -105,7 +125,7 @@ def _train(rank, scenario, use_memscale, budget_gb=None):
             layers=[list(layer.techniques) for layer in plan.layers],
         )
         info["recomputes"] = wrapped._memscale_executor.stats["recomputes"]
-        info["spilled"] = wrapped._memscale_executor.offload_store.stats["tensors_written"]
+        info["spilled"] = _offloaded(wrapped._memscale_executor)
         memscale.detach(wrapped)
     return info
 
@@ -113,7 +133,11 @@ def _train(rank, scenario, use_memscale, budget_gb=None):
 def run(rank, world, scenario, port, out_dir):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if BACKEND == "nccl":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.cuda.set_device(rank)
+        torch.use_deterministic_algorithms(True)
+    dist.init_process_group(BACKEND, rank=rank, world_size=world)
     result = {}
     try:
         if scenario in ("ddp", "ddp-outer", "fsdp2", "ddp-first", "ddp-outer-first"):

@@ -296,3 +296,24 @@ def test_a_step_is_visible_to_autograd():
     before = p._version
     opt.step()
     assert p._version > before
+
+
+def test_8bit_kernel_refuses_a_tensor_off_the_cpu_by_name():
+    n = 256
+    meta = dict(device="meta")
+    args = [
+        torch.zeros(n),
+        torch.zeros(n),
+        torch.zeros(n, dtype=torch.int8),
+        torch.zeros(n // 64),
+        torch.zeros(n, dtype=torch.uint8),
+        torch.zeros(n // 64),
+    ]
+    kwargs = dict(
+        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, block=64, threads=1
+    )
+    for i, what in enumerate(["param", "grad", "exp_avg", "exp_avg_scale"]):
+        moved = list(args)
+        moved[i] = torch.empty_like(args[i], **meta)
+        with pytest.raises(ValueError, match=rf"{what} is on meta, and memscale's 8-bit kernel"):
+            _core.adamw8bit_step(*moved, **kwargs)

@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import sys
+import traceback
 import warnings
 from typing import Any
 
@@ -29,7 +30,7 @@ from .runner import RSS_ENV, VARIANT_HELP, VARIANTS, VariantResult, rss_env, run
 RSS_OVER_PEAK = 1.2
 
 
-def machine() -> dict[str, Any]:
+def machine(device: torch.device | None = None) -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -55,7 +56,36 @@ def machine() -> dict[str, Any]:
         "transformers": tf_version,
         "memscale": memscale.__version__,
         "platform": platform.platform(),
+        **(_accelerator(device) if device is not None and device.type != "cpu" else {}),
     }
+
+
+def _accelerator(device: torch.device) -> dict[str, Any]:
+    """The device the suite ran on, when it is not the host CPU."""
+    hardware = _hardware.detect(device.type, device.index or 0)
+    return {
+        "device": str(device),
+        "device_name": hardware.name,
+        "device_capacity_bytes": hardware.capacity_bytes,
+        "cuda": torch.version.cuda,
+    }
+
+
+def check_device(name: str) -> torch.device:
+    """The ``--device`` the suite can run on here; ``ValueError`` saying
+    why not otherwise."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {name}: no CUDA device here (torch.cuda.is_available() is "
+            f"False; torch {torch.__version__}, built for CUDA "
+            f"{torch.version.cuda or 'none'})"
+        )
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(
+            f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return device
 
 
 def _ratio(r: VariantResult) -> str:
@@ -223,6 +253,15 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=5, help="timed steps per variant (median reported)"
     )
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEVICE",
+        choices=["cpu", "cuda"] + [f"cuda:{i}" for i in range(16)],
+        help="where to train: cpu (default; the peak is the exact live tensor "
+        "bytes) or cuda (the peak is the device's own, "
+        "torch.cuda.max_memory_allocated after reset_peak_memory_stats; no RSS)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every raw figure here")
     parser.add_argument(
         "--plot",
@@ -230,6 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         help="write a PNG of memory "
         "against time ratio here (default with --json: the JSON "
         "path with .png; needs matplotlib, the [bench] extra)",
+    )
+    parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="when a model fails, say so and go on with the next one (exit status 1 at the end)",
+    )
+    parser.add_argument(
+        "--no-plot",
+        action="store_true",
+        help="write no PNG beside --json (for a machine without matplotlib)",
     )
     parser.add_argument(
         "--sweep",
@@ -243,7 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    if args.json and not args.plot:
+    try:
+        device = check_device(args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if device.type != "cpu" and args.sweep:
+        parser.error("--sweep runs on the CPU only; leave out --device")
+    if device.type != "cpu":
+        args.no_rss = True  # host RSS says nothing of device memory
+    if args.no_plot and args.plot:
+        parser.error("--plot and --no-plot: choose one")
+    if args.json and not args.plot and not args.no_plot:
         args.plot = os.path.splitext(args.json)[0] + ".png"
     # Say so now, not after a run of many minutes.
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -268,9 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
-    ram = _hardware.detect("cpu").capacity_bytes
+    ram = _hardware.detect(device.type, device.index or 0).capacity_bytes
     results: list[VariantResult] = []
     skipped: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
     from tqdm import tqdm
 
     bar = tqdm(entries, unit="model", disable=not sys.stderr.isatty(), file=sys.stderr)
@@ -302,13 +362,22 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append({"model": entry.name, "reason": reason})
             print(f"skipping {entry.name}: {reason}", file=sys.stderr)
             continue
-        rows = run_model(
-            entry,
-            args.variants,
-            repeats=args.repeats,
-            rss=not args.no_rss,
-            progress=lambda m: bar.set_description(m),
-        )
+        try:
+            rows = run_model(
+                entry,
+                args.variants,
+                repeats=args.repeats,
+                rss=not args.no_rss,
+                progress=lambda m: bar.set_description(m),
+                device=device,
+            )
+        except Exception as exc:
+            if not args.keep_going:
+                raise
+            failed.append({"model": entry.name, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"FAILED {entry.name}: {type(exc).__name__}: {exc}", flush=True)
+            traceback.print_exc()
+            continue
         results.extend(rows)
         if bar.disable:  # no terminal: a line per finished row instead of the bar
             for r in rows:
@@ -316,7 +385,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(table(results))
     for r in results:
-        if r.offload:
+        if r.offload and "bytes_to_host" in r.offload:
+            print(
+                f"offload {r.model} {r.variant}: "
+                f"{format_bytes(r.offload['bytes_to_host'])} per step to host memory, "
+                f"{format_bytes(r.offload['bytes_written'])} on to disk"
+            )
+        elif r.offload:
             o = r.offload
             print(
                 f"offload {r.model} {r.variant}: {format_bytes(o['bytes_written'])} "
@@ -325,21 +400,32 @@ def main(argv: list[str] | None = None) -> int:
             )
     for s in skipped:
         print(f"skipped {s['model']}: {s['reason']}")
-    print(
-        "\npeak: live tensor bytes at the highest point of a training step "
-        "(allocator events, exact); RSS: peak resident memory of a fresh "
-        "process training the variant (glibc MALLOC_MMAP_THRESHOLD_=65536 "
-        "unless set: freed tensors go back to the system); time ratio: median step time over "
-        f"the unoptimized median ({args.repeats} steps per variant, all "
-        "variants of a model timed round-robin in one process when they "
-        "fit in memory together), in brackets the least and greatest ratio "
-        "of one round."
-    )
+    if device.type != "cpu":
+        print(
+            f"\npeak: {device}'s own, torch.cuda.max_memory_allocated during one "
+            "training step (after one warm-up step and reset_peak_memory_stats): "
+            "every tensor there and the libraries' workspaces, in the allocator's "
+            "512-byte blocks; time ratio: median step time (the device synchronized "
+            f"after each step) over the unoptimized median ({args.repeats} steps per "
+            "variant), in brackets the least and greatest ratio of one round."
+        )
+    else:
+        print(
+            "\npeak: live tensor bytes at the highest point of a training step "
+            "(allocator events, exact); RSS: peak resident memory of a fresh "
+            "process training the variant (glibc MALLOC_MMAP_THRESHOLD_=65536 "
+            "unless set: freed tensors go back to the system); time ratio: median step time over "
+            f"the unoptimized median ({args.repeats} steps per variant, all "
+            "variants of a model timed round-robin in one process when they "
+            "fit in memory together), in brackets the least and greatest ratio "
+            "of one round."
+        )
     if args.json:
         payload = {
             "schema": "memscale-benchmarks/1",
-            "machine": machine(),
+            "machine": machine(device),
             "settings": {
+                "device": str(device),
                 "full": args.full,
                 "repeats": args.repeats,
                 "variants": args.variants,
@@ -349,13 +435,16 @@ def main(argv: list[str] | None = None) -> int:
             "variants": VARIANT_HELP,
             "results": [r.to_dict() for r in results],
             "skipped": skipped,
+            **({"failed": failed} if failed else {}),
         }
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=1)
-    if args.plot:
+    if args.plot and results:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
-    return 0
+    for failure in failed:
+        print(f"failed {failure['model']}: {failure['error']}")
+    return 1 if failed else 0
 
 
 def _sweep_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -44,9 +44,14 @@ class BenchmarkModel:
     hf: bool = False  # a Hugging Face model
     reference: str | None = None  # the published row it matches
 
-    def build(self, seed: int = 0) -> tuple[nn.Module, Batch]:
+    def build(self, seed: int = 0, device: torch.device | str = "cpu") -> tuple[nn.Module, Batch]:
+        """The model and its batch, made on the CPU from ``seed`` (the same
+        weights and inputs whatever the device), then moved to ``device``."""
+        device = torch.device(device)
         torch.manual_seed(seed)
-        model, batch = _BUILDERS[self.family](**self.params)
+        model, batch = _BUILDERS[self.family](**self.params, device=device)
+        if device.type != "cpu":
+            model.to(device)
         model.train()
         return model, batch
 
@@ -72,6 +77,14 @@ class BenchmarkModel:
 # ---- builders ------------------------------------------------------------
 
 
+def _on(device: torch.device | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on ``device``: made on the CPU from a generator (the same
+    values on every device), moved only when the device is another."""
+    if device is None or device.type == "cpu":
+        return tensors
+    return tuple(t.to(device) for t in tensors)
+
+
 class MLPBlock(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -84,13 +97,16 @@ class MLPBlock(nn.Module):
         return self.norm(x + self.fc2(self.act(self.fc1(x))))
 
 
-def _mlp(width: int, depth: int, batch: int, meta: bool = False):
+def _mlp(
+    width: int, depth: int, batch: int, meta: bool = False, device: torch.device | None = None
+):
     model = nn.Sequential(*[MLPBlock(width) for _ in range(depth)])
     if meta:
         return model, None
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, width, generator=g)
     target = torch.randn(batch, width, generator=g)
+    x, target = _on(device, x, target)
     return model, Batch((x,), {}, lambda out: nn.functional.mse_loss(out, target))
 
 
@@ -107,7 +123,15 @@ class ConvBlock(nn.Module):
         return torch.relu(x + self.bn2(self.conv2(h)))
 
 
-def _cnn(channels: int, depth: int, image: int, batch: int, classes: int = 10, meta: bool = False):
+def _cnn(
+    channels: int,
+    depth: int,
+    image: int,
+    batch: int,
+    classes: int = 10,
+    meta: bool = False,
+    device: torch.device | None = None,
+):
     model = nn.Sequential(
         nn.Conv2d(3, channels, 3, padding=1),
         *[ConvBlock(channels) for _ in range(depth)],
@@ -120,6 +144,7 @@ def _cnn(channels: int, depth: int, image: int, batch: int, classes: int = 10, m
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 3, image, image, generator=g)
     y = torch.randint(0, classes, (batch,), generator=g)
+    x, y = _on(device, x, y)
     return model, Batch((x,), {}, lambda out: nn.functional.cross_entropy(out, y))
 
 
@@ -133,7 +158,14 @@ def _hf_loss(out: Any) -> torch.Tensor:
 
 
 def _gpt2(
-    layers: int, hidden: int, heads: int, vocab: int, seq: int, batch: int, meta: bool = False
+    layers: int,
+    hidden: int,
+    heads: int,
+    vocab: int,
+    seq: int,
+    batch: int,
+    meta: bool = False,
+    device: torch.device | None = None,
 ):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -150,12 +182,19 @@ def _gpt2(
     model = GPT2LMHeadModel(cfg)
     if meta:
         return model, None
-    ids = _tokens(vocab, batch, seq)
+    (ids,) = _on(device, _tokens(vocab, batch, seq))
     return model, Batch((), {"input_ids": ids, "labels": ids}, _hf_loss)
 
 
 def _bert(
-    layers: int, hidden: int, heads: int, vocab: int, seq: int, batch: int, meta: bool = False
+    layers: int,
+    hidden: int,
+    heads: int,
+    vocab: int,
+    seq: int,
+    batch: int,
+    meta: bool = False,
+    device: torch.device | None = None,
 ):
     from transformers import BertConfig, BertForMaskedLM
 
@@ -173,11 +212,19 @@ def _bert(
     ids = _tokens(vocab, batch, seq)
     labels = ids.clone()
     labels[:, ::2] = -100  # score every other position, as masked LM does
+    ids, labels = _on(device, ids, labels)
     return model, Batch((), {"input_ids": ids, "labels": labels}, _hf_loss)
 
 
 def _llama(
-    layers: int, hidden: int, heads: int, vocab: int, seq: int, batch: int, meta: bool = False
+    layers: int,
+    hidden: int,
+    heads: int,
+    vocab: int,
+    seq: int,
+    batch: int,
+    meta: bool = False,
+    device: torch.device | None = None,
 ):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -197,7 +244,7 @@ def _llama(
     model = LlamaForCausalLM(cfg)
     if meta:
         return model, None
-    ids = _tokens(vocab, batch, seq)
+    (ids,) = _on(device, _tokens(vocab, batch, seq))
     return model, Batch((), {"input_ids": ids, "labels": ids}, _hf_loss)
 
 

@@ -37,7 +37,7 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -53,7 +53,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import memscale
 from memscale import _core, _hardware
 
-from .._measure import measure_peak, peak_rss_subprocess
+from .._measure import peak_rss_subprocess
+from .device import measure_step_peak, synchronizer
 from .models import BENCHMARK_MODELS, Batch, BenchmarkModel
 
 MODES = {
@@ -81,8 +82,8 @@ VARIANTS = (
 VARIANT_HELP = {
     "unoptimized": "the model as is",
     "conservative": "memscale.wrap, CONSERVATIVE, force_optimize=True",
-    "balanced": "memscale.wrap, BALANCED (checkpointing + disk offload on "
-    "this CPU host), force_optimize=True",
+    "balanced": "memscale.wrap, BALANCED (checkpointing + offload: to disk "
+    "on a CPU host, to pinned host memory from a GPU), force_optimize=True",
     "balanced-async": "as balanced, with async_offload=True (C I/O thread, prefetch in backward)",
     "aggressive": "memscale.wrap, AGGRESSIVE, force_optimize=True",
     "torch-checkpoint": "torch.utils.checkpoint (non-reentrant) on every layer; "
@@ -170,6 +171,10 @@ def _checkpoint_every_unit(model: nn.Module, selective: bool = False) -> None:
         parent._modules[child] = CheckpointEach(child_module, selective)
 
 
+def _no_sync() -> None:
+    return None
+
+
 @dataclass
 class Prepared:
     model: nn.Module
@@ -178,6 +183,9 @@ class Prepared:
     plan_hash: str | None
     techniques: dict[str, int] | None
     plan: Any = None  # the memscale Plan applied, if any
+    # Drains the device's queue (CUDA) before a clock is read; a no-op on
+    # the CPU.
+    sync: Callable[[], None] = field(default=_no_sync)
 
     def step(self) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -198,9 +206,11 @@ class Prepared:
             memscale.detach(self.model)
 
 
-def prepare(entry: BenchmarkModel, variant: str) -> Prepared:
-    """Build ``entry`` (seed 0: identical weights and batch) as ``variant``."""
-    model, batch = entry.build(seed=0)
+def prepare(entry: BenchmarkModel, variant: str, device: torch.device | str = "cpu") -> Prepared:
+    """Build ``entry`` (seed 0: identical weights and batch) as ``variant``,
+    on ``device``."""
+    device = torch.device(device)
+    model, batch = entry.build(seed=0, device=device)
     plan_hash: str | None = None
     techniques: dict[str, int] | None = None
     plan: Any = None
@@ -233,7 +243,7 @@ def prepare(entry: BenchmarkModel, variant: str) -> Prepared:
         raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return Prepared(model, batch, optimizer, plan_hash, techniques, plan)
+    return Prepared(model, batch, optimizer, plan_hash, techniques, plan, synchronizer(device))
 
 
 @dataclass
@@ -337,9 +347,16 @@ def run_model(
     repeats: int = 5,
     rss: bool = True,
     progress: Callable[[str], None] | None = None,
+    device: torch.device | str = "cpu",
 ) -> list[VariantResult]:
-    """Measure every applicable variant of ``entry``; the first result is
-    always the unoptimized baseline."""
+    """Measure every applicable variant of ``entry`` on ``device``; the
+    first result is always the unoptimized baseline.  On the CPU the peak
+    is the exact live tensor bytes (allocator events); on CUDA the
+    device's own (``max_memory_allocated``), and there is no RSS figure
+    (``rss`` must be False: a host process's RSS says nothing of it)."""
+    device = torch.device(device)
+    if rss and device.type != "cpu":
+        raise ValueError(f"rss=True measures the host process; on {device} pass rss=False")
     names = ["unoptimized"] + [v for v in variants if v != "unoptimized" and applies(entry, v)]
     note = progress or (lambda _msg: None)
 
@@ -375,15 +392,16 @@ def run_model(
     predicted: dict[str, float | None] = {}
     for name in names:
         note(f"{entry.name}: agreement and memory of {name}")
-        prepared = prepare(entry, name)
+        prepared = prepare(entry, name, device)
         loss = prepared.forward_backward(seed=1234).item()
         grads = _grads(prepared.model)
         if reference_grads is None:
             reference_loss, reference_grads = loss, grads
         agreement[name] = (loss, abs(loss - reference_loss), _max_diff(grads, reference_grads))
         del grads
-        memory[name] = measure_peak(
+        memory[name] = measure_step_peak(
             prepared.step,
+            device,
             model=prepared.model,
             inputs=(prepared.batch.args, prepared.batch.kwargs, prepared.optimizer.state),
             warmup=1,
@@ -399,13 +417,12 @@ def run_model(
     # Time: all variants alive and timed round-robin (median per variant)
     # when they fit in memory together; otherwise one after the other.
     note(f"{entry.name}: step time")
-    interleaved = (
-        entry.estimated_training_bytes() * len(names) < 0.5 * _hardware.detect("cpu").capacity_bytes
-    )
+    capacity = _hardware.detect(device.type, device.index or 0).capacity_bytes
+    interleaved = entry.estimated_training_bytes() * len(names) < 0.5 * capacity
     times, offload = (
-        _time_interleaved(entry, names, repeats)
+        _time_interleaved(entry, names, repeats, device)
         if interleaved
-        else _time_sequential(entry, names, repeats)
+        else _time_sequential(entry, names, repeats, device)
     )
 
     base_median = statistics.median(times["unoptimized"])
@@ -457,7 +474,11 @@ def _offload_counters(prepared: Prepared) -> dict[str, float] | None:
     if store is None:
         return None
     stats = store.stats
-    return {key: float(stats[key]) for key in OFFLOAD_FIGURES}
+    counters = {key: float(stats[key]) for key in OFFLOAD_FIGURES}
+    host = getattr(executor, "offload_host", None)
+    if host is not None:  # a GPU's host tier: bytes copied to host memory
+        counters["bytes_to_host"] = float(host.bytes_to_host)
+    return counters
 
 
 def _per_step(
@@ -465,17 +486,20 @@ def _per_step(
 ) -> dict[str, float] | None:
     if before is None or after is None or steps <= 0:
         return None
-    return {key: (after[key] - before[key]) / steps for key in OFFLOAD_FIGURES}
+    return {key: (after[key] - before[key]) / steps for key in before}
 
 
 Timings = tuple[dict[str, list[float]], dict[str, dict[str, float] | None]]
 
 
-def _time_interleaved(entry: BenchmarkModel, names: list[str], repeats: int) -> Timings:
-    live = {name: prepare(entry, name) for name in names}
+def _time_interleaved(
+    entry: BenchmarkModel, names: list[str], repeats: int, device: torch.device
+) -> Timings:
+    live = {name: prepare(entry, name, device) for name in names}
     for _ in range(WARMUP_ROUNDS):  # optimizer state, allocator, page cache
         for prepared in live.values():
             prepared.step()
+            prepared.sync()
     times: dict[str, list[float]] = {name: [] for name in names}
     offload: dict[str, dict[str, float] | None] = {}
     before = {name: _offload_counters(p) for name, p in live.items()}
@@ -483,6 +507,7 @@ def _time_interleaved(entry: BenchmarkModel, names: list[str], repeats: int) -> 
         for name in names:
             start = time.perf_counter()
             live[name].step()
+            live[name].sync()
             times[name].append(time.perf_counter() - start)
     for name, prepared in live.items():
         offload[name] = _per_step(before[name], _offload_counters(prepared), repeats)
@@ -493,18 +518,22 @@ def _time_interleaved(entry: BenchmarkModel, names: list[str], repeats: int) -> 
     return times, offload
 
 
-def _time_sequential(entry: BenchmarkModel, names: list[str], repeats: int) -> Timings:
+def _time_sequential(
+    entry: BenchmarkModel, names: list[str], repeats: int, device: torch.device
+) -> Timings:
     times: dict[str, list[float]] = {}
     offload: dict[str, dict[str, float] | None] = {}
     for name in names:
-        prepared = prepare(entry, name)
+        prepared = prepare(entry, name, device)
         for _ in range(WARMUP_ROUNDS):
             prepared.step()
+        prepared.sync()
         times[name] = []
         before = _offload_counters(prepared)
         for _ in range(repeats):
             start = time.perf_counter()
             prepared.step()
+            prepared.sync()
             times[name].append(time.perf_counter() - start)
         offload[name] = _per_step(before, _offload_counters(prepared), repeats)
         prepared.close()

@@ -1,0 +1,88 @@
+"""The OOM predictor against the device: memscale.predict_peak of one
+training step of each quick benchmark model, unoptimized and under the
+CONSERVATIVE plan, against torch.cuda.max_memory_allocated of that step.
+
+Two measured figures per step: the device's own peak, and the tensors'
+(the bytes of the tensors the step starts with, counted from their
+storages, plus the allocator's rise during the step: what the predictor
+predicts, without the libraries' workspaces made before the step).  The
+target is 5% error on both; the figures are recorded either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_helpers import DEV, fresh_device, record
+
+import memscale
+from memscale.benchmarks.device import CudaMemory, measure_device_peak
+from memscale.benchmarks.measure import live_storage_bytes
+from memscale.benchmarks.models import BENCHMARK_MODELS
+
+pytestmark = pytest.mark.cuda
+
+TARGET = 0.05
+QUICK = sorted(name for name, m in BENCHMARK_MODELS.items() if m.size == "quick")
+CONSERVATIVE = memscale.Config(mode="conservative", force_optimize=True, enable_logging=False)
+
+
+def _measure(model, batch, optimizer) -> dict[str, int]:
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        batch.loss_fn(model(*batch.args, **batch.kwargs)).backward()
+        optimizer.step()
+
+    step()  # gradients and optimizer state exist, as the prediction assumes
+    torch.cuda.synchronize()
+    tensors = live_storage_bytes(model, (batch.args, batch.kwargs, optimizer.state))
+    report = measure_device_peak(step, CudaMemory(DEV), warmup=0)
+    return {
+        "device_peak": report.peak_bytes,
+        "tensor_peak": tensors + report.peak_delta_bytes,
+        "device_start": report.start_bytes,
+        "tensor_start": tensors,
+    }
+
+
+def _error(predicted: int, measured: int) -> float:
+    return (predicted - measured) / measured
+
+
+@pytest.mark.parametrize("name", QUICK)
+def test_predicted_peak_within_target_of_the_device(name):
+    fresh_device()
+    entry = BENCHMARK_MODELS[name]
+    if entry.hf:
+        pytest.importorskip("transformers", reason="transformers is not installed")
+    rows = {}
+    for variant in ("unoptimized", "conservative"):
+        model, batch = entry.build(seed=0, device=DEV)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        prediction = memscale.predict_peak(
+            model, batch.sample_input, CONSERVATIVE, optimizer, loss_fn=batch.loss_fn
+        )
+        assert prediction.device == "cuda" and prediction.simulated_on.startswith("cuda")
+        if variant == "conservative":
+            memscale.wrap(model, CONSERVATIVE, sample_input=batch.sample_input, optimizer=optimizer)
+            plan = model._memscale_executor.plan
+            chosen = tuple(layer.name for layer in plan.layers if layer.techniques)
+            assert chosen == prediction.checkpointed_layers
+            predicted = prediction.optimized.peak_bytes
+        else:
+            predicted = prediction.unoptimized.peak_bytes
+        measured = _measure(model, batch, optimizer)
+        rows[variant] = {
+            "predicted": predicted,
+            **measured,
+            "error_vs_device": _error(predicted, measured["device_peak"]),
+            "error_vs_tensors": _error(predicted, measured["tensor_peak"]),
+        }
+        if variant == "conservative":
+            memscale.detach(model)
+        del model, batch, optimizer
+        fresh_device()
+    record(f"predict_{name}", rows)
+    for variant, row in rows.items():
+        assert abs(row["error_vs_tensors"]) <= TARGET, (variant, row)
+    for variant, row in rows.items():
+        assert abs(row["error_vs_device"]) <= TARGET, (variant, row)
