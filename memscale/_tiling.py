@@ -224,6 +224,21 @@ def verify(unit: nn.Module, forward: Any, args: tuple, kwargs: dict, tiles: int)
 _MISSING = object()
 
 
+def _tiled_forward(tiled: Any, whole: Any) -> Any:
+    """The forward of a tiled layer: ``tiled`` (the executor's
+    ``_TiledForward``); under ``torch.compile``, which cannot trace it,
+    ``whole``, the layer's forward untiled (``memscale._compiled``
+    checkpoints it and lists tiling as not applied)."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return whole(*args, **kwargs)
+        return tiled(*args, **kwargs)
+
+    forward.tiled = tiled  # type: ignore[attr-defined]
+    return forward
+
+
 def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> None:
     """Give each layer the plan tiles a tiled forward (restored by
     ``detach``) and the executor its verifier."""
@@ -238,7 +253,9 @@ def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> Non
     for i in tiled:
         unit = units[i][1]
         previous = unit.__dict__.get("forward", _MISSING)
-        unit.__dict__["forward"] = executor.tiled_forward(i, unit.forward)
+        unit.__dict__["forward"] = _tiled_forward(
+            executor.tiled_forward(i, unit.forward), unit.forward
+        )
 
         def restore(unit: nn.Module = unit, previous: Any = previous) -> None:
             if previous is _MISSING:

@@ -21,6 +21,7 @@ import torch
 
 from . import (
     _budget,
+    _compiled,
     _copying,
     _core,
     _distributed,
@@ -417,7 +418,7 @@ def _plan_after_warmup(
         _budget.check(plan, problem, plan_config, _model.optimizer_state_bytes(model, optimizer))
         _offload.attach(executor, plan_config, plan)
         _tiling.install(executor, units, plan)
-        executor.count_layer_recomputes(units, plan)
+        executor.plan_applied(plan)
         _after_plan(model, executor, plan, problem)
         _telemetry.plan_built(executor, plan, model)
         return plan
@@ -451,7 +452,10 @@ def wrap(
             "memscale.wrap() needs a torch.nn.Module (or a Hugging "
             f"Face Trainer), got {type(target).__name__}"
         )
-    model = target
+    # torch.compile(model) then wrap: the compiled module is wrapped, and
+    # the user's compiled object, which calls it, keeps working (the plan
+    # is then carried out inside its graph: memscale._compiled).
+    model = _torch_compat.compiled_inner(target) or target
     if model.__dict__.get(ATTR) is not None:
         raise RuntimeError(
             "this model is already wrapped by memscale; call "
@@ -500,6 +504,7 @@ def wrap(
         executor.init_python_state(config, hardware, method)
         executor.optimizer = optimizer
         executor.units = units
+        _compiled.install(executor, units)  # before any other forward of ours
         executor.count_steps(optimizer)
         executor.on_detach(observability.attach_logging(config))
         executor.on_detach(
@@ -536,7 +541,10 @@ def detach(model: Any) -> bool:
     """Remove everything ``wrap`` attached to ``model`` and delete
     ``model._memscale_executor``; False, with nothing done, when the model
     is not wrapped.  ``memscale.detach`` (:func:`memscale._entry.detach`)
-    warns then, and takes a Trainer too."""
+    warns then, and takes a Trainer too.  A ``torch.compile`` wrapper is
+    looked through: the module it compiles is detached (the compiled code
+    recompiles at its next call, without memscale)."""
+    model = _torch_compat.compiled_inner(model) or model
     executor = getattr(model, "__dict__", {}).get(ATTR)
     if executor is None:
         return False
@@ -560,7 +568,7 @@ def optimize(
     8-bit counterpart, ``executor.optimizer``: train with that one."""
     wrap(model, config, sample_input, optimizer=optimizer)
     try:
-        yield model.__dict__[ATTR]
+        yield (_torch_compat.compiled_inner(model) or model).__dict__[ATTR]
     finally:
         detach(model)
 
@@ -608,4 +616,4 @@ def apply_all_optimizations(
         use_8bit_optimizer=replace or (optimizer is not None and optim.is_8bit(optimizer)),
     )
     wrap(model, config, sample_input, optimizer=optimizer)
-    return model, model.__dict__[ATTR].optimizer
+    return model, (_torch_compat.compiled_inner(model) or model).__dict__[ATTR].optimizer
