@@ -76,7 +76,28 @@ VARIANTS = (
     "torch-checkpoint",
     "torch-selective",
     "checkpoint-sequential",
+    # Compiled with torch.compile (inductor): not run unless asked for
+    # (--variants), as compiling takes minutes on a small CPU host.
+    "unoptimized-compiled",
+    "conservative-compiled",
+    "torch-checkpoint-compiled",
+    "compile-memory-budget",
 )
+
+COMPILED_VARIANTS = {
+    "unoptimized-compiled": "unoptimized",
+    "conservative-compiled": "conservative",
+    "torch-checkpoint-compiled": "torch-checkpoint",
+    "compile-memory-budget": "unoptimized",
+}
+
+# What `python -m memscale.benchmarks` runs unless --variants says otherwise.
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in COMPILED_VARIANTS)
+
+# The compile peer's torch._functorch.config.activation_memory_budget: 0,
+# the least activation memory AOT autograd's partitioner can reach by
+# recomputing (1 is its default, memory-unaware partition).
+ACTIVATION_MEMORY_BUDGET = 0.0
 
 VARIANT_HELP = {
     "unoptimized": "the model as is",
@@ -92,6 +113,13 @@ VARIANT_HELP = {
     "op recomputed in backward",
     "checkpoint-sequential": "torch.utils.checkpoint.checkpoint_sequential, "
     "sqrt(n) segments (sequential models only)",
+    "unoptimized-compiled": "the model as is, torch.compile (inductor)",
+    "conservative-compiled": "memscale.wrap, CONSERVATIVE, force_optimize=True, then "
+    "torch.compile (inductor): the plan as checkpoint regions in the graph",
+    "torch-checkpoint-compiled": "torch-checkpoint, then torch.compile (inductor)",
+    "compile-memory-budget": "torch.compile (inductor) with "
+    f"torch._functorch.config.activation_memory_budget={ACTIVATION_MEMORY_BUDGET}: "
+    "the partitioner recomputes to the least activation memory",
 }
 
 
@@ -157,6 +185,21 @@ class CheckpointSequential(nn.Module):
         return checkpoint_sequential(self.inner, self.segments, x, use_reentrant=False)
 
 
+class MemoryBudgetCompiled(nn.Module):
+    """A model compiled by ``torch.compile`` under an
+    ``activation_memory_budget`` (in force whenever it compiles: the first
+    call, and any recompile)."""
+
+    def __init__(self, inner: nn.Module, budget: float) -> None:
+        super().__init__()
+        self.budget = budget
+        self.compiled = torch.compile(inner)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+            return self.compiled(*args, **kwargs)
+
+
 def applies(entry: BenchmarkModel, variant: str) -> bool:
     return variant != "checkpoint-sequential" or entry.sequential
 
@@ -193,13 +236,31 @@ class Prepared:
         loss.backward()
         return loss.detach()
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the model runs compiled (inductor kernels allocate
+        outside the dispatcher: FlopCounterMode cannot count them)."""
+        return isinstance(self.model, MemoryBudgetCompiled) or hasattr(self.model, "_orig_mod")
+
     def close(self) -> None:
-        if "_memscale_executor" in self.model.__dict__:
+        if _wrapped(self.model):
             memscale.detach(self.model)
+
+
+def _wrapped(model: nn.Module) -> bool:
+    inner = getattr(model, "_orig_mod", model)
+    return "_memscale_executor" in inner.__dict__
 
 
 def prepare(entry: BenchmarkModel, variant: str) -> Prepared:
     """Build ``entry`` (seed 0: identical weights and batch) as ``variant``."""
+    if variant in COMPILED_VARIANTS:
+        prepared = prepare(entry, COMPILED_VARIANTS[variant])
+        if variant == "compile-memory-budget":
+            prepared.model = MemoryBudgetCompiled(prepared.model, ACTIVATION_MEMORY_BUDGET)
+        else:
+            prepared.model = torch.compile(prepared.model)
+        return prepared
     model, batch = entry.build(seed=0)
     plan_hash: str | None = None
     techniques: dict[str, int] | None = None
@@ -258,8 +319,9 @@ class VariantResult:
     timing: str  # "interleaved" (round-robin in one process) or "sequential"
     # The judge: FLOPs of one training step (FlopCounterMode), their ratio
     # to the unoptimized step's, and memscale's prediction of that ratio.
-    step_flops: int = 0
-    recompute_overhead: float = 1.0
+    # (None for compiled variants: their kernels run outside the dispatcher.)
+    step_flops: int | None = 0
+    recompute_overhead: float | None = 1.0
     predicted_recompute_overhead: float | None = None
     # Offload per timed step (variants with a disk tier, else None):
     # bytes_written, io_seconds (time the I/O took, on the C thread when
@@ -285,6 +347,12 @@ def predicted_overhead(plan: Any) -> float | None:
     about three forwards, and the plan recomputes ``recompute_ratio`` of
     one forward."""
     return None if plan is None else 1.0 + plan.recompute_ratio / 3.0
+
+
+def _overhead(flops: int | None, base: int | None) -> float | None:
+    if flops is None:
+        return None
+    return flops / base if base else 1.0
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor | None]:
@@ -371,7 +439,7 @@ def run_model(
     agreement: dict[str, tuple[float, float, float]] = {}
     memory: dict[str, Any] = {}
     meta: dict[str, tuple[str | None, dict[str, int] | None]] = {}
-    flops: dict[str, int] = {}
+    flops: dict[str, int | None] = {}
     predicted: dict[str, float | None] = {}
     for name in names:
         note(f"{entry.name}: agreement and memory of {name}")
@@ -388,7 +456,7 @@ def run_model(
             inputs=(prepared.batch.args, prepared.batch.kwargs, prepared.optimizer.state),
             warmup=1,
         )
-        flops[name] = step_flops(prepared.step)
+        flops[name] = None if prepared.compiled else step_flops(prepared.step)
         meta[name] = (prepared.plan_hash, prepared.techniques)
         predicted[name] = predicted_overhead(prepared.plan)
         prepared.close()
@@ -439,9 +507,7 @@ def run_model(
                 timing="interleaved" if interleaved else "sequential",
                 offload=offload.get(name),
                 step_flops=flops[name],
-                recompute_overhead=flops[name] / flops["unoptimized"]
-                if flops["unoptimized"]
-                else 1.0,
+                recompute_overhead=_overhead(flops[name], flops["unoptimized"]),
                 predicted_recompute_overhead=predicted[name],
             )
         )
