@@ -334,9 +334,8 @@ def test_inductor_gradients_match_the_compiled_unwrapped_model():
 @pytest.mark.slow
 def test_hf_trainer_with_torch_compile(tmp_path, monkeypatch):
     from conftest import TokenDataset
-    from transformers import Trainer, TrainerCallback
-
     from torch._dynamo.backends import registry
+    from transformers import Trainer, TrainerCallback
 
     # aot_eager (AOT autograd's partition, quicker than inductor), seen by us.
     backend = Graphs()
