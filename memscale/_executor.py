@@ -279,6 +279,7 @@ class Executor(_core.Executor):
             lines.append(f"memscale: no plan yet; it is made {when}")
         else:
             lines.append(plan_table(plan))
+            lines.extend(note.message() for note in self.__dict__.get("compile_fallbacks", ()))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
