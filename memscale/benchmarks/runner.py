@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -259,7 +259,7 @@ def prepare(entry: BenchmarkModel, variant: str) -> Prepared:
         if variant == "compile-memory-budget":
             prepared.model = MemoryBudgetCompiled(prepared.model, ACTIVATION_MEMORY_BUDGET)
         else:
-            prepared.model = torch.compile(prepared.model)
+            prepared.model = cast(nn.Module, torch.compile(prepared.model))
         return prepared
     model, batch = entry.build(seed=0)
     plan_hash: str | None = None
