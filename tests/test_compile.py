@@ -265,6 +265,30 @@ def test_what_cannot_run_compiled_is_listed_and_logged_once_per_layer(caplog):
     memscale.detach(model)
 
 
+def test_a_segment_is_one_region_per_layer_when_compiled():
+    from test_segments import X, Chain, segment_plan, segments
+
+    model, ref = twins(lambda: Chain(depth=4))
+    for m in (model, ref):
+        for module in m.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    executor, plan = segment_plan(model, X, frac=0.9, inflate=20)
+    executor.apply(plan)
+    checkpointed = [layer for layer in plan.layers if "checkpoint" in layer.techniques]
+    groups = [s for s in set(segments(plan)) if segments(plan).count(s) > 1 and s >= 0]
+    assert groups, segments(plan)
+    notes = [f for f in executor.compile_fallbacks if f.technique == "segment"]
+    assert len(notes) == len(groups)
+    backend = Graphs()
+    step(torch.compile(model, backend=backend), X)
+    assert backend.regions() == len(checkpointed)
+    assert graph_breaks() == 0
+    step(ref, X)
+    assert_same_grads(model, ref)
+    memscale.detach(model)
+
+
 def test_tiled_layers_run_whole_and_checkpointed_when_compiled():
     model, ref = twins(lambda: mlp(depth=2, p=0.0))
     x = torch.randn(16, 32)
