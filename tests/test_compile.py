@@ -266,7 +266,7 @@ def test_what_cannot_run_compiled_is_listed_and_logged_once_per_layer(caplog):
 
 
 def test_a_segment_is_one_region_per_layer_when_compiled():
-    from test_segments import X, Chain, segment_plan, segments
+    from test_segments import Chain, X, segment_plan, segments
 
     model, ref = twins(lambda: Chain(depth=4))
     for m in (model, ref):
