@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -38,8 +39,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch._dynamo.utils as dynamo_utils
+# Compile times from scratch: no graph or kernel cached on disk by an
+# earlier variant or run.
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+
+import torch  # noqa: E402
+import torch._dynamo.utils as dynamo_utils  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -75,7 +80,7 @@ def _counts() -> tuple[int, int]:
     return graphs, breaks
 
 
-def measure(model_name: str, variants: list[str], repeats: int) -> dict[str, Any]:
+def measure(model_name: str, variants: list[str], repeats: int, save: Any = None) -> dict[str, Any]:
     entry = BENCHMARK_MODELS[model_name]
     rows: dict[str, dict[str, Any]] = {}
     ref: tuple[float, list[torch.Tensor | None]] | None = None
@@ -110,6 +115,16 @@ def measure(model_name: str, variants: list[str], repeats: int) -> dict[str, Any
             warmup=1,
         )
         row["peak_bytes"] = report.peak_bytes
+        if save is not None:  # what is measured so far, in case a later variant fails
+            save(
+                {
+                    "model": model_name,
+                    "partial": True,
+                    "variants": {
+                        k: {x: y for x, y in v.items() if x != "_grads"} for k, v in rows.items()
+                    },
+                }
+            )
         print(f"  {json.dumps({k: v for k, v in row.items() if k != '_grads'})}", flush=True)
         live[name] = prepared  # timed below, compiled once
     for row in rows.values():
@@ -161,12 +176,18 @@ def main() -> None:
         "peak": "allocator events of a steady training step (torch.profiler, profile_memory=True)",
         "models": [],
     }
-    for name in args.models:  # written after each model, in case a later one fails
-        results["models"].append(measure(name, args.variants, args.repeats))
-        text = json.dumps(results, indent=2)
+
+    def save(partial: dict[str, Any] | None = None) -> str:
+        models = results["models"] + ([partial] if partial is not None else [])
+        text = json.dumps({**results, "models": models}, indent=2)
         if args.out is not None:
             args.out.write_text(text + "\n")
-    print(text)
+        return text
+
+    for name in args.models:
+        results["models"].append(measure(name, args.variants, args.repeats, save))
+        save()
+    print(save())
 
 
 if __name__ == "__main__":

@@ -185,19 +185,18 @@ class CheckpointSequential(nn.Module):
         return checkpoint_sequential(self.inner, self.segments, x, use_reentrant=False)
 
 
-class MemoryBudgetCompiled(nn.Module):
-    """A model compiled by ``torch.compile`` under an
-    ``activation_memory_budget`` (in force whenever it compiles: the first
-    call, and any recompile)."""
+def memory_budget_backend(budget: float) -> Callable[..., Any]:
+    """Inductor, partitioning forward and backward under
+    ``torch._functorch.config.activation_memory_budget = budget`` (a
+    backend of its own, so that no graph compiled without the budget is
+    reused)."""
+    from torch._inductor.compile_fx import compile_fx
 
-    def __init__(self, inner: nn.Module, budget: float) -> None:
-        super().__init__()
-        self.budget = budget
-        self.compiled = torch.compile(inner)
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch._functorch.config.patch(activation_memory_budget=self.budget):
-            return self.compiled(*args, **kwargs)
+    return backend
 
 
 def applies(entry: BenchmarkModel, variant: str) -> bool:
@@ -240,7 +239,7 @@ class Prepared:
     def compiled(self) -> bool:
         """Whether the model runs compiled (inductor kernels allocate
         outside the dispatcher: FlopCounterMode cannot count them)."""
-        return isinstance(self.model, MemoryBudgetCompiled) or hasattr(self.model, "_orig_mod")
+        return hasattr(self.model, "_orig_mod")
 
     def close(self) -> None:
         if _wrapped(self.model):
@@ -256,10 +255,12 @@ def prepare(entry: BenchmarkModel, variant: str) -> Prepared:
     """Build ``entry`` (seed 0: identical weights and batch) as ``variant``."""
     if variant in COMPILED_VARIANTS:
         prepared = prepare(entry, COMPILED_VARIANTS[variant])
-        if variant == "compile-memory-budget":
-            prepared.model = MemoryBudgetCompiled(prepared.model, ACTIVATION_MEMORY_BUDGET)
-        else:
-            prepared.model = cast(nn.Module, torch.compile(prepared.model))
+        backend = (
+            memory_budget_backend(ACTIVATION_MEMORY_BUDGET)
+            if variant == "compile-memory-budget"
+            else "inductor"
+        )
+        prepared.model = cast(nn.Module, torch.compile(prepared.model, backend=backend))
         return prepared
     model, batch = entry.build(seed=0)
     plan_hash: str | None = None
