@@ -159,13 +159,53 @@ def measure(model_name: str, variants: list[str], repeats: int, save: Any = None
     return {"model": model_name, "description": entry.description, "variants": rows}
 
 
+def table(results: dict[str, Any]) -> str:
+    """The results as a Markdown table (what docs/compile.md shows)."""
+    lines = [
+        "| model | variant | first step (compile) | graphs / breaks | peak "
+        "| loss, grads vs compiled unwrapped (rel.) | step | time ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for model in results["models"]:
+        for name, row in model["variants"].items():
+            graphs = (
+                "-" if row.get("graphs") is None else f"{row['graphs']} / {row['graph_breaks']}"
+            )
+            agree = (
+                f"{row['loss_rel_diff_vs_compiled']:.1g}, {row['grad_max_rel_diff_vs_compiled']:.1g}"
+                if "loss_rel_diff_vs_compiled" in row and row.get("graphs") is not None
+                else "-"  # eager: dropout draws other random numbers than compiled code
+            )
+            timing = (
+                (
+                    f"{row['step_median_s']:.1f} s",
+                    f"{row['time_ratio']:.2f}x ({row['time_ratio_spread'][0]:.2f}-"
+                    f"{row['time_ratio_spread'][1]:.2f})",
+                )
+                if "step_median_s" in row
+                else ("-", "-")
+            )
+            lines.append(
+                f"| {model['model']} | {name} | {row['first_step_s']:.0f} s | {graphs} "
+                f"| {row['peak_bytes'] / 2**20:.1f} MiB | {agree} | {timing[0]} | {timing[1]} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt2-12l", "llama-12l"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--table", nargs="+", type=Path, metavar="JSON", help="print these results as a table"
+    )
     args = parser.parse_args()
+    if args.table:
+        for path in args.table:
+            print(table(json.loads(path.read_text())))
+        return
     torch.manual_seed(0)
     results = {
         "command": "OMP_NUM_THREADS=1 python scripts/measure_compile.py " + " ".join(sys.argv[1:]),
