@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _attention, _core
+from . import _attention, _copying, _core
 from ._verify import max_difference, named_tensors, rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -264,7 +264,8 @@ def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> Non
                 unit.__dict__["forward"] = previous
 
         executor.on_detach(restore)
-        if previous is not _MISSING:  # the copy gets the user's own forward
+        if previous is not _MISSING and not _copying.is_ours(previous):
+            # The copy gets the user's own forward (memscale's are dropped).
 
             def restore_copy(
                 copy_of: Any, unit: nn.Module = unit, previous: Any = previous
