@@ -224,19 +224,26 @@ def verify(unit: nn.Module, forward: Any, args: tuple, kwargs: dict, tiles: int)
 _MISSING = object()
 
 
-def _tiled_forward(tiled: Any, whole: Any) -> Any:
+class _TiledForward:
     """The forward of a tiled layer: ``tiled`` (the executor's
-    ``_TiledForward``); under ``torch.compile``, which cannot trace it,
+    ``_TiledForward``, whose attributes it shows, such as the ``dim`` its
+    tiles run along); under ``torch.compile``, which cannot trace it,
     ``whole``, the layer's forward untiled (``memscale._compiled``
     checkpoints it and lists tiling as not applied)."""
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return whole(*args, **kwargs)
-        return tiled(*args, **kwargs)
+    def __init__(self, tiled: Any, whole: Any) -> None:
+        self.tiled = tiled
+        self.whole = whole
 
-    forward.tiled = tiled  # type: ignore[attr-defined]
-    return forward
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.whole(*args, **kwargs)
+        return self.tiled(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("tiled", "whole"):  # not set yet (copying, pickling)
+            raise AttributeError(name)
+        return getattr(self.tiled, name)
 
 
 def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> None:
@@ -253,7 +260,7 @@ def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> Non
     for i in tiled:
         unit = units[i][1]
         previous = unit.__dict__.get("forward", _MISSING)
-        unit.__dict__["forward"] = _tiled_forward(
+        unit.__dict__["forward"] = _TiledForward(
             executor.tiled_forward(i, unit.forward), unit.forward
         )
 
