@@ -48,7 +48,7 @@ class _Dropped:
 _DROPPED = _Dropped()
 
 
-def _is_ours(obj: Any) -> bool:
+def is_ours(obj: Any) -> bool:
     """Whether ``obj`` is one of memscale's objects (an executor, a hook or
     forward it installed): its type, its function or its ``__self__`` is
     defined in the memscale package."""
@@ -87,11 +87,11 @@ def unwrapped_copy(
             # Only what memscale sets on a module: the executor, the copier,
             # a tiled forward.  (A user's own memscale.Config attribute, say,
             # is copied like anything else.)
-            if key in (*_INSTALLED, _EXECUTOR_ATTR) or (key == "forward" and _is_ours(value)):
+            if key in (*_INSTALLED, _EXECUTOR_ATTR) or (key == "forward" and is_ours(value)):
                 drop(value)
         for _, table in _hook_tables(module):
             for hook in list(table.values()):
-                if _is_ours(hook):
+                if is_ours(hook):
                     drop(hook)
     # Around the deepcopy, the copier is not visible on the model, so that
     # deepcopy copies the model as a plain module.

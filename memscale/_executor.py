@@ -12,15 +12,14 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import _core
+import torch
+
+from . import _compiled, _core
 from ._format import format_bytes, plan_table
 from ._hardware import Hardware
 from .config import Config
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +72,9 @@ class Executor(_core.Executor):
         # the copy one change that detach undoes on the model.
         self._copy_fixups: list[Callable[[Callable[[Any], Any]], None]] = []
         self.layer_recomputes = 0  # see count_layer_recomputes
+        # What of the plan is not applied under torch.compile (see
+        # memscale._compiled.fallbacks); set with each plan.
+        self.compile_fallbacks: tuple[_compiled.CompileFallback, ...] = ()
         self.optimizer_steps = 0  # see count_steps
         # memscale._step_in_backward.StepInBackward (optimizer_in_backward)
         self.step_in_backward: Any = None
@@ -97,6 +99,31 @@ class Executor(_core.Executor):
         self._first_forward = first
         self._measure_instead = measure_instead
         self._plan_from = plan_from
+
+    # The module hooks (registered by the C executor under these names):
+    # while dynamo traces a forward they return at once, since the plan is
+    # then carried out inside the compiled graph (memscale._compiled) and
+    # dynamo cannot trace the C hooks nor compile their saved-tensor hooks.
+
+    def _pre(self, module: Any, args: Any, kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return super()._pre(module, args, kwargs)
+
+    def _post(self, module: Any, args: Any, output: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return super()._post(module, args, output)
+
+    def _root_pre(self, module: Any, args: Any, kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return super()._root_pre(module, args, kwargs)
+
+    def _root_post(self, module: Any, args: Any, output: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return super()._root_post(module, args, output)
 
     def enter_root(self, module: torch.nn.Module) -> None:
         """What the root module's forward pre-hook does, called by hand: a
@@ -187,12 +214,12 @@ class Executor(_core.Executor):
         """Count in ``layer_recomputes`` the forwards of the layers the plan
         recomputes that run during backward: the recomputes, layer by layer
         (``stats['recomputes']`` counts segments).  Removed by detach."""
-        import torch
-
         ref = weakref.ref(self)
         graph_task = torch._C._current_graph_task_id
 
         def counted(module: torch.nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling():
+                return  # compiled: the recompute is in the graph
             ex = ref()
             if ex is not None and graph_task() != -1 and not ex.is_paused():
                 ex.layer_recomputes += 1
@@ -215,9 +242,15 @@ class Executor(_core.Executor):
     def apply(self, plan: Any) -> None:
         """Apply ``plan`` (see ``memscale._core.Executor.apply``)."""
         super().apply(plan)
+        self.plan_applied(plan)
+
+    def plan_applied(self, plan: Any) -> None:
+        """What follows a new plan on the Python side: the recompute
+        counters and the compiled path (``memscale._compiled``)."""
         units = self.__dict__.get("units")
         if units is not None:
             self.count_layer_recomputes(units, plan)
+        _compiled.update(self, plan)
 
     @property
     def plans_on_first_forward(self) -> bool:
@@ -274,6 +307,7 @@ class Executor(_core.Executor):
             lines.append(f"memscale: no plan yet; it is made {when}")
         else:
             lines.append(plan_table(plan))
+            lines.extend(note.message() for note in self.__dict__.get("compile_fallbacks", ()))
         return "\n".join(lines)
 
     def __repr__(self) -> str:

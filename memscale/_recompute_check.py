@@ -239,6 +239,10 @@ class RecomputeCheck:
     def _forward(
         self, i: int, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        if torch.compiler.is_compiling():
+            # Compiled: the recompute is part of the graph, not a replay of
+            # this forward (memscale._compiled); nothing to check.
+            return inner(*args, **kwargs)
         hooks = _torch_compat.top_saved_tensors_hooks()
         if (
             self._busy
@@ -358,6 +362,8 @@ class RecomputeCheck:
         """Before a forward: the plan made again without the layers that
         failed the check (once per failed layer); under torch.distributed,
         the layers that failed on any rank, with the plan exchanged."""
+        if torch.compiler.is_compiling():
+            return  # planning is eager; the compiled path needs no check
         executor = self._executor()
         if executor is None or self._problem is None:
             return

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _attention, _core
+from . import _attention, _copying, _core
 from ._verify import max_difference, named_tensors, rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -224,6 +224,28 @@ def verify(unit: nn.Module, forward: Any, args: tuple, kwargs: dict, tiles: int)
 _MISSING = object()
 
 
+class _TiledForward:
+    """The forward of a tiled layer: ``tiled`` (the executor's
+    ``_TiledForward``, whose attributes it shows, such as the ``dim`` its
+    tiles run along); under ``torch.compile``, which cannot trace it,
+    ``whole``, the layer's forward untiled (``memscale._compiled``
+    checkpoints it and lists tiling as not applied)."""
+
+    def __init__(self, tiled: Any, whole: Any) -> None:
+        self.tiled = tiled
+        self.whole = whole
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.whole(*args, **kwargs)
+        return self.tiled(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("tiled", "whole"):  # not set yet (copying, pickling)
+            raise AttributeError(name)
+        return getattr(self.tiled, name)
+
+
 def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> None:
     """Give each layer the plan tiles a tiled forward (restored by
     ``detach``) and the executor its verifier."""
@@ -238,7 +260,9 @@ def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> Non
     for i in tiled:
         unit = units[i][1]
         previous = unit.__dict__.get("forward", _MISSING)
-        unit.__dict__["forward"] = executor.tiled_forward(i, unit.forward)
+        unit.__dict__["forward"] = _TiledForward(
+            executor.tiled_forward(i, unit.forward), unit.forward
+        )
 
         def restore(unit: nn.Module = unit, previous: Any = previous) -> None:
             if previous is _MISSING:
@@ -247,7 +271,8 @@ def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> Non
                 unit.__dict__["forward"] = previous
 
         executor.on_detach(restore)
-        if previous is not _MISSING:  # the copy gets the user's own forward
+        if previous is not _MISSING and not _copying.is_ours(previous):
+            # The copy gets the user's own forward (memscale's are dropped).
 
             def restore_copy(
                 copy_of: Any, unit: nn.Module = unit, previous: Any = previous

@@ -17,6 +17,7 @@ hook tables, and falls back to re-applying the plan.
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -301,3 +302,14 @@ def default_foreach(params: list[torch.Tensor]) -> bool:
         return False
     _, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
     return bool(foreach)
+
+
+def compiled_inner(target: Any) -> Any:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``, which
+    keeps it as ``_orig_mod``) compiles, or None when ``target`` is not one."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is None or not isinstance(target, optimized):
+        return None
+    inner = target.__dict__.get("_modules", {}).get("_orig_mod")
+    return inner if isinstance(inner, torch.nn.Module) else None

@@ -14,6 +14,7 @@ import torch
 
 from . import (
     _budget,
+    _compiled,
     _copying,
     _core,
     _distributed,
@@ -282,6 +283,7 @@ class Wrapping:
         executor.init_python_state(config, self.hardware, method)
         executor.optimizer = self.optimizer
         executor.units = self.units
+        _compiled.install(executor, self.units)  # before any other forward of ours
         executor.count_steps(self.optimizer)
         executor.on_detach(observability.attach_logging(config))
         executor.on_detach(
@@ -354,7 +356,7 @@ class Wrapping:
         if apply:
             executor.apply(plan)
         else:
-            executor.count_layer_recomputes(self.units, plan)
+            executor.plan_applied(plan)
         _after_plan(self.model, executor, plan, problem)
         return plan
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import _step_in_backward, _telemetry, _wrapping, optim
+from . import _step_in_backward, _telemetry, _torch_compat, _wrapping, optim
 from ._executor import Executor
 from ._wrapping import ATTR
 from .config import AsyncOffloadConfig, Config, OptimizationMode
@@ -70,18 +70,22 @@ def _warn_8bit_without_optimizer(config: Config, optimizer: Any) -> None:
 
 
 def _checked_target(target: Any) -> torch.nn.Module:
-    """``target`` as a model that is not wrapped yet, or a clear error."""
+    """The model ``target`` stands for, not wrapped yet, or a clear error.
+    ``torch.compile(model)`` then wrap: the compiled module is wrapped, and
+    the user's compiled object, which calls it, keeps working (the plan is
+    then carried out inside its graph: memscale._compiled)."""
     if not isinstance(target, torch.nn.Module):
         raise TypeError(
             "memscale.wrap() needs a torch.nn.Module (or a Hugging "
             f"Face Trainer), got {type(target).__name__}"
         )
-    if target.__dict__.get(ATTR) is not None:
+    model: torch.nn.Module = _torch_compat.compiled_inner(target) or target
+    if model.__dict__.get(ATTR) is not None:
         raise RuntimeError(
             "this model is already wrapped by memscale; call "
             "memscale.detach(model) before wrapping it again"
         )
-    return target
+    return model
 
 
 def _training_optimizer(
@@ -139,7 +143,10 @@ def detach(model: Any) -> bool:
     """Remove everything ``wrap`` attached to ``model`` and delete
     ``model._memscale_executor``; False, with nothing done, when the model
     is not wrapped.  ``memscale.detach`` (:func:`memscale._entry.detach`)
-    warns then, and takes a Trainer too."""
+    warns then, and takes a Trainer too.  A ``torch.compile`` wrapper is
+    looked through: the module it compiles is detached (the compiled code
+    recompiles at its next call, without memscale)."""
+    model = _torch_compat.compiled_inner(model) or model
     executor = getattr(model, "__dict__", {}).get(ATTR)
     if executor is None:
         return False
@@ -163,7 +170,7 @@ def optimize(
     8-bit counterpart, ``executor.optimizer``: train with that one."""
     wrap(model, config, sample_input, optimizer=optimizer)
     try:
-        yield model.__dict__[ATTR]
+        yield (_torch_compat.compiled_inner(model) or model).__dict__[ATTR]
     finally:
         detach(model)
 
@@ -211,4 +218,4 @@ def apply_all_optimizations(
         use_8bit_optimizer=replace or (optimizer is not None and optim.is_8bit(optimizer)),
     )
     wrap(model, config, sample_input, optimizer=optimizer)
-    return model, model.__dict__[ATTR].optimizer
+    return model, (_torch_compat.compiled_inner(model) or model).__dict__[ATTR].optimizer

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from memscale.benchmarks.models import BENCHMARK_MODELS, select
-from memscale.benchmarks.runner import VARIANTS, run_model
+from memscale.benchmarks.runner import DEFAULT_VARIANTS, VARIANTS, prepare, run_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def test_json_schema(suite_run):
     for key in ("cpu", "cores", "ram_bytes", "torch", "python", "memscale"):
         assert key in doc["machine"]
     results = doc["results"]
-    assert {r["variant"] for r in results} == set(VARIANTS)
+    assert {r["variant"] for r in results} == set(DEFAULT_VARIANTS)
     assert results[0]["variant"] == "unoptimized"
     for r in results:
         assert set(r) == RESULT_KEYS
@@ -137,6 +137,40 @@ def test_table_progress_lines_and_default_plot(suite_run):
     assert stdout.index(rows[-1]) < stdout.index("reduction")
     # The PNG is written beside the JSON without --plot.
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compiled_variants_are_asked_for_by_name():
+    compiled = set(VARIANTS) - set(DEFAULT_VARIANTS)
+    assert compiled == {
+        "unoptimized-compiled",
+        "conservative-compiled",
+        "torch-checkpoint-compiled",
+        "compile-memory-budget",
+    }
+    entry = BENCHMARK_MODELS["mlp"]
+    p = prepare(entry, "conservative-compiled")  # compiles at its first call
+    assert p.compiled and p.model._memscale_executor.plan.technique_counts["checkpoint"] > 0
+    p.close()
+    assert "_memscale_executor" not in p.model._orig_mod.__dict__
+    p = prepare(entry, "compile-memory-budget")
+    assert p.compiled and "_memscale_executor" not in p.model._orig_mod.__dict__
+    assert not prepare(entry, "conservative").compiled
+
+
+@pytest.mark.slow
+def test_compiled_variants_measured_at_the_allocator():
+    """Inductor on the smallest quick model: the plan compiled keeps the
+    eager plan's memory (its peak within 5%), torch's checkpointing
+    compiled likewise; the peak is the allocator's, which sees compiled
+    kernels' buffers."""
+    entry = BENCHMARK_MODELS[_smallest()]
+    variants = ["conservative", "unoptimized-compiled", "conservative-compiled"]
+    results = {r.variant: r for r in run_model(entry, variants, repeats=1, rss=False)}
+    peak = {name: r.peak_bytes for name, r in results.items()}
+    assert peak["conservative-compiled"] <= 1.05 * peak["conservative"]
+    assert peak["conservative-compiled"] < peak["unoptimized-compiled"]
+    assert results["conservative-compiled"].recompute_overhead is None
+    assert results["conservative-compiled"].grad_max_abs_diff < 1e-4
 
 
 @pytest.mark.slow

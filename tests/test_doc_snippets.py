@@ -92,6 +92,7 @@ CONTEXTS: dict[str, tuple[Callable[[Path], dict[str, Any]], bool]] = {
     "README.md": (lambda tmp: {}, True),  # the Quickstart, then the context manager on its names
     "docs/8bit-optimizer.md": (_gpt2, False),
     "docs/below-the-floor.md": (_gpt2, False),
+    "docs/compile.md": (_gpt2, True),
     "docs/distributed.md": (_gpt2, False),
     "docs/integrations.md": (_integrations, False),
     "docs/observability.md": (lambda tmp: {}, False),
@@ -105,6 +106,14 @@ EDITS: dict[tuple[str, str], Callable[[Path], str]] = {
     # max_batch_size confirms the largest batch that fits with a real step:
     # at 20 GiB that is a 17 GiB step on this tiny model.
     ("docs/prediction.md", "budget_bytes=20 << 30"): lambda tmp: "budget_bytes=64 << 20",
+    # Inductor's code generation takes a minute here; aot_eager traces and
+    # partitions the same graph (the checkpoint regions), without it.
+    ("docs/compile.md", "torch.compile(model)"): lambda tmp: (
+        'torch.compile(model, backend="aot_eager")'
+    ),
+    ("docs/compile.md", "torch.compile(build_model())"): lambda tmp: (
+        'torch.compile(build_model(), backend="aot_eager")'
+    ),
     # The placeholder path of the telemetry file.
     ("docs/observability.md", "/path/to/"): lambda tmp: f"{tmp}/",
 }

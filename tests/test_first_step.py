@@ -208,7 +208,10 @@ def test_under_torch_compile_the_first_forward_plans_eagerly():
     torch._dynamo.reset()
     ref(x).sum().backward()
     ex = model._memscale_executor
-    assert ex.state == "applied" and ex.stats["recomputes"] == 2
+    # The plan ran as checkpoint regions in the graph, not as the C
+    # executor's frames (tests/test_compile.py).
+    assert ex.state == "applied" and ex.plan.technique_counts["checkpoint"] == 2
+    assert ex.stats["checkpoint_frames"] == 0
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
     memscale.detach(model)
 

@@ -23,7 +23,15 @@ from memscale import _hardware
 
 from .._format import format_bytes
 from .models import select
-from .runner import RSS_ENV, VARIANT_HELP, VARIANTS, VariantResult, rss_env, run_model
+from .runner import (
+    DEFAULT_VARIANTS,
+    RSS_ENV,
+    VARIANT_HELP,
+    VARIANTS,
+    VariantResult,
+    rss_env,
+    run_model,
+)
 
 # Peak RSS over peak live tensor bytes assumed when deciding whether a full
 # row fits (GPT-2 Medium 4x512 measured 17.4 GiB over 15.26 GiB: 1.14).
@@ -94,6 +102,8 @@ def _ratio(r: VariantResult) -> str:
 
 
 def _flops(r: VariantResult) -> str:
+    if r.recompute_overhead is None:
+        return "-"  # compiled: its kernels are not seen by FlopCounterMode
     text = f"{r.recompute_overhead:.3f}x"
     if r.predicted_recompute_overhead is not None:
         text += f" (pred {r.predicted_recompute_overhead:.3f}x)"
@@ -165,7 +175,7 @@ def plot(results: list[VariantResult], path: str) -> None:
     # A marker per variant and a colour per model; models in the legend as
     # colour patches (no marker of their own).  Points are half transparent,
     # larger variants drawn first, so one that lies on another shows through.
-    markers = dict(zip(VARIANTS, "o^sDvPXh"))
+    markers = dict(zip(VARIANTS, "o^sDvPXh<>*p"))
     sizes = {v: 150 - 12 * i for i, v in enumerate(VARIANTS)}
     # Left: the exact judge (FLOPs); right: the noisy one (time).
     fig, (by_flops, by_time) = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
@@ -192,7 +202,8 @@ def plot(results: list[VariantResult], path: str) -> None:
             "linewidths": 0.5,
         }
         by_time.scatter(r.time_ratio, y, **style)
-        by_flops.scatter(r.recompute_overhead, y, **style)
+        if r.recompute_overhead is not None:
+            by_flops.scatter(r.recompute_overhead, y, **style)
     handles: list[Artist] = [
         Patch(color=colors[i % len(colors)], label=name) for i, name in enumerate(models)
     ]
@@ -246,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         metavar="NAME",
         choices=VARIANTS,
-        default=list(VARIANTS),
-        help="variants to run: " + ", ".join(f"{k} ({v})" for k, v in VARIANT_HELP.items()),
+        default=list(DEFAULT_VARIANTS),
+        help="variants to run (default: all but the compiled ones): "
+        + ", ".join(f"{k} ({v})" for k, v in VARIANT_HELP.items()),
     )
     parser.add_argument(
         "--repeats", type=int, default=5, help="timed steps per variant (median reported)"

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -77,7 +77,28 @@ VARIANTS = (
     "torch-checkpoint",
     "torch-selective",
     "checkpoint-sequential",
+    # Compiled with torch.compile (inductor): not run unless asked for
+    # (--variants), as compiling takes minutes on a small CPU host.
+    "unoptimized-compiled",
+    "conservative-compiled",
+    "torch-checkpoint-compiled",
+    "compile-memory-budget",
 )
+
+COMPILED_VARIANTS = {
+    "unoptimized-compiled": "unoptimized",
+    "conservative-compiled": "conservative",
+    "torch-checkpoint-compiled": "torch-checkpoint",
+    "compile-memory-budget": "unoptimized",
+}
+
+# What `python -m memscale.benchmarks` runs unless --variants says otherwise.
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in COMPILED_VARIANTS)
+
+# The compile peer's torch._functorch.config.activation_memory_budget: 0,
+# the least activation memory AOT autograd's partitioner can reach by
+# recomputing (1 is its default, memory-unaware partition).
+ACTIVATION_MEMORY_BUDGET = 0.0
 
 VARIANT_HELP = {
     "unoptimized": "the model as is",
@@ -93,6 +114,13 @@ VARIANT_HELP = {
     "op recomputed in backward",
     "checkpoint-sequential": "torch.utils.checkpoint.checkpoint_sequential, "
     "sqrt(n) segments (sequential models only)",
+    "unoptimized-compiled": "the model as is, torch.compile (inductor)",
+    "conservative-compiled": "memscale.wrap, CONSERVATIVE, force_optimize=True, then "
+    "torch.compile (inductor): the plan as checkpoint regions in the graph",
+    "torch-checkpoint-compiled": "torch-checkpoint, then torch.compile (inductor)",
+    "compile-memory-budget": "torch.compile (inductor) with "
+    f"torch._functorch.config.activation_memory_budget={ACTIVATION_MEMORY_BUDGET}: "
+    "the partitioner recomputes to the least activation memory",
 }
 
 
@@ -158,6 +186,20 @@ class CheckpointSequential(nn.Module):
         return checkpoint_sequential(self.inner, self.segments, x, use_reentrant=False)
 
 
+def memory_budget_backend(budget: float) -> Callable[..., Any]:
+    """Inductor, partitioning forward and backward under
+    ``torch._functorch.config.activation_memory_budget = budget`` (a
+    backend of its own, so that no graph compiled without the budget is
+    reused)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    return backend
+
+
 def applies(entry: BenchmarkModel, variant: str) -> bool:
     return variant != "checkpoint-sequential" or entry.sequential
 
@@ -201,14 +243,34 @@ class Prepared:
         loss.backward()
         return loss.detach()
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the model runs compiled (inductor kernels allocate
+        outside the dispatcher: FlopCounterMode cannot count them)."""
+        return hasattr(self.model, "_orig_mod")
+
     def close(self) -> None:
-        if "_memscale_executor" in self.model.__dict__:
+        if _wrapped(self.model):
             memscale.detach(self.model)
+
+
+def _wrapped(model: nn.Module) -> bool:
+    inner = getattr(model, "_orig_mod", model)
+    return "_memscale_executor" in inner.__dict__
 
 
 def prepare(entry: BenchmarkModel, variant: str, device: torch.device | str = "cpu") -> Prepared:
     """Build ``entry`` (seed 0: identical weights and batch) as ``variant``,
     on ``device``."""
+    if variant in COMPILED_VARIANTS:
+        prepared = prepare(entry, COMPILED_VARIANTS[variant], device)
+        backend = (
+            memory_budget_backend(ACTIVATION_MEMORY_BUDGET)
+            if variant == "compile-memory-budget"
+            else "inductor"
+        )
+        prepared.model = cast(nn.Module, torch.compile(prepared.model, backend=backend))
+        return prepared
     device = torch.device(device)
     model, batch = entry.build(seed=0, device=device)
     plan_hash: str | None = None
@@ -268,8 +330,9 @@ class VariantResult:
     timing: str  # "interleaved" (round-robin in one process) or "sequential"
     # The judge: FLOPs of one training step (FlopCounterMode), their ratio
     # to the unoptimized step's, and memscale's prediction of that ratio.
-    step_flops: int = 0
-    recompute_overhead: float = 1.0
+    # (None for compiled variants: their kernels run outside the dispatcher.)
+    step_flops: int | None = 0
+    recompute_overhead: float | None = 1.0
     predicted_recompute_overhead: float | None = None
     # Offload per timed step (variants with a disk tier, else None):
     # bytes_written, io_seconds (time the I/O took, on the C thread when
@@ -295,6 +358,12 @@ def predicted_overhead(plan: Any) -> float | None:
     about three forwards, and the plan recomputes ``recompute_ratio`` of
     one forward."""
     return None if plan is None else 1.0 + plan.recompute_ratio / 3.0
+
+
+def _overhead(flops: int | None, base: int | None) -> float | None:
+    if flops is None:
+        return None
+    return flops / base if base else 1.0
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor | None]:
@@ -388,7 +457,7 @@ def run_model(
     agreement: dict[str, tuple[float, float, float]] = {}
     memory: dict[str, Any] = {}
     meta: dict[str, tuple[str | None, dict[str, int] | None]] = {}
-    flops: dict[str, int] = {}
+    flops: dict[str, int | None] = {}
     predicted: dict[str, float | None] = {}
     for name in names:
         note(f"{entry.name}: agreement and memory of {name}")
@@ -406,7 +475,7 @@ def run_model(
             inputs=(prepared.batch.args, prepared.batch.kwargs, prepared.optimizer.state),
             warmup=1,
         )
-        flops[name] = step_flops(prepared.step)
+        flops[name] = None if prepared.compiled else step_flops(prepared.step)
         meta[name] = (prepared.plan_hash, prepared.techniques)
         predicted[name] = predicted_overhead(prepared.plan)
         prepared.close()
@@ -456,9 +525,7 @@ def run_model(
                 timing="interleaved" if interleaved else "sequential",
                 offload=offload.get(name),
                 step_flops=flops[name],
-                recompute_overhead=flops[name] / flops["unoptimized"]
-                if flops["unoptimized"]
-                else 1.0,
+                recompute_overhead=_overhead(flops[name], flops["unoptimized"]),
                 predicted_recompute_overhead=predicted[name],
             )
         )

@@ -1,0 +1,230 @@
+"""memscale under ``torch.compile``: the plan applied inside the compiled graph.
+
+The executor carries out a plan through module hooks and saved-tensor
+hooks at run time (``csrc/hooks.c``, ``csrc/frame.c``).  Dynamo cannot
+trace those, and AOT autograd saves other tensors than an eager recompute
+would, so under tracing every hook of memscale returns at once (see
+``memscale._executor.Executor._pre``) and the plan takes this path
+instead:
+
+* every planning unit's ``forward`` is replaced, from ``wrap`` to
+  ``detach``, by :func:`_unit_forward`.  In eager mode it calls the
+  forward it replaced (the executor's hooks do the work, as always).
+  While dynamo traces it (``torch.compiler.is_compiling()``), a unit the
+  plan checkpoints runs its own forward through
+  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, which
+  dynamo turns into its checkpoint higher-order op: the region is in the
+  compiled graph, and AOT autograd's partitioner saves its inputs and
+  recomputes the rest in backward, as the eager frame does;
+* what the region carries is read from a :class:`_Regions` object, plain
+  Python that dynamo guards on: a new plan (or ``detach``, which puts the
+  forwards back) makes the compiled code recompile;
+* what the plan does that cannot run compiled is listed per layer
+  (:func:`fallbacks`, ``Executor.compile_fallbacks``), and logged once per
+  layer when the layer is first compiled: the layer is then only
+  checkpointed (see ``docs/compile.md``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CompileFallback", "fallbacks", "install", "update"]
+
+_MISSING = object()
+
+OFFLOAD = (
+    "offload moves the layer's inputs to its tier through saved-tensor hooks "
+    "and an I/O thread at run time, which a compiled graph cannot contain; "
+    "compiled, the layer is checkpointed and its inputs stay in memory"
+)
+TILING = (
+    "tiling runs the layer's forward slice by slice from C, which dynamo "
+    "cannot trace; compiled, the layer runs whole, checkpointed"
+)
+SEGMENT = (
+    "a checkpoint segment recomputes its layers from the first one's inputs "
+    "across their separate calls, which one checkpoint region cannot span; "
+    "compiled, each of its {n} layers is a checkpoint region of its own, and "
+    "the {k} activations between them are kept"
+)
+MIXED_PRECISION = (
+    "mixed precision enters autocast in the model's forward pre-hook and "
+    "leaves it in its forward hook, which dynamo cannot trace; compiled, the "
+    "model runs in its own precision: call the compiled model under "
+    "torch.autocast(...) yourself"
+)
+
+
+class CompileFallback(NamedTuple):
+    """A part of the plan that is not applied under ``torch.compile``:
+    ``layer`` (a unit's name, or ``""`` for the whole model), the
+    ``technique`` ("offload", "tiling", "segment" or "mixed_precision") and
+    why, with what runs instead (``reason``)."""
+
+    layer: str
+    technique: str
+    reason: str
+
+    def message(self) -> str:
+        where = f"layer {self.layer!r}" if self.layer else "the model"
+        return f"memscale: under torch.compile, {self.technique} of {where} is not applied: {self.reason}"
+
+
+def fallbacks(plan: Any, mixed_precision: bool = False) -> tuple[CompileFallback, ...]:
+    """What of ``plan`` is not applied when the model is compiled, one
+    entry per layer and technique (``mixed_precision``: the executor enters
+    autocast)."""
+    found: list[CompileFallback] = []
+    if mixed_precision:
+        found.append(CompileFallback("", "mixed_precision", MIXED_PRECISION))
+    if plan is None:
+        return tuple(found)
+    layers = plan.layers
+    seen_segments: set[int] = set()
+    for layer in layers:
+        techniques = set(layer.techniques)
+        if "checkpoint" not in techniques:
+            continue
+        if "offload" in techniques:
+            found.append(CompileFallback(layer.name, "offload", OFFLOAD))
+        if "tiling" in techniques or layer.tiles > 1:
+            found.append(CompileFallback(layer.name, "tiling", TILING))
+        seg = layer.segment
+        if seg >= 0 and seg not in seen_segments:
+            seen_segments.add(seg)
+            members = [
+                other
+                for other in layers
+                if other.segment == seg and "checkpoint" in other.techniques
+            ]
+            if len(members) > 1:
+                found.append(
+                    CompileFallback(
+                        layer.name,
+                        "segment",
+                        SEGMENT.format(n=len(members), k=len(members) - 1),
+                    )
+                )
+    return tuple(found)
+
+
+# Messages logged at the first trace of a layer, by key; dynamo calls
+# _announce for real while tracing (assume_constant_result), never at run
+# time.  Keys are dropped by update() and by detach.
+_PENDING: dict[int, tuple[str, ...]] = {}
+_KEYS = itertools.count(1)
+
+
+@torch.compiler.assume_constant_result
+def _announce(key: int) -> bool:
+    """Log what is not applied compiled for the layer of ``key``, once."""
+    for line in _PENDING.pop(key, ()):
+        logger.info("%s", line)
+    return True
+
+
+class _Regions:
+    """What the compiled path does, per unit index, for the current plan:
+    ``checkpoint[i]`` whether unit ``i`` runs as a checkpoint region,
+    ``announce[i]`` the key of its log lines (0: none)."""
+
+    def __init__(self, n: int) -> None:
+        self.checkpoint: tuple[bool, ...] = (False,) * n
+        self.announce: tuple[int, ...] = (0,) * n
+
+
+def _unit_forward(unit: nn.Module, index: int, inner: Any, regions: _Regions) -> Any:
+    """The forward installed on a unit: ``inner`` in eager mode, ``inner``
+    in a checkpoint region while dynamo traces it and the plan checkpoints
+    the unit (in training, with gradients on: what opens an eager frame)."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            key = regions.announce[index]
+            if key:
+                _announce(key)
+            if regions.checkpoint[index] and unit.training and torch.is_grad_enabled():
+                return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return inner(*args, **kwargs)
+
+    return forward
+
+
+def install(executor: Any, units: list[tuple[str, nn.Module]]) -> None:
+    """Give every unit the forward of the compiled path (put back by
+    ``detach``); no region until :func:`update` gives a plan.  Runs before
+    any other forward of memscale's is installed (tiling, the recompute
+    check), so that those wrap this one and it calls the unit's own."""
+    regions = _Regions(len(units))
+    executor.__dict__["_compile_regions"] = regions
+    ref = weakref.ref(executor)
+
+    def drop_notes() -> None:
+        ex = ref()
+        if ex is not None:
+            for key in ex.__dict__.get("_compile_regions", regions).announce:
+                _PENDING.pop(key, None)
+
+    executor.on_detach(drop_notes)
+    for i, (_, unit) in enumerate(units):
+        previous = unit.__dict__.get("forward", _MISSING)
+        unit.__dict__["forward"] = _unit_forward(unit, i, unit.forward, regions)
+
+        def restore(unit: nn.Module = unit, previous: Any = previous) -> None:
+            if previous is _MISSING:
+                unit.__dict__.pop("forward", None)
+            else:
+                unit.__dict__["forward"] = previous
+
+        executor.on_detach(restore)
+        if previous is not _MISSING:  # the copy gets the user's own forward
+
+            def restore_copy(
+                copy_of: Any, unit: nn.Module = unit, previous: Any = previous
+            ) -> None:
+                copy_of(unit).__dict__["forward"] = copy_of(previous)
+
+            executor.on_copy(restore_copy)
+
+
+def update(executor: Any, plan: Any) -> None:
+    """The compiled path follows ``plan`` (a new plan: the compiled code
+    recompiles); ``executor.compile_fallbacks`` says what of it is not
+    applied compiled, logged at each layer's first trace."""
+    regions = executor.__dict__.get("_compile_regions")
+    found = fallbacks(plan, executor.autocast is not None)
+    executor.__dict__["compile_fallbacks"] = found
+    if regions is None:
+        return
+    for key in regions.announce:
+        _PENDING.pop(key, None)
+    names = [layer.name for layer in plan.layers] if plan is not None else []
+    n = len(regions.checkpoint)
+    lines: list[list[str]] = [[] for _ in range(n)]
+    for note in found:
+        i = names.index(note.layer) if note.layer in names else 0
+        if i < n:
+            lines[i].append(note.message())
+    announce = []
+    for i in range(n):
+        if lines[i]:
+            key = next(_KEYS)
+            _PENDING[key] = tuple(lines[i])
+            announce.append(key)
+        else:
+            announce.append(0)
+    regions.announce = tuple(announce)
+    regions.checkpoint = tuple(
+        plan is not None and i < len(plan.layers) and "checkpoint" in plan.layers[i].techniques
+        for i in range(n)
+    )
