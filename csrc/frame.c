@@ -257,12 +257,10 @@ frame_rpack(Frame *self, PyObject *tensor)
                 "memscale: recomputing checkpointed layer %R gave a "
                 "tensor of shape %R where its forward saved %R (saved "
                 "tensor #%zd). The layer does not run the same way "
-                "twice: make its forward deterministic or exclude it "
-                "from checkpointing. A wrapped model compiled with "
-                "torch.compile (other than backend='eager') does "
-                "this: train the wrapped model without "
-                "torch.compile or with backend='eager', or "
-                "memscale.detach(model) before compiling it.",
+                "twice (its first step's recompute check, on by "
+                "default, catches this and plans without the layer; "
+                "see docs/checkpointing.md): make its forward "
+                "deterministic, or train without checkpointing it.",
                 ms_ex_unit_name(self->ex, self->index), shape,
                 PyList_GET_ITEM(self->shapes, k), k);
         }
