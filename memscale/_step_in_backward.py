@@ -416,6 +416,7 @@ class StepInBackward:
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            me._refuse_unhooked()
             opt._opt_called = True  # type: ignore[attr-defined]  # as lr schedulers expect
             _, post = _torch_compat.optimizer_step_hooks(opt)
             for h in post:
@@ -425,6 +426,32 @@ class StepInBackward:
         step._memscale_step_in_backward = True  # type: ignore[attr-defined]
         # A bound method, as torch's lr schedulers expect optimizer.step to be.
         return types.MethodType(step, self.optimizer)
+
+    def _refuse_unhooked(self) -> None:
+        """A parameter of the optimizer with a gradient that backward did
+        not update: made trainable, or added with ``add_param_group``, after
+        ``wrap``.  Updating nothing would leave it untrained without a
+        word: say so (its gradient is left as it is)."""
+        missed = [
+            (gi, pi, tuple(p.shape))
+            for gi, group in enumerate(self.optimizer.param_groups)
+            for pi, p in enumerate(group["params"])
+            if p.grad is not None and id(p) not in self._index
+        ]
+        if missed:
+            where = ", ".join(
+                f"group {gi} parameter {pi} {list(shape)}" for gi, pi, shape in missed[:5]
+            )
+            more = f" and {len(missed) - 5} more" if len(missed) > 5 else ""
+            raise RuntimeError(
+                "memscale: Config.optimizer_in_backward updates the parameters "
+                "that were trainable and in the optimizer when wrap() ran; "
+                f"{len(missed)} other parameter(s) have a gradient that nothing "
+                f"will apply ({where}{more}): made trainable or added with "
+                "add_param_group() after wrap. Call memscale.detach(model) and "
+                "wrap it again after changing which parameters train (their "
+                "gradients are kept)."
+            )
 
     # -- inside backward -------------------------------------------------
 

@@ -315,3 +315,27 @@ def test_the_disk_cap_keeps_the_rest_of_the_state_in_memory():
     tier = stats["tier"]
     assert tier["refused_over_cap"] > 0
     assert 0 < tier["peak_bytes_on_disk"] <= 64 << 10
+
+
+@pytest.mark.parametrize("how", ["unfrozen", "added"])
+def test_a_parameter_that_trains_only_after_wrap_is_refused_at_step(how):
+    """Staged unfreezing or add_param_group() after wrap: backward has no
+    hook on that parameter, so step() must not pass over it silently."""
+    model = tiny_gpt2(dropout=0.0)
+    late = model.transformer.wte.weight
+    late.requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained if how == "added" else model.parameters(), lr=1e-2)
+    memscale.wrap(model, IN_BACKWARD, optimizer=opt)
+    try:
+        late.requires_grad_(True)
+        if how == "added":
+            opt.add_param_group({"params": [late]})
+        x = token_batch(batch=2, seq=16)
+        model(input_ids=x, labels=x).loss.backward()
+        kept = late.grad.clone()
+        with pytest.raises(RuntimeError, match=r"after wrap.*memscale\.detach\(model\)"):
+            opt.step()
+        assert torch.equal(late.grad, kept)  # the gradient is not lost
+    finally:
+        memscale.detach(model)
