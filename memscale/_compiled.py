@@ -27,6 +27,7 @@ instead:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import weakref
@@ -143,12 +144,16 @@ class _Regions:
         self.announce: tuple[int, ...] = (0,) * n
 
 
-def _unit_forward(unit: nn.Module, index: int, inner: Any, regions: _Regions) -> Any:
-    """The forward installed on a unit: ``inner`` in eager mode, ``inner``
-    in a checkpoint region while dynamo traces it and the plan checkpoints
-    the unit (in training, with gradients on: what opens an eager frame)."""
+def _unit_forward(unit: nn.Module, index: int, own: Any, regions: _Regions) -> Any:
+    """The forward installed on a unit: its forward in eager mode, and in a
+    checkpoint region while dynamo traces it and the plan checkpoints the
+    unit (in training, with gradients on: what opens an eager frame).  Its
+    forward is ``own`` (the instance's own, set before wrap), else its
+    class's, looked up at each call: a class patched after ``wrap`` is seen,
+    as it would be without memscale."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        inner = own if own is not _MISSING else functools.partial(type(unit).forward, unit)
         if torch.compiler.is_compiling():
             key = regions.announce[index]
             if key:
@@ -178,7 +183,7 @@ def install(executor: Any, units: list[tuple[str, nn.Module]]) -> None:
     executor.on_detach(drop_notes)
     for i, (_, unit) in enumerate(units):
         previous = unit.__dict__.get("forward", _MISSING)
-        unit.__dict__["forward"] = _unit_forward(unit, i, unit.forward, regions)
+        unit.__dict__["forward"] = _unit_forward(unit, i, previous, regions)
 
         def restore(unit: nn.Module = unit, previous: Any = previous) -> None:
             if previous is _MISSING:

@@ -435,3 +435,29 @@ def test_compiled_lightning_module():
     assert backend.regions() == 2
     # The one break: the first step's planning, which runs eagerly.
     assert graph_breaks(but_planning=True) == 0
+
+
+def test_a_class_forward_patched_after_wrap_is_seen():
+    """Each unit carries memscale's compiled-path forward from wrap to
+    detach; a library that patches the layer's class after the model was
+    built (and wrapped) must still be the forward that runs."""
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    model = torch.nn.Sequential(Block(), Block())
+    x = torch.randn(4, 8)
+    memscale.wrap(model, FORCE, sample_input=x)
+    try:
+        Block.forward = lambda self, x: self.lin(x) * 2.0  # type: ignore[method-assign]
+        out = model(x)
+        memscale.detach(model)
+        assert torch.equal(out, model(x))
+    finally:
+        if "_memscale_executor" in model.__dict__:
+            memscale.detach(model)
