@@ -26,11 +26,13 @@ layer, the offload tier's spill directory helpers and the config.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import os
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -314,6 +316,24 @@ def _reason_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+# The copy methods memscale puts on the optimizer (see StepInBackward).
+_COPIERS = ("__deepcopy__", "__reduce_ex__")
+
+
+def _copier(ref: weakref.ref[StepInBackward], name: str) -> Callable[..., Any]:
+    """The optimizer's ``name`` (one of ``_COPIERS``) while the step runs
+    in backward; through a weak reference, as the patched step."""
+
+    def method(opt: torch.optim.Optimizer, arg: Any) -> Any:
+        me = ref()
+        if me is None:  # only reachable through a stale copy of the method
+            opt.__dict__.pop(name, None)
+            return copy.deepcopy(opt, arg) if name == "__deepcopy__" else opt.__reduce_ex__(arg)
+        return me._deepcopy(opt, arg) if name == "__deepcopy__" else me._reduce(opt, arg)
+
+    return method
+
+
 def _is_ours(step: Any) -> bool:
     """Whether ``step`` is the step StepInBackward puts on an optimizer, or
     a wrapper made around it since (``functools.wraps``: an lr scheduler's)."""
@@ -390,6 +410,14 @@ class StepInBackward:
             self._had_step = "step" in optimizer.__dict__
             self._prev_step = optimizer.__dict__.get("step")
             optimizer.__dict__["step"] = self._make_step()
+            for name in _COPIERS:
+                if name in optimizer.__dict__:
+                    raise ValueError(
+                        f"memscale: Config.optimizer_in_backward cannot run an "
+                        f"optimizer with its own {name} (memscale copies it "
+                        "as an ordinary optimizer)"
+                    )
+                optimizer.__dict__[name] = types.MethodType(_copier(ref, name), optimizer)
             if self.tier is not None:
                 for i in range(len(self._params)):
                     self._send(i)
@@ -426,6 +454,40 @@ class StepInBackward:
         step._memscale_step_in_backward = True  # type: ignore[attr-defined]
         # A bound method, as torch's lr schedulers expect optimizer.step to be.
         return types.MethodType(step, self.optimizer)
+
+    # -- copies of the optimizer (copy.deepcopy, pickle, torch.save) ------
+
+    @contextlib.contextmanager
+    def _as_ordinary(self) -> Iterator[None]:
+        """The optimizer as if memscale were not attached, for the time a
+        copy is taken: the patched step and the copy methods set aside, the
+        state on the tier brought back; all put back after."""
+        opt = self.optimizer
+        saved = {k: opt.__dict__.pop(k) for k in ("step", *_COPIERS) if k in opt.__dict__}
+        try:
+            self._state_dict_pre(opt)
+            yield
+        finally:
+            opt.__dict__.update(saved)
+            self._state_dict_post(opt, {})
+
+    def _deepcopy(self, opt: torch.optim.Optimizer, memo: dict[int, Any]) -> Any:
+        """``copy.deepcopy(optimizer)``: an ordinary optimizer with the whole
+        state, updating in ``step()`` as usual (nothing of memscale's)."""
+        with self._as_ordinary():
+            return copy.deepcopy(opt, memo)
+
+    def _reduce(self, opt: torch.optim.Optimizer, protocol: int) -> Any:
+        """Pickling (``torch.save(optimizer)``): as the ordinary optimizer,
+        with the whole state (a snapshot: the tier takes it back at once)."""
+        with self._as_ordinary():
+            rv = type(opt).__reduce_ex__(opt, protocol)
+            if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
+                snapshot = dict(rv[2])
+                if isinstance(snapshot.get("state"), dict):
+                    snapshot["state"] = {k: dict(v) for k, v in snapshot["state"].items()}
+                rv = (*rv[:2], snapshot, *rv[3:])
+            return rv
 
     def _refuse_unhooked(self) -> None:
         """A parameter of the optimizer with a gradient that backward did
@@ -608,6 +670,8 @@ class StepInBackward:
                 h.remove()
             self._handles.clear()
             opt = self.optimizer
+            for name in _COPIERS:
+                opt.__dict__.pop(name, None)
             if _is_ours(opt.__dict__.get("step")):
                 if self._had_step:
                     opt.__dict__["step"] = self._prev_step

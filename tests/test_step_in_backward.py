@@ -339,3 +339,43 @@ def test_a_parameter_that_trains_only_after_wrap_is_refused_at_step(how):
         assert torch.equal(late.grad, kept)  # the gradient is not lost
     finally:
         memscale.detach(model)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_the_optimizer_is_an_ordinary_one_with_the_whole_state(how, tmp_path):
+    """copy.deepcopy or torch.save of the optimizer while its state is on
+    the disk tier: the copy holds every state tensor (not only ``step``)
+    and steps as an ordinary optimizer; the original goes on as before."""
+    import copy
+
+    x = token_batch(batch=2, seq=16)
+    model = tiny_gpt2(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    memscale.wrap(model, ON_DISK, optimizer=opt)
+    try:
+        opt.zero_grad()
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        if how == "deepcopy":
+            copied = copy.deepcopy(opt)
+        else:
+            torch.save(opt, tmp_path / "opt.pt")
+            copied = torch.load(tmp_path / "opt.pt", weights_only=False)
+        want = opt.state_dict()["state"]
+        got = copied.state_dict()["state"]
+        assert want.keys() == got.keys()
+        for k in want:
+            assert want[k].keys() == got[k].keys() == {"step", "exp_avg", "exp_avg_sq"}
+            assert all(torch.equal(want[k][n], got[k][n]) for n in want[k])
+        # The original's state went back to the tier; the copy is ordinary.
+        assert all(v.dim() == 0 for s in opt.state.values() for v in s.values())
+        assert "step" not in copied.__dict__ and "__deepcopy__" not in copied.__dict__
+        params = [p for g in copied.param_groups for p in g["params"]]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        before = [p.detach().clone() for p in params]
+        copied.step()
+        assert all(not torch.equal(a, p) for a, p in zip(before, params))
+    finally:
+        memscale.detach(model)
+    assert "__deepcopy__" not in opt.__dict__ and "__reduce_ex__" not in opt.__dict__
