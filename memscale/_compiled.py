@@ -37,11 +37,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import _copying
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["CompileFallback", "fallbacks", "install", "update"]
 
-_MISSING = object()
 
 OFFLOAD = (
     "offload moves the layer's inputs to its tier through saved-tensor hooks "
@@ -148,12 +149,12 @@ def _unit_forward(unit: nn.Module, index: int, own: Any, regions: _Regions) -> A
     """The forward installed on a unit: its forward in eager mode, and in a
     checkpoint region while dynamo traces it and the plan checkpoints the
     unit (in training, with gradients on: what opens an eager frame).  Its
-    forward is ``own`` (the instance's own, set before wrap), else its
+    forward is ``own`` (the instance's own, set before wrap), or when None its
     class's, looked up at each call: a class patched after ``wrap`` is seen,
     as it would be without memscale."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        inner = own if own is not _MISSING else functools.partial(type(unit).forward, unit)
+        inner = own if own is not None else functools.partial(type(unit).forward, unit)
         if torch.compiler.is_compiling():
             key = regions.announce[index]
             if key:
@@ -182,24 +183,9 @@ def install(executor: Any, units: list[tuple[str, nn.Module]]) -> None:
 
     executor.on_detach(drop_notes)
     for i, (_, unit) in enumerate(units):
-        previous = unit.__dict__.get("forward", _MISSING)
-        unit.__dict__["forward"] = _unit_forward(unit, i, previous, regions)
-
-        def restore(unit: nn.Module = unit, previous: Any = previous) -> None:
-            if previous is _MISSING:
-                unit.__dict__.pop("forward", None)
-            else:
-                unit.__dict__["forward"] = previous
-
-        executor.on_detach(restore)
-        if previous is not _MISSING:  # the copy gets the user's own forward
-
-            def restore_copy(
-                copy_of: Any, unit: nn.Module = unit, previous: Any = previous
-            ) -> None:
-                copy_of(unit).__dict__["forward"] = copy_of(previous)
-
-            executor.on_copy(restore_copy)
+        _copying.set_forward(
+            executor, unit, functools.partial(_unit_forward, unit, i, regions=regions)
+        )
 
 
 def update(executor: Any, plan: Any) -> None:

@@ -48,6 +48,32 @@ class _Dropped:
 _DROPPED = _Dropped()
 
 
+_NO_FORWARD = object()
+
+
+def set_forward(executor: Any, unit: torch.nn.Module, make: Callable[[Any], Any]) -> None:
+    """Give ``unit`` the instance ``forward`` ``make(previous)`` returns
+    (``previous``: the instance's own forward before, or None when it had
+    none), put back by detach; a copy of the model gets the user's own
+    instance forward, never one of memscale's."""
+    previous = unit.__dict__.get("forward", _NO_FORWARD)
+    unit.__dict__["forward"] = make(None if previous is _NO_FORWARD else previous)
+
+    def restore() -> None:
+        if previous is _NO_FORWARD:
+            unit.__dict__.pop("forward", None)
+        else:
+            unit.__dict__["forward"] = previous
+
+    executor.on_detach(restore)
+    if previous is not _NO_FORWARD and not is_ours(previous):
+
+        def restore_copy(copy_of: Any) -> None:
+            copy_of(unit).__dict__["forward"] = copy_of(previous)
+
+        executor.on_copy(restore_copy)
+
+
 def is_ours(obj: Any) -> bool:
     """Whether ``obj`` is one of memscale's objects (an executor, a hook or
     forward it installed): its type, its function or its ``__self__`` is

@@ -257,6 +257,23 @@ class _HostRecord:
             tier._release(self._nbytes, self._in_pool)
 
 
+def copy_out(t: torch.Tensor, dst: torch.Tensor, stream: Any) -> Any:
+    """Copy ``t`` into the host tensor ``dst``: on a CUDA ``stream``, after
+    the work queued on ``t``'s stream and without blocking (``t`` is kept
+    until the copy is done), returning the event that marks its end; else
+    at once, returning None."""
+    if stream is None:
+        dst.copy_(t.detach())
+        return None
+    stream.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(stream):
+        dst.copy_(t.detach(), non_blocking=True)
+        t.record_stream(stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
 class HostTier:
     """The host tier for device (CUDA) tensors: a reusable pinned pool, then
     pageable memory, up to ``cap_bytes`` (-1: none); beyond the cap, the
@@ -300,7 +317,6 @@ class HostTier:
     def _put_host(self, t: torch.Tensor, nbytes: int) -> _HostRecord | None:
         if self.cap_bytes >= 0 and self.used + nbytes > self.cap_bytes:
             return self._spill(t, nbytes)
-        event = None
         start = self._pool_offset
         if self.pool is not None and start + nbytes <= self.pool.numel():
             dst = self.pool[start : start + nbytes].view(t.dtype).view(t.shape)
@@ -312,15 +328,7 @@ class HostTier:
             dst = torch.empty(t.shape, dtype=t.dtype)
             in_pool = False
             self.stats["to_pageable"] += 1
-        if self.stream is not None:  # CUDA: copy on the side stream
-            self.stream.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(self.stream):
-                dst.copy_(t.detach(), non_blocking=True)
-                t.record_stream(self.stream)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-        else:
-            dst.copy_(t.detach())
+        event = copy_out(t, dst, self.stream)
         self.used += nbytes
         self.bytes_to_host += nbytes
         return _HostRecord(self, dst, nbytes, in_pool, t.device, t.requires_grad, event)

@@ -184,16 +184,7 @@ class HostStateTier:
             self._counts["to_disk" if rec is not None else "kept"] += 1
             return rec
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        event = None
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(self.stream):
-                host.copy_(t.detach(), non_blocking=True)
-                t.record_stream(self.stream)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-        else:  # pragma: no cover - a CUDA tensor without CUDA
-            host.copy_(t.detach())
+        event = _offload.copy_out(t, host, self.stream)
         self.used += nbytes
         self.bytes_put += nbytes
         self._counts["to_host"] += 1

@@ -221,9 +221,6 @@ def verify(unit: nn.Module, forward: Any, args: tuple, kwargs: dict, tiles: int)
     return None
 
 
-_MISSING = object()
-
-
 class _TiledForward:
     """The forward of a tiled layer: ``tiled`` (the executor's
     ``_TiledForward``, whose attributes it shows, such as the ``dim`` its
@@ -259,27 +256,11 @@ def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> Non
     executor.set_tile_verifier(verify)
     for i in tiled:
         unit = units[i][1]
-        previous = unit.__dict__.get("forward", _MISSING)
-        unit.__dict__["forward"] = _TiledForward(
-            executor.tiled_forward(i, unit.forward), unit.forward
-        )
 
-        def restore(unit: nn.Module = unit, previous: Any = previous) -> None:
-            if previous is _MISSING:
-                unit.__dict__.pop("forward", None)
-            else:
-                unit.__dict__["forward"] = previous
+        def tiled_forward(_: Any, unit: nn.Module = unit, i: int = i) -> _TiledForward:
+            return _TiledForward(executor.tiled_forward(i, unit.forward), unit.forward)
 
-        executor.on_detach(restore)
-        if previous is not _MISSING and not _copying.is_ours(previous):
-            # The copy gets the user's own forward (memscale's are dropped).
-
-            def restore_copy(
-                copy_of: Any, unit: nn.Module = unit, previous: Any = previous
-            ) -> None:
-                copy_of(unit).__dict__["forward"] = copy_of(previous)
-
-            executor.on_copy(restore_copy)
+        _copying.set_forward(executor, unit, tiled_forward)
 
 
 def layer_flags(units: list[tuple[str, nn.Module]]) -> list[int]:
