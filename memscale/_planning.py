@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import _core, _distributed, _offload, _tiling, _torch_compat
+from . import _core, _costs, _distributed, _offload, _tiling, _torch_compat
 from ._hardware import Hardware
 from ._model import split_input, tensors_of
 from ._solve import OffloadInputs, PlanProblem, SolverInputs
@@ -308,17 +308,6 @@ def budget_bytes(config: Config, hardware: Hardware | None) -> int:
     return max(1, int(hardware.capacity_bytes * config.target_gpu_utilization))
 
 
-# The budget planner's cost model (csrc/solver.c), per device type: forward
-# FLOP/s, offload bandwidth each way (host RAM of a GPU; disk), and the cost
-# of one more call of a tiled layer.  Fixed constants, not measurements:
-# the same inputs must give the same plan, and timings vary run to run.
-# They only need the right ratios (what one recomputed FLOP costs against
-# one offloaded byte).  The CPU row is this project's 2-core test machine
-# in float32; the CUDA row an Ampere-class GPU on PCIe 4 (unverified here).
-SOLVER_COSTS: dict[str, dict[str, float]] = {
-    "cpu": {"flop_rate": 5e10, "host_bw": 0.0, "disk_bw": 7e8, "tile_overhead": 3e-5},
-    "cuda": {"flop_rate": 3e13, "host_bw": 1.2e10, "disk_bw": 2e9, "tile_overhead": 1e-4},
-}
 MAX_SEGMENT = 64  # longest checkpoint segment the planner considers
 RESOLUTION = 512  # memory buckets of the planner's DP
 
@@ -326,13 +315,13 @@ RESOLUTION = 512  # memory buckets of the planner's DP
 def solver_inputs(config: Config, hardware: Hardware, offload_in: OffloadInputs) -> SolverInputs:
     """The budget planner's cost model for ``hardware``, offloading to the
     tier ``offload_in`` names first."""
-    costs = SOLVER_COSTS.get(hardware.device, SOLVER_COSTS["cuda"])
-    bandwidth = costs["host_bw"] if offload_in.host_tier else costs["disk_bw"]
+    costs = _costs.for_device(hardware.device, hardware.index)
+    bandwidth = costs.host_bw if offload_in.host_tier else costs.disk_bw
     return SolverInputs(
-        flop_rate=costs["flop_rate"],
+        flop_rate=costs.flop_rate,
         offload_bandwidth=bandwidth,
         async_offload=bool(config.async_offload),
-        tile_overhead=costs["tile_overhead"],
+        tile_overhead=costs.tile_overhead,
         max_segment=MAX_SEGMENT,
         resolution=RESOLUTION,
     )

@@ -354,6 +354,22 @@ def run_bench(run: Runner, out: str, missing: list[str], dry: bool, timeout: flo
     return {"status": status, "seconds": seconds, "models": models}
 
 
+def measure_costs(run: Runner, out: str) -> dict[str, Any]:
+    """The planner's cost constants timed on this GPU (python -m
+    memscale.costs), kept in out/costs/ rather than the user's cache."""
+    cmd = [sys.executable, "-m", "memscale.costs", "--device", "cuda"]
+    env = dict(os.environ, PYTHONPATH=ROOT, MEMSCALE_CACHE_DIR=os.path.join(out, "costs"))
+    rc, seconds = run(cmd, "costs.txt", 60, env=env)
+    result: dict[str, Any] = {"status": "ok" if rc == 0 else f"exit {rc}", "seconds": seconds}
+    if rc == 0:
+        with open(os.path.join(out, "costs.txt"), encoding="utf-8") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() in ("flop_rate", "host_bw", "disk_bw", "tile_overhead"):
+                    result[name.strip()] = value.split()[0]
+    return result
+
+
 def bundle(folder: str) -> int:
     """Copy pytest and the pure-Python packages it needs into ``folder``."""
     os.makedirs(folder, exist_ok=True)
@@ -391,6 +407,14 @@ def _summary_text(summary: dict[str, Any]) -> str:
             f"build: {'ok' if build_['ok'] else 'FAILED'} ({build_['how']}, "
             f"{build_['seconds']:.0f} s)"
         )
+    costs = summary.get("costs")
+    if costs:
+        measured = ", ".join(
+            f"{k} {costs[k]}"
+            for k in ("flop_rate", "host_bw", "disk_bw", "tile_overhead")
+            if k in costs
+        )
+        lines.append(f"cost constants: {costs['status']}" + (f" ({measured})" if measured else ""))
     tests = summary.get("tests")
     if tests:
         if "total" in tests:
@@ -495,6 +519,10 @@ def main(argv: list[str] | None = None) -> int:
     if not summary["build"]["ok"]:
         say("build failed: see build.log; nothing else can run")
         return finish("build failed", 1)
+    if not args.dry_run:
+        say("== cost constants (python -m memscale.costs --device cuda)")
+        summary["costs"] = measure_costs(run, out)
+        save("running: costs measured")
     say("== tests/gpu")
     summary["tests"] = run_tests(run, out, missing, bundled, args.tests_timeout)
     save("running: tests done")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import warnings
 
@@ -31,6 +33,13 @@ def pytest_configure(config) -> None:
     # module through tests/zoo_models.py and keeps torch's threads.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # Plans in tests use the default cost constants, whatever this machine
+    # has measured (python -m memscale.costs): an empty cache of their own.
+    os.environ["MEMSCALE_CACHE_DIR"] = tempfile.mkdtemp(prefix="memscale-test-costs-")
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(os.environ.get("MEMSCALE_CACHE_DIR", ""), ignore_errors=True)
 
 
 def cuda_skip_reason() -> str | None:
