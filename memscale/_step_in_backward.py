@@ -66,6 +66,10 @@ class StateTier(Protocol):
     def get(self, record: Any) -> torch.Tensor:
         """The tensor back, on its device; the record is used up."""
 
+    def discard(self, record: Any) -> None:
+        """``record`` will never be read (the state it stands for was
+        replaced): give back what it holds."""
+
     def end_step(self) -> None:
         """A backward pass completed."""
 
@@ -94,7 +98,14 @@ class DiskStateTier:
     (``AsyncOffloadConfig.max_disk_gb``).  Device tensors are copied to
     host memory first."""
 
-    def __init__(self, spill_dir: str | None, max_bytes: int | None, *, async_io: bool = True):
+    def __init__(
+        self,
+        spill_dir: str | None,
+        max_bytes: int | None,
+        *,
+        async_io: bool = True,
+        debug: bool = False,
+    ):
         self._path = _offload.make_spill_dir(spill_dir)
         self._creator = os.getpid()
         try:
@@ -104,6 +115,7 @@ class DiskStateTier:
                 min_bytes=0,
                 max_bytes=-1 if max_bytes is None else max_bytes,
                 prefetch_depth=0,  # this tier prefetches by hand
+                debug=debug,  # AsyncOffloadConfig.debug: checksum every read
                 log=_offload.log_event,
             )
         except BaseException:
@@ -135,6 +147,9 @@ class DiskStateTier:
         if record.device.type != "cpu":
             t = t.to(record.device)
         return t
+
+    def discard(self, record: Any) -> None:
+        pass  # the C record frees its slot when it is dropped
 
     def end_step(self) -> None:
         self.store.new_step()  # forget the step's put order
@@ -219,6 +234,12 @@ class HostStateTier:
             record.event.synchronize()
         return record.host.to(record.device)
 
+    def discard(self, record: Any) -> None:
+        if isinstance(record, _HostRecord):
+            self.used -= record.nbytes
+        elif self.disk is not None:
+            self.disk.discard(record)
+
     def end_step(self) -> None:
         if self.disk is not None:
             self.disk.end_step()
@@ -269,6 +290,9 @@ class SimulatedStateTier:
         t = record.load()
         record.tensor = None
         return t
+
+    def discard(self, record: Any) -> None:
+        record.tensor = None
 
     def end_step(self) -> None:
         pass
@@ -509,6 +533,18 @@ class StepInBackward:
     # -- inside backward -------------------------------------------------
 
     def _begin(self, task: int) -> None:
+        pre, _ = _torch_compat.optimizer_step_hooks(self.optimizer)
+        if pre:
+            # Checked before anything of this backward is updated.
+            raise RuntimeError(
+                "memscale (optimizer_in_backward): the optimizer has step "
+                "pre-hooks (register_step_pre_hook, or the global "
+                "register_optimizer_step_pre_hook), added after wrap; they "
+                "would have to run before each parameter's update inside "
+                "backward, which memscale cannot do. Nothing of this backward "
+                "was updated (the gradients are kept). Remove the hooks, or "
+                "detach and train without optimizer_in_backward"
+            )
         if self._open and self._updated:
             logger.warning(
                 "memscale: the last backward stopped after updating %d of %d "
@@ -529,6 +565,16 @@ class StepInBackward:
                 me._end()
 
         _torch_compat.at_backward_end(end)
+
+    def _abort(self) -> None:
+        """An update raised: this backward ends here (the error says what
+        was updated), and the next one begins afresh."""
+        self._open = False
+        self._task = None
+        self._order.clear()
+        self._updated.clear()
+        if self.tier is not None:
+            self.tier.end_step()
 
     def _end(self) -> None:
         self._open = False
@@ -551,33 +597,45 @@ class StepInBackward:
         if not self._open or (task != self._task and i in self._updated):
             self._begin(task)
         try:
-            self._bring_back(i)
-            self._prefetch_next(len(self._order) + 1)
-            self._update(i, p)
-            p.grad = None
-            if self.tier is not None:
-                self._send(i)
+            self._step_one(i, p)
         except Exception as exc:  # an interruption (KeyboardInterrupt) goes as is
+            updated = len(self._updated)
+            self._abort()
             raise RuntimeError(
                 f"memscale (optimizer_in_backward): updating parameter {i} of "
                 f"{len(self._params)} ({tuple(p.shape)}) failed: "
                 f"{type(exc).__name__}: {exc}. This step updated "
-                f"{len(self._updated)} parameters before it (they keep the new "
+                f"{updated} parameters before it (they keep the new "
                 "values and state); this one and the rest keep the last "
                 "step's (its state is "
                 f"{'in optimizer.state' if i not in self._out else 'on the tier'})"
             ) from exc
+        except BaseException:
+            self._abort()
+            raise
         self._updated.add(i)
         self._order.append(i)
         self.updates += 1
+
+    def _step_one(self, i: int, p: torch.Tensor) -> None:
+        """Parameter i's state back from the tier, its update, its gradient
+        freed, its state sent to the tier again."""
+        self._bring_back(i)
+        self._prefetch_next(len(self._order) + 1)
+        self._update(i, p)
+        p.grad = None
+        if self.tier is not None:
+            self._send(i)
 
     def _update(self, i: int, p: torch.Tensor) -> None:
         opt = self.optimizer
         group = opt.param_groups[self._group_index[i]]
         view = {k: v for k, v in group.items() if k != "params"}
         view["params"] = [p]
-        if "foreach" in view and view["foreach"] is None:
-            view["foreach"] = self._foreach
+        if "foreach" in view and view["foreach"] is None and not view.get("fused"):
+            view["foreach"] = _torch_compat.default_foreach_of_group(
+                opt, view, default=self._foreach
+            )
         groups = opt.param_groups
         opt.param_groups = [view]
         try:
@@ -644,7 +702,13 @@ class StepInBackward:
                 self._send(i)
 
     def _load_state_dict_post(self, optimizer: torch.optim.Optimizer) -> None:
-        self._out.clear()  # the old state is replaced: its records go
+        # The old state is replaced: its records go, and what they held on
+        # the tier is given back.
+        out, self._out = self._out, {}
+        if self.tier is not None:
+            for records in out.values():
+                for rec in records.values():
+                    self.tier.discard(rec)
         if self.tier is not None and not self._removed:
             for i in range(len(self._params)):
                 self._send(i)
@@ -739,7 +803,7 @@ def make_tier(config: Config, device: torch.device) -> Any | None:
             )
         disk = None
         if cap is None or cap > 0:
-            disk = DiskStateTier(settings.spill_dir, cap, async_io=True)
+            disk = DiskStateTier(settings.spill_dir, cap, async_io=True, debug=settings.debug)
         return HostStateTier(_offload.host_cap_bytes(config), disk)
     if cap == 0:
         raise ValueError(
@@ -747,7 +811,7 @@ def make_tier(config: Config, device: torch.device) -> Any | None:
             "tier, and AsyncOffloadConfig.max_disk_gb=0 turns it off; raise "
             "max_disk_gb or leave it None"
         )
-    return DiskStateTier(settings.spill_dir, cap, async_io=True)
+    return DiskStateTier(settings.spill_dir, cap, async_io=True, debug=settings.debug)
 
 
 def install(executor: Any, config: Config, optimizer: torch.optim.Optimizer) -> StepInBackward:

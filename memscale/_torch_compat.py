@@ -304,6 +304,23 @@ def default_foreach(params: list[torch.Tensor]) -> bool:
     return bool(foreach)
 
 
+def default_foreach_of_group(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], default: bool
+) -> bool:
+    """The foreach choice torch's ordinary step makes for ``group`` (with
+    foreach=None and fused unset) when ``default`` is its choice over all
+    the step's parameters: torch's Adam family turns foreach off for a
+    Tensor ``lr`` without ``capturable`` (torch/optim/adam.py)."""
+    if (
+        default
+        and isinstance(optimizer, torch.optim.Adam)
+        and isinstance(group.get("lr"), torch.Tensor)
+        and not group.get("capturable", False)
+    ):
+        return False
+    return default
+
+
 def compiled_inner(target: Any) -> Any:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``, which
     keeps it as ``_orig_mod``) compiles, or None when ``target`` is not one."""

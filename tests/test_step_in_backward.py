@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 from conftest import tiny_gpt2, token_batch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import memscale
 from memscale.optim import AdamW8bit
@@ -379,3 +380,155 @@ def test_a_copy_of_the_optimizer_is_an_ordinary_one_with_the_whole_state(how, tm
     finally:
         memscale.detach(model)
     assert "__deepcopy__" not in opt.__dict__ and "__reduce_ex__" not in opt.__dict__
+
+
+def test_after_a_failed_update_the_next_backward_is_a_fresh_step(caplog):
+    # The first update of a backward raises: the next backward must begin
+    # a step of its own (its end counted), with no false "stopped after
+    # updating" warning one backward later.
+    model = tiny_gpt2(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters())
+    memscale.wrap(model, IN_BACKWARD, optimizer=opt)
+    x = token_batch(batch=2, seq=16)
+    model(input_ids=x, labels=x).loss.backward()  # planned and stepped
+    sib = model._memscale_executor.step_in_backward
+    raw = sib._raw_step
+
+    def failing(o):
+        raise OSError("disk gone")
+
+    sib._raw_step = failing
+    with pytest.raises(RuntimeError, match="updated 0 parameters before it"):
+        model(input_ids=x, labels=x).loss.backward()
+    sib._raw_step = raw
+    with caplog.at_level(logging.WARNING, logger="memscale"):
+        model(input_ids=x, labels=x).loss.backward()
+        model(input_ids=x, labels=x).loss.backward()
+    assert "stopped after updating" not in caplog.text
+    assert sib.steps_completed == 3
+    n = sib.stats["parameters"]
+    assert sib.updates == 3 * n
+    memscale.detach(model)
+
+
+@pytest.mark.parametrize("where", ["optimizer", "global"])
+def test_a_step_pre_hook_added_after_wrap_is_refused_before_any_update(where):
+    model = tiny_gpt2(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters())
+    memscale.wrap(model, IN_BACKWARD, optimizer=opt)
+    x = token_batch(batch=2, seq=16)
+    model(input_ids=x, labels=x).loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = []
+
+    def pre(*args):
+        calls.append(1)
+
+    if where == "optimizer":
+        handle = opt.register_step_pre_hook(pre)
+    else:
+        handle = register_optimizer_step_pre_hook(pre)
+    try:
+        with pytest.raises(RuntimeError, match="step pre-hooks .* added after wrap"):
+            model(input_ids=x, labels=x).loss.backward()
+    finally:
+        handle.remove()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert not calls
+    model(input_ids=x, labels=x).loss.backward()  # without the hook: trains on
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    memscale.detach(model)
+
+
+class _CountingTier:
+    """A state tier that keeps the tensors themselves and counts the
+    bytes it holds."""
+
+    def __init__(self) -> None:
+        self.held = 0
+
+    def put(self, t):
+        self.held += t.numel() * t.element_size()
+        return [t.detach().clone()]
+
+    def prefetch(self, record):
+        pass
+
+    def get(self, record):
+        t = record.pop()
+        self.held -= t.numel() * t.element_size()
+        return t
+
+    def discard(self, record):
+        for t in record:
+            self.held -= t.numel() * t.element_size()
+        record.clear()
+
+    def end_step(self):
+        pass
+
+    def close(self):
+        pass
+
+    @property
+    def stats(self):
+        return {"held": self.held}
+
+
+def test_load_state_dict_gives_back_what_the_replaced_state_held_on_the_tier():
+    from memscale._step_in_backward import StepInBackward
+
+    model = tiny_gpt2(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters())
+    tier = _CountingTier()
+    sib = StepInBackward(opt, tier=tier)
+    try:
+        x = token_batch(batch=2, seq=16)
+        model(input_ids=x, labels=x).loss.backward()
+        one_step = tier.held
+        assert one_step == 2 * sum(p.numel() * 4 for p in model.parameters())  # two moments
+        for _ in range(3):
+            opt.load_state_dict(opt.state_dict())
+        assert tier.held == one_step  # not four times as much
+    finally:
+        sib.remove()
+    assert tier.held == 0
+
+
+def test_the_host_tier_counts_a_discarded_record_as_free():
+    from memscale._step_in_backward import HostStateTier, _HostRecord
+
+    tier = HostStateTier(cap_bytes=1 << 20, disk=None)
+    tier.used = 64
+    tier.discard(_HostRecord(torch.empty(16), torch.device("cpu"), 64, None))
+    assert tier.used == 0
+
+
+def test_the_disk_tier_checksums_optimizer_state_in_debug_mode():
+    config = ON_DISK.replace(async_config=memscale.AsyncOffloadConfig(debug=True))
+    model = tiny_gpt2(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters())
+    memscale.wrap(model, config, optimizer=opt)
+    x = token_batch(batch=2, seq=16)
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+    stats = model._memscale_executor.step_in_backward.tier.stats
+    assert stats["tensors_read"] > 0
+    assert stats["verified"] == stats["tensors_read"]
+    memscale.detach(model)
+
+
+def test_a_tensor_lr_turns_the_foreach_default_off_as_torch_does():
+    # torch's Adam takes its single-tensor path for a Tensor lr without
+    # capturable even where foreach is the default (a CUDA model); the
+    # update of one parameter must make the same choice.
+    model = tiny_gpt2(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+    memscale.wrap(model, IN_BACKWARD, optimizer=opt)
+    sib = model._memscale_executor.step_in_backward
+    sib._foreach = True  # what torch decides for CUDA parameters
+    x = token_batch(batch=2, seq=16)
+    model(input_ids=x, labels=x).loss.backward()  # foreach with a Tensor lr raises
+    assert sib.steps_completed == 1
+    memscale.detach(model)
