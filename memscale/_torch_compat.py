@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -319,6 +320,25 @@ def default_foreach_of_group(
     ):
         return False
     return default
+
+
+def drop_copied_attribute(compiled: Any, name: str) -> None:
+    """Delete ``name`` from the functions a ``torch.compile`` wrapper made
+    around the module it compiles: dynamo wraps the module object itself
+    with ``functools.wraps``, which copies the module's ``__dict__`` (and
+    so memscale's executor) into each wrapper function's."""
+    seen: set[int] = set()
+    todo = [compiled.__dict__.get(key) for key in ("forward", "_forward")]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if isinstance(fn, types.MethodType):
+            todo.append(fn.__func__)
+        elif isinstance(fn, types.FunctionType):  # never the module itself
+            fn.__dict__.pop(name, None)
+            todo.append(fn.__dict__.get("__wrapped__"))
 
 
 def compiled_inner(target: Any) -> Any:

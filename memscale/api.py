@@ -146,7 +146,10 @@ def detach(model: Any) -> bool:
     warns then, and takes a Trainer too.  A ``torch.compile`` wrapper is
     looked through: the module it compiles is detached (the compiled code
     recompiles at its next call, without memscale)."""
-    model = _torch_compat.compiled_inner(model) or model
+    inner = _torch_compat.compiled_inner(model)
+    if inner is not None:
+        _torch_compat.drop_copied_attribute(model, ATTR)
+        model = inner
     executor = getattr(model, "__dict__", {}).get(ATTR)
     if executor is None:
         return False

@@ -183,6 +183,26 @@ def test_detach_restores_the_eager_model_and_recompiles_unwrapped():
     assert_same_grads(model, ref)
 
 
+def test_detaching_the_compiled_object_frees_the_executor():
+    # torch.compile(model) after wrap copies the module's __dict__ (and so
+    # memscale's executor) into the wrapper functions it makes around the
+    # module; detach through the compiled object drops those copies.
+    import gc
+    import weakref
+
+    model = mlp(depth=2, p=0.0)
+    x = torch.randn(4, 32)
+    memscale.wrap(model, FORCE, sample_input=x)
+    executor = weakref.ref(model._memscale_executor)
+    compiled = torch.compile(model, backend="eager")
+    step(compiled, x)
+    memscale.detach(compiled)
+    gc.collect()
+    assert executor() is None
+    assert not hasattr(model, "_memscale_executor")
+    step(compiled, x)  # still runs, unwrapped
+
+
 def test_a_new_plan_recompiles_with_its_regions():
     model = mlp(depth=2, p=0.0)
     x = torch.randn(4, 32)
