@@ -75,6 +75,15 @@ class AdamW8bit(torch.optim.Optimizer):
             min_8bit_size=min_8bit_size,
         )
         super().__init__(params, defaults)
+        off_cpu = sorted({p.device.type for g in self.param_groups for p in g["params"]} - {"cpu"})
+        if off_cpu:
+            # Built directly (not through make_8bit_adamw) on a GPU model:
+            # its moments are not quantized (the C kernel runs on the CPU).
+            _warn_no_backend(
+                f"{'/'.join(off_cpu)} parameters in memscale's AdamW8bit, whose "
+                "8-bit kernel runs on CPU tensors only (for CUDA, use "
+                "memscale.optim.make_8bit_adamw with bitsandbytes installed)"
+            )
 
     @staticmethod
     def quantizes(p: torch.Tensor, group: dict[str, Any]) -> bool:

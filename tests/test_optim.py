@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 
 import pytest
 import torch
@@ -317,3 +318,19 @@ def test_8bit_kernel_refuses_a_tensor_off_the_cpu_by_name():
         moved[i] = torch.empty_like(args[i], **meta)
         with pytest.raises(ValueError, match=rf"{what} is on meta, and memscale's 8-bit kernel"):
             _core.adamw8bit_step(*moved, **kwargs)
+
+
+def test_built_directly_on_parameters_off_the_cpu_it_says_the_state_stays_fp32(caplog, monkeypatch):
+    import memscale.optim as optim
+
+    monkeypatch.setattr(optim, "_warned_no_backend", False)
+    meta = torch.nn.Parameter(torch.empty(1024, device="meta"))
+    with caplog.at_level(logging.WARNING, logger="memscale"):
+        AdamW8bit([meta])
+    assert "meta parameters in memscale's AdamW8bit" in caplog.text
+    assert "make_8bit_adamw" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(optim, "_warned_no_backend", False)
+    with caplog.at_level(logging.WARNING, logger="memscale"):
+        AdamW8bit([torch.nn.Parameter(torch.zeros(1024))])  # CPU: nothing to say
+    assert "AdamW8bit" not in caplog.text
