@@ -230,10 +230,20 @@ def profile_upfront(
     )
 
 
-def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]], method: str) -> Profile:
+def profile_from(
+    profiler: Any,
+    units: list[tuple[str, torch.nn.Module]],
+    method: str,
+    tile_flags: list[int] | None = None,
+) -> Profile:
+    """The profile ``profiler`` measured; ``tile_flags``: each unit's
+    tiling flag, when not to be read off the units now (memscale's own
+    hooks on them, while a plan is applied, make none a candidate)."""
     layers = []
     details = []
-    for (name, module), r, tile_flag in zip(units, profiler.results(), _tiling.layer_flags(units)):
+    if tile_flags is None:
+        tile_flags = _tiling.layer_flags(units)
+    for (name, module), r, tile_flag in zip(units, profiler.results(), tile_flags):
         kind = type(module).__name__
         layers.append(
             _core.LayerStats(
@@ -258,12 +268,116 @@ def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]], method
     )
 
 
-def new_warmup_profiler(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) -> Any:
+class _GlobalOnly:
+    """In place of ``FlopCounterMode``'s module tracker: every FLOP counts
+    under "Global" only (the per-module breakdown is not used).  The
+    tracker's global module hooks put gradient hooks on module inputs,
+    which fail in a run without gradients inside a training forward (the
+    tile verifier's)."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> _GlobalOnly:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class WarmupFlops(FlopCounterMode):
+    """The FLOP counter of passes measured for real under a plan: a
+    ``FlopCounterMode`` whose totals leave out what runs inside
+    :meth:`excluded`: the checks memscale runs inside a layer's call the
+    first time (the recompute check's second run, the tile verifier's
+    runs), which are no part of the training step."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False)
+        self.mod_tracker = _GlobalOnly()  # type: ignore[assignment]
+        self._excluded = 0
+
+    def __enter__(self) -> WarmupFlops:
+        self._excluded = 0  # entering clears the counts (one per pass)
+        super().__enter__()
+        return self
+
+    def get_total_flops(self) -> int:
+        return int(super().get_total_flops()) - self._excluded
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """What runs in the block does not count."""
+        before = super().get_total_flops()
+        try:
+            yield
+        finally:
+            self._excluded += int(super().get_total_flops() - before)
+
+
+def new_warmup_profiler(
+    model: torch.nn.Module,
+    units: list[tuple[str, torch.nn.Module]],
+    flops: FlopCounterMode | None = None,
+) -> Any:
+    """A Profiler of real training forwards, its hooks attached; ``flops``
+    its FLOP counter (a new ``FlopCounterMode`` if None)."""
     profiler = _core.Profiler(
-        [m for _, m in units], list(tensors_of(model)), FlopCounterMode(display=False)
+        [m for _, m in units],
+        list(tensors_of(model)),
+        FlopCounterMode(display=False) if flops is None else flops,
     )
     profiler.attach()
     return profiler
+
+
+# csrc/engine.h's MS_LAYER_NOT_CALLED: the profiler saw no call of the layer.
+LAYER_NOT_CALLED = 1 << 1
+
+
+def merged(first: Profile, measured: Profile, indices: set[int]) -> Profile:
+    """``measured``, with the layers at ``indices`` planned for both: the
+    larger of each figure and the flags of either (a layer is "not called"
+    only if called in neither)."""
+    layers = []
+    details = []
+    for i, (a, b, da, db) in enumerate(
+        zip(first.layers, measured.layers, first.details, measured.details)
+    ):
+        if i not in indices:
+            layers.append(b)
+            details.append(db)
+            continue
+        called = da.get("calls", 0) or db.get("calls", 0)
+        flags = a.flags | b.flags
+        if called:
+            flags &= ~LAYER_NOT_CALLED
+        layers.append(
+            _core.LayerStats(
+                (
+                    a.name,
+                    a.kind,
+                    max(a.param_bytes, b.param_bytes),
+                    max(a.saved_bytes, b.saved_bytes),
+                    max(a.input_bytes, b.input_bytes),
+                    max(a.flops, b.flops),
+                    flags,
+                )
+            )
+        )
+        detail = dict(db)
+        for key, value in da.items():
+            if key == "flags":  # as the profiler reports them
+                detail[key] = (value | db.get(key, 0)) & ~(LAYER_NOT_CALLED if called else 0)
+            elif key not in ("name", "kind") and isinstance(value, (int, float)):
+                detail[key] = max(value, db.get(key, value))
+        details.append(detail)
+    return Profile(
+        tuple(layers),
+        max(first.activation_bytes, measured.activation_bytes),
+        max(first.total_flops, measured.total_flops),
+        measured.method,
+        tuple(details),
+    )
 
 
 def allowed_techniques(config: Config) -> int:
