@@ -258,17 +258,7 @@ class Wrapping:
         executor reports."""
         if upfront is not None:
             return str(upfront.profile.method)
-        return "first_step" if self.plans_first_forward() else "warmup"
-
-    def plans_first_forward(self) -> bool:
-        """Whether the first training forward's inputs can be profiled on
-        fake tensors, so that it runs under a plan (also with
-        ``use_static_profiling=False``, whose measured steps then refine
-        that plan: :meth:`refine_after_warmup`); otherwise the first
-        ``warmup_steps`` forwards are measured for real, unoptimized (a
-        model that fake tensors cannot run, such as one sharded with
-        FSDP2)."""
-        return _planning.static_profiling_supported(self.model) is None
+        return "first_step"
 
     # -- the executor and what goes with it, before any plan ---------------
 
@@ -376,14 +366,11 @@ class Wrapping:
 
     def plan(self, upfront: _Upfront | None) -> None:
         """Run the pipeline now from ``upfront`` (``sample_input``'s
-        profile), or arrange for it to run on the first training forward,
-        or after the measured warm-up forwards."""
+        profile), or arrange for it to run on the first training forward."""
         if upfront is not None:
             self.install(*upfront)
-        elif self.plans_first_forward():
-            self.plan_on_first_forward()
         else:
-            self.plan_after_warmup()
+            self.plan_on_first_forward()
 
     def plan_on_first_forward(self) -> None:
         """No ``sample_input``: run the pipeline inside the first training
