@@ -387,3 +387,43 @@ def test_a_larger_batch_measured_under_the_plan_is_planned_for():
     ref(input_ids=x, labels=x).loss.backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
     memscale.detach(model)
+
+
+def test_a_layer_failing_the_recompute_check_while_measured_keeps_its_fake_figures():
+    # Block 1 reads a counter its forward bumps: it fails the first step's
+    # recompute check, which keeps its saved tensors (exact, no recompute),
+    # so the measured step never counted them.  The plan made again after
+    # that one measured step takes that layer's figures from the fake pass
+    # (it would have planned it as saving nothing) and, from the next
+    # forward on, does not checkpoint it.
+    from conftest import FORCE, mlp
+
+    def unrepeatable(model):
+        calls = [0]
+
+        def bump(module, args):
+            calls[0] += 1
+            return (args[0] * (1.0 + calls[0] / 64),)
+
+        model[1].fc1.register_forward_pre_hook(bump)
+        return model
+
+    x = torch.randn(4, 32)
+    config = FORCE.replace(enable_logging=False)
+    fake = unrepeatable(mlp())
+    memscale.wrap(fake, config, sample_input=x)
+    static = fake._memscale_executor.profile.layers
+    memscale.detach(fake)
+    model = unrepeatable(mlp())
+    memscale.wrap(model, config.replace(use_static_profiling=False, warmup_steps=1))
+    ex = model._memscale_executor
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(x).sum().backward()
+    assert ex.profiling == "warmup" and set(ex.recompute_check.failed) == {1}
+    assert ex.profile.layers[1] == static[1] and static[1].saved_bytes > 0
+    assert ex.profile.layers[0] == static[0]  # measured, checkpointed
+    model(x).sum().backward()
+    assert "checkpoint" not in ex.plan.layers[1].techniques
+    assert "checkpoint" in ex.plan.layers[0].techniques
+    memscale.detach(model)
