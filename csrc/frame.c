@@ -15,6 +15,7 @@
 #include "executor_internal.h"
 
 #include "clock.h"
+#include "profiler.h"
 #include "tiling.h"
 #include "versions.h"
 
@@ -215,6 +216,14 @@ static PyObject *
 frame_pack(Frame *self, PyObject *tensor)
 {
     ms_state *st = self->ex->st;
+    /* A pass measured under the plan: the profiler counts what the layer
+       saves as its own hook would without the frame (the frame's hook is
+       the one autograd calls). */
+    if (HAS(self->ex->profiler)
+        && ms_profiler_count(self->ex->profiler, tensor) < 0)
+    {
+        return NULL;
+    }
     PyObject *shape = PyObject_GetAttr(tensor, st->s_shape);
     if (shape == NULL) {
         return NULL;

@@ -34,10 +34,12 @@ typedef struct {
     PyObject *index_of;   /* {module: index} (modules hash by identity) */
     PyObject *param_keys; /* set of storage keys to ignore */
     PyObject *flop_counter;
-    PyObject *handles; /* list of RemovableHandle */
-    PyObject *ctx;     /* saved_tensors_hooks during a pass */
-    PyObject *seen;    /* storage keys counted in this pass */
-    PyObject *stack;   /* list of active unit records */
+    PyObject *handles;   /* list of RemovableHandle */
+    PyObject *ctx;       /* saved_tensors_hooks during a pass */
+    PyObject *seen;      /* storage keys counted in this pass */
+    PyObject *stack;     /* list of active unit records */
+    PyObject *held;      /* storage weak references held for the pass */
+    PyObject *free_weak; /* UntypedStorage._free_weak_ref, or NULL */
     Py_ssize_t n;
     unit_stats *cur;
     unit_stats *best;
@@ -281,13 +283,14 @@ prof_post(Profiler *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-static PyObject *
-prof_count(Profiler *self, PyObject *tensor)
+/* Count a tensor autograd saves: into the pass's total and the innermost
+   running unit's saved bytes.  0, or -1 with an exception set. */
+static int
+count_saved(Profiler *self, PyObject *tensor)
 {
-    /* Pack hook: count, then hand the tensor back unchanged. */
     long long added = add_storage(self, tensor, self->seen);
     if (added < 0) {
-        return NULL;
+        return -1;
     }
     self->total_cur += added;
     Py_ssize_t depth = PyList_GET_SIZE(self->stack);
@@ -296,9 +299,89 @@ prof_count(Profiler *self, PyObject *tensor)
         Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(rec, 0));
         long long b = add_storage(self, tensor, PyTuple_GET_ITEM(rec, 1));
         if (b < 0) {
-            return NULL;
+            return -1;
         }
         self->cur[i].saved += b;
+    }
+    return 0;
+}
+
+/* Keep the storage implementation of `tensor` (not its data) from being
+   freed until the pass ends, through a weak reference: its address is
+   the key memory is counted by, and a tensor a checkpoint frame packs is
+   dropped at once, so a later storage could take its address and be
+   taken for it.  (A tensor the profiler's own hook packs is kept by
+   autograd.) */
+static int
+hold_address(Profiler *self, PyObject *tensor)
+{
+    PyObject *storage = PyObject_CallMethodNoArgs(tensor,
+                                                  self->st->s_untyped_storage);
+    if (storage == NULL) {
+        return -1;
+    }
+    if (self->free_weak == NULL) {
+        self->free_weak = PyObject_GetAttrString((PyObject *)Py_TYPE(storage),
+                                                 "_free_weak_ref");
+        if (self->free_weak == NULL) {
+            Py_DECREF(storage);
+            return -1;
+        }
+    }
+    PyObject *ref = PyObject_CallMethod(storage, "_weak_ref", NULL);
+    Py_DECREF(storage);
+    if (ref == NULL) {
+        return -1;
+    }
+    if (PyList_Append(self->held, ref) < 0) {
+        PyObject *r = PyObject_CallOneArg(self->free_weak, ref);
+        if (r == NULL) {
+            PyErr_WriteUnraisable((PyObject *)self);
+        }
+        Py_XDECREF(r);
+        Py_DECREF(ref);
+        return -1;
+    }
+    Py_DECREF(ref);
+    return 0;
+}
+
+/* Let go of every weak reference hold_address() took (a failure to is
+   reported as unraisable: the others are still released). */
+static void
+release_addresses(Profiler *self)
+{
+    if (self->held == NULL) {
+        return;
+    }
+    PyObject *held = self->held;
+    self->held = PyList_New(0);
+    if (self->held == NULL) {
+        PyErr_WriteUnraisable((PyObject *)self);
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(held); i++) {
+        PyObject *r = self->free_weak == NULL
+                          ? NULL
+                          : PyObject_CallOneArg(self->free_weak,
+                                                PyList_GET_ITEM(held, i));
+        if (r == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_RuntimeError,
+                                "memscale profiler: no _free_weak_ref");
+            }
+            PyErr_WriteUnraisable((PyObject *)self);
+        }
+        Py_XDECREF(r);
+    }
+    Py_DECREF(held);
+}
+
+static PyObject *
+prof_count(Profiler *self, PyObject *tensor)
+{
+    /* Pack hook: count, then hand the tensor back unchanged. */
+    if (count_saved(self, tensor) < 0) {
+        return NULL;
     }
     /* Hand back a detached alias, as checkpointing does: the tensor itself
        would, for an output its own grad_fn saves, make a cycle through
@@ -415,6 +498,15 @@ end_pass(Profiler *self, int ok)
         < 0)
     {
         rc = -1;
+    }
+    if (PyList_GET_SIZE(self->held) > 0) {
+        ms_exc_state saved;
+        ms_exc_save(&saved);
+        release_addresses(self);
+        ms_exc_restore(&saved);
+        if (self->held == NULL) {
+            return PyErr_Occurred() ? -1 : (PyErr_NoMemory(), -1);
+        }
     }
     if (rc < 0 || !ok) {
         return rc;
@@ -698,9 +790,10 @@ prof_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->param_keys = PySet_New(NULL);
     self->handles = PyList_New(0);
     self->stack = PyList_New(0);
+    self->held = PyList_New(0);
     if (self->units == NULL || self->index_of == NULL
         || self->param_keys == NULL || self->handles == NULL
-        || self->stack == NULL)
+        || self->stack == NULL || self->held == NULL)
     {
         goto error;
     }
@@ -755,12 +848,22 @@ prof_traverse(Profiler *self, visitproc visit, void *arg)
     Py_VISIT(self->ctx);
     Py_VISIT(self->seen);
     Py_VISIT(self->stack);
+    Py_VISIT(self->held);
+    Py_VISIT(self->free_weak);
     return 0;
 }
 
 static int
 prof_clear(Profiler *self)
 {
+    if (self->held != NULL && PyList_GET_SIZE(self->held) > 0) {
+        ms_exc_state saved;
+        ms_exc_save(&saved);
+        release_addresses(self);
+        ms_exc_restore(&saved);
+    }
+    Py_CLEAR(self->held);
+    Py_CLEAR(self->free_weak);
     Py_CLEAR(self->units);
     Py_CLEAR(self->index_of);
     Py_CLEAR(self->param_keys);
@@ -859,6 +962,19 @@ ms_profiler_end_pass(PyObject *profiler, int ok)
 {
     Profiler *self = as_profiler(profiler);
     return self != NULL ? end_running_pass(self, ok) : -1;
+}
+
+int
+ms_profiler_count(PyObject *profiler, PyObject *tensor)
+{
+    Profiler *self = as_profiler(profiler);
+    if (self == NULL) {
+        return -1;
+    }
+    if (!self->in_pass) {
+        return 0;
+    }
+    return hold_address(self, tensor) < 0 ? -1 : count_saved(self, tensor);
 }
 
 int

@@ -67,6 +67,28 @@ def is_fsdp2(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def is_fsdp2_module(module: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` itself."""
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (as FSDP2's sharded parameters are)."""
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
+
+
 def _full_bytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()  # a DTensor's numel is the global one
 

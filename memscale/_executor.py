@@ -169,6 +169,18 @@ class Executor(_core.Executor):
         finally:
             self.resume()
 
+    @contextlib.contextmanager
+    def unmeasured(self) -> Iterator[None]:
+        """What runs in the block counts in no FLOPs of a pass measured for
+        real (the recompute check's second run of a layer): see
+        ``memscale._planning.WarmupFlops``."""
+        counter = self.__dict__.get("_warmup_flops")
+        if counter is None:
+            yield
+            return
+        with counter.excluded():
+            yield
+
     def on_detach(self, action: Callable[[], None]) -> None:
         """Run ``action`` when the executor is detached (LIFO order)."""
         self._restore.append(action)
@@ -186,7 +198,13 @@ class Executor(_core.Executor):
         finally:
             # What refers to the model (the executor keeps no reference to
             # it once detached).
-            for name in ("units", "_first_forward", "_measure_instead", "_plan_from"):
+            for name in (
+                "units",
+                "_first_forward",
+                "_measure_instead",
+                "_plan_from",
+                "_warmup_flops",
+            ):
                 self.__dict__.pop(name, None)
             while self._restore:
                 action = self._restore.pop()

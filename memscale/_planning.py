@@ -10,6 +10,7 @@ predictor's corrections, is :mod:`memscale._planner`'s job.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ def _profile_static(model, units, args, kwargs):
             return type(obj)(to_fake(v) for v in obj)
         return obj
 
-    with mode, _fake_twins(model, convert) as fakes:
+    with mode, _without_fsdp2_hooks(model), _fake_twins(model, convert) as fakes:
         fargs = tuple(to_fake(a) for a in args)
         fkwargs = {k: to_fake(v) for k, v in kwargs.items()}
 
@@ -110,6 +111,60 @@ def _profile_static(model, units, args, kwargs):
             model(*fargs, **fkwargs)
 
         return _measure(units, fakes, run)
+
+
+def _is_fsdp2_hook(hook: Any) -> bool:
+    """Whether ``hook`` is FSDP2's forward (pre-)hook: a method of its
+    ``FSDPState`` (wrapped, for a group of modules sharded together)."""
+    owner = getattr(hook, "__self__", None)  # a bound method (decorated or not)
+    if owner is None:
+        owner = getattr(inspect.unwrap(hook), "__self__", None)
+    return (
+        owner is not None
+        and type(owner).__name__ == "FSDPState"
+        and type(owner).__module__.startswith("torch.distributed.fsdp")
+    )
+
+
+@contextlib.contextmanager
+def _without_fsdp2_hooks(model: torch.nn.Module) -> Iterator[None]:
+    """A model sharded with FSDP2 (``fully_shard``) runs the block without
+    FSDP2's forward hooks (the all-gather of a module's parameters before
+    its forward, the reshard after it, the backward hooks they register),
+    its state untouched: with :func:`_fake_twins` giving each sharded
+    parameter an unsharded fake twin, the fake pass runs the model the
+    shards stand for.  Nothing to do for another model."""
+    saved: list[tuple[torch.nn.Module, str, Any]] = []
+    try:
+        for module in model.modules():
+            if not _distributed.is_fsdp2_module(module):
+                continue
+            found = False
+            for attr in ("_forward_pre_hooks", "_forward_hooks"):
+                hooks = module.__dict__[attr]
+                keep = type(hooks)((k, h) for k, h in hooks.items() if not _is_fsdp2_hook(h))
+                if len(keep) < len(hooks):
+                    found = True
+                    saved.append((module, attr, hooks))
+                    module.__dict__[attr] = keep
+            if not found:
+                raise RuntimeError(
+                    f"memscale cannot find FSDP2's forward hooks on {type(module).__name__} "
+                    f"in torch {torch.__version__}, so a fake-tensor pass of the "
+                    "unsharded model cannot run"
+                )
+        yield
+    finally:
+        for module, attr, hooks in reversed(saved):
+            module.__dict__[attr] = hooks
+
+
+def _unsharded_twin(real: torch.Tensor, convert: Any) -> torch.Tensor:
+    """A fake twin of ``real``; of a DTensor (an FSDP2 shard), a plain fake
+    tensor of the full shape (made inside the fake mode)."""
+    if _distributed.is_dtensor(real):
+        return torch.empty(real.shape, dtype=real.dtype, device=real.device)
+    return convert(real)
 
 
 @contextlib.contextmanager
@@ -146,7 +201,7 @@ def _fake_twins(model: torch.nn.Module, convert: Any) -> Iterator[list[torch.Ten
                         continue
                     twin = twins.get(id(real))
                     if twin is None:
-                        twin = convert(real)
+                        twin = _unsharded_twin(real, convert)
                         if isinstance(real, torch.nn.Parameter):
                             twin = torch.nn.Parameter(twin, requires_grad=real.requires_grad)
                         twins[id(real)] = twin
@@ -204,12 +259,11 @@ def profile_upfront(
     args, kwargs = split_input(sample_input)
     errors = []
     methods = []
-    why_not = static_profiling_supported(model)
-    if config.use_static_profiling and why_not is not None:
-        logger.info("memscale: profiling with a real forward, not on fake tensors: %s", why_not)
-    if config.use_static_profiling and why_not is None:
+    # (A model sharded with FSDP2 is profiled as the unsharded model its
+    # shards stand for: see _without_fsdp2_hooks.)
+    if config.use_static_profiling:
         methods.append(("static", _profile_static))
-    if config.use_empirical_fallback or not config.use_static_profiling or why_not is not None:
+    if config.use_empirical_fallback or not config.use_static_profiling:
         methods.append(("empirical", _profile_empirical))
     for name, fn in methods:
         try:
@@ -230,10 +284,20 @@ def profile_upfront(
     )
 
 
-def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]], method: str) -> Profile:
+def profile_from(
+    profiler: Any,
+    units: list[tuple[str, torch.nn.Module]],
+    method: str,
+    tile_flags: list[int] | None = None,
+) -> Profile:
+    """The profile ``profiler`` measured; ``tile_flags``: each unit's
+    tiling flag, when not to be read off the units now (memscale's own
+    hooks on them, while a plan is applied, make none a candidate)."""
     layers = []
     details = []
-    for (name, module), r, tile_flag in zip(units, profiler.results(), _tiling.layer_flags(units)):
+    if tile_flags is None:
+        tile_flags = _tiling.layer_flags(units)
+    for (name, module), r, tile_flag in zip(units, profiler.results(), tile_flags):
         kind = type(module).__name__
         layers.append(
             _core.LayerStats(
@@ -258,12 +322,116 @@ def profile_from(profiler: Any, units: list[tuple[str, torch.nn.Module]], method
     )
 
 
-def new_warmup_profiler(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) -> Any:
+class _GlobalOnly:
+    """In place of ``FlopCounterMode``'s module tracker: every FLOP counts
+    under "Global" only (the per-module breakdown is not used).  The
+    tracker's global module hooks put gradient hooks on module inputs,
+    which fail in a run without gradients inside a training forward (the
+    tile verifier's)."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> _GlobalOnly:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class WarmupFlops(FlopCounterMode):
+    """The FLOP counter of passes measured for real under a plan: a
+    ``FlopCounterMode`` whose totals leave out what runs inside
+    :meth:`excluded`: the checks memscale runs inside a layer's call the
+    first time (the recompute check's second run, the tile verifier's
+    runs), which are no part of the training step."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False)
+        self.mod_tracker = _GlobalOnly()  # type: ignore[assignment]
+        self._excluded = 0
+
+    def __enter__(self) -> WarmupFlops:
+        self._excluded = 0  # entering clears the counts (one per pass)
+        super().__enter__()
+        return self
+
+    def get_total_flops(self) -> int:
+        return int(super().get_total_flops()) - self._excluded
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """What runs in the block does not count."""
+        before = super().get_total_flops()
+        try:
+            yield
+        finally:
+            self._excluded += int(super().get_total_flops() - before)
+
+
+def new_warmup_profiler(
+    model: torch.nn.Module,
+    units: list[tuple[str, torch.nn.Module]],
+    flops: FlopCounterMode | None = None,
+) -> Any:
+    """A Profiler of real training forwards, its hooks attached; ``flops``
+    its FLOP counter (a new ``FlopCounterMode`` if None)."""
     profiler = _core.Profiler(
-        [m for _, m in units], list(tensors_of(model)), FlopCounterMode(display=False)
+        [m for _, m in units],
+        list(tensors_of(model)),
+        FlopCounterMode(display=False) if flops is None else flops,
     )
     profiler.attach()
     return profiler
+
+
+# csrc/engine.h's MS_LAYER_NOT_CALLED: the profiler saw no call of the layer.
+LAYER_NOT_CALLED = 1 << 1
+
+
+def merged(first: Profile, measured: Profile, indices: set[int]) -> Profile:
+    """``measured``, with the layers at ``indices`` planned for both: the
+    larger of each figure and the flags of either (a layer is "not called"
+    only if called in neither)."""
+    layers = []
+    details = []
+    for i, (a, b, da, db) in enumerate(
+        zip(first.layers, measured.layers, first.details, measured.details)
+    ):
+        if i not in indices:
+            layers.append(b)
+            details.append(db)
+            continue
+        called = da.get("calls", 0) or db.get("calls", 0)
+        flags = a.flags | b.flags
+        if called:
+            flags &= ~LAYER_NOT_CALLED
+        layers.append(
+            _core.LayerStats(
+                (
+                    a.name,
+                    a.kind,
+                    max(a.param_bytes, b.param_bytes),
+                    max(a.saved_bytes, b.saved_bytes),
+                    max(a.input_bytes, b.input_bytes),
+                    max(a.flops, b.flops),
+                    flags,
+                )
+            )
+        )
+        detail = dict(db)
+        for key, value in da.items():
+            if key == "flags":  # as the profiler reports them
+                detail[key] = (value | db.get(key, 0)) & ~(LAYER_NOT_CALLED if called else 0)
+            elif key not in ("name", "kind") and isinstance(value, (int, float)):
+                detail[key] = max(value, db.get(key, value))
+        details.append(detail)
+    return Profile(
+        tuple(layers),
+        max(first.activation_bytes, measured.activation_bytes),
+        max(first.total_flops, measured.total_flops),
+        measured.method,
+        tuple(details),
+    )
 
 
 def allowed_techniques(config: Config) -> int:
@@ -358,10 +526,12 @@ def plan_problem(
 
 
 def static_profiling_supported(model: torch.nn.Module) -> str | None:
-    """Why fake-tensor passes (the static profile, the OOM predictor) must
-    not run on ``model``, or None.  FSDP2 keeps its own parameter state
-    (sharded DTensors it swaps for all-gathered ones around each forward),
-    which a pass with substituted fake parameters leaves inconsistent."""
+    """Why the OOM predictor's fake-tensor steps must not run on ``model``,
+    or None.  FSDP2 keeps its own parameter state (sharded DTensors it
+    swaps for all-gathered ones around each forward, gradients it
+    reduce-scatters), which simulated steps would have to model.  (The
+    static profile's one forward runs the unsharded model instead: see
+    _without_fsdp2_hooks.)"""
     if _distributed.is_fsdp2(model):
         return (
             "the model is sharded with FSDP2 (fully_shard), whose "

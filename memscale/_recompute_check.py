@@ -46,6 +46,7 @@ step.  Like a recompute, the second run repeats the forward's side effects
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import weakref
@@ -339,14 +340,20 @@ class RecomputeCheck:
         # All are put back after: the check changes no RNG stream.
         now = _verify.rng_state()
         buffers = [(b, b.detach().clone()) for b in unit.buffers()]
+        executor = self._executor()
         self._busy = True
         try:
             _set_cpu_cuda_rng(rng)
             # The forward itself, not the module's call: we are inside the
             # call, so what its pre-hooks did (an FSDP2 all-gather, arguments
             # they replaced) is still in force, and running them again inside
-            # it would not be (FSDP2 would reshard twice).
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            # it would not be (FSDP2 would reshard twice).  A step measured
+            # for real does not count this run's FLOPs.
+            with (
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+                contextlib.nullcontext() if executor is None else executor.unmeasured(),
+            ):
                 inner(*args, **kwargs)
         finally:
             self._busy = False
@@ -355,6 +362,19 @@ class RecomputeCheck:
                 for buf, value in buffers:
                     buf.copy_(value)
         return again
+
+    @property
+    def excluded(self) -> set[int]:
+        """The layers plans are made without (failed the check here or,
+        under torch.distributed, on another rank)."""
+        return set(self._replanned)
+
+    def rearm(self, plan: Any, problem: PlanProblem | None) -> None:
+        """A new plan replaced the one checked (made from measured steps):
+        the layers it newly checkpoints are checked too, and a layer that
+        fails is planned without from ``problem``, the new plan's."""
+        self._problem = problem
+        self._arm(plan)
 
     # ---- the fallback --------------------------------------------------------
 
@@ -388,7 +408,7 @@ class RecomputeCheck:
         for i in todo:
             self._unwrap(i)
         self._problem = problem
-        _attach_new_needs(executor, old, plan)
+        attach_new_needs(executor, old, plan)
         elsewhere = [i for i in todo if i not in self.failed]
         logger.warning(
             "memscale: plan made again without checkpointing %s "
@@ -423,7 +443,7 @@ def _planning_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tor
     return out
 
 
-def _attach_new_needs(executor: Any, old: Any, plan: Any) -> None:
+def attach_new_needs(executor: Any, old: Any, plan: Any) -> None:
     """What the new plan uses and the old one did not set up: an offload
     tier, tiled forwards."""
     if executor.offload_store is None and executor.offload_host is None:

@@ -27,6 +27,7 @@ change its random masks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from typing import Any
@@ -243,6 +244,19 @@ class _TiledForward:
         return getattr(self.tiled, name)
 
 
+def _unmeasured_verifier(executor: Any) -> Any:
+    """:func:`verify`, whose runs of the layer count in no FLOPs of a step
+    measured under the plan (``Executor.unmeasured``)."""
+    ref = weakref.ref(executor)
+
+    def verifier(unit: nn.Module, forward: Any, args: tuple, kwargs: dict, tiles: int) -> Any:
+        ex = ref()
+        with contextlib.nullcontext() if ex is None else ex.unmeasured():
+            return verify(unit, forward, args, kwargs, tiles)
+
+    return verifier
+
+
 def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> None:
     """Give each layer the plan tiles a tiled forward (restored by
     ``detach``) and the executor its verifier."""
@@ -253,7 +267,7 @@ def install(executor: Any, units: list[tuple[str, nn.Module]], plan: Any) -> Non
     if model is not None:
         # Inside the tiled blocks, attention over query tiles too.
         _attention.attach(executor, model, max(plan.layers[i].tiles for i in tiled))
-    executor.set_tile_verifier(verify)
+    executor.set_tile_verifier(_unmeasured_verifier(executor))
     for i in tiled:
         unit = units[i][1]
 

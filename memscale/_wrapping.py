@@ -258,18 +258,7 @@ class Wrapping:
         executor reports."""
         if upfront is not None:
             return str(upfront.profile.method)
-        return "first_step" if self.plans_first_forward() else "warmup"
-
-    def plans_first_forward(self) -> bool:
-        """Whether the first training forward's inputs can be profiled on
-        fake tensors (the default); otherwise the first ``warmup_steps``
-        forwards are measured for real (``use_static_profiling=False``, or a
-        model that fake tensors cannot run, such as one sharded with
-        FSDP2)."""
-        return (
-            self.config.use_static_profiling
-            and _planning.static_profiling_supported(self.model) is None
-        )
+        return "first_step"
 
     # -- the executor and what goes with it, before any plan ---------------
 
@@ -317,13 +306,18 @@ class Wrapping:
         least: int | None = None,
         *,
         apply: bool = True,
+        again: bool = False,
     ) -> Any:
         """The pipeline from a profile: Stage 1 (unless already decided),
         the plan (one for every rank), its log line and budget check, the
         techniques attached, the plan applied (by the C executor itself
         after measured warm-up steps: ``apply=False``) and the model-level
-        settings that go with it.  Returns the plan."""
+        settings that go with it.  ``again``: a plan replaces the one
+        applied (:meth:`refine_after_warmup`): what the first set up (an
+        offload tier, tiled forwards, the recompute check) is kept and
+        given only what the new plan adds.  Returns the plan."""
         executor, config, hardware, fixed = self.attached, self.config, self.hardware, self.fixed
+        old = executor.plan if again else None
         executor.profile = profile
         executor.profiling = profile.method
         if executor.decision is None:
@@ -341,6 +335,10 @@ class Wrapping:
             )
         else:
             problem = _planning.plan_problem(profile, plan_config, hardware, fixed)
+        check = executor.recompute_check
+        if old is not None and check is not None and check.excluded:
+            # Layers that failed the recompute check stay unchecked.
+            problem = problem.with_layer_flags(check.excluded, _core.LAYER_UNREPEATABLE)
         plan = _distributed.shared_plan(problem)
         _log_plan(config, hardware, plan, executor.decision)
         _budget.check(
@@ -351,25 +349,28 @@ class Wrapping:
             least,
             _model.floor_options(self.model, self.optimizer, config, hardware.device),
         )
-        _offload.attach(executor, plan_config, plan)
-        _tiling.install(executor, self.units, plan)
+        if old is None:
+            _offload.attach(executor, plan_config, plan)
+            _tiling.install(executor, self.units, plan)
+        else:
+            _recompute_check.attach_new_needs(executor, old, plan)
         if apply:
             executor.apply(plan)
         else:
             executor.plan_applied(plan)
-        _after_plan(self.model, executor, plan, problem)
+        if old is not None and check is not None:
+            check.rearm(plan, problem)  # the layers it newly checkpoints
+        else:
+            _after_plan(self.model, executor, plan, problem)
         return plan
 
     def plan(self, upfront: _Upfront | None) -> None:
         """Run the pipeline now from ``upfront`` (``sample_input``'s
-        profile), or arrange for it to run on the first training forward,
-        or after the measured warm-up forwards."""
+        profile), or arrange for it to run on the first training forward."""
         if upfront is not None:
             self.install(*upfront)
-        elif self.plans_first_forward():
-            self.plan_on_first_forward()
         else:
-            self.plan_after_warmup()
+            self.plan_on_first_forward()
 
     def plan_on_first_forward(self) -> None:
         """No ``sample_input``: run the pipeline inside the first training
@@ -381,7 +382,9 @@ class Wrapping:
         executor, config, model = self.attached, self.config, self.model
         if policy.needs_profile(config, self.hardware):
             policy.requested_policy()  # a bad MEMSCALE_POLICY fails now
-        static_only = config.replace(use_empirical_fallback=False)
+        # The first forward is planned on fake tensors also with
+        # use_static_profiling=False: its measured steps refine that plan.
+        static_only = config.replace(use_static_profiling=True, use_empirical_fallback=False)
 
         def plan(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             try:
@@ -457,10 +460,13 @@ class Wrapping:
                 model.__dict__[ATTR] = wrapped
 
     def _install_planned(self, upfront: _Upfront) -> None:
-        """The pipeline inside a training forward; on an error nothing is
-        left attached."""
+        """The pipeline inside a training forward (and, with
+        ``use_static_profiling=False``, the measuring that refines its
+        plan); on an error nothing is left attached."""
         try:
             plan_made = self.install(*upfront)
+            if not self.config.use_static_profiling:
+                self.refine_after_warmup(upfront)
         except BaseException:
             self._leave()
             raise
@@ -472,6 +478,61 @@ class Wrapping:
         if self.model.__dict__.get(ATTR) is executor:
             del self.model.__dict__[ATTR]
         executor.detach()
+
+    def refine_after_warmup(self, first: _Upfront) -> None:
+        """``use_static_profiling=False``: the next ``warmup_steps``
+        training forwards (from the one running, when planned in the
+        model's own pre-hook) run under the plan made from ``first`` and
+        are measured for real meanwhile; after the last one the pipeline
+        runs again from what they measured and the new plan applies from the next
+        forward on.  That step's backward still recomputes what its
+        forward checkpointed under the first plan.  The measured figures
+        replace the fake pass's (which, for one, cannot know the data: a
+        Hugging Face model builds an attention mask on fake tensors that
+        it skips for a real all-ones one).
+
+        Measuring under a plan: the profiler's hooks see every layer's
+        calls, inputs, outputs and FLOPs as without one, and what a
+        checkpointed layer saves is counted by the checkpoint frame's
+        saved-tensor hook, which takes the tensors in place of the
+        profiler's (``csrc/frame.c``); the recompute check's second run of
+        a layer counts no FLOPs (``_planning.WarmupFlops``)."""
+        executor, config = self.attached, self.config
+        flops = _planning.WarmupFlops()
+        profiler = _planning.new_warmup_profiler(self.model, self.units, flops)
+
+        def on_profiled(prof: Any) -> Any:
+            executor.__dict__.pop("_warmup_flops", None)
+            # Tiling candidates as the first profile found them (before the
+            # plan's hooks were on the layers).
+            tile_flags = [layer.flags & _core.LAYER_TILEABLE for layer in first.profile.layers]
+            profile = _planning.profile_from(prof, self.units, "warmup", tile_flags)
+            check = executor.recompute_check
+            if check is not None and check.failed:
+                # A layer the recompute check refused while measured: its
+                # saved tensors, held by the check, were not counted.
+                profile = _planning.merged(first.profile, profile, set(check.failed))
+            try:
+                plan = self.install(profile, first.offsets, apply=False, again=True)
+            except BaseException:
+                self._leave()
+                raise
+            _telemetry.plan_built(executor, plan, self.model)
+            return plan
+
+        try:
+            executor.start_profiling(profiler, on_profiled)
+        except BaseException:
+            profiler.detach()
+            raise
+        executor.__dict__["_warmup_flops"] = flops  # dropped by detach
+        logger.log(
+            logging.INFO if config.enable_logging else logging.DEBUG,
+            "memscale: measuring %d training forward passes for real under "
+            "this plan (Config.use_static_profiling=False), then planning "
+            "again from what they measured",
+            config.warmup_steps,
+        )
 
     def plan_after_warmup(self) -> None:
         """Measure the first ``warmup_steps`` training forwards for real

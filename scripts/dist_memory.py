@@ -69,9 +69,10 @@ def rank_main(
         target = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     setup_peak = _vmhwm()
-    # Reset the high-water mark: what follows is training only.  (Under
-    # FSDP2, wrap profiles with one real forward, whose peak is that of an
-    # unoptimized forward; setup_peak reports it.)
+    # Reset the high-water mark: what follows is training only.  (wrap
+    # profiles on fake tensors, under FSDP2 the unsharded model; before
+    # issue 21 it profiled FSDP2 with one real forward, whose peak was that
+    # of an unoptimized forward; setup_peak reports set-up's peak.)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     for _ in range(2):

@@ -1,7 +1,8 @@
 """Peak RSS of a fresh process training GPT-2 6x256 (batch 4x256) with the
 Hugging Face Trainer and with PyTorch Lightning: plain, Hugging Face's
 ``gradient_checkpointing_enable()``, and memscale's callback without
-``sample_input`` at a budget.
+``sample_input`` at a budget (and with ``use_static_profiling=False``: the
+first forward's plan refined from real steps measured under it).
 
 Each run is a fresh interpreter (``memscale._measure.peak_rss_subprocess``,
 with ``MALLOC_MMAP_THRESHOLD_=65536`` as the benchmark suite's RSS children,
@@ -56,6 +57,10 @@ if {variant!r} in ("hf-checkpointing+imports", "hf-checkpointing+prediction"):
 if {variant!r}.startswith("memscale"):
     import memscale
     config = memscale.Config(memory_budget_gb={budget}, enable_logging=False)
+    if {variant!r} == "memscale-measured":
+        # The plan the first forward makes on fake tensors is refined from
+        # the next warmup_steps steps, measured for real under it.
+        config = config.replace(use_static_profiling=False)
     if {variant!r} == "memscale-no-check":
         # The breakdown only: without the first step's recompute check.
         from memscale import _recompute_check
@@ -192,7 +197,7 @@ def main() -> int:
         "malloc_trim give back",
     )
     args = parser.parse_args()
-    variants = ["plain", "hf-checkpointing", "memscale"]
+    variants = ["plain", "hf-checkpointing", "memscale", "memscale-measured"]
     if args.breakdown:
         variants[2:2] = ["hf-checkpointing+imports", "hf-checkpointing+prediction"]
         variants.append("memscale-no-check")

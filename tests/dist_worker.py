@@ -70,9 +70,13 @@ def _unrepeatable(model, rank):
 
 def _train(rank, scenario, use_memscale, budget_gb=None):
     # "-first": no sample_input; the plan is made in the first training forward.
+    # "-measured": and use_static_profiling=False: the two steps are measured
+    # under that plan, which is made again (and exchanged) after them.
     # "-unrepeatable": block 1 fails the recompute check on rank 1 only.
     unrepeatable = scenario.endswith("-unrepeatable")
     scenario = scenario.removesuffix("-unrepeatable")
+    measured = scenario.endswith("-measured")
+    scenario = scenario.removesuffix("-measured")
     first = scenario.endswith("-first")
     scenario = scenario.removesuffix("-first")
     from conftest import tiny_gpt2, token_batch
@@ -103,6 +107,7 @@ def _train(rank, scenario, use_memscale, budget_gb=None):
         enable_logging=False,
         memory_budget_gb=budget_gb,
         async_config=memscale.AsyncOffloadConfig(min_offload_bytes=0),
+        use_static_profiling=not measured,
     )
     wrapped = model
     if scenario == "ddp-outer":  # DDP first, then memscale on the DDP module
@@ -125,9 +130,23 @@ def _train(rank, scenario, use_memscale, budget_gb=None):
             layers=[list(layer.techniques) for layer in plan.layers],
         )
         info["recomputes"] = wrapped._memscale_executor.stats["recomputes"]
+        info["profiling"] = wrapped._memscale_executor.profiling
         info["spilled"] = _offloaded(wrapped._memscale_executor)
         memscale.detach(wrapped)
     return info
+
+
+# Scenarios trained without and with memscale, compared by the test.
+SAME = (
+    "ddp",
+    "ddp-outer",
+    "fsdp2",
+    "ddp-first",
+    "ddp-outer-first",
+    "fsdp2-first",
+    "ddp-first-measured",
+    "fsdp2-first-measured",
+)
 
 
 def run(rank, world, scenario, port, out_dir):
@@ -140,7 +159,7 @@ def run(rank, world, scenario, port, out_dir):
     dist.init_process_group(BACKEND, rank=rank, world_size=world)
     result = {}
     try:
-        if scenario in ("ddp", "ddp-outer", "fsdp2", "ddp-first", "ddp-outer-first"):
+        if scenario in SAME:
             result["plain"] = _train(rank, scenario, False)
             result["memscale"] = _train(rank, scenario, True)
         elif scenario.endswith("-unrepeatable"):

@@ -285,3 +285,145 @@ def test_lightning_training_step_calling_submodules_is_planned_from_the_first_ba
     assert torch.equal(
         trainer.callback_metrics["train_loss"], plain_trainer.callback_metrics["train_loss"]
     )
+
+
+# ------------------------------------- measured steps refine the first plan
+
+
+def static_profile(x, config=BUDGET):
+    """The profile a first forward on ``x`` is planned from (fake tensors)."""
+    model = gpt2()
+    memscale.wrap(model, config)
+    model(input_ids=x, labels=x).loss.backward()
+    ex = model._memscale_executor
+    profile, plan_hash = ex.profile, ex.plan.hash
+    memscale.detach(model)
+    return profile, plan_hash
+
+
+def test_without_static_profiling_the_first_step_runs_under_a_plan():
+    # Issue 21: use_static_profiling=False measured the first warmup_steps
+    # forwards unoptimized.  Now the first forward runs under the plan made
+    # from its inputs on fake tensors, as without the setting, and the
+    # measured steps only refine it.
+    x = ids()
+    plain_peak, plain_loss, plain_grads = first_step(gpt2(), x)
+    _, static_hash = static_profile(x)
+    model = gpt2()
+    memscale.wrap(model, BUDGET.replace(use_static_profiling=False, warmup_steps=2))
+    ex = model._memscale_executor
+    peak, loss, grads = first_step(model, x)
+    assert ex.plan is not None and ex.plan.hash == static_hash
+    assert ex.stats["recomputes"] > 0 and ex.stats["training_forwards"] == 1
+    assert ex.state == "profiling"  # measuring, under the plan
+    assert peak < plain_peak
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    memscale.detach(model)
+
+
+def measured_unoptimized(batches, config):
+    """The profile of ``batches`` measured for real without a plan (the
+    executor's ``measure_real_steps``: what use_static_profiling=False did
+    before issue 21)."""
+    model = gpt2()
+    memscale.wrap(model, config.replace(warmup_steps=len(batches)))
+    ex = model._memscale_executor
+    ex.measure_real_steps()
+    for x in batches:
+        model(input_ids=x, labels=x).loss.backward()
+    assert ex.profiling == "warmup" and ex.state == "applied"
+    profile = ex.profile
+    memscale.detach(model)
+    return profile
+
+
+def test_measured_steps_count_what_checkpointed_layers_save():
+    # Steps measured under the plan see every layer as steps without one
+    # do: a checkpointed layer's saved tensors (taken by the checkpoint
+    # frame's hook, not the profiler's) and its FLOPs (not those of the
+    # recompute check's second run at the first step).
+    x = ids()
+    model = gpt2()
+    memscale.wrap(model, BUDGET.replace(use_static_profiling=False, warmup_steps=2))
+    ex = model._memscale_executor
+    for _ in range(2):
+        model.zero_grad()
+        model(input_ids=x, labels=x).loss.backward()
+    assert ex.state == "applied" and ex.profiling == "warmup"
+    assert ex.recompute_check is not None and ex.recompute_check.passed  # it ran
+    assert ex.plan.technique_counts["checkpoint"] > 0
+    reference = measured_unoptimized([x, x], BUDGET)
+    assert ex.profile.layers == reference.layers
+    assert ex.profile.activation_bytes == reference.activation_bytes
+    assert ex.profile.total_flops == reference.total_flops
+    memscale.detach(model)
+
+
+def test_a_larger_batch_measured_under_the_plan_is_planned_for():
+    # The first batch is short; the measured steps see a longer one, and
+    # the plan is made again from what they measured (what the fake pass of
+    # the first batch could not know), applied from the next forward on.
+    short = torch.randint(0, 256, (BATCH, SEQ // 2))
+    x = ids()
+    config = BUDGET.replace(memory_budget_gb=7 / 1024)  # under both steps' peaks
+    _, short_hash = static_profile(short, config)
+    model = gpt2()
+    memscale.wrap(model, config.replace(use_static_profiling=False, warmup_steps=2))
+    ex = model._memscale_executor
+    model(input_ids=short, labels=short).loss.backward()
+    assert ex.plan.hash == short_hash
+    first = ex.plan
+    assert first.technique_counts["checkpoint"] > 0  # measured under it
+    model(input_ids=x, labels=x).loss.backward()
+    assert ex.profiling == "warmup"
+    assert ex.profile.layers == measured_unoptimized([short, x], config).layers
+    assert ex.plan.technique_counts["checkpoint"] > first.technique_counts["checkpoint"]
+    ref = gpt2()
+    model.zero_grad()
+    torch.manual_seed(3)
+    model(input_ids=x, labels=x).loss.backward()  # under the new plan
+    torch.manual_seed(3)
+    ref(input_ids=x, labels=x).loss.backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    memscale.detach(model)
+
+
+def test_a_layer_failing_the_recompute_check_while_measured_keeps_its_fake_figures():
+    # Block 1 reads a counter its forward bumps: it fails the first step's
+    # recompute check, which keeps its saved tensors (exact, no recompute),
+    # so the measured step never counted them.  The plan made again after
+    # that one measured step takes that layer's figures from the fake pass
+    # (it would have planned it as saving nothing) and, from the next
+    # forward on, does not checkpoint it.
+    from conftest import FORCE, mlp
+
+    def unrepeatable(model):
+        calls = [0]
+
+        def bump(module, args):
+            calls[0] += 1
+            return (args[0] * (1.0 + calls[0] / 64),)
+
+        model[1].fc1.register_forward_pre_hook(bump)
+        return model
+
+    x = torch.randn(4, 32)
+    config = FORCE.replace(enable_logging=False)
+    fake = unrepeatable(mlp())
+    memscale.wrap(fake, config, sample_input=x)
+    static = fake._memscale_executor.profile.layers
+    memscale.detach(fake)
+    model = unrepeatable(mlp())
+    memscale.wrap(model, config.replace(use_static_profiling=False, warmup_steps=1))
+    ex = model._memscale_executor
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(x).sum().backward()
+    assert ex.profiling == "warmup" and set(ex.recompute_check.failed) == {1}
+    assert ex.profile.layers[1] == static[1] and static[1].saved_bytes > 0
+    assert ex.profile.layers[0] == static[0]  # measured, checkpointed
+    model(x).sum().backward()
+    assert "checkpoint" not in ex.plan.layers[1].techniques
+    assert "checkpoint" in ex.plan.layers[0].techniques
+    memscale.detach(model)

@@ -194,12 +194,8 @@ def test_warmup_metrics_follow_the_executor():
     model = mlp()
     x = torch.randn(8, 32)
     port = free_port()
-    memscale.wrap(
-        model,
-        memscale.Config(
-            **FORCE, observability_port=port, warmup_steps=2, use_static_profiling=False
-        ),
-    )
+    memscale.wrap(model, memscale.Config(**FORCE, observability_port=port, warmup_steps=2))
+    model._memscale_executor.measure_real_steps()  # real steps measured, unoptimized
     url = model._memscale_executor.metrics_server.url
     first = scrape(url)
     assert value(first, "memscale_executor_state", state="profiling") == 1

@@ -61,7 +61,9 @@ def test_detach_during_an_interrupted_warmup_pass_removes_every_hook(static):
     model = mlp()
     # Real steps measured, or the first forward planned (the interrupt then
     # comes in the planning's fake-tensor pass: memscale detaches itself).
-    memscale.wrap(model, FORCE.replace(use_static_profiling=static))
+    memscale.wrap(model, FORCE)
+    if not static:
+        model._memscale_executor.measure_real_steps()
     original = model[2].fc2.forward
     model[2].fc2.forward = lambda x: (_ for _ in ()).throw(KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
@@ -268,11 +270,19 @@ def test_double_backward_matches_unwrapped():
     memscale.detach(model)
 
 
-def test_interrupted_warmup_pass_is_dropped_not_merged():
+@pytest.mark.parametrize("measured_under", [False, True], ids=["unoptimized", "under-a-plan"])
+def test_interrupted_warmup_pass_is_dropped_not_merged(measured_under):
     model = mlp()
-    # Real steps are measured without fake-tensor profiling.
-    memscale.wrap(model, FORCE.replace(warmup_steps=1, use_static_profiling=False))
+    # Real steps measured unoptimized, or under the plan the first forward
+    # made (use_static_profiling=False; that forward is the first measured).
+    config = FORCE.replace(warmup_steps=1 + measured_under, use_static_profiling=not measured_under)
+    memscale.wrap(model, config)
     ex = model._memscale_executor
+    if measured_under:
+        model(torch.randn(2, 32)).sum().backward()
+        assert ex.plan is not None
+    else:
+        ex.measure_real_steps()
     original = model[1].fc2.forward
     model[1].fc2.forward = lambda t: (_ for _ in ()).throw(KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):

@@ -106,19 +106,15 @@ def test_warmup_wrap_emits_plan_built(tmp_path):
     sink = tmp_path / "warm.jsonl"
     _telemetry.enable(str(sink))
     model = mlp()
-    memscale.wrap(
-        model,
-        memscale.Config(
-            mode="conservative", force_optimize=True, warmup_steps=1, use_static_profiling=False
-        ),
-    )
+    memscale.wrap(model, memscale.Config(mode="conservative", force_optimize=True, warmup_steps=1))
+    model._memscale_executor.measure_real_steps()  # real steps measured, unoptimized
     x = torch.randn(4, 32)
     for _ in range(2):
         model(x).sum().backward()
     memscale.detach(model)
     wrap_called, plan_built = events(sink)
     assert wrap_called["event"] == "wrap_called" and wrap_called["planned"] is False
-    assert wrap_called["techniques"] is None and wrap_called["profiling"] == "warmup"
+    assert wrap_called["techniques"] is None and wrap_called["profiling"] == "first_step"
     assert plan_built["event"] == "plan_built" and plan_built["planned"] is True
     assert plan_built["techniques"] == ["checkpoint"] and plan_built["arch_class"] == "mlp"
 

@@ -402,15 +402,27 @@ def test_evaluation_and_no_grad_run_untiled():
 
 @pytest.mark.parametrize("static", [False, True], ids=["warmup", "first-forward"])
 def test_warmup_path_tiles_too(static):
-    # Without sample_input: real steps measured (use_static_profiling=False),
-    # or the first forward planned on fake tensors and already tiled.
+    # Without sample_input: the first forward planned on fake tensors and
+    # already tiled; with use_static_profiling=False it is also measured
+    # (tiled) and the plan made again from that.
     model, ref = mlp(width=16), mlp(width=16)
     x = torch.randn(2, 32, 16)
     memscale.wrap(model, FORCE_TILE.replace(warmup_steps=1, use_static_profiling=static))
-    train_step(model, x)  # profiled, or planned and tiled
-    assert model._memscale_executor.plan.technique_counts["tiling"] == 4
+    train_step(model, x)  # planned and tiled (and measured)
+    ex = model._memscale_executor
+    assert ex.plan.technique_counts["tiling"] == 4
+    assert ex.profiling == ("static" if static else "warmup")
+    if not static:
+        # Measured while tiled: the figures of a step without a plan (the
+        # tile verifier's runs of each layer count no FLOPs).
+        plain = mlp(width=16)
+        memscale.wrap(plain, FORCE_TILE.replace(warmup_steps=1))
+        plain._memscale_executor.measure_real_steps()
+        train_step(plain, x)
+        assert ex.profile.layers == plain._memscale_executor.profile.layers
+        memscale.detach(plain)
     assert_agrees(model, ref, x)
-    assert model._memscale_executor.stats["tiled_calls"] == (8 if static else 4)
+    assert ex.stats["tiled_calls"] == 8
     memscale.detach(model)
     assert all("forward" not in m.__dict__ for m in model)
 

@@ -354,10 +354,14 @@ class MemScaleCallback(*_BASES):  # type: ignore[misc]
 
     def _check_plan(self) -> None:
         executor = self._executor
-        if executor is None or self._checked or executor.plan is None:
+        if executor is None or executor.plan is None:
+            return
+        # The last plan made (use_static_profiling=False makes the plan
+        # again after the measured steps).
+        self.plan_hash = executor.plan.hash
+        if self._checked:
             return
         self._checked = True
-        self.plan_hash = executor.plan.hash
         expected = self._expected_hash
         if expected is not None and expected != self.plan_hash:
             warnings.warn(
