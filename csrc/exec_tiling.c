@@ -97,8 +97,8 @@ append_rng(ms_state *st, Frame *f)
     Py_ssize_t n = PyList_GET_SIZE(f->tile.rng);
     PyObject *prev = n > 0 ? PyList_GET_ITEM(f->tile.rng, n - 1) : f->rng_cpu;
     if (prev != NULL) {
-        PyObject *eq = PyObject_CallMethodObjArgs(st->torch, st->s_equal,
-                                                  prev, rng, NULL);
+        PyObject *eq = PyObject_CallMethodObjArgs(st->torch, st->s_equal, prev,
+                                                  rng, NULL);
         int same = eq != NULL ? PyObject_IsTrue(eq) : -1;
         Py_XDECREF(eq);
         if (same < 0) {

@@ -64,16 +64,22 @@ class _Tile:
     when the model gave none.  It holds no tensor (``kwargs`` are the
     model's small extras: scaling, dropout 0, position ids)."""
 
-    def __init__(self, module: nn.Module, inner: Any, causal: bool, start: int, q_len: int, kwargs: dict):
+    def __init__(
+        self, module: nn.Module, inner: Any, causal: bool, start: int, q_len: int, kwargs: dict
+    ):
         self.module, self.inner, self.kwargs = module, inner, kwargs
         self.causal, self.start, self.q_len = causal, start, q_len
 
-    def __call__(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any
+    ) -> torch.Tensor:
         if self.causal:
             # Query i of the tile sits at position start + i (keys end
             # aligned with the queries).
             size, k_len = q.shape[2], key.shape[2]
-            rows = torch.arange(self.start, self.start + size, device=q.device) + (k_len - self.q_len)
+            rows = torch.arange(self.start, self.start + size, device=q.device) + (
+                k_len - self.q_len
+            )
             cols = torch.arange(k_len, device=q.device)
             mask = torch.zeros(size, k_len, dtype=q.dtype, device=q.device)
             mask.masked_fill_(cols[None, :] > rows[:, None], torch.finfo(q.dtype).min)
@@ -124,7 +130,9 @@ class _Recomputed(torch.autograd.Function):
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
             out = ctx.tile(*inputs, mask)
         wanted = [t for t in inputs if t.requires_grad]
-        got = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True)) if wanted else iter(())
+        got = (
+            iter(torch.autograd.grad(out, wanted, grad, allow_unused=True)) if wanted else iter(())
+        )
         return (None, *(next(got) if n else None for n in needs), None)
 
 

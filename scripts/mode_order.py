@@ -24,6 +24,7 @@ modes are in order (AGGRESSIVE <= BALANCED <= CONSERVATIVE).
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import sys
 import warnings
@@ -151,11 +152,15 @@ def main(argv: list[str] | None = None) -> int:
                 peaks.append(r["peak"])
                 peak = "-" if r["peak"] is None else f"{format_bytes(r['peak'])} ({r['peak']:,} B)"
                 diff = "-" if r.get("diff") is None else f"{r['diff']:.2g}"
-                print(f"| {label} | {setting} | {mode} | {peak} | {r['plan']} | {diff} |", flush=True)
+                print(
+                    f"| {label} | {setting} | {mode} | {peak} | {r['plan']} | {diff} |", flush=True
+                )
             known = [p for p in peaks if p is not None]
-            ordered = all(a >= b for a, b in zip(known, known[1:]))
+            ordered = all(a >= b for a, b in itertools.pairwise(known))
             bad += not ordered
-            print(f"| {label} | {setting} | in order | {'yes' if ordered else 'NO'} | | |", flush=True)
+            print(
+                f"| {label} | {setting} | in order | {'yes' if ordered else 'NO'} | | |", flush=True
+            )
     return 1 if bad else 0
 
 
