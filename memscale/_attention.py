@@ -104,7 +104,7 @@ class _Recomputed(torch.autograd.Function):
     attention dropout are not tiled over queries."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, tile: _Tile, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any
     ) -> torch.Tensor:
         ctx.tile = tile
@@ -118,7 +118,7 @@ class _Recomputed(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         q, key, value, mask = ctx.saved_tensors
         if mask is None:
             mask = ctx.mask
