@@ -134,17 +134,53 @@ typedef struct {
     double ratio;
 } candidate;
 
-/* Tiles for a layer when the plan already fits (force_optimize,
-   AGGRESSIVE): the power of two at or above the memory pressure, in
-   [2, MS_MAX_TILES]. */
+/*
+ * Tiling shrinks what a checkpointed layer's recompute holds, and nothing
+ * else: it pays only while that recompute makes the peak.  Double the tiles
+ * of the layer whose recompute makes the peak, while it may be tiled
+ * further, until the peak fits the budget, or (minimize: force_optimize
+ * and AGGRESSIVE, once the plan fits) until another term makes it (the end
+ * of the forward, or a layer that cannot be tiled further).  Only tiles
+ * that lowered the peak are kept: a doubling that merely tied it, with
+ * nothing lower after, is undone, so halving any layer's tiles raises the
+ * peak.  Returns 0, or -1 out of memory.
+ */
 static int
-pressure_tiles(double pressure)
+plan_tiles(const ms_problem *p, const ms_layer *layers, size_t n,
+           ms_solver_choice *c, int64_t rest, int minimize)
 {
-    int t = 2;
-    while (t < MS_MAX_TILES && (double)t < pressure) {
-        t *= 2;
+    int *best = malloc((n ? n : 1) * sizeof(int));
+    if (best == NULL) {
+        return -1;
     }
-    return t;
+    for (size_t i = 0; i < n; i++) {
+        best[i] = c[i].tiles;
+    }
+    size_t at;
+    int64_t cur = peak_at(p, layers, n, c, rest, &at);
+    int64_t low = cur;
+    while ((minimize || cur > p->budget_bytes) && at < n
+           && (layers[at].flags & MS_LAYER_TILEABLE)
+           && layers[at].saved_bytes > 1 && c[at].tiles < MS_MAX_TILES)
+    {
+        c[at].tiles *= 2;
+        int64_t next = peak_at(p, layers, n, c, rest, &at);
+        if (next > cur) {
+            break; /* cannot happen: a tile holds no more than the layer */
+        }
+        cur = next;
+        if (cur < low) {
+            low = cur;
+            for (size_t i = 0; i < n; i++) {
+                best[i] = c[i].tiles;
+            }
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        c[i].tiles = best[i];
+    }
+    free(best);
+    return 0;
 }
 
 static int
@@ -445,32 +481,12 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
 
     if (!res->skipped && (base & MS_TECH_TILING)) {
         int all = p->force || p->mode == MS_MODE_AGGRESSIVE;
-        if (peak <= p->budget_bytes && all) {
-            /* Fits already, but asked for the full stack: every candidate
-               gets the tiles the memory pressure calls for. */
-            for (size_t i = 0; i < n; i++) {
-                if (is_checkpointed(c, i)
-                    && (layers[i].flags & MS_LAYER_TILEABLE)
-                    && layers[i].saved_bytes > 1)
-                {
-                    c[i].tiles = pressure_tiles(res->pressure);
-                }
-            }
-        }
-        else {
-            /* Tiling shrinks what a checkpointed layer's recompute holds:
-               while over budget, double the tiles of the layer whose
-               recompute makes the peak, until another term (or a layer
-               that cannot be tiled further) does. */
-            size_t at;
-            int64_t cur = peak_at(p, layers, n, c, rest, &at);
-            while (cur > p->budget_bytes && at < n
-                   && (layers[at].flags & MS_LAYER_TILEABLE)
-                   && layers[at].saved_bytes > 1 && c[at].tiles < MS_MAX_TILES)
-            {
-                c[at].tiles *= 2;
-                cur = peak_at(p, layers, n, c, rest, &at);
-            }
+        if (plan_tiles(p, layers, n, c, rest, all && peak <= p->budget_bytes)
+            < 0)
+        {
+            free(c);
+            free(cands);
+            return -1;
         }
         for (size_t i = 0; i < n; i++) {
             if (c[i].tiles > 1) {

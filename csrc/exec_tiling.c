@@ -83,6 +83,37 @@ tiled_frame(Tiled *self)
     return f;
 }
 
+/* Append the CPU RNG state to f->tile.rng.  A tileable layer draws no
+   random numbers, so every tile usually starts from the state the frame
+   recorded: then that same object is appended, and a tiled frame holds no
+   more RNG state than an untiled one. */
+static int
+append_rng(ms_state *st, Frame *f)
+{
+    PyObject *rng = PyObject_CallNoArgs(st->get_rng_state);
+    if (rng == NULL) {
+        return -1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(f->tile.rng);
+    PyObject *prev = n > 0 ? PyList_GET_ITEM(f->tile.rng, n - 1) : f->rng_cpu;
+    if (prev != NULL) {
+        PyObject *eq = PyObject_CallMethodObjArgs(st->torch, st->s_equal, prev,
+                                                  rng, NULL);
+        int same = eq != NULL ? PyObject_IsTrue(eq) : -1;
+        Py_XDECREF(eq);
+        if (same < 0) {
+            Py_DECREF(rng);
+            return -1;
+        }
+        if (same) {
+            Py_SETREF(rng, Py_NewRef(prev));
+        }
+    }
+    int rc = PyList_Append(f->tile.rng, rng);
+    Py_DECREF(rng);
+    return rc;
+}
+
 /* Run the tiles of f; the joined output, or NULL with an exception. */
 static PyObject *
 run_tiles(Tiled *self, Frame *f, PyObject *args, PyObject *kwargs,
@@ -110,14 +141,12 @@ run_tiles(Tiled *self, Frame *f, PyObject *args, PyObject *kwargs,
     for (int j = 0; j < tiles; j++) {
         Py_ssize_t start, len;
         PyObject *targs, *tkwargs, *out;
-        PyObject *rng = PyObject_CallNoArgs(st->get_rng_state);
-        int rc = rng ? PyList_Append(f->tile.rng, rng) : -1;
-        Py_XDECREF(rng);
+        int rc = append_rng(st, f);
         if (rc < 0) {
             goto error;
         }
         if (f->tile.rng_cuda != NULL) {
-            rng = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
+            PyObject *rng = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
             rc = rng ? PyList_Append(f->tile.rng_cuda, rng) : -1;
             Py_XDECREF(rng);
             if (rc < 0) {

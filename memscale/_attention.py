@@ -4,8 +4,9 @@ A transformer block is not row-independent along the sequence (every
 query attends to every key), so memscale tiles whole blocks along the
 batch.  Inside a block, attention itself can be tiled along the queries:
 each tile of queries attends to the full keys and values, and its scores
-(``batch x heads x tile x keys``) are recomputed in backward under
-``torch.utils.checkpoint``, so only one tile's scores are alive at once.
+(``batch x heads x tile x keys``) are recomputed in backward from the
+tile's saved queries, keys and values (``_Recomputed``), so only one
+tile's scores are alive at once.
 
 It works through transformers' attention interface: memscale registers an
 attention function (``memscale_query_tiles``) and points the model's
@@ -21,13 +22,13 @@ draw its own dropout mask, and the result would change.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,84 @@ def _inner(module: nn.Module, original: str) -> Any:
     return _interface().get_interface(original, None)
 
 
+class _Tile:
+    """One tile of queries: the inner attention on ``q`` (rows ``start`` to
+    ``start + q.shape[2]`` of the queries), with its causal mask made here
+    when the model gave none.  It holds no tensor (``kwargs`` are the
+    model's small extras: scaling, dropout 0, position ids)."""
+
+    def __init__(
+        self, module: nn.Module, inner: Any, causal: bool, start: int, q_len: int, kwargs: dict
+    ):
+        self.module, self.inner, self.kwargs = module, inner, kwargs
+        self.causal, self.start, self.q_len = causal, start, q_len
+
+    def __call__(
+        self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any
+    ) -> torch.Tensor:
+        if self.causal:
+            # Query i of the tile sits at position start + i (keys end
+            # aligned with the queries).
+            size, k_len = q.shape[2], key.shape[2]
+            rows = torch.arange(self.start, self.start + size, device=q.device) + (
+                k_len - self.q_len
+            )
+            cols = torch.arange(k_len, device=q.device)
+            mask = torch.zeros(size, k_len, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(cols[None, :] > rows[:, None], torch.finfo(q.dtype).min)
+            mask = mask[None, None]
+        return self.inner(self.module, q, key, value, mask, **self.kwargs)[0]
+
+
+class _Recomputed(torch.autograd.Function):
+    """A query tile whose scores are recomputed in backward.
+
+    Its tensor inputs are saved with ``save_for_backward``, so they pass
+    through the saved-tensor hooks around it: inside a memscale checkpoint
+    frame they are dropped after the forward and brought back by the
+    frame's recompute, and the tile holds nothing until backward.
+    (``torch.utils.checkpoint``'s non-reentrant recompute closure keeps its
+    inputs, the block's keys and values among them, alive until backward
+    whatever frame it runs in: a tiled block then held more after its
+    forward than the same block checkpointed whole.)  Backward runs the
+    tile again under the forward's autocast state and differentiates it on
+    its own (``torch.autograd.grad``), so the step's own backward may be
+    ``torch.autograd.grad`` too.  No random numbers are drawn: models with
+    attention dropout are not tiled over queries."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, tile: _Tile, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any
+    ) -> torch.Tensor:
+        ctx.tile = tile
+        devices = ("cpu",) if q.device.type == "cpu" else ("cpu", q.device.type)
+        ctx.autocast = [
+            (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices
+        ]
+        ctx.save_for_backward(q, key, value, mask if isinstance(mask, torch.Tensor) else None)
+        ctx.mask = None if isinstance(mask, torch.Tensor) else mask
+        return tile(q, key, value, mask)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q, key, value, mask = ctx.saved_tensors
+        if mask is None:
+            mask = ctx.mask
+        needs = ctx.needs_input_grad[1:4]
+        inputs = [t.detach().requires_grad_(n) for t, n in zip((q, key, value), needs)]
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            for device, enabled, dtype in ctx.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            out = ctx.tile(*inputs, mask)
+        wanted = [t for t in inputs if t.requires_grad]
+        got = (
+            iter(torch.autograd.grad(out, wanted, grad, allow_unused=True)) if wanted else iter(())
+        )
+        return (None, *(next(got) if n else None for n in needs), None)
+
+
 def _query_tiled(
     module: nn.Module,
     query: torch.Tensor,
@@ -72,34 +151,21 @@ def _query_tiled(
     if tiles < 2 or not torch.is_grad_enabled():
         return inner(module, query, key, value, attention_mask, **kwargs)
     causal = attention_mask is None and getattr(module, "is_causal", False)
-    k_len = key.shape[2]
     outs = []
     base, rem = divmod(q_len, tiles)
     start = 0
     for j in range(tiles):
         size = base + (1 if j < rem else 0)
         q = query.narrow(2, start, size)
+        mask: Any = attention_mask
         if (
             attention_mask is not None
             and attention_mask.dim() == 4
             and attention_mask.shape[2] == q_len
         ):
             mask = attention_mask.narrow(2, start, size)
-        elif causal:
-            # Query i of the tile sits at position start + i (keys end
-            # aligned with the queries).
-            rows = torch.arange(start, start + size, device=query.device) + (k_len - q_len)
-            cols = torch.arange(k_len, device=query.device)
-            mask = torch.zeros(size, k_len, dtype=query.dtype, device=query.device)
-            mask.masked_fill_(cols[None, :] > rows[:, None], torch.finfo(query.dtype).min)
-            mask = mask[None, None]
-        else:
-            mask = attention_mask  # type: ignore[assignment]
-
-        def run(q: torch.Tensor, mask: Any = mask) -> torch.Tensor:
-            return inner(module, q, key, value, mask, **kwargs)[0]
-
-        outs.append(checkpoint(run, q, use_reentrant=False))
+        tile = _Tile(module, inner, causal, start, q_len, kwargs)
+        outs.append(_Recomputed.apply(tile, q, key, value, mask))
         start += size
     return torch.cat(outs, dim=1), None  # (batch, queries, heads, head dim)
 

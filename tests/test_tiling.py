@@ -112,11 +112,14 @@ def test_mlp_blocks_are_verified_and_agree(caplog):
     with caplog.at_level(logging.INFO, logger="memscale"):
         memscale.wrap(model, FORCE_TILE, sample_input=x.detach())
         plan = model._memscale_executor.plan
-        assert [l.tiles for l in plan.layers] == [2, 2, 2, 2]
+        # Forced: tiles wherever they lower the peak (each block's
+        # recompute makes it in turn, the last ones above the rest).
+        tiles = [l.tiles for l in plan.layers]
+        assert tiles == [4, 4, 8, 16]
         assert_agrees(model, ref, x)
     assert caplog.text.count("verified row-independent along dim 1") == 4
     stats = model._memscale_executor.stats
-    assert stats["tiled_calls"] == 4 and stats["recomputes"] == 8
+    assert stats["tiled_calls"] == 4 and stats["recomputes"] == sum(tiles)
     assert all(m.forward.dim == 1 for m in model)
     memscale.detach(model)
 

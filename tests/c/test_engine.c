@@ -319,6 +319,14 @@ check_invariants(const ms_problem *p, const ms_layer *L, size_t n,
             }
         }
     }
+    /* Every tile pays: with any layer's tiles halved, the peak is higher. */
+    for (size_t i = 0; i < n; i++) {
+        if (tiles[i] > 1) {
+            tiles[i] /= 2;
+            CHECKC(ref_peak_tiled(p, L, n, ck, tiles) > r->peak_projected);
+            tiles[i] *= 2;
+        }
+    }
     free(ck);
     free(tiles);
 }
@@ -1126,17 +1134,55 @@ test_tiling(void)
     CHECK(!r.fits && out[1].tiles == MS_MAX_TILES);
     CHECK(r.peak_projected == 4 + 25);
     check_invariants(&p, L, 2, out, &r);
-    /* Forced and fitting: the tiles the pressure calls for. */
+    /* Forced and fitting: as many tiles as lower the peak.  The recompute
+       terms stay above the end of the forward (8) up to 16 tiles: the
+       second layer's 4 + 25 is the least peak. */
     p = problem(100000, 0, 800, 20);
     p.allowed = MS_TECH_CHECKPOINT | MS_TECH_TILING;
     p.force = 1;
     CHECK(ms_engine_plan(&p, L, 2, out, &r) == 0);
-    CHECK(out[0].tiles == 2 && out[1].tiles == 2);
-    p.budget_bytes = 404; /* checkpointing fits; pressure 1.98: 2 tiles */
+    CHECK(out[0].tiles == 16 && out[1].tiles == 16);
+    CHECK(r.peak_projected == 4 + 25);
+    check_invariants(&p, L, 2, out, &r);
+    /* AGGRESSIVE, not forced: checkpointing the first layer meets 404;
+       then the end of the forward (4 + 400, the second layer kept) makes
+       the peak, and no tile would lower it. */
+    p.budget_bytes = 404;
+    p.force = 0;
     p.mode = MS_MODE_AGGRESSIVE;
     CHECK(ms_engine_plan(&p, L, 2, out, &r) == 0);
-    CHECK(r.fits && out[0].tiles == 2 && out[1].tiles == 2);
+    CHECK(r.fits && r.peak_projected == 404);
+    CHECK(out[0].techniques == MS_TECH_CHECKPOINT && out[1].techniques == 0);
+    CHECK(out[0].tiles == 1 && out[1].tiles == 1);
     check_invariants(&p, L, 2, out, &r);
+    /* Where the end of the forward makes the peak, tiling does not pay
+       and no layer is tiled: a kept layer of 500 after two checkpointed
+       ones holds 100 + 100 + 500 at the end, above either recompute
+       (100 + 400, 400). */
+    ms_layer E[3] = {
+        layer(400, 100, 10, MS_LAYER_TILEABLE),
+        layer(400, 100, 10, MS_LAYER_TILEABLE),
+        layer(500, 100, 10, MS_LAYER_INPLACE_INPUT),
+    };
+    ms_choice out3[3];
+    p = problem(100000, 0, 1300, 20);
+    p.allowed = MS_TECH_CHECKPOINT | MS_TECH_TILING;
+    p.force = 1;
+    p.mode = MS_MODE_AGGRESSIVE;
+    CHECK(ms_engine_plan(&p, E, 3, out3, &r) == 0);
+    CHECK(out3[0].techniques == MS_TECH_CHECKPOINT
+          && out3[1].techniques == MS_TECH_CHECKPOINT);
+    CHECK(out3[0].tiles == 1 && out3[1].tiles == 1 && out3[2].tiles == 1);
+    CHECK(r.peak_projected == 700);
+    check_invariants(&p, E, 3, out3, &r);
+    /* A kept layer of 250 instead: the second recompute (100 + 400) makes
+       the peak; 2 tiles bring it below the end's 450, and more would not
+       lower the peak. */
+    E[2] = layer(250, 100, 10, MS_LAYER_INPLACE_INPUT);
+    p.activation_bytes = 1050;
+    CHECK(ms_engine_plan(&p, E, 3, out3, &r) == 0);
+    CHECK(out3[0].tiles == 1 && out3[1].tiles == 2 && r.peak_projected == 450);
+    check_invariants(&p, E, 3, out3, &r);
     p = problem(100, 0, 800, 20); /* pressure 8: 8 tiles when forced */
     p.allowed = MS_TECH_CHECKPOINT | MS_TECH_TILING;
     p.mode = MS_MODE_AGGRESSIVE;
