@@ -32,7 +32,7 @@ from ._format import format_bytes
 from ._hardware import Hardware
 from ._planning import Profile
 from ._solve import PlanProblem, solve
-from .config import GIB, Config, OptimizationMode
+from .config import Config, OptimizationMode
 from .predictor import PeakPrediction, SavingsEstimate
 
 logger = logging.getLogger(__name__)

@@ -249,10 +249,7 @@ class Wrapping:
             # static profiling, the simulation's warm-up forward is the
             # profile (measured the same way): one fake forward, not two.
             offsets = None
-            if (
-                config.use_static_profiling
-                and _planning.static_profiling_supported(model) is None
-            ):
+            if config.use_static_profiling and _planning.static_profiling_supported(model) is None:
                 offsets = _planner.predicted_offsets(
                     model, inputs, optimizer, None, config, hardware, fixed, stage1
                 )

@@ -64,7 +64,10 @@ def test_layer_stats_carry_backward_bytes():
 def _problem(layers, budget: int = 1 << 40, force: bool = True):
     hw = memscale._hardware.assumed("cpu", 0, 1 << 40)
     profile = _planning.Profile(
-        tuple(_core.LayerStats(x[:7], {"backward_bytes": x[7] if len(x) > 7 else None}) for x in layers),
+        tuple(
+            _core.LayerStats(x[:7], {"backward_bytes": x[7] if len(x) > 7 else None})
+            for x in layers
+        ),
         sum(x[3] for x in layers),
         sum(x[5] for x in layers),
         "static",
@@ -89,7 +92,9 @@ def test_backward_bytes_enter_the_recompute_term():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build", [tiny_llama, lambda: tiny_gpt2(dropout=0.0)], ids=["llama", "gpt2"])
+@pytest.mark.parametrize(
+    "build", [tiny_llama, lambda: tiny_gpt2(dropout=0.0)], ids=["llama", "gpt2"]
+)
 def test_per_layer_terms_match_the_simulation(build):
     """The terms measured per layer: identical layers get identical terms,
     and with them the engine's peak of every layer checkpointed alone is
@@ -134,7 +139,9 @@ def test_per_layer_terms_match_the_simulation(build):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build", [tiny_llama, lambda: tiny_gpt2(dropout=0.0)], ids=["llama", "gpt2"])
+@pytest.mark.parametrize(
+    "build", [tiny_llama, lambda: tiny_gpt2(dropout=0.0)], ids=["llama", "gpt2"]
+)
 def test_a_plan_called_feasible_fits_when_simulated(build):
     model = build()
     batch = _batch()

@@ -5,6 +5,7 @@ and what made it up."""
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -171,10 +172,12 @@ class StorageTracker(_DispatchMode):
                 delta = scale[serial] if delta > 0 else -scale[serial]
             level += delta
         levels.append(level + scratch.get(len(self.events), 0))
-        peaks = [max(levels[lo : hi + 1]) for lo, hi in zip(bounds, bounds[1:])]
+        peaks = [max(levels[lo : hi + 1]) for lo, hi in itertools.pairwise(bounds)]
         return peaks
 
-    def _kernel_sizes(self, workspace: Mapping[Any, Kernel]) -> tuple[dict[int, int], dict[int, int]]:
+    def _kernel_sizes(
+        self, workspace: Mapping[Any, Kernel]
+    ) -> tuple[dict[int, int], dict[int, int]]:
         scratch: dict[int, int] = {}
         scale: dict[int, int] = {}  # serial -> real bytes
         for at, sig, serials in self.kernel_calls or ():
