@@ -32,7 +32,7 @@ from ._format import format_bytes
 from ._hardware import Hardware
 from ._planning import Profile
 from ._solve import PlanProblem, solve
-from .config import Config, OptimizationMode
+from .config import GIB, Config, OptimizationMode
 from .predictor import PeakPrediction, SavingsEstimate
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,18 @@ def _read_profile(profiler: Any, units: list[tuple[str, nn.Module]]) -> Profile:
     """The simulation's warm-up forward, measured as static profiling
     measures one (the same profile, so the same plan as ``wrap``)."""
     return _planning.profile_from(profiler, units, "static")
+
+
+def _verifiable(plan: Any, forced: Any) -> bool:
+    """Whether simulating ``plan`` tells something new: it fits, it
+    checkpoints, no layer is tiled (the simulation runs tiled layers
+    whole) and it is not every layer checkpointed alone (simulated)."""
+    return bool(
+        plan.fits
+        and plan.technique_counts["checkpoint"]
+        and not plan.technique_counts["tiling"]
+        and not _same_choices(plan, forced)
+    )
 
 
 def _same_choices(a: Any, b: Any) -> bool:
@@ -211,6 +223,8 @@ class PredictionSession:
         self._fallback: dict[Config, bool] = {}
         # Per Config, the profile with the per-layer terms (plan_offsets).
         self._profiles: dict[Config, Profile] = {}
+        # Per Config that no plan fits, the least budget (plan_offsets).
+        self._least: dict[Config, int] = {}
         # The simulated peak of every layer checkpointed alone (the last
         # plan_offsets computed it), or None.
         self.forced_peak: int | None = None
@@ -275,6 +289,7 @@ class PredictionSession:
         offset = self.unoptimized_peak() - base.peak_unoptimized_bytes
         plan = make_plan(profile, config, hw, fixed, peak_offset=offset)
         self._fallback.pop(config, None)
+        self._least.pop(config, None)
         self._profiles[config] = profile
         if (
             plan.skipped
@@ -298,16 +313,9 @@ class PredictionSession:
         self._profiles[config] = profile
         plan = make_plan(profile, config, hw, fixed, peak_offset=offset, plan_offset=plan_offset)
         budget = _planning.budget_bytes(config, hw)
-        if (
-            plan.fits
-            and plan.technique_counts["checkpoint"]
-            and not plan.technique_counts["tiling"]
-            and not plan.technique_counts["offload"]
-            and not _same_choices(plan, forced)
-        ):
+        if _verifiable(plan, forced):
             # The one verification.  (The simulation runs tiled layers
-            # whole, so a tiled plan is not simulated; offloaded inputs
-            # are priced by the same terms.)
+            # whole, so a tiled plan is not simulated.)
             miss = self._steps.simulated_peak(plan, config) - plan.peak_projected_bytes
             if plan.peak_projected_bytes + miss > budget:
                 if forced_peak <= budget:
@@ -316,7 +324,42 @@ class PredictionSession:
                     self._fallback[config] = True
                 else:
                     plan_offset += max(miss, 1)
+        elif not plan.fits and plan.min_budget_bytes >= 0:
+            self._least[config] = self._verified_least(
+                config, profile, fixed, offset, plan_offset, int(plan.min_budget_bytes), forced
+            )
         return offset, plan_offset
+
+    def _verified_least(
+        self,
+        config: Config,
+        profile: Profile,
+        fixed: int,
+        offset: int,
+        plan_offset: int,
+        least: int,
+        forced: Any,
+    ) -> int:
+        """No plan fits ``config``'s budget: the least budget the planner
+        reaches with the per-layer terms, checked by simulating its plan
+        there once (the one verification); when that plan needs more, the
+        simulated peak of every layer checkpointed alone."""
+        forced_peak = self.forced_peak
+        assert forced_peak is not None
+        if least >= forced_peak:
+            return forced_peak
+        at = config.replace(memory_budget_gb=(least + 1) / GIB)
+        there = make_plan(profile, at, self.hardware, fixed, offset, plan_offset)
+        if not _verifiable(there, forced):
+            return least
+        if self._steps.simulated_peak(there, at) <= _planning.budget_bytes(at, self.hardware):
+            return least
+        return forced_peak
+
+    def least_budget(self, config: Config) -> int | None:
+        """The least budget :meth:`plan_offsets` verified for ``config`` when
+        no plan fits it (None otherwise)."""
+        return self._least.get(config)
 
     def calibrated_profile(self, config: Config) -> Profile:
         """The profile the plan for ``config`` is made from: the warm-up's,
@@ -531,6 +574,8 @@ class Offsets(NamedTuple):
     forced_peak: int | None  # simulated peak of that plan, if simulated
     # The profile with the per-layer terms (backward_bytes), or None.
     profile: Profile | None = None
+    # No plan fits: the least budget, verified (PredictionSession.least_budget).
+    least: int | None = None
 
 
 def predicted_offsets(
@@ -579,6 +624,7 @@ def predicted_offsets(
                 fallback,
                 session.forced_peak,
                 session.calibrated_profile(config),
+                session.least_budget(config),
             )
     except Exception as exc:  # noqa: BLE001 - the engine's estimate stands
         logger.info(
@@ -595,14 +641,16 @@ def verified_least_budget(
     profile: Profile, config: Config, hardware: Hardware, fixed: int, offsets: Offsets
 ) -> int | None:
     """When no plan fits ``config``'s budget: the smallest budget the planner
-    reaches with the per-layer terms (they do not depend on the budget, so
-    no further simulation is needed), or the simulated peak of every layer
-    checkpointed alone when that is lower.  None when a plan fits."""
+    reaches with the per-layer terms (they do not depend on the budget),
+    as the simulation verified it (``offsets.least``), else the planner's
+    figure.  None when a plan fits."""
     if offsets.fallback:
         return None  # the fallback plan fits
     plan = make_plan(offsets.profile or profile, config, hardware, fixed, *offsets[:2])
     if plan.fits or plan.skipped or plan.min_budget_bytes < 0:
         return None
+    if offsets.least is not None:
+        return offsets.least
     least = int(plan.min_budget_bytes)
     known = offsets.forced_peak
     return least if known is None else min(least, known)
