@@ -157,8 +157,8 @@ def calibrate(
     layer of a shape never measured keeps the profiler's figures."""
     layers = profile.layers
     kept_of, alone_of = _per_shape(layers, kept), _per_shape(layers, alone)
-    saved = [kept_of.get(_layer_key(x), int(x.saved_bytes)) for x in layers]
-    stored = [alone_of.get(_layer_key(x), int(x.input_bytes)) for x in layers]
+    saved = [max(0, kept_of.get(_layer_key(x), int(x.saved_bytes))) for x in layers]
+    stored = [max(0, alone_of.get(_layer_key(x), int(x.input_bytes))) for x in layers]
     engine_base = int(base.peak_unoptimized_bytes) - sum(saved)
     excess: dict[int, int] = {}
     held = 0
@@ -360,6 +360,12 @@ class PredictionSession:
         """The least budget :meth:`plan_offsets` verified for ``config`` when
         no plan fits it (None otherwise)."""
         return self._least.get(config)
+
+    @property
+    def profile(self) -> Profile:
+        """The simulation's warm-up forward, measured as static profiling
+        measures one."""
+        return self._steps.profile  # type: ignore[no-any-return]
 
     def calibrated_profile(self, config: Config) -> Profile:
         """The profile the plan for ``config`` is made from: the warm-up's,
@@ -607,7 +613,7 @@ def predicted_offsets(
     try:
         with PredictionSession(model, sample_input, optimizer, config=config) as session:
             if profile is None:
-                profile = session._steps.profile
+                profile = session.profile
                 if stage1 is not None:
                     config = stage1(profile)
             offsets = session.plan_offsets(config, profile, fixed)

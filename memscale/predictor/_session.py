@@ -369,8 +369,8 @@ class SimulationSession:
         out: dict[int, int] = {}
         for (start, unit), (end, _) in zip(marks[::2], marks[1::2]):
             i = index.get(id(unit))
-            if i is not None and i not in out:
-                out[i] = sum(delta for _, delta in tracker.events[start:end])
+            if i is not None:  # a unit called twice holds both calls' bytes
+                out[i] = out.get(i, 0) + sum(delta for _, delta in tracker.events[start:end])
         return out
 
     def unoptimized_peak(self) -> int:
