@@ -67,6 +67,9 @@ typedef struct {
     int64_t input_bytes; /* inputs checkpointing keeps instead */
     double flops;        /* forward cost */
     unsigned flags;      /* MS_LAYER_* */
+    /* Its recompute's and backward's bytes on top of its saved tensors,
+       measured per layer (memory.h); 0 when not measured. */
+    int64_t backward_bytes;
 } ms_layer;
 
 typedef struct {

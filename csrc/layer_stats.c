@@ -20,7 +20,11 @@ enum {
     F_INPUT_BYTES,
     F_FLOPS,
     F_FLAGS,
-    N_FIELDS
+    N_FIELDS, /* the tuple's fields */
+    /* Not in the tuple (set by keyword, read by name): the per-layer
+       calibration of the memory model, 0 when not measured. */
+    F_BACKWARD_BYTES = N_FIELDS,
+    N_ALL_FIELDS
 };
 
 /* clang-format off */
@@ -43,14 +47,21 @@ static PyStructSequence_Field fields[] = {
         "unit changes its input in place, 2 it never ran while profiling,\n"
         "LAYER_TILEABLE it may run in tiles, LAYER_UNREPEATABLE its\n"
         "recompute did not match its forward."},
-    [N_FIELDS] = {NULL, NULL},
+    [F_BACKWARD_BYTES] = {"backward_bytes",
+        "Bytes the unit's recompute and backward need on top of its saved\n"
+        "tensors and of what is held before it, measured per layer on the\n"
+        "OOM predictor's simulated step (None or 0: not measured).  Not in\n"
+        "the tuple: LayerStats(fields, {'backward_bytes': n})."},
+    [N_ALL_FIELDS] = {NULL, NULL},
 };
 
 PyDoc_STRVAR(layer_stats_doc,
 "LayerStats(sequence, dict=None)\n--\n\n"
 "One planning unit's figures as the planner reads them: name, kind,\n"
 "param_bytes, saved_bytes, input_bytes, flops, flags.  A tuple:\n"
-"build_plan also accepts a plain tuple of these seven fields.");
+"build_plan also accepts a plain tuple of these seven fields, or of\n"
+"eight with backward_bytes (an attribute of LayerStats, not in the\n"
+"tuple) last.");
 /* clang-format on */
 
 static PyStructSequence_Desc layer_stats_desc = {
@@ -118,20 +129,76 @@ parse_ll(PyObject *item, Py_ssize_t index, int f, long long *out)
 }
 
 static int
+check_bytes(PyObject *v, Py_ssize_t index, int f, long long x, int64_t *out)
+{
+    if (x < 0 || x > MS_MAX_BYTES) {
+        PyErr_Format(PyExc_ValueError,
+                     "layers[%zd].%s must be >= 0 and <= 2**50 bytes, got %R",
+                     index, fields[f].name, v);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+static int
 parse_bytes(PyObject *item, Py_ssize_t index, int f, int64_t *out)
 {
     long long x;
     if (parse_ll(item, index, f, &x) < 0) {
         return -1;
     }
-    if (x < 0 || x > MS_MAX_BYTES) {
-        PyErr_Format(PyExc_ValueError,
-                     "layers[%zd].%s must be >= 0 and <= 2**50 bytes, got %R",
-                     index, fields[f].name, PyTuple_GET_ITEM(item, f));
-        return -1;
+    return check_bytes(PyTuple_GET_ITEM(item, f), index, f, x, out);
+}
+
+/* backward_bytes: the eighth item of a plain tuple, or the attribute of a
+   LayerStats (None: 0). */
+static int
+parse_backward(PyObject *item, Py_ssize_t index, int64_t *out)
+{
+    *out = 0;
+    PyObject *v;
+    if (PyTuple_GET_SIZE(item) > N_FIELDS) {
+        v = Py_NewRef(PyTuple_GET_ITEM(item, F_BACKWARD_BYTES));
     }
-    *out = x;
-    return 0;
+    else if (PyTuple_CheckExact(item)) {
+        return 0;
+    }
+    else {
+        v = PyObject_GetAttrString(item, fields[F_BACKWARD_BYTES].name);
+        if (v == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                return -1;
+            }
+            PyErr_Clear(); /* a tuple subclass without it: not measured */
+            return 0;
+        }
+    }
+    if (v == Py_None) {
+        Py_DECREF(v);
+        return 0;
+    }
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            x = LLONG_MAX;
+        }
+        else {
+            if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError,
+                             "layers[%zd].backward_bytes must be an int or "
+                             "None, got %.200s",
+                             index, Py_TYPE(v)->tp_name);
+            }
+            Py_DECREF(v);
+            return -1;
+        }
+    }
+    int rc = check_bytes(v, index, F_BACKWARD_BYTES, x, out);
+    Py_DECREF(v);
+    return rc;
 }
 
 static int
@@ -171,12 +238,15 @@ ms_layer_stats_parse(PyObject *item, Py_ssize_t index, PyObject **name,
                      index, Py_TYPE(item)->tp_name);
         return -1;
     }
-    if (PyTuple_GET_SIZE(item) != N_FIELDS) {
+    if (PyTuple_GET_SIZE(item) != N_FIELDS
+        && PyTuple_GET_SIZE(item) != N_ALL_FIELDS)
+    {
         PyErr_Format(PyExc_TypeError,
                      "layers[%zd] has %zd fields; a layer has %d: (name, "
                      "kind, param_bytes, saved_bytes, input_bytes, flops, "
-                     "flags)",
-                     index, PyTuple_GET_SIZE(item), (int)N_FIELDS);
+                     "flags), or %d with backward_bytes last",
+                     index, PyTuple_GET_SIZE(item), (int)N_FIELDS,
+                     (int)N_ALL_FIELDS);
         return -1;
     }
     long long flags;
@@ -186,7 +256,8 @@ ms_layer_stats_parse(PyObject *item, Py_ssize_t index, PyObject **name,
         || parse_bytes(item, index, F_SAVED_BYTES, &out->saved_bytes) < 0
         || parse_bytes(item, index, F_INPUT_BYTES, &out->input_bytes) < 0
         || parse_flops(item, index, &out->flops) < 0
-        || parse_ll(item, index, F_FLAGS, &flags) < 0)
+        || parse_ll(item, index, F_FLAGS, &flags) < 0
+        || parse_backward(item, index, &out->backward_bytes) < 0)
     {
         return -1;
     }

@@ -8,7 +8,10 @@
  * a) holds that input, or nothing when it is offloaded.  When backward
  * reaches a segment, everything held before it is still held and the
  * recompute adds the saved tensors of the segment's layers (one tile's
- * share of them for a tiled single layer):
+ * share of them for a tiled single layer) and the largest backward term
+ * of its layers (what a layer's recompute and backward need beyond its
+ * saved tensors: gradients in flight, temporaries; measured per layer by
+ * the OOM predictor, 0 when not measured):
  *
  *     end       = sum over units of what they hold
  *     recompute = max over segments (held before it + its transient)
@@ -72,6 +75,14 @@ static inline int64_t
 ms_mem_stored(const ms_layer *layer, int offloaded)
 {
     return offloaded ? 0 : ms_nonneg(layer->input_bytes);
+}
+
+/* What the backward of a recomputed layer needs on top of its saved
+   tensors (measured per layer on a simulated step; 0 when not). */
+static inline int64_t
+ms_mem_backward(const ms_layer *layer)
+{
+    return ms_nonneg(layer->backward_bytes);
 }
 
 /* What the recompute of a single layer in `tiles` tiles adds. */

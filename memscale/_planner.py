@@ -18,6 +18,7 @@ predictor (the simulation); neither of them imports it, nor each other.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -93,6 +94,91 @@ def _read_profile(profiler: Any, units: list[tuple[str, nn.Module]]) -> Profile:
     return _planning.profile_from(profiler, units, "static")
 
 
+def _verifiable(plan: Any, forced: Any) -> bool:
+    """Whether simulating ``plan`` tells something new: it fits, it
+    checkpoints, no layer is tiled (the simulation runs tiled layers
+    whole) and it is not every layer checkpointed alone (simulated)."""
+    return bool(
+        plan.fits
+        and plan.technique_counts["checkpoint"]
+        and not plan.technique_counts["tiling"]
+        and not _same_choices(plan, forced)
+    )
+
+
+def _same_choices(a: Any, b: Any) -> bool:
+    return [(x.techniques, x.segment, x.tiles) for x in a.layers] == [
+        (y.techniques, y.segment, y.tiles) for y in b.layers
+    ]
+
+
+def _layer_key(layer: Any) -> tuple[Any, ...]:
+    """Layers with the same key are taken to be the same shape: the same
+    class, saved and input bytes and FLOPs."""
+    return (layer.kind, layer.saved_bytes, layer.input_bytes, layer.flops)
+
+
+def _per_shape(layers: Any, measured: dict[int, int]) -> dict[tuple[Any, ...], int]:
+    """The largest figure measured per distinct layer shape."""
+    out: dict[tuple[Any, ...], int] = {}
+    for i, value in measured.items():
+        key = _layer_key(layers[i])
+        out[key] = max(out.get(key, value), value)
+    return out
+
+
+def calibrate(
+    profile: Profile,
+    base: Any,
+    kept: dict[int, int],
+    alone: dict[int, int],
+    forced: Any,
+    peaks: dict[int, int],
+) -> tuple[int, Profile]:
+    """The per-layer terms of the memory model, measured on two simulated
+    steps: the unoptimized one and the one with every layer checkpointed
+    alone (``forced``).  Per distinct layer shape (:func:`_layer_key`), the
+    largest figure over its layers, so identical layers get identical terms:
+
+    * ``saved_bytes``: what the layer's forward leaves alive when kept
+      (``kept[i]``: its saved tensors and its output; its input is the
+      previous layer's);
+    * ``input_bytes``: the same when checkpointed alone (``alone[i]``:
+      what the next layer's checkpoint keeps);
+    * ``backward_bytes``: what its recompute and backward need beyond
+      those and what is held before it (``peaks[i]``, the peak from where
+      backward reaches layer i to where it reaches the one before it, less
+      the model's figure of that moment: what is alive throughout, i.e. the
+      engine's unoptimized peak less the layers' saved bytes, what the
+      layers before i hold and layer i's saved bytes).
+
+    Returns the common part of the last (the least excess, the plans'
+    correction; it may be negative) and the profile with the terms; a
+    layer of a shape never measured keeps the profiler's figures."""
+    layers = profile.layers
+    kept_of, alone_of = _per_shape(layers, kept), _per_shape(layers, alone)
+    saved = [max(0, kept_of.get(_layer_key(x), int(x.saved_bytes))) for x in layers]
+    stored = [max(0, alone_of.get(_layer_key(x), int(x.input_bytes))) for x in layers]
+    engine_base = int(base.peak_unoptimized_bytes) - sum(saved)
+    excess: dict[int, int] = {}
+    held = 0
+    for i, chosen in enumerate(forced.layers):
+        if i in peaks:
+            excess[i] = peaks[i] - (engine_base + held + saved[i])
+        alone_here = chosen.techniques and chosen.segment == i
+        held += stored[i] if alone_here else saved[i]
+    excess_of = _per_shape(layers, excess)
+    common = min(excess_of.values()) if excess_of else 0
+    new = tuple(
+        _core.LayerStats(
+            (x.name, x.kind, x.param_bytes, saved[i], stored[i], x.flops, x.flags),
+            {"backward_bytes": excess_of.get(_layer_key(x), common) - common},
+        )
+        for i, x in enumerate(layers)
+    )
+    return common, dataclasses.replace(profile, layers=new)
+
+
 class PredictionSession:
     """Predictions for one model and batch under several Configs.
 
@@ -103,9 +189,6 @@ class PredictionSession:
     use it only as ``with PredictionSession(...) as session:`` around
     ``session.predict(...)`` calls (the AutoTuner does).
     """
-
-    # Rounds of "simulate the plan, correct, plan again" at most.
-    CALIBRATION_ROUNDS = 5
 
     def __init__(
         self,
@@ -138,6 +221,10 @@ class PredictionSession:
         # Configs whose plan is every layer checkpointed alone, because the
         # planner's did not fit when simulated (see plan_offsets).
         self._fallback: dict[Config, bool] = {}
+        # Per Config, the profile with the per-layer terms (plan_offsets).
+        self._profiles: dict[Config, Profile] = {}
+        # Per Config that no plan fits, the least budget (plan_offsets).
+        self._least: dict[Config, int] = {}
         # The simulated peak of every layer checkpointed alone (the last
         # plan_offsets computed it), or None.
         self.forced_peak: int | None = None
@@ -168,7 +255,7 @@ class PredictionSession:
         # sample_input): the same corrections, the same plan.
         offset, plan_offset = self.plan_offsets(config, profile, fixed)
         return make_plan(
-            profile,
+            self.calibrated_profile(config),
             fallback_config(config, self._fallback.get(config)),
             self.hardware,
             fixed,
@@ -181,16 +268,18 @@ class PredictionSession:
     ) -> tuple[int, int]:
         """The engine's two corrections for ``config`` (its effective,
         post-Stage-1 form): of the unoptimized peak (predicted minus the
-        engine's), and of its plans' peaks.
+        engine's), and of its plans' recompute terms; the per-layer terms
+        that go with the second are in :meth:`calibrated_profile`.
 
-        The second is calibrated on simulated optimized steps: first the
-        step with every layer checkpointed, then (up to three rounds) the
-        step under the plan the budget planner makes, corrected by what the
-        simulation says it really needs.  The unoptimized step's correction
-        can be far off for plans (a temporary proportional to the
-        activations, present at the unoptimized peak only), which would
-        make the planner refuse budgets that fit or choose plans that do
-        not.  Smart-skipped and forced plans keep the one correction."""
+        When the budget planner has to checkpoint, the memory model is
+        calibrated per layer on ONE simulated step, every layer
+        checkpointed alone (:func:`layer_backward_bytes`): what each
+        layer's recompute and backward need beyond its saved tensors and
+        what is held before it.  The planner plans with those terms, and
+        its plan is simulated once to verify it fits; when it does not
+        (the engine's model is short elsewhere), every layer checkpointed
+        alone, which was simulated, is the plan if it fits.  Smart-skipped
+        and forced plans keep the one correction and no simulation."""
         if profile is None:
             profile = self._steps.profile
         if fixed is None:
@@ -200,49 +289,88 @@ class PredictionSession:
         offset = self.unoptimized_peak() - base.peak_unoptimized_bytes
         plan = make_plan(profile, config, hw, fixed, peak_offset=offset)
         self._fallback.pop(config, None)
+        self._least.pop(config, None)
+        self._profiles[config] = profile
         if (
             plan.skipped
             or config.force_optimize
             or (not plan.technique_counts["checkpoint"] and plan.fits)
         ):
             return offset, offset
-        # Calibrate on every layer checkpointed (what the least budgets
-        # are made of).
         forced = make_plan(profile, fallback_config(config, True), hw, fixed, peak_offset=offset)
-        plan_offset = forced_offset = offset
-        forced_peak = None
-        if forced.technique_counts["checkpoint"]:
-            forced_peak = self._steps.simulated_peak(forced, config)
-            self.forced_peak = forced_peak
-            plan_offset = forced_offset = offset + (forced_peak - forced.peak_projected_bytes)
-        verified = untestable = False
-        for _ in range(self.CALIBRATION_ROUNDS):
-            plan = make_plan(
-                profile, config, hw, fixed, peak_offset=offset, plan_offset=plan_offset
-            )
-            if not plan.fits or not plan.technique_counts["checkpoint"]:
-                break
-            if plan.technique_counts["tiling"]:
-                # The simulation runs tiled layers whole: it would overstate
-                # what a tiled plan needs.
-                untestable = True
-                break
+        if not forced.technique_counts["checkpoint"]:
+            return offset, offset
+        forced_peak = self._steps.simulated_peak(forced, config)
+        self.forced_peak = forced_peak
+        plan_offset, profile = calibrate(
+            profile,
+            base,
+            self._steps.forward_holds(),
+            self._steps.forward_holds(forced, config),
+            forced,
+            self._steps.recompute_peaks(forced, config),
+        )
+        self._profiles[config] = profile
+        plan = make_plan(profile, config, hw, fixed, peak_offset=offset, plan_offset=plan_offset)
+        budget = _planning.budget_bytes(config, hw)
+        if _verifiable(plan, forced):
+            # The one verification.  (The simulation runs tiled layers
+            # whole, so a tiled plan is not simulated.)
             miss = self._steps.simulated_peak(plan, config) - plan.peak_projected_bytes
-            if plan.peak_projected_bytes + miss <= plan.budget_bytes:
-                verified = True
-                break
-            plan_offset += max(miss, 1)
-        if (
-            not verified
-            and not untestable
-            and forced_peak is not None
-            and forced_peak <= _planning.budget_bytes(config, hw)
-        ):
-            # The planner's plans did not fit when simulated, but every
-            # layer checkpointed alone does: that plan, then.
-            self._fallback[config] = True
-            return offset, forced_offset
+            if plan.peak_projected_bytes + miss > budget:
+                if forced_peak <= budget:
+                    # The planner's plan did not fit when simulated, but
+                    # every layer checkpointed alone does: that plan, then.
+                    self._fallback[config] = True
+                else:
+                    plan_offset += max(miss, 1)
+        elif not plan.fits and plan.min_budget_bytes >= 0:
+            self._least[config] = self._verified_least(
+                config, profile, fixed, offset, plan_offset, int(plan.min_budget_bytes), forced
+            )
         return offset, plan_offset
+
+    def _verified_least(
+        self,
+        config: Config,
+        profile: Profile,
+        fixed: int,
+        offset: int,
+        plan_offset: int,
+        least: int,
+        forced: Any,
+    ) -> int:
+        """No plan fits ``config``'s budget: the least budget the planner
+        reaches with the per-layer terms, checked by simulating its plan
+        there once (the one verification); when that plan needs more, the
+        simulated peak of every layer checkpointed alone."""
+        forced_peak = self.forced_peak
+        assert forced_peak is not None
+        if least >= forced_peak:
+            return forced_peak
+        at = config.replace(memory_budget_gb=(least + 1) / GIB)
+        there = make_plan(profile, at, self.hardware, fixed, offset, plan_offset)
+        if not _verifiable(there, forced):
+            return least
+        if self._steps.simulated_peak(there, at) <= _planning.budget_bytes(at, self.hardware):
+            return least
+        return forced_peak
+
+    def least_budget(self, config: Config) -> int | None:
+        """The least budget :meth:`plan_offsets` verified for ``config`` when
+        no plan fits it (None otherwise)."""
+        return self._least.get(config)
+
+    @property
+    def profile(self) -> Profile:
+        """The simulation's warm-up forward, measured as static profiling
+        measures one."""
+        return self._steps.profile  # type: ignore[no-any-return]
+
+    def calibrated_profile(self, config: Config) -> Profile:
+        """The profile the plan for ``config`` is made from: the warm-up's,
+        with the per-layer terms :meth:`plan_offsets` measured."""
+        return self._profiles.get(config, self._steps.profile)
 
     def falls_back(self, config: Config) -> bool:
         """Whether :meth:`plan_offsets` found, for ``config``, that the
@@ -447,42 +575,63 @@ class Offsets(NamedTuple):
     """What the OOM predictor tells the engine (see predicted_offsets)."""
 
     peak: int  # correction of the unoptimized peak
-    plan: int  # correction of the plans' peaks
+    plan: int  # correction of the plans' recompute terms
     fallback: bool  # plan every layer checkpointed alone instead
     forced_peak: int | None  # simulated peak of that plan, if simulated
+    # The profile with the per-layer terms (backward_bytes), or None.
+    profile: Profile | None = None
+    # No plan fits: the least budget, verified (PredictionSession.least_budget).
+    least: int | None = None
 
 
 def predicted_offsets(
     model: torch.nn.Module,
     sample_input: Any,
     optimizer: torch.optim.Optimizer | None,
-    profile: Profile,
+    profile: Profile | None,
     config: Config,
     hardware: Hardware,
     fixed: int,
+    stage1: Callable[[Profile], Config] | None = None,
 ) -> Offsets:
     """The OOM predictor's corrections of the engine, for ``wrap``: of its
-    unoptimized peak, and of its plans' peaks (see
-    ``PredictionSession.plan_offsets``), so that a plan and
+    unoptimized peak, and of its plans' peaks with the per-layer terms
+    (see ``PredictionSession.plan_offsets``), so that a plan and
     ``memscale.predict_peak`` cannot disagree about whether the step fits;
-    and whether to fall back to every layer checkpointed alone (see
-    ``PredictionSession.plan_offsets``).  (0, 0, False) (logged) when the
-    step cannot be simulated."""
+    and whether to fall back to every layer checkpointed alone.
+
+    ``profile`` None: the simulation's warm-up forward is the profile (it
+    is measured as static profiling measures one, so ``wrap`` need not run
+    that forward again); ``stage1`` then maps it to the Config to plan with
+    (default ``config``).  The returned ``profile`` is the one to plan
+    from.  (0, 0, False) (logged), with ``profile`` None, when the step
+    cannot be simulated."""
     why_not = _planning.static_profiling_supported(model)
     if why_not is not None:
         logger.info("memscale: no OOM prediction for the engine: %s", why_not)
         return Offsets(0, 0, False, None)
     try:
         with PredictionSession(model, sample_input, optimizer, config=config) as session:
+            if profile is None:
+                profile = session.profile
+                if stage1 is not None:
+                    config = stage1(profile)
             offsets = session.plan_offsets(config, profile, fixed)
             fallback = session.falls_back(config)
             if fallback:
                 logger.info(
-                    "memscale: the budget planner's plans need more than "
+                    "memscale: the budget planner's plan needs more than "
                     "the budget when simulated; every layer is "
                     "checkpointed alone instead (that step fits)"
                 )
-            return Offsets(offsets[0], offsets[1], fallback, session.forced_peak)
+            return Offsets(
+                offsets[0],
+                offsets[1],
+                fallback,
+                session.forced_peak,
+                session.calibrated_profile(config),
+                session.least_budget(config),
+            )
     except Exception as exc:  # noqa: BLE001 - the engine's estimate stands
         logger.info(
             "memscale: the OOM predictor could not simulate a "
@@ -495,41 +644,19 @@ def predicted_offsets(
 
 
 def verified_least_budget(
-    model: torch.nn.Module,
-    sample_input: Any,
-    optimizer: torch.optim.Optimizer | None,
-    profile: Profile,
-    config: Config,
-    hardware: Hardware,
-    fixed: int,
-    offsets: Offsets,
-    rounds: int = 3,
+    profile: Profile, config: Config, hardware: Hardware, fixed: int, offsets: Offsets
 ) -> int | None:
     """When no plan fits ``config``'s budget: the smallest budget the planner
-    reaches, checked by planning at it with the corrections calibrated
-    there (the calibration depends on the plan, so the least budget found
-    under one budget's corrections can be short of another's).  None when a
-    plan fits."""
-    if offsets[2]:
+    reaches with the per-layer terms (they do not depend on the budget),
+    as the simulation verified it (``offsets.least``), else the planner's
+    figure.  None when a plan fits."""
+    if offsets.fallback:
         return None  # the fallback plan fits
-    plan = make_plan(profile, config, hardware, fixed, *offsets[:2])
+    plan = make_plan(offsets.profile or profile, config, hardware, fixed, *offsets[:2])
     if plan.fits or plan.skipped or plan.min_budget_bytes < 0:
         return None
+    if offsets.least is not None:
+        return offsets.least
     least = int(plan.min_budget_bytes)
-    # Every layer checkpointed alone was simulated: that budget is reached.
     known = offsets.forced_peak
-    for _ in range(rounds):
-        if known is not None and least >= known:
-            return known
-        at = config.replace(memory_budget_gb=(least + 1) / GIB)
-        there = predicted_offsets(model, sample_input, optimizer, profile, at, hardware, fixed)
-        plan = make_plan(profile, fallback_config(at, there[2]), hardware, fixed, *there[:2])
-        if plan.fits:
-            return least
-        least = max(
-            least + 1,
-            int(plan.min_budget_bytes)
-            if plan.min_budget_bytes >= 0
-            else int(plan.peak_projected_bytes),
-        )
     return least if known is None else min(least, known)

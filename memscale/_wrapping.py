@@ -229,13 +229,11 @@ class Wrapping:
         forward as fallback, per ``config``) and ask the OOM predictor for
         its corrections."""
         hardware, fixed, optimizer = self.hardware, self.fixed, self.optimizer
-        with amp.profiling_context(config, hardware):
-            profile = _planning.profile_upfront(model, self.units, inputs, config)
-            # Plan from the OOM predictor's peaks (simulated steps on fake
-            # tensors), so that the plan and predict_peak() agree.  Stage 1
-            # first (it is recorded on the executor later): the plan the
-            # corrections are calibrated on is the one wrap() makes.
-            _, early_config = policy.select_strategy(
+
+        def stage1(profile: Any) -> Config:
+            # Stage 1 first (it is recorded on the executor later): the plan
+            # the corrections are calibrated on is the one wrap() makes.
+            return policy.select_strategy(
                 config,
                 policy.StrategyContext.build(
                     config,
@@ -243,14 +241,32 @@ class Wrapping:
                     profile if policy.needs_profile(config, hardware) else None,
                     fixed,
                 ),
-            )
-            offsets = _planner.predicted_offsets(
-                model, inputs, optimizer, profile, early_config, hardware, fixed
-            )
-            # No plan fits: the least budget, checked by simulating there.
-            least = _planner.verified_least_budget(
-                model, inputs, optimizer, profile, early_config, hardware, fixed, offsets
-            )
+            )[1]
+
+        with amp.profiling_context(config, hardware):
+            # Plan from the OOM predictor's peaks (simulated steps on fake
+            # tensors), so that the plan and predict_peak() agree.  With
+            # static profiling, the simulation's warm-up forward is the
+            # profile (measured the same way): one fake forward, not two.
+            offsets = None
+            if config.use_static_profiling and _planning.static_profiling_supported(model) is None:
+                offsets = _planner.predicted_offsets(
+                    model, inputs, optimizer, None, config, hardware, fixed, stage1
+                )
+            if offsets is not None and offsets.profile is not None:
+                profile = offsets.profile
+                early_config = stage1(profile)
+            else:
+                profile = _planning.profile_upfront(model, self.units, inputs, config)
+                early_config = stage1(profile)
+                if offsets is None:
+                    offsets = _planner.predicted_offsets(
+                        model, inputs, optimizer, profile, early_config, hardware, fixed
+                    )
+                if offsets.profile is not None:
+                    profile = offsets.profile
+            # No plan fits: the least budget the calibrated planner reaches.
+            least = _planner.verified_least_budget(profile, early_config, hardware, fixed, offsets)
         return _Upfront(profile, offsets, least)
 
     def method(self, upfront: _Upfront | None) -> str:

@@ -486,7 +486,10 @@ LAYER_FIELDS = ("name", "kind", "param_bytes", "saved_bytes", "input_bytes", "fl
 def test_layer_stats_is_a_named_tuple_of_the_seven_figures():
     stats = _core.LayerStats(("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE))
     assert isinstance(stats, tuple) and len(stats) == 7
-    assert _core.LayerStats.n_fields == _core.LayerStats.n_sequence_fields == 7
+    assert _core.LayerStats.n_sequence_fields == 7
+    # The eighth, backward_bytes (the per-layer calibration), is an
+    # attribute, not in the tuple.
+    assert _core.LayerStats.n_fields == 8 and stats.backward_bytes is None
     assert _core.LayerStats.__match_args__ == LAYER_FIELDS
     assert tuple(getattr(stats, f) for f in LAYER_FIELDS) == tuple(stats)
     assert stats == ("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE)
@@ -508,6 +511,8 @@ def test_layer_stats_pickles_by_name():
     stats = _core.LayerStats(("h.0", "Block", 8, 100, 10, 2.5, 0))
     again = pickle.loads(pickle.dumps(stats))
     assert type(again) is _core.LayerStats and again == stats
+    calibrated = _core.LayerStats(tuple(stats), {"backward_bytes": 7})
+    assert pickle.loads(pickle.dumps(calibrated)).backward_bytes == 7
 
 
 def test_build_plan_reads_layer_stats_and_plain_tuples_alike():
@@ -539,7 +544,7 @@ def _bad_second_layer(position: int, value: object) -> list:
             TypeError,
             r"layers\[1\] has 6 fields; a layer has 7",
         ),
-        ([PLAN_LAYERS[0], PLAN_LAYERS[1] + (0,)], TypeError, r"layers\[1\] has 8 fields"),
+        ([PLAN_LAYERS[0], PLAN_LAYERS[1] + (0, 0)], TypeError, r"layers\[1\] has 9 fields"),
         (_bad_second_layer(0, 5), TypeError, r"layers\[1\]\.name must be a str, got int"),
         (_bad_second_layer(1, None), TypeError, r"layers\[1\]\.kind must be a str, got NoneType"),
         (_bad_second_layer(2, "0"), TypeError, r"layers\[1\]\.param_bytes must be an int, got str"),

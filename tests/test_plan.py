@@ -624,7 +624,7 @@ def test_bad_problem_figures(change):
     "layer",
     [
         ("a", "L", 0, 1, 0, 1.0),  # 6 items
-        ("a", "L", 0, 1, 0, 1.0, 0, 0),  # 8 items
+        ("a", "L", 0, 1, 0, 1.0, 0, 0, 0),  # 9 items (8: with backward_bytes)
         (),
         (1, "L", 0, 1, 0, 1.0, 0),  # name not a str
         ("a", "L", "0", 1, 0, 1.0, 0),  # size not an int

@@ -148,7 +148,7 @@ class _Simulation:
             _verify.set_rng_state(self._rng)
 
     def unoptimized(self) -> Trace:
-        return self.step.tracked([])
+        return self.step.tracked([], [m for _, m in self.units])
 
     def under(self, plan: Any, config: Config, hardware: Hardware) -> Trace:
         """The step with the C executor applying ``plan`` to the model, and
@@ -204,7 +204,7 @@ class _Simulation:
                 if first:  # as wrap() installs it
                     _recompute_check.install(executor, self.model, plan, None)
             chosen = [m for (_, m), layer in zip(self.units, plan.layers) if layer.techniques]
-            return step.tracked(chosen)
+            return step.tracked(chosen, [m for _, m in self.units])
         finally:
             if undo_cache is not None:
                 undo_cache()
@@ -332,6 +332,46 @@ class SimulationSession:
     def simulated_peak(self, plan: Any, config: Config) -> int:
         """The peak bytes of the step under ``plan`` (made with ``config``)."""
         return int(self._trace(plan, config)[1].breakdown(self._workspace).peak_bytes)
+
+    def recompute_peaks(self, plan: Any, config: Config) -> dict[int, int]:
+        """Per recomputed unit (its index in the plan), the peak bytes of
+        the step under ``plan`` from where backward reaches it (its
+        recompute starts) to where backward reaches the next one, or to the
+        end of backward: what its recompute and backward need on top of
+        what is held then.  From the same simulated step as
+        :meth:`simulated_peak` (once per plan)."""
+        trace = self._trace(plan, config)[1]
+        tracker = trace.tracker
+        index = {id(m): i for i, (_, m) in enumerate(self._sim.units)}
+        marks = [(at, index[id(m)]) for at, m in tracker.recompute_marks if id(m) in index]
+        end = next(
+            (at for at, phase in tracker.phase_marks if phase == "optimizer"),
+            len(tracker.events),
+        )
+        bounds = [at for at, _ in marks] + [end]
+        peaks = tracker.span_peaks(self._workspace, bounds)
+        out: dict[int, int] = {}
+        for (_, unit), peak in zip(marks, peaks):
+            out[unit] = max(out.get(unit, 0), int(peak))
+        return out
+
+    def forward_holds(self, plan: Any = None, config: Config | None = None) -> dict[int, int]:
+        """Per unit (its index in the plan), the bytes its forward leaves
+        alive in the step under ``plan`` (from the same simulated step as
+        :meth:`simulated_peak`), or in the unoptimized step (no plan)."""
+        if plan is None:
+            tracker = self._unoptimized.tracker
+        else:
+            assert config is not None
+            tracker = self._trace(plan, config)[1].tracker
+        index = {id(m): i for i, (_, m) in enumerate(self._sim.units)}
+        marks = tracker.forward_marks
+        out: dict[int, int] = {}
+        for (start, unit), (end, _) in zip(marks[::2], marks[1::2]):
+            i = index.get(id(unit))
+            if i is not None:  # a unit called twice holds both calls' bytes
+                out[i] = out.get(i, 0) + sum(delta for _, delta in tracker.events[start:end])
+        return out
 
     def unoptimized_peak(self) -> int:
         """The peak bytes of the unoptimized step."""

@@ -266,8 +266,12 @@ class Step:
         out += [(t, "inputs") for t in tensors_in((self.args, self.kwargs))]
         return out
 
-    def tracked(self, recompute_units: list[nn.Module]) -> Trace:
-        """Run one step under a StorageTracker; what it recorded."""
+    def tracked(
+        self, recompute_units: list[nn.Module], marked: list[nn.Module] | None = None
+    ) -> Trace:
+        """Run one step under a StorageTracker; what it recorded.  The
+        forwards of the ``marked`` units (outermost calls, in the forward
+        phase) are marked in its ``forward_marks``."""
         tracker = StorageTracker(REAL_VALUE_LIMIT)
         if self.world.device.type == "cpu":
             tracker.kernel_calls = []
@@ -287,6 +291,7 @@ class Step:
             if tracker.phase == "backward":
                 if tracker.recompute_depth == 0:
                     done.clear()
+                    tracker.recompute_marks.append((len(tracker.events), module))
                 tracker.recompute_depth += 1
             elif tracker.phase == "forward":
                 if nesting[0] == 0 and module.training and torch.is_grad_enabled():
@@ -303,6 +308,20 @@ class Step:
             elif tracker.phase == "forward" and nesting[0] > 0:
                 nesting[0] -= 1
 
+        depth = [0]
+
+        def mark_in(module: nn.Module, *_: Any) -> None:
+            if tracker.phase == "forward":
+                if depth[0] == 0:
+                    tracker.forward_marks.append((len(tracker.events), module))
+                depth[0] += 1
+
+        def mark_out(module: nn.Module, *_: Any) -> None:
+            if tracker.phase == "forward" and depth[0] > 0:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    tracker.forward_marks.append((len(tracker.events), module))
+
         gc_was_enabled = gc.isenabled()
         # Frees at refcount zero only, the same every run: a collection in
         # the middle of the step would free cyclic garbage at a moment that
@@ -312,6 +331,9 @@ class Step:
             for unit in recompute_units:
                 handles.append(unit.register_forward_pre_hook(enter))
                 handles.append(unit.register_forward_hook(leave, always_call=True))
+            for unit in marked or ():
+                handles.append(unit.register_forward_pre_hook(mark_in))
+                handles.append(unit.register_forward_hook(mark_out, always_call=True))
             for t, category in self.existing():
                 tracker.track(t, category)
 

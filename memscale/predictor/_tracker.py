@@ -5,6 +5,7 @@ and what made it up."""
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -49,6 +50,12 @@ class StorageTracker(_DispatchMode):
         self.categories: list[str] = []  # per serial
         self.events: list[tuple[int, int]] = []  # (serial, +/- bytes)
         self.phase_marks: list[tuple[int, str]] = [(0, "start")]
+        # (event index, unit) where backward reached a recomputed unit
+        # (its recompute starts there).
+        self.recompute_marks: list[tuple[int, Any]] = []
+        # (event index, unit) where a recomputed unit's forward starts and
+        # where it ends (pairs, in order).
+        self.forward_marks: list[tuple[int, Any]] = []
         self.phase = "start"
         self.recompute_depth = 0
         self.active = True
@@ -151,15 +158,26 @@ class StorageTracker(_DispatchMode):
         with self._unset_fake():
             return func(*args, **kwargs)
 
-    def breakdown(
-        self, recategorize: Mapping[int, str], workspace: Mapping[Any, Kernel]
-    ) -> PeakBreakdown:
-        """The peak of the event sequence and what was alive then.
-        ``workspace`` gives, per recorded kernel call, its scratch bytes
-        (alive only during the call, on top of everything else) and the
-        real storage sizes of what it returns (a CPU kernel may return a
-        scalar whose storage is its whole elementwise buffer)."""
-        cats = [recategorize.get(i, c) for i, c in enumerate(self.categories)]
+    def span_peaks(self, workspace: Mapping[Any, Kernel], bounds: list[int]) -> list[int]:
+        """The highest level (bytes alive, with kernels' scratch) between
+        each two consecutive event indices of ``bounds`` (ascending): one
+        figure per span [bounds[k], bounds[k + 1]], measured as
+        :meth:`breakdown` measures the step's peak."""
+        scratch, scale = self._kernel_sizes(workspace)
+        levels = []
+        level = 0
+        for i, (serial, delta) in enumerate(self.events):
+            levels.append(level + scratch.get(i, 0))
+            if serial in scale:
+                delta = scale[serial] if delta > 0 else -scale[serial]
+            level += delta
+        levels.append(level + scratch.get(len(self.events), 0))
+        peaks = [max(levels[lo : hi + 1]) for lo, hi in itertools.pairwise(bounds)]
+        return peaks
+
+    def _kernel_sizes(
+        self, workspace: Mapping[Any, Kernel]
+    ) -> tuple[dict[int, int], dict[int, int]]:
         scratch: dict[int, int] = {}
         scale: dict[int, int] = {}  # serial -> real bytes
         for at, sig, serials in self.kernel_calls or ():
@@ -171,6 +189,18 @@ class StorageTracker(_DispatchMode):
             for serial, real in zip(serials, kernel.returned):
                 if serial is not None and real > self.sizes_at_birth[serial]:
                     scale[serial] = real
+        return scratch, scale
+
+    def breakdown(
+        self, recategorize: Mapping[int, str], workspace: Mapping[Any, Kernel]
+    ) -> PeakBreakdown:
+        """The peak of the event sequence and what was alive then.
+        ``workspace`` gives, per recorded kernel call, its scratch bytes
+        (alive only during the call, on top of everything else) and the
+        real storage sizes of what it returns (a CPU kernel may return a
+        scalar whose storage is its whole elementwise buffer)."""
+        cats = [recategorize.get(i, c) for i, c in enumerate(self.categories)]
+        scratch, scale = self._kernel_sizes(workspace)
         totals = dict.fromkeys(CATEGORIES, 0)
         level = peak = 0
         best = dict(totals)

@@ -1,0 +1,178 @@
+"""How long ``memscale.wrap`` takes with a budget that makes the planner run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/wrap_time.py [--share 0.5]
+        [--models gpt2-12l llama-12l] [--profile llama-12l]
+
+For every quick benchmark model, gpt2-12l, llama-12l, bert-12l and a chain
+of 1,000 tiny blocks (``chain-1000``), it builds the model, measures the
+unoptimized training step's exact peak once (as the budget sweep does:
+``start + share x activations``, ``memscale.benchmarks.sweep``), then wraps a
+fresh copy with ``Config(mode="conservative", memory_budget_gb=...)`` and
+``sample_input`` and prints wrap's CPU seconds (``time.process_time``),
+its wall seconds, the simulated steps the planner ran, the plan hash and
+whether the plan is every layer checkpointed alone (the fallback).
+``--profile NAME`` prints the top of a cProfile of that model's wrap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import logging
+import pstats
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import memscale
+from memscale import _planner
+from memscale.benchmarks import models, runner
+from memscale.benchmarks.measure import measure_peak
+from memscale.config import GIB
+
+
+class _Tiny(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x)) + x
+
+
+class _Chain(nn.Module):
+    def __init__(self, depth: int, width: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[_Tiny(width) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x).pow(2).mean()
+
+
+def _chain(seed: int = 0) -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(seed)
+    x = torch.randn(64, 16)
+    return _Chain(1000, 16), (x,), lambda out: out
+
+
+def _build(name: str) -> tuple[nn.Module, Any, Any]:
+    if name == "chain-1000":
+        return _chain()
+    model, batch = runner.lookup(name).build(seed=0)
+    return model, batch.sample_input, batch.loss_fn
+
+
+def _call(model: nn.Module, sample: Any) -> Any:
+    if isinstance(sample, dict):
+        return model(**sample)
+    return model(*sample)
+
+
+def _budget(name: str, share: float) -> int:
+    model, sample, loss_fn = _build(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(_call(model, sample)).backward()
+        opt.step()
+
+    report = measure_peak(step, model=model, inputs=(sample, opt.state), warmup=1)
+    return int(report.start_bytes + share * report.peak_delta_bytes)
+
+
+class _Counter:
+    """Counts the simulated steps under a plan (the planner's verification
+    simulations) while it is installed."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._orig = _planner.predictor.SimulationSession.simulated_peak
+
+    def __enter__(self) -> _Counter:
+        orig = self._orig
+
+        def counted(session: Any, plan: Any, config: Any) -> int:
+            self.count += 1
+            return int(orig(session, plan, config))
+
+        _planner.predictor.SimulationSession.simulated_peak = counted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _planner.predictor.SimulationSession.simulated_peak = self._orig  # type: ignore[method-assign]
+
+
+def time_wrap(name: str, share: float, profile: bool = False) -> dict[str, Any]:
+    budget = _budget(name, share)
+    gc.collect()
+    model, sample, _ = _build(name)
+    config = memscale.Config(
+        mode="conservative", memory_budget_gb=budget / GIB, enable_logging=False
+    )
+    prof = cProfile.Profile() if profile else None
+    with _Counter() as counter:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        try:
+            memscale.wrap(model, config, sample_input=sample)
+            plan = model._memscale_executor.plan
+            result = plan.hash
+            counts = plan.technique_counts
+            ckpt = [layer for layer in plan.layers if layer.techniques]
+            every = len(ckpt) == len(plan.layers) and all(
+                layer.segment == layer.index for layer in ckpt
+            )
+            memscale.detach(model)
+        except memscale.MemoryBudgetError as exc:
+            result = f"MemoryBudgetError(least={exc.min_budget_bytes})"
+            counts, every = {}, False
+        finally:
+            if prof is not None:
+                prof.disable()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    return {
+        "model": name,
+        "budget": budget,
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "simulations": counter.count,
+        "plan": result,
+        "checkpoint": counts.get("checkpoint", 0),
+        "every_block": every,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    quick = [m.name for m in models.BENCHMARK_MODELS.values() if m.size == "quick"]
+    parser.add_argument(
+        "--models",
+        nargs="*",
+        default=[*quick, "gpt2-12l", "llama-12l", "bert-12l", "chain-1000"],
+    )
+    parser.add_argument("--share", type=float, default=0.5, help="budget: share of activations")
+    parser.add_argument("--profile", default=None, help="cProfile this model's wrap")
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    print("| model | budget | wrap CPU s | wrap wall s | simulations | plan | ckpt | every block |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name in args.models:
+        r = time_wrap(name, args.share, profile=name == args.profile)
+        print(
+            f"| {r['model']} | {r['budget']} | {r['cpu_s']:.2f} | {r['wall_s']:.2f} | "
+            f"{r['simulations']} | {r['plan']} | {r['checkpoint']} | {r['every_block']} |",
+            flush=True,
+        )
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
