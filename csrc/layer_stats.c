@@ -20,7 +20,10 @@ enum {
     F_INPUT_BYTES,
     F_FLOPS,
     F_FLAGS,
-    N_FIELDS
+    N_FIELDS, /* in the tuple; by name only after it: */
+    F_SEL_SAVED = N_FIELDS,
+    F_SEL_FLOPS,
+    N_ALL_FIELDS
 };
 
 /* clang-format off */
@@ -42,15 +45,25 @@ static PyStructSequence_Field fields[] = {
         "Bit set of what the profiler and the first step found: 1 the\n"
         "unit changes its input in place, 2 it never ran while profiling,\n"
         "LAYER_TILEABLE it may run in tiles, LAYER_UNREPEATABLE its\n"
-        "recompute did not match its forward."},
-    [N_FIELDS] = {NULL, NULL},
+        "recompute did not match its forward, LAYER_SELECTIVE it has a\n"
+        "selective profile (the two fields below)."},
+    [F_SEL_SAVED] = {"selective_saved_bytes",
+        "Run selective: bytes of the outputs of its costly ops, kept until\n"
+        "backward besides its input (None: no selective profile).  By name\n"
+        "only: LayerStats(fields, {'selective_saved_bytes': ...})."},
+    [F_SEL_FLOPS] = {"selective_flops",
+        "Run selective: the cost of recomputing its cheap ops in backward\n"
+        "(None: no selective profile)."},
+    [N_ALL_FIELDS] = {NULL, NULL},
 };
 
 PyDoc_STRVAR(layer_stats_doc,
 "LayerStats(sequence, dict=None)\n--\n\n"
 "One planning unit's figures as the planner reads them: name, kind,\n"
 "param_bytes, saved_bytes, input_bytes, flops, flags.  A tuple:\n"
-"build_plan also accepts a plain tuple of these seven fields.");
+"build_plan also accepts a plain tuple of these seven fields.  Two more\n"
+"fields, given by name in dict, describe the layer run selective\n"
+"(flags LAYER_SELECTIVE): selective_saved_bytes, selective_flops.");
 /* clang-format on */
 
 static PyStructSequence_Desc layer_stats_desc = {
@@ -74,7 +87,7 @@ ms_layer_stats_init_type(PyObject *module, ms_state *st)
 
 #define MS_KNOWN_FLAGS                                                        \
     (MS_LAYER_INPLACE_INPUT | MS_LAYER_NOT_CALLED | MS_LAYER_TILEABLE         \
-     | MS_LAYER_UNREPEATABLE)
+     | MS_LAYER_UNREPEATABLE | MS_LAYER_SELECTIVE)
 
 static int
 parse_str(PyObject *item, Py_ssize_t index, int f, PyObject **out)
@@ -135,28 +148,106 @@ parse_bytes(PyObject *item, Py_ssize_t index, int f, int64_t *out)
 }
 
 static int
-parse_flops(PyObject *item, Py_ssize_t index, double *out)
+parse_flops_value(PyObject *v, Py_ssize_t index, int f, double *out)
 {
-    PyObject *v = PyTuple_GET_ITEM(item, F_FLOPS);
     double x = PyFloat_AsDouble(v);
     if (x == -1.0 && PyErr_Occurred()) {
         if (PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();
             PyErr_Format(PyExc_TypeError,
-                         "layers[%zd].flops must be a number, got %.200s",
-                         index, Py_TYPE(v)->tp_name);
+                         "layers[%zd].%s must be a number, got %.200s", index,
+                         fields[f].name, Py_TYPE(v)->tp_name);
         }
         return -1;
     }
     if (!isfinite(x) || x < 0.0) {
         PyErr_Format(PyExc_ValueError,
-                     "layers[%zd].flops must be a finite number >= 0 (not inf "
+                     "layers[%zd].%s must be a finite number >= 0 (not inf "
                      "or nan), got %R",
-                     index, v);
+                     index, fields[f].name, v);
         return -1;
     }
     *out = x;
     return 0;
+}
+
+static int
+parse_flops(PyObject *item, Py_ssize_t index, double *out)
+{
+    return parse_flops_value(PyTuple_GET_ITEM(item, F_FLOPS), index, F_FLOPS,
+                             out);
+}
+
+/* A field past the tuple (F_SEL_*), by name: a new reference, or NULL
+   with an error that names the layer and the field when it is missing or
+   None. */
+static PyObject *
+named_field(PyObject *item, Py_ssize_t index, int f)
+{
+    PyObject *v = PyObject_GetAttrString(item, fields[f].name);
+    if (v == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            return NULL;
+        }
+        PyErr_Clear();
+    }
+    if (v == NULL || v == Py_None) {
+        Py_XDECREF(v);
+        PyErr_Format(PyExc_ValueError,
+                     "layers[%zd] has flag LAYER_SELECTIVE but no %s: give a "
+                     "LayerStats with it (LayerStats(fields, {'%s': ...})) "
+                     "or clear the flag",
+                     index, fields[f].name, fields[f].name);
+        return NULL;
+    }
+    return v;
+}
+
+/* The selective profile of a layer flagged MS_LAYER_SELECTIVE. */
+static int
+parse_selective(PyObject *item, Py_ssize_t index, ms_layer *out)
+{
+    PyObject *saved = named_field(item, index, F_SEL_SAVED);
+    if (saved == NULL) {
+        return -1;
+    }
+    long long x = PyLong_AsLongLong(saved);
+    int rc = 0;
+    if (x == -1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            x = LLONG_MAX;
+        }
+        else {
+            if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError,
+                             "layers[%zd].selective_saved_bytes must be an "
+                             "int, got %.200s",
+                             index, Py_TYPE(saved)->tp_name);
+            }
+            rc = -1;
+        }
+    }
+    if (rc == 0 && (x < 0 || x > MS_MAX_BYTES)) {
+        PyErr_Format(PyExc_ValueError,
+                     "layers[%zd].selective_saved_bytes must be >= 0 and <= "
+                     "2**50 bytes, got %R",
+                     index, saved);
+        rc = -1;
+    }
+    Py_DECREF(saved);
+    if (rc < 0) {
+        return -1;
+    }
+    out->sel_saved_bytes = x;
+    PyObject *flops = named_field(item, index, F_SEL_FLOPS);
+    if (flops == NULL) {
+        return -1;
+    }
+    rc = parse_flops_value(flops, index, F_SEL_FLOPS, &out->sel_flops);
+    Py_DECREF(flops);
+    return rc;
 }
 
 int
@@ -193,11 +284,19 @@ ms_layer_stats_parse(PyObject *item, Py_ssize_t index, PyObject **name,
     if (flags < 0 || (flags & ~(long long)MS_KNOWN_FLAGS) != 0) {
         PyErr_Format(PyExc_ValueError,
                      "layers[%zd].flags has unknown bits: %R (known: 1, 2, "
-                     "LAYER_TILEABLE = %d, LAYER_UNREPEATABLE = %d)",
+                     "LAYER_TILEABLE = %d, LAYER_UNREPEATABLE = %d, "
+                     "LAYER_SELECTIVE = %d)",
                      index, PyTuple_GET_ITEM(item, F_FLAGS),
-                     (int)MS_LAYER_TILEABLE, (int)MS_LAYER_UNREPEATABLE);
+                     (int)MS_LAYER_TILEABLE, (int)MS_LAYER_UNREPEATABLE,
+                     (int)MS_LAYER_SELECTIVE);
         return -1;
     }
     out->flags = (unsigned)flags;
+    out->sel_saved_bytes = 0;
+    out->sel_flops = 0.0;
+    if ((out->flags & MS_LAYER_SELECTIVE) && parse_selective(item, index, out) < 0)
+    {
+        return -1;
+    }
     return 0;
 }

@@ -78,7 +78,7 @@ class PlanProblem:
         chosen = set(indices)
         return self.replace(
             layers=tuple(
-                _core.LayerStats((*layer[:6], layer.flags | flags)) if i in chosen else layer
+                layer_stats((*layer[:6], layer.flags | flags), layer) if i in chosen else layer
                 for i, layer in enumerate(self.layers)
             )
         )
@@ -88,7 +88,7 @@ class PlanProblem:
         input bytes, the step's activation bytes) times ``factor``."""
         return self.replace(
             layers=tuple(
-                _core.LayerStats(
+                layer_stats(
                     (
                         layer.name,
                         layer.kind,
@@ -97,12 +97,30 @@ class PlanProblem:
                         int(layer.input_bytes * factor),
                         layer.flops,
                         layer.flags,
-                    )
+                    ),
+                    layer,
+                    factor,
                 )
                 for layer in self.layers
             ),
             activation_bytes=int(self.activation_bytes * factor),
         )
+
+
+def layer_stats(
+    fields: tuple[Any, ...], like: _core.LayerStats | None = None, factor: float = 1.0
+) -> _core.LayerStats:
+    """A ``LayerStats`` of the seven tuple ``fields``, with the selective
+    profile of ``like`` (its saved bytes times ``factor``) when it has one."""
+    if like is None or like.selective_saved_bytes is None:
+        return _core.LayerStats(fields)
+    return _core.LayerStats(
+        fields,
+        {
+            "selective_saved_bytes": int(like.selective_saved_bytes * factor),
+            "selective_flops": like.selective_flops,
+        },
+    )
 
 
 def _keywords(problem: PlanProblem) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import pathlib
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -486,7 +487,10 @@ LAYER_FIELDS = ("name", "kind", "param_bytes", "saved_bytes", "input_bytes", "fl
 def test_layer_stats_is_a_named_tuple_of_the_seven_figures():
     stats = _core.LayerStats(("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE))
     assert isinstance(stats, tuple) and len(stats) == 7
-    assert _core.LayerStats.n_fields == _core.LayerStats.n_sequence_fields == 7
+    assert _core.LayerStats.n_sequence_fields == 7
+    # Two more by name only: the selective profile (None without one).
+    assert _core.LayerStats.n_fields == 9
+    assert stats.selective_saved_bytes is None and stats.selective_flops is None
     assert _core.LayerStats.__match_args__ == LAYER_FIELDS
     assert tuple(getattr(stats, f) for f in LAYER_FIELDS) == tuple(stats)
     assert stats == ("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE)
@@ -499,6 +503,45 @@ def test_layer_stats_is_a_named_tuple_of_the_seven_figures():
         stats.saved_bytes = 5  # type: ignore[misc]
     with pytest.raises(TypeError):
         _core.LayerStats(("h.0", "Block", 8))  # a LayerStats has 7 fields
+
+
+def test_layer_stats_selective_profile_by_name():
+    row = ("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_SELECTIVE)
+    stats = _core.LayerStats(row, {"selective_saved_bytes": 30, "selective_flops": 0.5})
+    assert stats == row and len(stats) == 7
+    assert stats.selective_saved_bytes == 30 and stats.selective_flops == 0.5
+    for field in ("selective_saved_bytes", "selective_flops"):
+        assert getattr(_core.LayerStats, field).__doc__, field
+    again = pickle.loads(pickle.dumps(stats))
+    assert again.selective_saved_bytes == 30 and again.selective_flops == 0.5
+    kw = dict(
+        mode="balanced",
+        allowed=_core.TECH_CHECKPOINT | _core.TECH_SELECTIVE,
+        force=False,
+        budget_bytes=10**9,
+        fixed_bytes=0,
+        activation_bytes=100,
+        total_flops=2.5,
+        device="cpu",
+        device_count=1,
+        capacity_bytes=10**9,
+    )
+    assert len(_core.build_plan([stats], **kw)) == 1
+    # The flag without the profile, or a bad profile: errors naming the
+    # layer and the field.
+    with pytest.raises(ValueError, match=r"layers\[0\] has flag LAYER_SELECTIVE but no selective_saved_bytes"):
+        _core.build_plan([row], **kw)
+    with pytest.raises(ValueError, match=r"layers\[0\] has flag LAYER_SELECTIVE but no selective_flops"):
+        _core.build_plan([_core.LayerStats(row, {"selective_saved_bytes": 3})], **kw)
+    bad = _core.LayerStats(row, {"selective_saved_bytes": -1, "selective_flops": 0.0})
+    with pytest.raises(ValueError, match=r"layers\[0\].selective_saved_bytes must be >= 0"):
+        _core.build_plan([bad], **kw)
+    bad = _core.LayerStats(row, {"selective_saved_bytes": 1, "selective_flops": float("nan")})
+    with pytest.raises(ValueError, match=r"layers\[0\].selective_flops must be a finite"):
+        _core.build_plan([bad], **kw)
+    bad = _core.LayerStats(row, {"selective_saved_bytes": "x", "selective_flops": 1.0})
+    with pytest.raises(TypeError, match=r"layers\[0\].selective_saved_bytes must be an int"):
+        _core.build_plan([bad], **kw)
 
 
 def test_layer_stats_pickles_by_name():
