@@ -87,10 +87,10 @@ def fallback_config(config: Config, fallback: bool | None) -> Config:
     )
 
 
-def _read_profile(profiler: Any, units: list[tuple[str, nn.Module]]) -> Profile:
+def _read_profile(profiler: Any, units: list[tuple[str, nn.Module]], ops: Any = None) -> Profile:
     """The simulation's warm-up forward, measured as static profiling
     measures one (the same profile, so the same plan as ``wrap``)."""
-    return _planning.profile_from(profiler, units, "static")
+    return _planning.profile_from(profiler, units, "static", ops)
 
 
 class PredictionSession:

@@ -313,3 +313,17 @@ def compiled_inner(target: Any) -> Any:
         return None
     inner = target.__dict__.get("_modules", {}).get("_orig_mod")
     return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def op_writes_new(func: Any) -> bool:
+    """Whether the aten operator ``func`` writes new tensors: no output
+    aliases an input (views and in-place ops own no memory of their
+    own).  Reads its private ``_schema``."""
+    return all(ret.alias_info is None for ret in func._schema.returns)
+
+
+def op_packet(func: Any) -> Any:
+    """The overload packet of the aten operator ``func`` (the key of
+    ``torch.utils.flop_counter.flop_registry``; its private
+    ``_overloadpacket``)."""
+    return func._overloadpacket
