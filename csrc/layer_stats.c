@@ -294,7 +294,8 @@ ms_layer_stats_parse(PyObject *item, Py_ssize_t index, PyObject **name,
     out->flags = (unsigned)flags;
     out->sel_saved_bytes = 0;
     out->sel_flops = 0.0;
-    if ((out->flags & MS_LAYER_SELECTIVE) && parse_selective(item, index, out) < 0)
+    if ((out->flags & MS_LAYER_SELECTIVE)
+        && parse_selective(item, index, out) < 0)
     {
         return -1;
     }

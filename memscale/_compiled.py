@@ -243,9 +243,7 @@ def update(executor: Any, plan: Any) -> None:
     )
     regions.selective = tuple(
         _selective.threshold(plan.layers[i].flops, plan.layers[i].saved_bytes)
-        if plan is not None
-        and i < len(plan.layers)
-        and "selective" in plan.layers[i].techniques
+        if plan is not None and i < len(plan.layers) and "selective" in plan.layers[i].techniques
         else None
         for i in range(n)
     )

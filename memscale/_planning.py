@@ -29,9 +29,7 @@ logger = logging.getLogger(__name__)
 
 # Techniques the executor can carry out in this release.  A technique a mode
 # or Config asks for beyond these is reported (never silently dropped).
-IMPLEMENTED = (
-    _core.TECH_CHECKPOINT | _core.TECH_OFFLOAD | _core.TECH_TILING | _core.TECH_SELECTIVE
-)
+IMPLEMENTED = _core.TECH_CHECKPOINT | _core.TECH_OFFLOAD | _core.TECH_TILING | _core.TECH_SELECTIVE
 
 TECHNIQUE_BITS = {
     "checkpoint": _core.TECH_CHECKPOINT,

@@ -117,7 +117,9 @@ class OpRecorder(_DispatchMode):
         while self._handles:
             self._handles.pop().remove()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         index = self._current

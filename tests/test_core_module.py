@@ -529,9 +529,13 @@ def test_layer_stats_selective_profile_by_name():
     assert len(_core.build_plan([stats], **kw)) == 1
     # The flag without the profile, or a bad profile: errors naming the
     # layer and the field.
-    with pytest.raises(ValueError, match=r"layers\[0\] has flag LAYER_SELECTIVE but no selective_saved_bytes"):
+    with pytest.raises(
+        ValueError, match=r"layers\[0\] has flag LAYER_SELECTIVE but no selective_saved_bytes"
+    ):
         _core.build_plan([row], **kw)
-    with pytest.raises(ValueError, match=r"layers\[0\] has flag LAYER_SELECTIVE but no selective_flops"):
+    with pytest.raises(
+        ValueError, match=r"layers\[0\] has flag LAYER_SELECTIVE but no selective_flops"
+    ):
         _core.build_plan([_core.LayerStats(row, {"selective_saved_bytes": 3})], **kw)
     bad = _core.LayerStats(row, {"selective_saved_bytes": -1, "selective_flops": 0.0})
     with pytest.raises(ValueError, match=r"layers\[0\].selective_saved_bytes must be >= 0"):

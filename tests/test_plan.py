@@ -484,7 +484,10 @@ def test_sequence_protocol_and_repr():
 
 def test_allowed_lists_techniques_in_order():
     plan = build(
-        allowed=_core.TECH_SELECTIVE | _core.TECH_TILING | _core.TECH_CHECKPOINT | _core.TECH_OFFLOAD
+        allowed=_core.TECH_SELECTIVE
+        | _core.TECH_TILING
+        | _core.TECH_CHECKPOINT
+        | _core.TECH_OFFLOAD
     )
     assert json.loads(plan.to_json())["allowed"] == TECHNIQUES
 

@@ -227,9 +227,8 @@ class _Simulation:
                 )
             if plan.technique_counts["checkpoint"] or plan.technique_counts["selective"]:
                 undo_cache = _hf_cache.disable_use_cache(self.model)[1]
-            if plan.technique_counts["checkpoint"]:
-                if first:  # as wrap() installs it
-                    _recompute_check.install(executor, self.model, plan, None)
+            if plan.technique_counts["checkpoint"] and first:  # as wrap() installs it
+                _recompute_check.install(executor, self.model, plan, None)
             chosen = [m for (_, m), layer in zip(self.units, plan.layers) if layer.techniques]
             return step.tracked(chosen)
         finally:
