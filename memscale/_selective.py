@@ -67,13 +67,14 @@ _DispatchMode: type = _torch_compat.dispatch_mode_base() or object
 def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, int, int, bool]:
     """One call's (FLOPs, bytes of its new outputs, their elements,
     whether it draws random numbers)."""
-    random = torch.Tag.nondeterministic_seeded in func.tags
+    random = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
     if not _torch_compat.op_writes_new(func):
         return 0.0, 0, 0, random
     tensors = _outputs(out)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     numel = sum(t.numel() for t in tensors)
-    count = flop_registry.get(_torch_compat.op_packet(func))
+    packet = _torch_compat.op_packet(func)
+    count = flop_registry.get(packet) if packet is not None else None
     flops = float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
     return flops, nbytes, numel, random
 

@@ -318,12 +318,16 @@ def compiled_inner(target: Any) -> Any:
 def op_writes_new(func: Any) -> bool:
     """Whether the aten operator ``func`` writes new tensors: no output
     aliases an input (views and in-place ops own no memory of their
-    own).  Reads its private ``_schema``."""
-    return all(ret.alias_info is None for ret in func._schema.returns)
+    own).  Reads its private ``_schema``; False for an operator without
+    one (a higher-order operator)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    return all(ret.alias_info is None for ret in schema.returns)
 
 
 def op_packet(func: Any) -> Any:
     """The overload packet of the aten operator ``func`` (the key of
     ``torch.utils.flop_counter.flop_registry``; its private
-    ``_overloadpacket``)."""
-    return func._overloadpacket
+    ``_overloadpacket``; None for an operator without one)."""
+    return getattr(func, "_overloadpacket", None)

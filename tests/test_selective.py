@@ -272,3 +272,22 @@ def test_an_interrupt_inside_a_selective_layer_leaves_nothing_behind():
     assert_same_step(model, ref, X, loss_fn=_mse)
     memscale.detach(model)
     assert hook_count(model) == 0
+
+
+@pytest.mark.slow
+def test_compiled_a_selective_layer_is_a_checkpoint_region():
+    """Under torch.compile the layer runs as a checkpoint region (listed in
+    compile_fallbacks); gradients agree with the unwrapped model's."""
+    model, ref = _wrapped(_mlp, X, 0.8)
+    fallbacks = model._memscale_executor.compile_fallbacks
+    assert [(f.layer, f.technique) for f in fallbacks] == [("0", "selective"), ("1", "selective")]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    for net in (compiled, ref):
+        net.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        _mse(net, X).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    memscale.detach(model)
+    torch._dynamo.reset()
