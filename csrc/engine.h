@@ -63,7 +63,9 @@ enum {
     MS_LAYER_TILEABLE = 1u << 2,
     /* Its recompute did not match its forward (found at the first step). */
     MS_LAYER_UNREPEATABLE = 1u << 3,
-    /* Has a selective profile (ms_layer.sel_*): may run selective. */
+    /* Has a selective profile (ms_layer.sel_*): may run selective.  Set
+       by the parser (layer_stats.c) when LayerStats has one, never given
+       in LayerStats.flags. */
     MS_LAYER_SELECTIVE = 1u << 4,
 };
 

@@ -45,8 +45,7 @@ static PyStructSequence_Field fields[] = {
         "Bit set of what the profiler and the first step found: 1 the\n"
         "unit changes its input in place, 2 it never ran while profiling,\n"
         "LAYER_TILEABLE it may run in tiles, LAYER_UNREPEATABLE its\n"
-        "recompute did not match its forward, LAYER_SELECTIVE it has a\n"
-        "selective profile (the two fields below)."},
+        "recompute did not match its forward."},
     [F_SEL_SAVED] = {"selective_saved_bytes",
         "Run selective: bytes of the outputs of its costly ops, kept until\n"
         "backward besides its input (None: no selective profile).  By name\n"
@@ -62,8 +61,8 @@ PyDoc_STRVAR(layer_stats_doc,
 "One planning unit's figures as the planner reads them: name, kind,\n"
 "param_bytes, saved_bytes, input_bytes, flops, flags.  A tuple:\n"
 "build_plan also accepts a plain tuple of these seven fields.  Two more\n"
-"fields, given by name in dict, describe the layer run selective\n"
-"(flags LAYER_SELECTIVE): selective_saved_bytes, selective_flops.");
+"fields, given by name in dict, describe the layer run selective:\n"
+"selective_saved_bytes and selective_flops (both or neither).");
 /* clang-format on */
 
 static PyStructSequence_Desc layer_stats_desc = {
@@ -87,7 +86,7 @@ ms_layer_stats_init_type(PyObject *module, ms_state *st)
 
 #define MS_KNOWN_FLAGS                                                        \
     (MS_LAYER_INPLACE_INPUT | MS_LAYER_NOT_CALLED | MS_LAYER_TILEABLE         \
-     | MS_LAYER_UNREPEATABLE | MS_LAYER_SELECTIVE)
+     | MS_LAYER_UNREPEATABLE)
 
 static int
 parse_str(PyObject *item, Py_ssize_t index, int f, PyObject **out)
@@ -178,11 +177,11 @@ parse_flops(PyObject *item, Py_ssize_t index, double *out)
                              out);
 }
 
-/* A field past the tuple (F_SEL_*), by name: a new reference, or NULL
-   with an error that names the layer and the field when it is missing or
-   None. */
+/* A field past the tuple (F_SEL_*), by name: a new reference, or None
+   (new) when the item has no such field (a plain tuple) or it is None;
+   NULL with an error otherwise. */
 static PyObject *
-named_field(PyObject *item, Py_ssize_t index, int f)
+named_field(PyObject *item, int f)
 {
     PyObject *v = PyObject_GetAttrString(item, fields[f].name);
     if (v == NULL) {
@@ -190,29 +189,41 @@ named_field(PyObject *item, Py_ssize_t index, int f)
             return NULL;
         }
         PyErr_Clear();
-    }
-    if (v == NULL || v == Py_None) {
-        Py_XDECREF(v);
-        PyErr_Format(PyExc_ValueError,
-                     "layers[%zd] has flag LAYER_SELECTIVE but no %s: give a "
-                     "LayerStats with it (LayerStats(fields, {'%s': ...})) "
-                     "or clear the flag",
-                     index, fields[f].name, fields[f].name);
-        return NULL;
+        return Py_NewRef(Py_None);
     }
     return v;
 }
 
-/* The selective profile of a layer flagged MS_LAYER_SELECTIVE. */
+/* The selective profile of a layer, when it has one (both fields given):
+   out->flags gets MS_LAYER_SELECTIVE.  0, or -1 with an error naming the
+   layer and the field. */
 static int
 parse_selective(PyObject *item, Py_ssize_t index, ms_layer *out)
 {
-    PyObject *saved = named_field(item, index, F_SEL_SAVED);
+    PyObject *saved = named_field(item, F_SEL_SAVED);
     if (saved == NULL) {
         return -1;
     }
-    long long x = PyLong_AsLongLong(saved);
+    PyObject *flops = named_field(item, F_SEL_FLOPS);
+    if (flops == NULL) {
+        Py_DECREF(saved);
+        return -1;
+    }
     int rc = 0;
+    if (saved == Py_None && flops == Py_None) {
+        goto done; /* no selective profile */
+    }
+    if (saved == Py_None || flops == Py_None) {
+        int missing = saved == Py_None ? F_SEL_SAVED : F_SEL_FLOPS;
+        int given = saved == Py_None ? F_SEL_FLOPS : F_SEL_SAVED;
+        PyErr_Format(PyExc_ValueError,
+                     "layers[%zd] has %s but no %s: a selective profile "
+                     "needs both (or neither)",
+                     index, fields[given].name, fields[missing].name);
+        rc = -1;
+        goto done;
+    }
+    long long x = PyLong_AsLongLong(saved);
     if (x == -1 && PyErr_Occurred()) {
         if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
             PyErr_Clear();
@@ -227,25 +238,24 @@ parse_selective(PyObject *item, Py_ssize_t index, ms_layer *out)
                              index, Py_TYPE(saved)->tp_name);
             }
             rc = -1;
+            goto done;
         }
     }
-    if (rc == 0 && (x < 0 || x > MS_MAX_BYTES)) {
+    if (x < 0 || x > MS_MAX_BYTES) {
         PyErr_Format(PyExc_ValueError,
                      "layers[%zd].selective_saved_bytes must be >= 0 and <= "
                      "2**50 bytes, got %R",
                      index, saved);
         rc = -1;
-    }
-    Py_DECREF(saved);
-    if (rc < 0) {
-        return -1;
+        goto done;
     }
     out->sel_saved_bytes = x;
-    PyObject *flops = named_field(item, index, F_SEL_FLOPS);
-    if (flops == NULL) {
-        return -1;
-    }
     rc = parse_flops_value(flops, index, F_SEL_FLOPS, &out->sel_flops);
+    if (rc == 0) {
+        out->flags |= MS_LAYER_SELECTIVE;
+    }
+done:
+    Py_DECREF(saved);
     Py_DECREF(flops);
     return rc;
 }
@@ -284,20 +294,13 @@ ms_layer_stats_parse(PyObject *item, Py_ssize_t index, PyObject **name,
     if (flags < 0 || (flags & ~(long long)MS_KNOWN_FLAGS) != 0) {
         PyErr_Format(PyExc_ValueError,
                      "layers[%zd].flags has unknown bits: %R (known: 1, 2, "
-                     "LAYER_TILEABLE = %d, LAYER_UNREPEATABLE = %d, "
-                     "LAYER_SELECTIVE = %d)",
+                     "LAYER_TILEABLE = %d, LAYER_UNREPEATABLE = %d)",
                      index, PyTuple_GET_ITEM(item, F_FLAGS),
-                     (int)MS_LAYER_TILEABLE, (int)MS_LAYER_UNREPEATABLE,
-                     (int)MS_LAYER_SELECTIVE);
+                     (int)MS_LAYER_TILEABLE, (int)MS_LAYER_UNREPEATABLE);
         return -1;
     }
     out->flags = (unsigned)flags;
     out->sel_saved_bytes = 0;
     out->sel_flops = 0.0;
-    if ((out->flags & MS_LAYER_SELECTIVE)
-        && parse_selective(item, index, out) < 0)
-    {
-        return -1;
-    }
-    return 0;
+    return parse_selective(item, index, out);
 }

@@ -319,9 +319,6 @@ module_exec(PyObject *module)
         || PyModule_AddIntConstant(module, "TECH_TILING", MS_TECH_TILING) < 0
         || PyModule_AddIntConstant(module, "TECH_SELECTIVE", MS_TECH_SELECTIVE)
                < 0
-        || PyModule_AddIntConstant(module, "LAYER_SELECTIVE",
-                                   MS_LAYER_SELECTIVE)
-               < 0
         || PyModule_AddIntConstant(module, "LAYER_TILEABLE", MS_LAYER_TILEABLE)
                < 0
         || PyModule_AddIntConstant(module, "LAYER_UNREPEATABLE",

@@ -270,10 +270,7 @@ def profile_from(
         else:
             kept, cost = found
             layers.append(
-                _core.LayerStats(
-                    (*fields[:6], fields[6] | _core.LAYER_SELECTIVE),
-                    {"selective_saved_bytes": kept, "selective_flops": cost},
-                )
+                _core.LayerStats(fields, {"selective_saved_bytes": kept, "selective_flops": cost})
             )
         details.append({"name": name, "kind": kind, **r})
     return Profile(

@@ -20,6 +20,9 @@ draws random numbers (``nondeterministic_seeded``, such as dropout) is
 never kept: it is recomputed with the RNG state the checkpoint restores,
 so its masks are the same, and the gradients are bitwise those of the
 unwrapped layer (the recompute runs the same kernels on the same values).
+A layer whose forward writes its own buffers or parameters in place
+(BatchNorm's running statistics) never runs selective: torch's
+checkpoint would write them again in the recompute.
 
 Profiling (:class:`OpRecorder`) runs in the same fake-tensor forward as
 the C profiler: per unit, each op's FLOPs, the bytes of its new outputs
@@ -88,9 +91,11 @@ def keeps(threshold: float, flops: float, nbytes: int, random: bool) -> bool:
 @dataclass
 class LayerOps:
     """What the ops of one unit's forward cost: per call (FLOPs, bytes,
-    elements, random)."""
+    elements, random); ``updates_state``: an op wrote one of the unit's
+    buffers or parameters in place (BatchNorm's running statistics)."""
 
     calls: list[tuple[float, int, int, bool]]
+    updates_state: bool = False
 
 
 class OpRecorder(_DispatchMode):
@@ -103,6 +108,7 @@ class OpRecorder(_DispatchMode):
         super().__init__()
         self.ops = [LayerOps([]) for _ in units]
         self._current: int | None = None
+        self._state: set[int] = set()  # ids of the current unit's buffers and parameters
         self._handles: list[Any] = []
         for i, unit in enumerate(units):
             self._handles.append(unit.register_forward_pre_hook(functools.partial(self._enter, i)))
@@ -110,6 +116,7 @@ class OpRecorder(_DispatchMode):
 
     def _enter(self, index: int, module: nn.Module, args: Any) -> None:
         self._current = index
+        self._state = {id(t) for t in (*module.buffers(), *module.parameters())}
 
     def _leave(self, module: nn.Module, args: Any, out: Any) -> None:
         self._current = None
@@ -125,7 +132,10 @@ class OpRecorder(_DispatchMode):
         out = func(*args, **kwargs)
         index = self._current
         if index is not None and func not in SAC_IGNORED_OPS:
-            self.ops[index].calls.append(op_cost(func, args, kwargs, out))
+            ops = self.ops[index]
+            ops.calls.append(op_cost(func, args, kwargs, out))
+            if any(id(t) in self._state for t in _torch_compat.op_written_args(func, args, kwargs)):
+                ops.updates_state = True
         return out
 
 
@@ -145,8 +155,10 @@ def threshold(flops: float, saved_bytes: int) -> float:
 
 def layer_profile(ops: LayerOps, flops: float, saved_bytes: int) -> tuple[int, float] | None:
     """The bytes of the outputs the layer keeps run selective, and what its
-    recompute costs; None when nothing was measured."""
-    if not ops.calls or saved_bytes <= 0:
+    recompute costs; None when nothing was measured, or when its forward
+    updates its own state (a recompute would update it again: torch's
+    checkpoint does not put buffers back)."""
+    if not ops.calls or saved_bytes <= 0 or ops.updates_state:
         return None
     limit = threshold(flops, saved_bytes)
     kept = 0

@@ -331,3 +331,22 @@ def op_packet(func: Any) -> Any:
     ``torch.utils.flop_counter.flop_registry``; its private
     ``_overloadpacket``; None for an operator without one)."""
     return getattr(func, "_overloadpacket", None)
+
+
+def op_written_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The arguments the aten operator ``func`` writes in place (its
+    schema marks them ``Tensor(a!)``), from ``args`` and ``kwargs``; none
+    for an operator without a schema.  Reads its private ``_schema``."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        if i < len(args):
+            written.append(args[i])
+        elif arg.name in kwargs:
+            written.append(kwargs[arg.name])
+    return written

@@ -154,9 +154,7 @@ def table(results: list[dict[str, Any]]) -> str:
                 peak = format_bytes(r["peak_bytes"])
             fits = {True: "yes", False: "no", None: "-"}[r.get("fits")]
             fl = f"{r['flops_ratio']:.3f}x" if r.get("flops_ratio") else "-"
-            pp = (
-                format_bytes(r["predicted_peak_bytes"]) if r.get("predicted_peak_bytes") else "-"
-            )
+            pp = format_bytes(r["predicted_peak_bytes"]) if r.get("predicted_peak_bytes") else "-"
             wrap = f"{r['wrap_s']} s" if "wrap_s" in r else "-"
             out.append(
                 f"| {res['model']} | {budget} | {r['method']} | {peak} | {fits} | {fl} "

@@ -35,7 +35,7 @@ def chain(n: int, seed: int) -> tuple[_core.LayerStats, ...]:
                 rng.randint(20, 28) << 20,
                 2 << 20,
                 rng.randint(8, 12) * 1e9,
-                _core.LAYER_TILEABLE | _core.LAYER_SELECTIVE,
+                _core.LAYER_TILEABLE,
             ),
             {
                 "selective_saved_bytes": rng.randint(6, 10) << 20,

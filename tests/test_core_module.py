@@ -506,7 +506,7 @@ def test_layer_stats_is_a_named_tuple_of_the_seven_figures():
 
 
 def test_layer_stats_selective_profile_by_name():
-    row = ("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_SELECTIVE)
+    row = ("h.0", "Block", 8, 100, 10, 2.5, 0)
     stats = _core.LayerStats(row, {"selective_saved_bytes": 30, "selective_flops": 0.5})
     assert stats == row and len(stats) == 7
     assert stats.selective_saved_bytes == 30 and stats.selective_flops == 0.5
@@ -526,17 +526,19 @@ def test_layer_stats_selective_profile_by_name():
         device_count=1,
         capacity_bytes=10**9,
     )
-    assert len(_core.build_plan([stats], **kw)) == 1
-    # The flag without the profile, or a bad profile: errors naming the
-    # layer and the field.
+    # With the profile, without it (a plain tuple, a LayerStats of seven
+    # fields): both plan.
+    for layers in ([stats], [row], [_core.LayerStats(row)]):
+        assert len(_core.build_plan(layers, **kw)) == 1
+    # Half a profile, or a bad one: errors naming the layer and the field.
     with pytest.raises(
-        ValueError, match=r"layers\[0\] has flag LAYER_SELECTIVE but no selective_saved_bytes"
-    ):
-        _core.build_plan([row], **kw)
-    with pytest.raises(
-        ValueError, match=r"layers\[0\] has flag LAYER_SELECTIVE but no selective_flops"
+        ValueError, match=r"layers\[0\] has selective_saved_bytes but no selective_flops"
     ):
         _core.build_plan([_core.LayerStats(row, {"selective_saved_bytes": 3})], **kw)
+    with pytest.raises(
+        ValueError, match=r"layers\[0\] has selective_flops but no selective_saved_bytes"
+    ):
+        _core.build_plan([_core.LayerStats(row, {"selective_flops": 3.0})], **kw)
     bad = _core.LayerStats(row, {"selective_saved_bytes": -1, "selective_flops": 0.0})
     with pytest.raises(ValueError, match=r"layers\[0\].selective_saved_bytes must be >= 0"):
         _core.build_plan([bad], **kw)
@@ -546,6 +548,9 @@ def test_layer_stats_selective_profile_by_name():
     bad = _core.LayerStats(row, {"selective_saved_bytes": "x", "selective_flops": 1.0})
     with pytest.raises(TypeError, match=r"layers\[0\].selective_saved_bytes must be an int"):
         _core.build_plan([bad], **kw)
+    # The flag is the parser's, never the caller's.
+    with pytest.raises(ValueError, match="unknown bits"):
+        _core.build_plan([("h.0", "Block", 8, 100, 10, 2.5, 16)], **kw)
 
 
 def test_layer_stats_pickles_by_name():

@@ -389,7 +389,11 @@ def test_budget_between_peaks_checkpoints_some_layers():
     assert all_ckpt < unopt
     budget = (all_ckpt + unopt) // 2
     model = mlp_stack()
-    memscale.wrap(model, quiet(memory_budget_gb=budget / GIB), sample_input=big)
+    # Whole-layer checkpointing, against the greedy rule of the same model
+    # (selective layers, BALANCED's, are tests/test_selective.py's).
+    memscale.wrap(
+        model, quiet(memory_budget_gb=budget / GIB, mode="conservative"), sample_input=big
+    )
     plan, stats = model._memscale_executor.plan, model._memscale_executor.stats
     memscale.detach(model)
     assert plan.budget_bytes == budget

@@ -82,7 +82,7 @@ def test_profile_of_an_mlp_block_keeps_the_matmul_outputs():
     model = _mlp()
     profile = _planning.profile_upfront(model, _units(model), X, memscale.Config())
     for layer in profile.layers:
-        assert layer.flags & _core.LAYER_SELECTIVE
+        assert layer.selective_saved_bytes is not None
         assert layer.selective_saved_bytes == ROWS * (128 + 32) * 4
         gelu, dropout_out, dropout_mask, add = 128, 128, 128, 32
         assert layer.selective_flops == ROWS * (gelu + dropout_out + dropout_mask + add)
@@ -103,7 +103,6 @@ def test_a_warmup_profile_has_no_selective_layers():
     finally:
         prof.detach()
     profile = _planning.profile_from(prof, _units(model), "warmup")
-    assert all(not layer.flags & _core.LAYER_SELECTIVE for layer in profile.layers)
     assert all(layer.selective_saved_bytes is None for layer in profile.layers)
 
 
@@ -291,3 +290,24 @@ def test_compiled_a_selective_layer_is_a_checkpoint_region():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
     memscale.detach(model)
     torch._dynamo.reset()
+
+
+def test_a_layer_that_updates_its_buffers_never_runs_selective():
+    """BatchNorm's running statistics are written in its forward; torch's
+    checkpoint would write them again in the recompute, so such a layer
+    has no selective profile (the C checkpoint, which puts buffers back,
+    may still checkpoint it)."""
+    from conftest import CNN
+
+    model = CNN()
+    model.train()
+    x = torch.randn(4, 3, 16, 16)
+    profile = _planning.profile_upfront(
+        model, list(model.blocks.named_children()), x, memscale.Config()
+    )
+    assert all(layer.selective_saved_bytes is None for layer in profile.layers)
+    model.eval()  # no statistics written: a profile
+    profile = _planning.profile_upfront(
+        model, list(model.blocks.named_children()), x, memscale.Config()
+    )
+    assert all(layer.selective_saved_bytes is not None for layer in profile.layers)
