@@ -86,9 +86,10 @@ ms_mode_base_techniques(ms_mode mode)
     case MS_MODE_CONSERVATIVE:
         return MS_TECH_CHECKPOINT;
     case MS_MODE_BALANCED:
-        return MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD;
+        return MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_SELECTIVE;
     case MS_MODE_AGGRESSIVE:
-        return MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING;
+        return MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING
+               | MS_TECH_SELECTIVE;
     }
     return 0;
 }
@@ -264,6 +265,10 @@ slowdown(const ms_problem *p, const ms_layer *layers, size_t n,
         p, MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING, 0);
     double extra = 0.0;
     for (size_t i = 0; i < n; i++) {
+        if (out[i].techniques & MS_TECH_SELECTIVE) {
+            double f = layers[i].sel_flops;
+            extra += (f > 0.0 && isfinite(f) ? f : 0.0) / sp.flop_rate;
+        }
         if (!(out[i].techniques & MS_TECH_CHECKPOINT)) {
             continue;
         }
@@ -317,6 +322,14 @@ solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
     }
     int64_t host_used = 0;
     for (size_t i = 0; i < n; i++) {
+        if (c[i].seg_start < 0 && c[i].selective) {
+            int64_t held = ms_mem_selective_held(&layers[i]);
+            out[i].techniques = MS_TECH_SELECTIVE;
+            out[i].rule = MS_RULE_SOLVER;
+            out[i].bytes_saved = layers[i].saved_bytes > held
+                                     ? layers[i].saved_bytes - held
+                                     : 0;
+        }
         if (c[i].seg_start < 0) {
             continue;
         }
@@ -373,6 +386,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
         c[i].seg_start = -1; /* kept */
         c[i].offload = 0;
         c[i].tiles = 1;
+        c[i].selective = 0;
     }
 
     int64_t in_layers = 0;

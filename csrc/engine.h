@@ -17,6 +17,10 @@ enum {
     MS_TECH_CHECKPOINT = 1u << 0,
     MS_TECH_OFFLOAD = 1u << 1,
     MS_TECH_TILING = 1u << 2,
+    /* Selective checkpointing inside the layer: it keeps its input and
+       the outputs of its costly ops, and recomputes the cheap ones in
+       backward (memscale/_selective.py); the C executor runs it kept. */
+    MS_TECH_SELECTIVE = 1u << 3,
 };
 
 /* The most tiles a layer is split into. */
@@ -59,6 +63,10 @@ enum {
     MS_LAYER_TILEABLE = 1u << 2,
     /* Its recompute did not match its forward (found at the first step). */
     MS_LAYER_UNREPEATABLE = 1u << 3,
+    /* Has a selective profile (ms_layer.sel_*): may run selective.  Set
+       by the parser (layer_stats.c) when LayerStats has one, never given
+       in LayerStats.flags. */
+    MS_LAYER_SELECTIVE = 1u << 4,
 };
 
 typedef struct {
@@ -70,6 +78,10 @@ typedef struct {
     /* Its recompute's and backward's bytes on top of its saved tensors,
        measured per layer (memory.h); 0 when not measured. */
     int64_t backward_bytes;
+    /* Selective (with MS_LAYER_SELECTIVE): the outputs of its costly ops
+       it keeps besides its input, and the cost of recomputing the rest. */
+    int64_t sel_saved_bytes;
+    double sel_flops;
 } ms_layer;
 
 typedef struct {

@@ -20,10 +20,11 @@ enum {
     F_INPUT_BYTES,
     F_FLOPS,
     F_FLAGS,
-    N_FIELDS, /* the tuple's fields */
-    /* Not in the tuple (set by keyword, read by name): the per-layer
-       calibration of the memory model, 0 when not measured. */
+    N_FIELDS, /* the tuple's fields; by name only after it: */
+    /* the per-layer calibration of the memory model, 0 when not measured */
     F_BACKWARD_BYTES = N_FIELDS,
+    F_SEL_SAVED, /* the selective profile */
+    F_SEL_FLOPS,
     N_ALL_FIELDS
 };
 
@@ -52,6 +53,13 @@ static PyStructSequence_Field fields[] = {
         "tensors and of what is held before it, measured per layer on the\n"
         "OOM predictor's simulated step (None or 0: not measured).  Not in\n"
         "the tuple: LayerStats(fields, {'backward_bytes': n})."},
+    [F_SEL_SAVED] = {"selective_saved_bytes",
+        "Run selective: bytes of the outputs of its costly ops, kept until\n"
+        "backward besides its input (None: no selective profile).  By name\n"
+        "only: LayerStats(fields, {'selective_saved_bytes': ...})."},
+    [F_SEL_FLOPS] = {"selective_flops",
+        "Run selective: the cost of recomputing its cheap ops in backward\n"
+        "(None: no selective profile)."},
     [N_ALL_FIELDS] = {NULL, NULL},
 };
 
@@ -61,7 +69,9 @@ PyDoc_STRVAR(layer_stats_doc,
 "param_bytes, saved_bytes, input_bytes, flops, flags.  A tuple:\n"
 "build_plan also accepts a plain tuple of these seven fields, or of\n"
 "eight with backward_bytes (an attribute of LayerStats, not in the\n"
-"tuple) last.");
+"tuple) last.  Two more fields, given by name in dict, describe the\n"
+"layer run selective: selective_saved_bytes and selective_flops (both or\n"
+"neither).");
 /* clang-format on */
 
 static PyStructSequence_Desc layer_stats_desc = {
@@ -202,28 +212,117 @@ parse_backward(PyObject *item, Py_ssize_t index, int64_t *out)
 }
 
 static int
-parse_flops(PyObject *item, Py_ssize_t index, double *out)
+parse_flops_value(PyObject *v, Py_ssize_t index, int f, double *out)
 {
-    PyObject *v = PyTuple_GET_ITEM(item, F_FLOPS);
     double x = PyFloat_AsDouble(v);
     if (x == -1.0 && PyErr_Occurred()) {
         if (PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();
             PyErr_Format(PyExc_TypeError,
-                         "layers[%zd].flops must be a number, got %.200s",
-                         index, Py_TYPE(v)->tp_name);
+                         "layers[%zd].%s must be a number, got %.200s", index,
+                         fields[f].name, Py_TYPE(v)->tp_name);
         }
         return -1;
     }
     if (!isfinite(x) || x < 0.0) {
         PyErr_Format(PyExc_ValueError,
-                     "layers[%zd].flops must be a finite number >= 0 (not inf "
+                     "layers[%zd].%s must be a finite number >= 0 (not inf "
                      "or nan), got %R",
-                     index, v);
+                     index, fields[f].name, v);
         return -1;
     }
     *out = x;
     return 0;
+}
+
+static int
+parse_flops(PyObject *item, Py_ssize_t index, double *out)
+{
+    return parse_flops_value(PyTuple_GET_ITEM(item, F_FLOPS), index, F_FLOPS,
+                             out);
+}
+
+/* A field past the tuple (F_SEL_*), by name: a new reference, or None
+   (new) when the item has no such field (a plain tuple) or it is None;
+   NULL with an error otherwise. */
+static PyObject *
+named_field(PyObject *item, int f)
+{
+    PyObject *v = PyObject_GetAttrString(item, fields[f].name);
+    if (v == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            return NULL;
+        }
+        PyErr_Clear();
+        return Py_NewRef(Py_None);
+    }
+    return v;
+}
+
+/* The selective profile of a layer, when it has one (both fields given):
+   out->flags gets MS_LAYER_SELECTIVE.  0, or -1 with an error naming the
+   layer and the field. */
+static int
+parse_selective(PyObject *item, Py_ssize_t index, ms_layer *out)
+{
+    PyObject *saved = named_field(item, F_SEL_SAVED);
+    if (saved == NULL) {
+        return -1;
+    }
+    PyObject *flops = named_field(item, F_SEL_FLOPS);
+    if (flops == NULL) {
+        Py_DECREF(saved);
+        return -1;
+    }
+    int rc = 0;
+    if (saved == Py_None && flops == Py_None) {
+        goto done; /* no selective profile */
+    }
+    if (saved == Py_None || flops == Py_None) {
+        int missing = saved == Py_None ? F_SEL_SAVED : F_SEL_FLOPS;
+        int given = saved == Py_None ? F_SEL_FLOPS : F_SEL_SAVED;
+        PyErr_Format(PyExc_ValueError,
+                     "layers[%zd] has %s but no %s: a selective profile "
+                     "needs both (or neither)",
+                     index, fields[given].name, fields[missing].name);
+        rc = -1;
+        goto done;
+    }
+    long long x = PyLong_AsLongLong(saved);
+    if (x == -1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            x = LLONG_MAX;
+        }
+        else {
+            if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError,
+                             "layers[%zd].selective_saved_bytes must be an "
+                             "int, got %.200s",
+                             index, Py_TYPE(saved)->tp_name);
+            }
+            rc = -1;
+            goto done;
+        }
+    }
+    if (x < 0 || x > MS_MAX_BYTES) {
+        PyErr_Format(PyExc_ValueError,
+                     "layers[%zd].selective_saved_bytes must be >= 0 and <= "
+                     "2**50 bytes, got %R",
+                     index, saved);
+        rc = -1;
+        goto done;
+    }
+    out->sel_saved_bytes = x;
+    rc = parse_flops_value(flops, index, F_SEL_FLOPS, &out->sel_flops);
+    if (rc == 0) {
+        out->flags |= MS_LAYER_SELECTIVE;
+    }
+done:
+    Py_DECREF(saved);
+    Py_DECREF(flops);
+    return rc;
 }
 
 int
@@ -239,14 +338,14 @@ ms_layer_stats_parse(PyObject *item, Py_ssize_t index, PyObject **name,
         return -1;
     }
     if (PyTuple_GET_SIZE(item) != N_FIELDS
-        && PyTuple_GET_SIZE(item) != N_ALL_FIELDS)
+        && PyTuple_GET_SIZE(item) != N_FIELDS + 1)
     {
         PyErr_Format(PyExc_TypeError,
                      "layers[%zd] has %zd fields; a layer has %d: (name, "
                      "kind, param_bytes, saved_bytes, input_bytes, flops, "
                      "flags), or %d with backward_bytes last",
                      index, PyTuple_GET_SIZE(item), (int)N_FIELDS,
-                     (int)N_ALL_FIELDS);
+                     (int)N_FIELDS + 1);
         return -1;
     }
     long long flags;
@@ -270,5 +369,7 @@ ms_layer_stats_parse(PyObject *item, Py_ssize_t index, PyObject **name,
         return -1;
     }
     out->flags = (unsigned)flags;
-    return 0;
+    out->sel_saved_bytes = 0;
+    out->sel_flops = 0.0;
+    return parse_selective(item, index, out);
 }

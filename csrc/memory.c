@@ -10,6 +10,16 @@ ms_mem_terms_of(const ms_layer *L, size_t n, const ms_solver_choice *c,
     int64_t held = 0, worst = 0;
     size_t worst_at = n;
     for (size_t i = 0; i < n;) {
+        if (c[i].seg_start < 0 && c[i].selective) {
+            int64_t at = ms_add_sat(held, ms_mem_selective_backward(&L[i]));
+            if (at > worst) {
+                worst = at;
+                worst_at = i;
+            }
+            held = ms_add_sat(held, ms_mem_selective_held(&L[i]));
+            i++;
+            continue;
+        }
         if (c[i].seg_start < 0) {
             held = ms_add_sat(held, ms_mem_saved(&L[i]));
             i++;

@@ -11,7 +11,11 @@
  * share of them for a tiled single layer) and the largest backward term
  * of its layers (what a layer's recompute and backward need beyond its
  * saved tensors: gradients in flight, temporaries; measured per layer by
- * the OOM predictor, 0 when not measured):
+ * the OOM predictor, 0 when not measured).  A selective layer (kept as a
+ * unit, ms_solver_choice.selective) holds its input and the outputs of its
+ * costly ops; at its backward the cheap ones are recomputed, so it then
+ * holds ms_mem_selective_backward (a recompute term like a segment's,
+ * without a measured backward term):
  *
  *     end       = sum over units of what they hold
  *     recompute = max over segments (held before it + its transient)
@@ -90,6 +94,26 @@ static inline int64_t
 ms_mem_tile_share(const ms_layer *layer, int tiles)
 {
     return ms_ceil_div(ms_nonneg(layer->saved_bytes), tiles);
+}
+
+/* What a selective layer holds until backward: its input and the outputs
+   of the ops it keeps. */
+static inline int64_t
+ms_mem_selective_held(const ms_layer *layer)
+{
+    return ms_add_sat(ms_nonneg(layer->input_bytes),
+                      ms_nonneg(layer->sel_saved_bytes));
+}
+
+/* What is alive for a selective layer at its backward: what it holds and
+   the cheap outputs recomputed (its saved tensors, the input among them),
+   whichever is more. */
+static inline int64_t
+ms_mem_selective_backward(const ms_layer *layer)
+{
+    int64_t held = ms_mem_selective_held(layer);
+    int64_t saved = ms_mem_saved(layer);
+    return held > saved ? held : saved;
 }
 
 /* The terms of a plan given as a choice vector (ms_solver_choice: kept,

@@ -317,6 +317,8 @@ module_exec(PyObject *module)
                < 0
         || PyModule_AddIntConstant(module, "TECH_OFFLOAD", MS_TECH_OFFLOAD) < 0
         || PyModule_AddIntConstant(module, "TECH_TILING", MS_TECH_TILING) < 0
+        || PyModule_AddIntConstant(module, "TECH_SELECTIVE", MS_TECH_SELECTIVE)
+               < 0
         || PyModule_AddIntConstant(module, "LAYER_TILEABLE", MS_LAYER_TILEABLE)
                < 0
         || PyModule_AddIntConstant(module, "LAYER_UNREPEATABLE",

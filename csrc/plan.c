@@ -63,7 +63,8 @@ typedef struct {
     unsigned allowed;
 } Plan;
 
-static const char *const tech_names[] = {"checkpoint", "offload", "tiling"};
+static const char *const tech_names[] = {"checkpoint", "offload", "tiling",
+                                         "selective"};
 #define N_TECH (sizeof(tech_names) / sizeof(tech_names[0]))
 
 /* ---- LayerPlan ---------------------------------------------------- */
@@ -644,7 +645,8 @@ error:
     return NULL;
 }
 
-#define MS_KNOWN_TECH (MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING)
+#define MS_KNOWN_TECH                                                         \
+    (MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING | MS_TECH_SELECTIVE)
 
 static int
 check_bytes(const char *what, long long v)

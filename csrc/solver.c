@@ -13,8 +13,15 @@
  * (ms_mem_saved, ms_mem_stored, ms_mem_tile_share) one unit at a time;
  * every plan it returns is measured again whole by ms_mem_terms_of.
  *
+ * A kept layer may also run selective (MS_LAYER_SELECTIVE layers, when
+ * MS_TECH_SELECTIVE is allowed): it then holds its input and the outputs
+ * of its costly ops, and its backward holds ms_mem_selective_backward
+ * (memory.h), a recompute term checked against the budget like a
+ * segment's.
+ *
  * Overhead, in seconds: each checkpointed layer is recomputed once (its
- * forward FLOPs / flop_rate); an offloaded input is written and read once
+ * forward FLOPs / flop_rate), a selective layer recomputes its cheap ops
+ * (sel_flops / flop_rate); an offloaded input is written and read once
  * at offload_bw (asynchronously, the write hides behind the layer's
  * forward and the read behind its backward, about twice the forward); a
  * layer in t tiles makes t - 1 more calls of tile_overhead each.
@@ -42,9 +49,11 @@
 #define SEGMENT_LEN_LIMIT 255
 
 /* Back-pointer of a state: prev_h (16 bits) | length (8; 0 = kept) |
-   code (8: bit 0 offloaded, bits 1-3 log2 of the tiles). */
+   code (8: bit 0 offloaded, bits 1-3 log2 of the tiles, bit 4 a kept
+   layer run selective). */
 typedef uint32_t back_t;
 #define BACK_NONE UINT32_MAX
+#define BACK_SELECTIVE 16
 
 static back_t
 back_pack(size_t prev_h, int len, int offload, int tiles_log2)
@@ -82,6 +91,19 @@ seconds(const ms_solver_problem *p, const ms_layer *l)
     return f / p->flop_rate;
 }
 
+static int
+can_select(const ms_solver_problem *p, const ms_layer *l)
+{
+    return (p->allowed & MS_TECH_SELECTIVE) && (l->flags & MS_LAYER_SELECTIVE)
+           && eligible(l);
+}
+
+static double
+sel_flops(const ms_layer *l)
+{
+    return l->sel_flops > 0.0 && isfinite(l->sel_flops) ? l->sel_flops : 0.0;
+}
+
 double
 ms_solver_offload_seconds(const ms_solver_problem *p, const ms_layer *l)
 {
@@ -100,12 +122,14 @@ ms_solver_check(const ms_solver_problem *p, const ms_layer *L, size_t n,
     for (size_t i = 0; i < n; i++) {
         int s = c[i].seg_start;
         if (s < 0) {
-            if (c[i].offload || c[i].tiles != 1) {
+            if (c[i].offload || c[i].tiles != 1
+                || (c[i].selective && !can_select(p, &L[i])))
+            {
                 return -1;
             }
             continue;
         }
-        if ((size_t)s > i || !eligible(&L[i])
+        if (c[i].selective || (size_t)s > i || !eligible(&L[i])
             || !(p->allowed & MS_TECH_CHECKPOINT))
         {
             return -1;
@@ -160,6 +184,10 @@ ms_solver_overhead(const ms_solver_problem *p, const ms_layer *L, size_t n,
     double total = 0.0, flops = 0.0;
     for (size_t i = 0; i < n; i++) {
         if (c[i].seg_start < 0) {
+            if (c[i].selective) {
+                total += sel_flops(&L[i]) / p->flop_rate;
+                flops += sel_flops(&L[i]);
+            }
             continue;
         }
         total += seconds(p, &L[i]);
@@ -187,6 +215,7 @@ keep_all(ms_solver_choice *out, size_t n)
         out[i].seg_start = -1;
         out[i].offload = 0;
         out[i].tiles = 1;
+        out[i].selective = 0;
     }
 }
 
@@ -374,6 +403,8 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
         if (i == n) {
             break;
         }
+        int ok_sel = can_select(p, &L[i]);
+        double sel_cost = ok_sel ? sel_flops(&L[i]) / p->flop_rate : 0.0;
         int ok_ckpt = ckpt && eligible(&L[i]);
         int ok_off = ok_ckpt && can_offload(p, &L[i]);
         int ok_tile = ok_ckpt && can_tile(p, &L[i]);
@@ -404,6 +435,23 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                     next[hk] = v;
                     next_held[hk] = hk_bytes;
                     back[(i + 1) * width + hk] = back_pack(h, 0, 0, 0);
+                }
+            }
+            /* Selective: holds its input and its costly ops' outputs; its
+               backward must fit the recompute budget. */
+            if (ok_sel && ms_mem_selective_backward(&L[i]) <= room) {
+                int64_t hs_bytes = ms_add_sat(held,
+                                              ms_mem_selective_held(&L[i]));
+                double cs = v + sel_cost;
+                size_t hs = (size_t)(hs_bytes / bucket);
+                if (hs_bytes <= BE
+                    && (cs < next[hs]
+                        || (cs == next[hs] && hs_bytes < next_held[hs])))
+                {
+                    next[hs] = cs;
+                    next_held[hs] = hs_bytes;
+                    back[(i + 1) * width + hs] = back_pack(h, 0, 0, 0)
+                                                 | BACK_SELECTIVE;
                 }
             }
             if (!ok_ckpt) {
@@ -498,6 +546,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             int code = (int)(b & 0xff);
             if (len == 0) {
                 i -= 1; /* kept: out[i] already says so */
+                out[i].selective = (code & BACK_SELECTIVE) != 0;
             }
             else {
                 size_t start = i - (size_t)len;
@@ -505,7 +554,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                     out[k].seg_start = (int)start;
                 }
                 out[start].offload = code & 1;
-                out[start].tiles = 1 << (code >> 1);
+                out[start].tiles = 1 << (code >> 1 & 7);
                 i = start;
             }
             h = prev_h;

@@ -29,6 +29,7 @@ typedef struct {
     int offload;   /* the segment's stored input is offloaded (first layer) */
     int tiles;     /* 1, or a power of two up to MS_MAX_TILES (a one-layer
                       segment) */
+    int selective; /* kept (seg_start -1) as a selective layer */
 } ms_solver_choice;
 
 typedef struct {

@@ -16,6 +16,10 @@ instead:
   dynamo turns into its checkpoint higher-order op: the region is in the
   compiled graph, and AOT autograd's partitioner saves its inputs and
   recomputes the rest in backward, as the eager frame does;
+* a unit the plan runs ``selective`` (``memscale._selective``) runs its
+  forward through torch's selective checkpointing in eager mode; compiled,
+  it is a checkpoint region (listed as a fallback: dynamo would trace the
+  op policy, which reads each op's FLOPs);
 * what the region carries is read from a :class:`_Regions` object, plain
   Python that dynamo guards on: a new plan (or ``detach``, which puts the
   forwards back) makes the compiled code recompile;
@@ -37,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import _copying
+from . import _copying, _selective
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,11 @@ SEGMENT = (
     "compiled, each of its {n} layers is a checkpoint region of its own, and "
     "the {k} activations between them are kept"
 )
+SELECTIVE = (
+    "selective checkpointing picks the ops to keep at run time, op by op, "
+    "which a compiled graph does not do; compiled, the layer is a "
+    "checkpoint region and AOT autograd's partitioner chooses what it keeps"
+)
 MIXED_PRECISION = (
     "mixed precision enters autocast in the model's forward pre-hook and "
     "leaves it in its forward hook, which dynamo cannot trace; compiled, the "
@@ -70,7 +79,8 @@ MIXED_PRECISION = (
 class CompileFallback(NamedTuple):
     """A part of the plan that is not applied under ``torch.compile``:
     ``layer`` (a unit's name, or ``""`` for the whole model), the
-    ``technique`` ("offload", "tiling", "segment" or "mixed_precision") and
+    ``technique`` ("offload", "tiling", "segment", "selective" or
+    "mixed_precision") and
     why, with what runs instead (``reason``)."""
 
     layer: str
@@ -95,6 +105,8 @@ def fallbacks(plan: Any, mixed_precision: bool = False) -> tuple[CompileFallback
     seen_segments: set[int] = set()
     for layer in layers:
         techniques = set(layer.techniques)
+        if "selective" in techniques:
+            found.append(CompileFallback(layer.name, "selective", SELECTIVE))
         if "checkpoint" not in techniques:
             continue
         if "offload" in techniques:
@@ -138,17 +150,21 @@ def _announce(key: int) -> bool:
 class _Regions:
     """What the compiled path does, per unit index, for the current plan:
     ``checkpoint[i]`` whether unit ``i`` runs as a checkpoint region,
-    ``announce[i]`` the key of its log lines (0: none)."""
+    ``announce[i]`` the key of its log lines (0: none), ``selective[i]``
+    the threshold of a unit run selective (``_selective.threshold``), or
+    None."""
 
     def __init__(self, n: int) -> None:
         self.checkpoint: tuple[bool, ...] = (False,) * n
         self.announce: tuple[int, ...] = (0,) * n
+        self.selective: tuple[float | None, ...] = (None,) * n
 
 
 def _unit_forward(unit: nn.Module, index: int, own: Any, regions: _Regions) -> Any:
-    """The forward installed on a unit: its forward in eager mode, and in a
-    checkpoint region while dynamo traces it and the plan checkpoints the
-    unit (in training, with gradients on: what opens an eager frame).  Its
+    """The forward installed on a unit: its forward in eager mode (run
+    selective when the plan says so), and in a checkpoint region while
+    dynamo traces it and the plan checkpoints the unit or runs it
+    selective (in training, with gradients on: what opens an eager frame).  Its
     forward is ``own`` (the instance's own, set before wrap), or when None its
     class's, looked up at each call: a class patched after ``wrap`` is seen,
     as it would be without memscale."""
@@ -161,6 +177,10 @@ def _unit_forward(unit: nn.Module, index: int, own: Any, regions: _Regions) -> A
                 _announce(key)
             if regions.checkpoint[index] and unit.training and torch.is_grad_enabled():
                 return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+            return inner(*args, **kwargs)
+        limit = regions.selective[index]
+        if limit is not None and unit.training and torch.is_grad_enabled():
+            return _selective.run(inner, limit, args, kwargs)
         return inner(*args, **kwargs)
 
     return forward
@@ -216,6 +236,14 @@ def update(executor: Any, plan: Any) -> None:
             announce.append(0)
     regions.announce = tuple(announce)
     regions.checkpoint = tuple(
-        plan is not None and i < len(plan.layers) and "checkpoint" in plan.layers[i].techniques
+        plan is not None
+        and i < len(plan.layers)
+        and bool({"checkpoint", "selective"} & set(plan.layers[i].techniques))
+        for i in range(n)
+    )
+    regions.selective = tuple(
+        _selective.threshold(plan.layers[i].flops, plan.layers[i].saved_bytes)
+        if plan is not None and i < len(plan.layers) and "selective" in plan.layers[i].techniques
+        else None
         for i in range(n)
     )

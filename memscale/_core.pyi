@@ -17,6 +17,7 @@ ABI: str
 TECH_CHECKPOINT: int
 TECH_OFFLOAD: int
 TECH_TILING: int
+TECH_SELECTIVE: int
 LAYER_TILEABLE: int
 LAYER_UNREPEATABLE: int
 MAX_TILES: int
@@ -51,6 +52,11 @@ class LayerStats(structseq[Any], tuple[str, str, int, int, int, float, int]):
     def flops(self) -> float: ...
     @property
     def flags(self) -> int: ...
+    # By name only (not in the tuple): the layer run selective.
+    @property
+    def selective_saved_bytes(self) -> int | None: ...
+    @property
+    def selective_flops(self) -> float | None: ...
 
 # What build_plan accepts per layer: a LayerStats or a plain tuple of its
 # fields.

@@ -31,7 +31,7 @@ from . import _core, _model, _planning, policy, predictor
 from ._format import format_bytes
 from ._hardware import Hardware
 from ._planning import Profile
-from ._solve import PlanProblem, solve
+from ._solve import PlanProblem, layer_stats, solve
 from .config import GIB, Config, OptimizationMode
 from .predictor import PeakPrediction, SavingsEstimate
 
@@ -88,10 +88,10 @@ def fallback_config(config: Config, fallback: bool | None) -> Config:
     )
 
 
-def _read_profile(profiler: Any, units: list[tuple[str, nn.Module]]) -> Profile:
+def _read_profile(profiler: Any, units: list[tuple[str, nn.Module]], ops: Any = None) -> Profile:
     """The simulation's warm-up forward, measured as static profiling
     measures one (the same profile, so the same plan as ``wrap``)."""
-    return _planning.profile_from(profiler, units, "static")
+    return _planning.profile_from(profiler, units, "static", ops=ops)
 
 
 def _verifiable(plan: Any, forced: Any) -> bool:
@@ -170,9 +170,10 @@ def calibrate(
     excess_of = _per_shape(layers, excess)
     common = min(excess_of.values()) if excess_of else 0
     new = tuple(
-        _core.LayerStats(
+        layer_stats(
             (x.name, x.kind, x.param_bytes, saved[i], stored[i], x.flops, x.flags),
-            {"backward_bytes": excess_of.get(_layer_key(x), common) - common},
+            x,
+            backward_bytes=excess_of.get(_layer_key(x), common) - common,
         )
         for i, x in enumerate(layers)
     )

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import _core, _costs, _distributed, _offload, _tiling, _torch_compat
+from . import _core, _costs, _distributed, _offload, _selective, _tiling, _torch_compat
 from ._hardware import Hardware
 from ._model import split_input, tensors_of
 from ._solve import OffloadInputs, PlanProblem, SolverInputs
@@ -30,12 +30,13 @@ logger = logging.getLogger(__name__)
 
 # Techniques the executor can carry out in this release.  A technique a mode
 # or Config asks for beyond these is reported (never silently dropped).
-IMPLEMENTED = _core.TECH_CHECKPOINT | _core.TECH_OFFLOAD | _core.TECH_TILING
+IMPLEMENTED = _core.TECH_CHECKPOINT | _core.TECH_OFFLOAD | _core.TECH_TILING | _core.TECH_SELECTIVE
 
 TECHNIQUE_BITS = {
     "checkpoint": _core.TECH_CHECKPOINT,
     "offload": _core.TECH_OFFLOAD,
     "tiling": _core.TECH_TILING,
+    "selective": _core.TECH_SELECTIVE,
 }
 
 
@@ -69,21 +70,29 @@ def _preserved_state(model: torch.nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def _measure(units: list[tuple[str, torch.nn.Module]], params: list[torch.Tensor], run: Any) -> Any:
-    profiler = _core.Profiler([m for _, m in units], params, FlopCounterMode(display=False))
+def _measure(
+    units: list[tuple[str, torch.nn.Module]], params: list[torch.Tensor], run: Any
+) -> tuple[Any, Any]:
+    """The C profiler's measurement of ``run()`` and the ops each unit ran
+    (``_selective.OpRecorder``, or None)."""
+    modules = [m for _, m in units]
+    profiler = _core.Profiler(modules, params, FlopCounterMode(display=False))
     profiler.attach()
+    ops = _selective.recorder(modules)
     try:
         profiler.begin_pass()
         ok = False
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), ops if ops is not None else contextlib.nullcontext():
                 run()
             ok = True
         finally:
             profiler.end_pass(ok=ok)
     finally:
         profiler.detach()
-    return profiler
+        if ops is not None:
+            ops.close()
+    return profiler, ops
 
 
 def _profile_static(model, units, args, kwargs):
@@ -268,12 +277,12 @@ def profile_upfront(
     for name, fn in methods:
         try:
             with _preserved_state(model):
-                profiler = fn(model, units, args, kwargs)
+                profiler, ops = fn(model, units, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - reported below
             logger.info("memscale: %s profiling failed: %s: %s", name, type(exc).__name__, exc)
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             continue
-        return profile_from(profiler, units, name)
+        return profile_from(profiler, units, name, ops=ops)
     raise RuntimeError(
         "memscale could not profile the model with sample_input ("
         + "; ".join(errors)
@@ -289,29 +298,42 @@ def profile_from(
     units: list[tuple[str, torch.nn.Module]],
     method: str,
     tile_flags: list[int] | None = None,
+    ops: Any = None,
 ) -> Profile:
     """The profile ``profiler`` measured; ``tile_flags``: each unit's
     tiling flag, when not to be read off the units now (memscale's own
-    hooks on them, while a plan is applied, make none a candidate)."""
+    hooks on them, while a plan is applied, make none a candidate); with
+    ``ops`` (an ``_selective.OpRecorder`` of the same pass) each layer's
+    selective profile too."""
     layers = []
     details = []
     if tile_flags is None:
         tile_flags = _tiling.layer_flags(units)
-    for (name, module), r, tile_flag in zip(units, profiler.results(), tile_flags):
+    for i, ((name, module), r, tile_flag) in enumerate(
+        zip(units, profiler.results(), tile_flags)
+    ):
         kind = type(module).__name__
-        layers.append(
-            _core.LayerStats(
-                (
-                    name,
-                    kind,
-                    r["param_bytes"],
-                    r["saved_bytes"],
-                    r["input_bytes"],
-                    float(r["flops"]),
-                    r["flags"] | tile_flag,
-                )
-            )
+        fields = (
+            name,
+            kind,
+            r["param_bytes"],
+            r["saved_bytes"],
+            r["input_bytes"],
+            float(r["flops"]),
+            r["flags"] | tile_flag,
         )
+        found = (
+            _selective.layer_profile(ops.ops[i], float(r["flops"]), r["saved_bytes"])
+            if ops is not None
+            else None
+        )
+        if found is None:
+            layers.append(_core.LayerStats(fields))
+        else:
+            kept, cost = found
+            layers.append(
+                _core.LayerStats(fields, {"selective_saved_bytes": kept, "selective_flops": cost})
+            )
         details.append({"name": name, "kind": kind, **r})
     return Profile(
         tuple(layers),
@@ -444,6 +466,11 @@ def allowed_techniques(config: Config) -> int:
         wanted |= _core.TECH_OFFLOAD
     if config.enable_tiling or config.mode is OptimizationMode.AGGRESSIVE:
         wanted |= _core.TECH_TILING
+    if config.enable_checkpointing and config.mode is not OptimizationMode.CONSERVATIVE:
+        # Selective checkpointing inside a layer (memscale._selective): in
+        # BALANCED and AGGRESSIVE; CONSERVATIVE checkpoints whole layers,
+        # as the frameworks' own gradient checkpointing does.
+        wanted |= _core.TECH_SELECTIVE
     if wanted & _core.TECH_OFFLOAD and not wanted & _core.TECH_CHECKPOINT:
         # Offload moves checkpointed layers' inputs: without checkpointing
         # there is nothing for it to move.

@@ -78,7 +78,7 @@ class PlanProblem:
         chosen = set(indices)
         return self.replace(
             layers=tuple(
-                _core.LayerStats((*layer[:6], layer.flags | flags)) if i in chosen else layer
+                layer_stats((*layer[:6], layer.flags | flags), layer) if i in chosen else layer
                 for i, layer in enumerate(self.layers)
             )
         )
@@ -88,7 +88,7 @@ class PlanProblem:
         input bytes, the step's activation bytes) times ``factor``."""
         return self.replace(
             layers=tuple(
-                _core.LayerStats(
+                layer_stats(
                     (
                         layer.name,
                         layer.kind,
@@ -97,12 +97,36 @@ class PlanProblem:
                         int(layer.input_bytes * factor),
                         layer.flops,
                         layer.flags,
-                    )
+                    ),
+                    layer,
+                    factor,
                 )
                 for layer in self.layers
             ),
             activation_bytes=int(self.activation_bytes * factor),
         )
+
+
+def layer_stats(
+    fields: tuple[Any, ...],
+    like: _core.LayerStats | None = None,
+    factor: float = 1.0,
+    *,
+    backward_bytes: int | None = None,
+) -> _core.LayerStats:
+    """A ``LayerStats`` of the seven tuple ``fields``, with the fields
+    ``like`` has by name only: its selective profile and its per-layer
+    ``backward_bytes`` (bytes times ``factor``); ``backward_bytes`` given
+    here replaces the latter."""
+    named: dict[str, Any] = {}
+    if like is not None and like.selective_saved_bytes is not None:
+        named["selective_saved_bytes"] = int(like.selective_saved_bytes * factor)
+        named["selective_flops"] = like.selective_flops
+    if backward_bytes is None and like is not None and like.backward_bytes is not None:
+        backward_bytes = int(like.backward_bytes * factor)
+    if backward_bytes is not None:
+        named["backward_bytes"] = backward_bytes
+    return _core.LayerStats(fields, named) if named else _core.LayerStats(fields)
 
 
 def _keywords(problem: PlanProblem) -> dict[str, Any]:

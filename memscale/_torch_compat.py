@@ -350,3 +350,40 @@ def compiled_inner(target: Any) -> Any:
         return None
     inner = target.__dict__.get("_modules", {}).get("_orig_mod")
     return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def op_writes_new(func: Any) -> bool:
+    """Whether the aten operator ``func`` writes new tensors: no output
+    aliases an input (views and in-place ops own no memory of their
+    own).  Reads its private ``_schema``; False for an operator without
+    one (a higher-order operator)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    return all(ret.alias_info is None for ret in schema.returns)
+
+
+def op_packet(func: Any) -> Any:
+    """The overload packet of the aten operator ``func`` (the key of
+    ``torch.utils.flop_counter.flop_registry``; its private
+    ``_overloadpacket``; None for an operator without one)."""
+    return getattr(func, "_overloadpacket", None)
+
+
+def op_written_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The arguments the aten operator ``func`` writes in place (its
+    schema marks them ``Tensor(a!)``), from ``args`` and ``kwargs``; none
+    for an operator without a schema.  Reads its private ``_schema``."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        if i < len(args):
+            written.append(args[i])
+        elif arg.name in kwargs:
+            written.append(kwargs[arg.name])
+    return written

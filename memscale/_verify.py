@@ -60,6 +60,7 @@ __all__ = ["TOLERANCES", "VerificationError", "attach"]
 TOLERANCES: dict[str, tuple[float, float]] = {
     "checkpoint": (0.0, 0.0),
     "offload": (0.0, 0.0),
+    "selective": (0.0, 0.0),
     "tiling": (1e-5, 1e-4),
     "mixed_precision": (1e-3, 1e-2),
 }

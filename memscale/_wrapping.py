@@ -157,9 +157,11 @@ def _after_plan(
     is checked at its first checkpointed forward (``_recompute_check``;
     ``problem``, the plan's, is solved again without a layer that
     fails)."""
-    if not plan.technique_counts["checkpoint"]:
+    counts = plan.technique_counts
+    if not (counts["checkpoint"] or counts["selective"]):
         return
-    _recompute_check.install(executor, model, plan, problem)
+    if counts["checkpoint"]:
+        _recompute_check.install(executor, model, plan, problem)
     changed, undo = _hf_cache.disable_use_cache(model)
     if changed:
 

@@ -4,8 +4,9 @@ entry point (``memscale._solve.solve``, which calls
 the Plan object).
 
 Transformer-like chains: layers of 20 to 28 MiB saved and 2 MiB input,
-8e9 to 1.2e10 forward FLOPs each, every one a tiling candidate; the budget
-is the fixed bytes plus 20, 40, 60 or 80% of the activations; all
+8e9 to 1.2e10 forward FLOPs each, every one a tiling candidate with a
+selective profile (6 to 10 MiB kept, 2e7 to 4e7 FLOPs recomputed); the
+budget is the fixed bytes plus 20, 40, 60 or 80% of the activations; all
 techniques allowed (AGGRESSIVE), CPU cost constants.  Median of 5 runs.
 
     .venv/bin/python scripts/solver_bench.py
@@ -35,7 +36,11 @@ def chain(n: int, seed: int) -> tuple[_core.LayerStats, ...]:
                 2 << 20,
                 rng.randint(8, 12) * 1e9,
                 _core.LAYER_TILEABLE,
-            )
+            ),
+            {
+                "selective_saved_bytes": rng.randint(6, 10) << 20,
+                "selective_flops": rng.randint(2, 4) * 1e7,
+            },
         )
         for i in range(n)
     )
@@ -46,9 +51,9 @@ def main() -> None:
     config = Config(mode="aggressive", async_offload=True)
     print(
         "| layers | budget (% of activations) | solve time (median of 5) | plan fits "
-        "| segments | predicted slowdown |"
+        "| segments | selective | predicted slowdown |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for n in (1_000, 10_000):
         layers = chain(n, seed=n)
         acts = sum(layer.saved_bytes for layer in layers)
@@ -60,7 +65,7 @@ def main() -> None:
             problem = PlanProblem(
                 layers=layers,
                 mode="aggressive",
-                allowed=7,
+                allowed=_planning.IMPLEMENTED,
                 force=False,
                 budget_bytes=fixed + int(frac * acts),
                 fixed_bytes=fixed,
@@ -81,7 +86,8 @@ def main() -> None:
             segments = len({lp.segment for lp in plan.layers if lp.segment >= 0})
             print(
                 f"| {n:,} | {frac:.0%} | {statistics.median(times) * 1e3:.1f} ms | "
-                f"{plan.fits} | {segments} | {plan.predicted_slowdown:.3f}x |"
+                f"{plan.fits} | {segments} | {plan.technique_counts['selective']} | "
+                f"{plan.predicted_slowdown:.3f}x |"
             )
 
 

@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import pathlib
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -487,9 +488,10 @@ def test_layer_stats_is_a_named_tuple_of_the_seven_figures():
     stats = _core.LayerStats(("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE))
     assert isinstance(stats, tuple) and len(stats) == 7
     assert _core.LayerStats.n_sequence_fields == 7
-    # The eighth, backward_bytes (the per-layer calibration), is an
-    # attribute, not in the tuple.
-    assert _core.LayerStats.n_fields == 8 and stats.backward_bytes is None
+    # Three more by name only, not in the tuple: backward_bytes (the
+    # per-layer calibration) and the selective profile (None without).
+    assert _core.LayerStats.n_fields == 10 and stats.backward_bytes is None
+    assert stats.selective_saved_bytes is None and stats.selective_flops is None
     assert _core.LayerStats.__match_args__ == LAYER_FIELDS
     assert tuple(getattr(stats, f) for f in LAYER_FIELDS) == tuple(stats)
     assert stats == ("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE)
@@ -502,6 +504,54 @@ def test_layer_stats_is_a_named_tuple_of_the_seven_figures():
         stats.saved_bytes = 5  # type: ignore[misc]
     with pytest.raises(TypeError):
         _core.LayerStats(("h.0", "Block", 8))  # a LayerStats has 7 fields
+
+
+def test_layer_stats_selective_profile_by_name():
+    row = ("h.0", "Block", 8, 100, 10, 2.5, 0)
+    stats = _core.LayerStats(row, {"selective_saved_bytes": 30, "selective_flops": 0.5})
+    assert stats == row and len(stats) == 7
+    assert stats.selective_saved_bytes == 30 and stats.selective_flops == 0.5
+    for field in ("selective_saved_bytes", "selective_flops"):
+        assert getattr(_core.LayerStats, field).__doc__, field
+    again = pickle.loads(pickle.dumps(stats))
+    assert again.selective_saved_bytes == 30 and again.selective_flops == 0.5
+    kw = dict(
+        mode="balanced",
+        allowed=_core.TECH_CHECKPOINT | _core.TECH_SELECTIVE,
+        force=False,
+        budget_bytes=10**9,
+        fixed_bytes=0,
+        activation_bytes=100,
+        total_flops=2.5,
+        device="cpu",
+        device_count=1,
+        capacity_bytes=10**9,
+    )
+    # With the profile, without it (a plain tuple, a LayerStats of seven
+    # fields): both plan.
+    for layers in ([stats], [row], [_core.LayerStats(row)]):
+        assert len(_core.build_plan(layers, **kw)) == 1
+    # Half a profile, or a bad one: errors naming the layer and the field.
+    with pytest.raises(
+        ValueError, match=r"layers\[0\] has selective_saved_bytes but no selective_flops"
+    ):
+        _core.build_plan([_core.LayerStats(row, {"selective_saved_bytes": 3})], **kw)
+    with pytest.raises(
+        ValueError, match=r"layers\[0\] has selective_flops but no selective_saved_bytes"
+    ):
+        _core.build_plan([_core.LayerStats(row, {"selective_flops": 3.0})], **kw)
+    bad = _core.LayerStats(row, {"selective_saved_bytes": -1, "selective_flops": 0.0})
+    with pytest.raises(ValueError, match=r"layers\[0\].selective_saved_bytes must be >= 0"):
+        _core.build_plan([bad], **kw)
+    bad = _core.LayerStats(row, {"selective_saved_bytes": 1, "selective_flops": float("nan")})
+    with pytest.raises(ValueError, match=r"layers\[0\].selective_flops must be a finite"):
+        _core.build_plan([bad], **kw)
+    bad = _core.LayerStats(row, {"selective_saved_bytes": "x", "selective_flops": 1.0})
+    with pytest.raises(TypeError, match=r"layers\[0\].selective_saved_bytes must be an int"):
+        _core.build_plan([bad], **kw)
+    # The flag is the parser's, never the caller's.
+    with pytest.raises(ValueError, match="unknown bits"):
+        _core.build_plan([("h.0", "Block", 8, 100, 10, 2.5, 16)], **kw)
 
 
 def test_layer_stats_pickles_by_name():

@@ -35,7 +35,9 @@ def ids(n: int = BATCH) -> torch.Tensor:
 
 
 # A budget under the unoptimized step (about 14 MiB) that a plan reaches.
-BUDGET = memscale.Config(memory_budget_gb=10 / 1024, enable_logging=False)
+# CONSERVATIVE: whole layers checkpointed, whose recomputes the executor
+# counts (BALANCED would run them selective: tests/test_selective.py).
+BUDGET = memscale.Config(memory_budget_gb=10 / 1024, mode="conservative", enable_logging=False)
 
 
 def first_step(model, x):

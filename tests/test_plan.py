@@ -59,7 +59,7 @@ LAYER_KEYS = [
     "input_bytes",
     "flops",
 ]
-TECHNIQUES = ["checkpoint", "offload", "tiling"]
+TECHNIQUES = ["checkpoint", "offload", "tiling", "selective"]
 MODES = ("conservative", "balanced", "aggressive")
 
 # (name, kind, param_bytes, saved_bytes, input_bytes, flops, flags)
@@ -273,7 +273,7 @@ def test_default_config_smart_skips_a_tiny_model():
     assert all(l.rule == "smart-skip" for l in plan.layers)
     assert all(l.techniques == () for l in plan.layers)
     assert plan.peak_projected_bytes == plan.peak_unoptimized_bytes
-    assert plan.technique_counts == {"checkpoint": 0, "offload": 0, "tiling": 0}
+    assert plan.technique_counts == {"checkpoint": 0, "offload": 0, "tiling": 0, "selective": 0}
     assert plan.recompute_ratio == 0.0
     assert stats["hooks"] == 2  # the two root hooks, no layer hooks
     assert plan.pressure < 1.0
@@ -285,7 +285,7 @@ def test_force_optimize_checkpoints_every_layer():
     assert all(l.rule == "force-all" for l in plan.layers)
     assert all(l.techniques == ("checkpoint",) for l in plan.layers)
     assert all(l.bytes_saved == l.saved_bytes - l.input_bytes > 0 for l in plan.layers)
-    assert plan.technique_counts == {"checkpoint": 4, "offload": 0, "tiling": 0}
+    assert plan.technique_counts == {"checkpoint": 4, "offload": 0, "tiling": 0, "selective": 0}
     assert plan.recompute_ratio == 1.0  # the units are the whole forward
     assert plan.peak_projected_bytes < plan.peak_unoptimized_bytes
     assert stats["hooks"] == 2 + 2 * 4
@@ -389,7 +389,11 @@ def test_budget_between_peaks_checkpoints_some_layers():
     assert all_ckpt < unopt
     budget = (all_ckpt + unopt) // 2
     model = mlp_stack()
-    memscale.wrap(model, quiet(memory_budget_gb=budget / GIB), sample_input=big)
+    # Whole-layer checkpointing, against the greedy rule of the same model
+    # (selective layers, BALANCED's, are tests/test_selective.py's).
+    memscale.wrap(
+        model, quiet(memory_budget_gb=budget / GIB, mode="conservative"), sample_input=big
+    )
     plan, stats = model._memscale_executor.plan, model._memscale_executor.stats
     memscale.detach(model)
     assert plan.budget_bytes == budget
@@ -458,7 +462,7 @@ def test_technique_counts():
     plan = build(budget_bytes=1)
     counts = plan.technique_counts
     assert list(counts) == TECHNIQUES
-    assert counts == {"checkpoint": 3, "offload": 0, "tiling": 0}
+    assert counts == {"checkpoint": 3, "offload": 0, "tiling": 0, "selective": 0}
     counts["checkpoint"] = 99
     assert plan.technique_counts["checkpoint"] == 3  # a new dict each time
     assert plan.technique_counts is not plan.technique_counts
@@ -466,6 +470,7 @@ def test_technique_counts():
         "checkpoint": 0,
         "offload": 0,
         "tiling": 0,
+        "selective": 0,
     }
 
 
@@ -482,7 +487,12 @@ def test_sequence_protocol_and_repr():
 
 
 def test_allowed_lists_techniques_in_order():
-    plan = build(allowed=_core.TECH_TILING | _core.TECH_CHECKPOINT | _core.TECH_OFFLOAD)
+    plan = build(
+        allowed=_core.TECH_SELECTIVE
+        | _core.TECH_TILING
+        | _core.TECH_CHECKPOINT
+        | _core.TECH_OFFLOAD
+    )
     assert json.loads(plan.to_json())["allowed"] == TECHNIQUES
 
 

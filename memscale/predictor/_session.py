@@ -11,7 +11,16 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .. import _core, _hf_cache, _model, _recompute_check, _step_in_backward, _verify
+from .. import (
+    _compiled,
+    _core,
+    _hf_cache,
+    _model,
+    _recompute_check,
+    _selective,
+    _step_in_backward,
+    _verify,
+)
 from .._executor import Executor
 from .._hardware import Hardware
 from .._offload import SimulatedTier, async_settings
@@ -38,7 +47,7 @@ class _Simulation:
         loss_fn: Callable[[Any], Any] | None,
         device: torch.device,
         target_type: str,
-        read_profile: Callable[[Any, list[tuple[str, nn.Module]]], Any],
+        read_profile: Callable[[Any, list[tuple[str, nn.Module]], Any], Any],
         floor: _model.Floor = _model.NO_FLOOR,
     ) -> None:
         self.model = model
@@ -115,7 +124,8 @@ class _Simulation:
 
         class _Pass:
             def __enter__(self_inner) -> Any:
-                prof = _core.Profiler([m for _, m in units], params, FlopCounterMode(display=False))
+                modules = [m for _, m in units]
+                prof = _core.Profiler(modules, params, FlopCounterMode(display=False))
                 prof.attach()
                 holder["profiler"] = prof
                 try:
@@ -123,17 +133,29 @@ class _Simulation:
                 except BaseException:
                     prof.detach()
                     raise
+                # The ops of each unit, for its selective profile: the
+                # same recording as wrap()'s static profiling.
+                ops = _selective.recorder(modules)
+                if ops is not None:
+                    ops.__enter__()
+                holder["ops"] = ops
                 return prof
 
             def __exit__(self_inner, exc_type: Any, *_: Any) -> None:
                 prof = holder["profiler"]
+                ops = holder.get("ops")
                 try:
-                    prof.end_pass(ok=exc_type is None)
+                    if ops is not None:
+                        ops.__exit__(None, None, None)
+                        ops.close()
                 finally:
-                    prof.detach()
+                    try:
+                        prof.end_pass(ok=exc_type is None)
+                    finally:
+                        prof.detach()
 
         profiler = self.step.warm_up(_Pass)
-        return self.read_profile(profiler, units)
+        return self.read_profile(profiler, units, holder.get("ops"))
 
     def __exit__(self, *exc: Any) -> None:
         in_backward = self.__dict__.pop("in_backward", None)
@@ -189,6 +211,10 @@ class _Simulation:
         executor = Executor(self.model, self.units, warmup_steps=config.warmup_steps)
         try:
             executor.init_python_state(config, hardware, "static")
+            if plan.technique_counts["selective"]:
+                # Selective layers run through their unit's forward, as
+                # wrap() installs it.
+                _compiled.install(executor, self.units)
             executor.apply(plan)
             if plan.technique_counts["offload"]:
                 settings = async_settings(config)
@@ -199,10 +225,10 @@ class _Simulation:
                         settings.prefetch_depth if config.async_offload else 0,
                     ),
                 )
-            if plan.technique_counts["checkpoint"]:
+            if plan.technique_counts["checkpoint"] or plan.technique_counts["selective"]:
                 undo_cache = _hf_cache.disable_use_cache(self.model)[1]
-                if first:  # as wrap() installs it
-                    _recompute_check.install(executor, self.model, plan, None)
+            if plan.technique_counts["checkpoint"] and first:  # as wrap() installs it
+                _recompute_check.install(executor, self.model, plan, None)
             chosen = [m for (_, m), layer in zip(self.units, plan.layers) if layer.techniques]
             return step.tracked(chosen, [m for _, m in self.units])
         finally:
@@ -232,7 +258,7 @@ class SimulationSession:
         sim_device: torch.device,
         *,
         loss_fn: Callable[[Any], Any] | None,
-        read_profile: Callable[[Any, list[tuple[str, nn.Module]]], Any],
+        read_profile: Callable[[Any, list[tuple[str, nn.Module]], Any], Any],
         floor: _model.Floor = _model.NO_FLOOR,
     ) -> None:
         self.model = model

@@ -360,9 +360,10 @@ test_names(void)
     CHECK(strcmp(ms_rule_name((ms_rule)1000), "unknown") == 0);
     CHECK(ms_mode_base_techniques(MS_MODE_CONSERVATIVE) == MS_TECH_CHECKPOINT);
     CHECK(ms_mode_base_techniques(MS_MODE_BALANCED)
-          == (MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD));
+          == (MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_SELECTIVE));
     CHECK(ms_mode_base_techniques(MS_MODE_AGGRESSIVE)
-          == (MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING));
+          == (MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING
+              | MS_TECH_SELECTIVE));
     group_end("names");
 }
 

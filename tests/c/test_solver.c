@@ -5,6 +5,8 @@
  * and UBSan where available).  Groups:
  *   model       the memory model and overhead on hand-computed cases
  *   known       small chains with a known optimum
+ *   selective   a layer run selective: its memory terms, cost, and the
+ *               solver choosing it where it pays
  *   exhaustive  every plan of random chains of up to 7 layers enumerated:
  *               the solver's overhead equals the best plan's that fits
  *   fuzz        random large chains: no crash, a plan it returns is valid
@@ -132,7 +134,7 @@ test_model(void)
 {
     group_begin();
     ms_layer L[3] = {layer(10, 2, 1, 0), layer(20, 3, 2, 0), layer(30, 4, 4, 0)};
-    ms_solver_choice c[3] = {{-1, 0, 1}, {-1, 0, 1}, {-1, 0, 1}};
+    ms_solver_choice c[3] = {{-1, 0, 1, 0}, {-1, 0, 1, 0}, {-1, 0, 1, 0}};
     ms_solver_problem p = problem(1000, ALL);
     CHECK(model_peak(L, 3, c) == 60);
     CHECK(ms_solver_overhead(&p, L, 3, c, NULL) == 0.0);
@@ -161,7 +163,7 @@ test_model(void)
     double flops = 0;
     CHECK(ms_solver_overhead(&p, L, 3, c, &flops) == 7.0 && flops == 7.0);
     /* Singles, layer 2 in 4 tiles: 5 held + ceil(30 / 4) = 13 at its recompute. */
-    ms_solver_choice d[3] = {{0, 0, 1}, {1, 0, 1}, {2, 0, 4}};
+    ms_solver_choice d[3] = {{0, 0, 1, 0}, {1, 0, 1, 0}, {2, 0, 4, 0}};
     CHECK(ms_solver_check(&p, L, 3, d) == -1); /* not tileable */
     L[2].flags = MS_LAYER_TILEABLE;
     CHECK(ms_solver_check(&p, L, 3, d) == 0);
@@ -176,9 +178,9 @@ test_model(void)
     p.async_offload = 1; /* write 3 - 2 hidden, read 3 - 4: hidden */
     CHECK(ms_solver_offload_seconds(&p, &L[1]) == 1.0);
     /* Invalid shapes. */
-    ms_solver_choice e[3] = {{-1, 0, 1}, {0, 0, 1}, {-1, 0, 1}};
+    ms_solver_choice e[3] = {{-1, 0, 1, 0}, {0, 0, 1, 0}, {-1, 0, 1, 0}};
     CHECK(ms_solver_check(&p, L, 3, e) == -1); /* segment not a run */
-    ms_solver_choice g[3] = {{0, 0, 2}, {0, 0, 1}, {-1, 0, 1}};
+    ms_solver_choice g[3] = {{0, 0, 2, 0}, {0, 0, 1, 0}, {-1, 0, 1, 0}};
     CHECK(ms_solver_check(&p, L, 3, g) == -1); /* tiles on a 2-layer segment */
     group_end("model");
 }
@@ -271,6 +273,60 @@ test_known(void)
     group_end("known");
 }
 
+/* ---- selective ---------------------------------------------------------- */
+
+static void
+test_selective(void)
+{
+    group_begin();
+    /* Layer 1 saves 100 with input 10; run selective it keeps 30 of its
+       costly outputs besides the input (held 40) and recomputes 2 FLOPs
+       of cheap ops; checkpointed it would recompute 50. */
+    ms_layer L[3] = {layer(50, 10, 50.0, 0), layer(100, 10, 50.0, 0),
+                     layer(50, 10, 50.0, 0)};
+    L[1].flags |= MS_LAYER_SELECTIVE;
+    L[1].sel_saved_bytes = 30;
+    L[1].sel_flops = 2.0;
+    ms_solver_choice c[3] = {{-1, 0, 1, 0}, {-1, 0, 1, 1}, {-1, 0, 1, 0}};
+    ms_mem_terms t;
+    ms_mem_terms_of(L, 3, c, &t);
+    /* end: 50 + (10 + 30) + 50; its backward: 50 before + max(40, 100). */
+    CHECK(t.end == 140);
+    CHECK(t.recompute == 150 && t.recompute_at == 1);
+    ms_solver_problem p = problem(150, ALL | MS_TECH_SELECTIVE);
+    double fl = -1.0;
+    CHECK(ms_solver_check(&p, L, 3, c) == 0);
+    CHECK(ms_solver_overhead(&p, L, 3, c, &fl) == 2.0 && fl == 2.0);
+    /* Not allowed, not profiled, or inside a segment: refused. */
+    ms_solver_problem q = problem(150, ALL);
+    CHECK(ms_solver_check(&q, L, 3, c) == -1);
+    c[0].selective = 1;
+    CHECK(ms_solver_check(&p, L, 3, c) == -1);
+    c[0].selective = 0;
+    c[1].seg_start = 1;
+    CHECK(ms_solver_check(&p, L, 3, c) == -1);
+
+    /* All kept holds 200.  A budget of 150: selective on layer 1 (cost 2)
+       beats checkpointing any layer (cost 50). */
+    ms_solver_choice d[3];
+    ms_solver_result r;
+    CHECK(ms_solve(&p, L, 3, d, &r) == 0 && r.feasible);
+    CHECK(d[0].seg_start == -1 && !d[0].selective);
+    CHECK(d[1].seg_start == -1 && d[1].selective);
+    CHECK(d[2].seg_start == -1 && !d[2].selective);
+    CHECK(r.overhead_seconds == 2.0 && r.recompute_flops == 2.0);
+    CHECK(r.end_bytes == 140 && r.peak_bytes == 150);
+    /* Without the technique the solver checkpoints a layer instead. */
+    CHECK(ms_solve(&q, L, 3, d, &r) == 0 && r.feasible);
+    CHECK(r.overhead_seconds == 50.0 && !d[1].selective);
+    /* Its backward must fit too: below 150 selective alone cannot, so
+       layer 0 is checkpointed as well (recompute 50 at 10 + 100 held). */
+    p.budget_bytes = 120;
+    CHECK(ms_solve(&p, L, 3, d, &r) == 0 && r.feasible);
+    CHECK(r.peak_bytes <= 120 && ms_solver_check(&p, L, 3, d) == 0);
+    group_end("selective");
+}
+
 /* ---- exhaustive --------------------------------------------------------- */
 
 static double best_cost;
@@ -297,12 +353,16 @@ enumerate(const ms_solver_problem *p, const ms_layer *L, size_t n, size_t i,
     c[i].seg_start = -1;
     c[i].offload = 0;
     c[i].tiles = 1;
-    enumerate(p, L, n, i + 1, c);
+    for (int sel = 0; sel < 2; sel++) {
+        c[i].selective = sel;
+        enumerate(p, L, n, i + 1, c);
+    }
     for (size_t j = i; j < n; j++) {
         for (size_t k = i; k <= j; k++) {
             c[k].seg_start = (int)i;
             c[k].offload = 0;
             c[k].tiles = 1;
+            c[k].selective = 0;
         }
         for (int off = 0; off < 2; off++) {
             for (int t = 1; t <= MS_MAX_TILES; t *= 2) {
@@ -330,6 +390,11 @@ random_chain(ms_layer *L, size_t n, int64_t scale)
         }
         L[i] = layer(rnd_range(0, scale), rnd_range(0, scale / 2),
                      (double)rnd_range(0, 20), flags);
+        if (rnd() % 2 == 0) {
+            L[i].flags |= MS_LAYER_SELECTIVE;
+            L[i].sel_saved_bytes = rnd_range(0, scale / 2);
+            L[i].sel_flops = (double)rnd_range(0, 8);
+        }
     }
 }
 
@@ -351,7 +416,7 @@ test_exhaustive(void)
             total += L[i].saved_bytes;
         }
         ms_solver_problem p = problem(rnd_range(0, total + 5),
-                                      (unsigned)rnd_range(0, 7));
+                                      (unsigned)rnd_range(0, 15));
         p.tile_overhead = (double)rnd_range(0, 4) / 2.0;
         if (rnd() % 3 == 0) {
             p.end_extra = rnd_range(-30, 30);
@@ -417,7 +482,7 @@ test_fuzz(void)
         }
         ms_solver_problem p = problem(rnd() % 10 == 0 ? INT64_MAX / 4
                                                       : rnd_range(0, 1 << 30) * (total / (1 << 30) + 1),
-                                      (unsigned)rnd_range(0, 7));
+                                      (unsigned)rnd_range(0, 15));
         p.resolution = (int)rnd_range(1, 2048);
         p.max_segment = (int)rnd_range(1, 400);
         p.offload_bw = rnd() % 2 ? (double)rnd_range(1, 1 << 30) : 0.0;
@@ -453,7 +518,7 @@ test_min_budget(void)
     for (int k = 0; k < CASES; k++) {
         size_t n = (size_t)rnd_range(1, MAXN);
         random_chain(L, n, 60);
-        ms_solver_problem p = problem(0, (unsigned)rnd_range(0, 7));
+        ms_solver_problem p = problem(0, (unsigned)rnd_range(0, 15));
         p.offload_bw = rnd() % 2 ? 5.0 : 0.0;
         int64_t mb = -1;
         snprintf(ctx, sizeof(ctx), "case %d", k);
@@ -527,6 +592,7 @@ main(void)
     setvbuf(stdout, NULL, _IOLBF, 0);
     test_model();
     test_known();
+    test_selective();
     test_exhaustive();
     test_fuzz();
     test_min_budget();

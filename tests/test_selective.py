@@ -1,0 +1,313 @@
+"""Selective checkpointing inside a layer (memscale._selective): the op
+profile, the planner's choice, bitwise gradients (dropout replayed), and
+nothing left behind by detach, copies or an error."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from conftest import Block, assert_same_step, hook_count, mlp, saved_tensor_hooks, tiny_gpt2
+
+import memscale
+from memscale import _core, _planning, _selective
+from memscale._measure import measure_peak
+
+GIB = 2**30
+X = torch.randn(8, 64, 32, generator=torch.Generator().manual_seed(0))
+ROWS = 8 * 64
+
+
+def _units(model):
+    return list(model.named_children())
+
+
+def _unoptimized_peak(factory, x) -> int:
+    model = factory()
+    model.train()
+    p = memscale.predict_peak(model, x, config=memscale.Config(memory_budget_gb=100))
+    return p.unoptimized.peak_bytes
+
+
+_PEAKS: dict[str, int] = {}
+
+
+def _budget(name, factory, x, frac) -> float:
+    if name not in _PEAKS:
+        _PEAKS[name] = _unoptimized_peak(factory, x)
+    return _PEAKS[name] * frac / GIB
+
+
+def _mlp():
+    m = mlp(depth=4, width=32, p=0.1)
+    m.train()
+    return m
+
+
+def _wrapped(factory, x, frac, mode="balanced", name=None):
+    budget = _budget(name or factory.__name__, factory, x, frac)
+    model, ref = factory(), factory()
+    ref.load_state_dict(model.state_dict())
+    memscale.wrap(model, memscale.Config(mode=mode, memory_budget_gb=budget), sample_input=x)
+    return model, ref
+
+
+def _techniques(model):
+    return [layer.techniques for layer in model._memscale_executor.plan.layers]
+
+
+def _mse(model, x):
+    return model(x).float().pow(2).mean()
+
+
+# ------------------------------------------------------------- the policy
+
+
+def test_the_policy_keeps_costly_outputs_and_never_random_ones():
+    assert _selective.keeps(10.0, flops=100.0, nbytes=10, random=False)
+    assert not _selective.keeps(10.0, flops=99.0, nbytes=10, random=False)
+    assert not _selective.keeps(10.0, flops=1e9, nbytes=10, random=True)
+    assert not _selective.keeps(0.0, flops=0.0, nbytes=10, random=False)  # no FLOP formula
+    assert _selective.threshold(100.0, 10) == 10.0
+    assert _selective.threshold(100.0, 0) == float("inf")
+
+
+def test_profile_of_an_mlp_block_keeps_the_matmul_outputs():
+    """Block: fc1 (32 -> 128), GELU, dropout, fc2 (128 -> 32), add.  Its
+    threshold (FLOPs per saved byte) is below both matmuls' FLOPs per byte
+    written, so their outputs are kept; GELU, dropout (output and mask)
+    and the add are recomputed, at one per element."""
+    model = _mlp()
+    profile = _planning.profile_upfront(model, _units(model), X, memscale.Config())
+    for layer in profile.layers:
+        assert layer.selective_saved_bytes is not None
+        assert layer.selective_saved_bytes == ROWS * (128 + 32) * 4
+        gelu, dropout_out, dropout_mask, add = 128, 128, 128, 32
+        assert layer.selective_flops == ROWS * (gelu + dropout_out + dropout_mask + add)
+        assert layer.flops == 2 * ROWS * 32 * 128 * 2
+        # Held run selective: its input and the kept outputs, less than kept.
+        assert layer.input_bytes + layer.selective_saved_bytes < layer.saved_bytes
+
+
+def test_a_warmup_profile_has_no_selective_layers():
+    """Profiles measured on real warm-up steps record no ops: no layer may
+    run selective, and the planner never picks it."""
+    model = _mlp()
+    prof = _planning.new_warmup_profiler(model, _units(model))
+    try:
+        prof.begin_pass()
+        _mse(model, X).backward()
+        prof.end_pass(ok=True)
+    finally:
+        prof.detach()
+    profile = _planning.profile_from(prof, _units(model), "warmup")
+    assert all(layer.selective_saved_bytes is None for layer in profile.layers)
+
+
+# ------------------------------------------------------------- the planner
+
+
+def test_balanced_runs_layers_selective_where_it_pays_conservative_does_not():
+    """At 80% of the unoptimized peak, two layers run selective (a few
+    elementwise ops recomputed) instead of two checkpointed (their whole
+    forward recomputed); CONSERVATIVE checkpoints whole layers only."""
+    model, _ = _wrapped(_mlp, X, 0.8)
+    plan = model._memscale_executor.plan
+    assert _techniques(model) == [("selective",), ("selective",), (), ()]
+    assert plan.fits and plan.peak_projected_bytes <= plan.budget_bytes
+    assert all(layer.rule == "solver" for layer in plan.layers[:2])
+    assert "selective" in model._memscale_executor.describe()
+    assert '"techniques":["selective"]' in plan.to_json()
+    selective_ratio = plan.recompute_ratio
+    memscale.detach(model)
+    model, _ = _wrapped(_mlp, X, 0.8, mode="conservative")
+    cons = model._memscale_executor.plan
+    assert all("selective" not in t for t in _techniques(model))
+    assert cons.technique_counts["checkpoint"] == 2
+    assert selective_ratio < cons.recompute_ratio / 10
+    memscale.detach(model)
+
+
+def test_the_same_problem_gives_the_same_plan():
+    a, _ = _wrapped(_mlp, X, 0.8)
+    b, _ = _wrapped(_mlp, X, 0.8)
+    pa, pb = a._memscale_executor.plan, b._memscale_executor.plan
+    assert pa.to_json() == pb.to_json() and pa.hash == pb.hash
+    memscale.detach(a)
+    memscale.detach(b)
+
+
+def test_enable_checkpointing_false_turns_selective_off_too():
+    config = memscale.Config(mode="balanced", memory_budget_gb=1.0, enable_checkpointing=False)
+    assert not _planning.allowed_techniques(config) & _core.TECH_SELECTIVE
+    assert _planning.allowed_techniques(config.replace(enable_checkpointing=True)) & (
+        _core.TECH_SELECTIVE
+    )
+    assert not _planning.allowed_techniques(
+        config.replace(enable_checkpointing=True, mode="conservative")
+    ) & (_core.TECH_SELECTIVE)
+
+
+# ------------------------------------------------------------- bitwise
+
+
+def test_selective_layers_give_bitwise_gradients_with_dropout():
+    """Dropout (p=0.1) is recomputed with the RNG state restored: the same
+    masks, the same gradients bit for bit, step after step."""
+    model, ref = _wrapped(_mlp, X, 0.7)
+    assert _techniques(model)[:3] == [("selective",)] * 3
+    for seed in range(3):
+        assert_same_step(model, ref, X, seed=seed, loss_fn=_mse)
+    memscale.detach(model)
+
+
+def test_selective_peak_is_measured_within_the_budget():
+    model, ref = _wrapped(_mlp, X, 0.8)
+    plan = model._memscale_executor.plan
+    report = measure_peak(lambda: _mse(model, X).backward(), model=model, inputs=X, warmup=1)
+    unopt = measure_peak(lambda: _mse(ref, X).backward(), model=ref, inputs=X, warmup=1)
+    assert report.peak_delta_bytes < unopt.peak_delta_bytes
+    assert report.start_bytes + report.peak_delta_bytes <= plan.budget_bytes
+    memscale.detach(model)
+
+
+def _gpt2():
+    m = tiny_gpt2(dropout=0.1, n_layer=4, n_positions=256)
+    m.train()
+    return m
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=256,
+            attention_dropout=0.1,
+            use_cache=False,
+        )
+    )
+    m.train()
+    return m
+
+
+def _lm_loss(model, x):
+    return model(input_ids=x, labels=x).loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factory", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_hf_models_run_selective_with_bitwise_gradients(factory):
+    x = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(1))
+    model, ref = _wrapped(factory, x, 0.8)
+    techniques = _techniques(model)
+    assert ("selective",) in techniques, techniques
+    for seed in range(2):
+        assert_same_step(model, ref, x, seed=seed, loss_fn=_lm_loss)
+    memscale.detach(model)
+    assert_same_step(model, ref, x, seed=5, loss_fn=_lm_loss)
+
+
+# ------------------------------------------------- nothing left behind
+
+
+def test_detach_restores_every_forward_and_hook():
+    model, ref = _wrapped(_mlp, X, 0.8)
+    assert hook_count(model) > 0
+    assert all("forward" in unit.__dict__ for unit in model)
+    memscale.detach(model)
+    assert hook_count(model) == 0
+    assert all("forward" not in unit.__dict__ for unit in model)
+    assert saved_tensor_hooks() is None
+    assert_same_step(model, ref, X, loss_fn=_mse)
+
+
+def test_copies_of_a_model_with_selective_layers_are_plain():
+    model, ref = _wrapped(_mlp, X, 0.8)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert hook_count(clone) == 0
+        assert all("forward" not in unit.__dict__ for unit in clone)
+        assert_same_step(clone, ref, X, loss_fn=_mse)
+    assert _techniques(model)[0] == ("selective",)  # the original stays wrapped
+    assert_same_step(model, ref, X, loss_fn=_mse)
+    memscale.detach(model)
+
+
+class _Failing(Block):
+    fail = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        if _Failing.fail:
+            raise KeyboardInterrupt  # as Ctrl-C inside the layer would
+        return y
+
+
+def test_an_interrupt_inside_a_selective_layer_leaves_nothing_behind():
+    def factory():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*[_Failing(32, 0.1) for _ in range(4)])
+        m.train()
+        return m
+
+    model, ref = _wrapped(factory, X, 0.8, name="failing")
+    assert _techniques(model)[0] == ("selective",)
+    _Failing.fail = True
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _mse(model, X).backward()
+    finally:
+        _Failing.fail = False
+    assert saved_tensor_hooks() is None
+    assert_same_step(model, ref, X, loss_fn=_mse)
+    memscale.detach(model)
+    assert hook_count(model) == 0
+
+
+@pytest.mark.slow
+def test_compiled_a_selective_layer_is_a_checkpoint_region():
+    """Under torch.compile the layer runs as a checkpoint region (listed in
+    compile_fallbacks); gradients agree with the unwrapped model's."""
+    model, ref = _wrapped(_mlp, X, 0.8)
+    fallbacks = model._memscale_executor.compile_fallbacks
+    assert [(f.layer, f.technique) for f in fallbacks] == [("0", "selective"), ("1", "selective")]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    for net in (compiled, ref):
+        net.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        _mse(net, X).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    memscale.detach(model)
+    torch._dynamo.reset()
+
+
+def test_a_layer_that_updates_its_buffers_never_runs_selective():
+    """BatchNorm's running statistics are written in its forward; torch's
+    checkpoint would write them again in the recompute, so such a layer
+    has no selective profile (the C checkpoint, which puts buffers back,
+    may still checkpoint it)."""
+    from conftest import CNN
+
+    model = CNN()
+    model.train()
+    x = torch.randn(4, 3, 16, 16)
+    profile = _planning.profile_upfront(
+        model, list(model.blocks.named_children()), x, memscale.Config()
+    )
+    assert all(layer.selective_saved_bytes is None for layer in profile.layers)
+    model.eval()  # no statistics written: a profile
+    profile = _planning.profile_upfront(
+        model, list(model.blocks.named_children()), x, memscale.Config()
+    )
+    assert all(layer.selective_saved_bytes is not None for layer in profile.layers)
