@@ -24,8 +24,8 @@ instead:
   Python that dynamo guards on: a new plan (or ``detach``, which puts the
   forwards back) makes the compiled code recompile;
 * what the plan does that cannot run compiled is listed per layer
-  (:func:`fallbacks`, ``Executor.compile_fallbacks``), and logged once per
-  layer when the layer is first compiled: the layer is then only
+  (:func:`fallbacks`, ``Executor.compile_fallbacks``), and logged once,
+  all together, at the first trace under the plan: the layer is then only
   checkpointed (see ``docs/compile.md``).
 """
 
@@ -132,35 +132,46 @@ def fallbacks(plan: Any, mixed_precision: bool = False) -> tuple[CompileFallback
     return tuple(found)
 
 
-# Messages logged at the first trace of a layer, by key; dynamo calls
-# _announce for real while tracing (assume_constant_result), never at run
-# time.  Keys are dropped by update() and by detach.
+# Messages logged at the first trace of a unit, by key (one per plan);
+# dynamo calls _announce for real while tracing (assume_constant_result),
+# never at run time.  Keys are dropped by update() and by detach.
 _PENDING: dict[int, tuple[str, ...]] = {}
 _KEYS = itertools.count(1)
 
 
 @torch.compiler.assume_constant_result
 def _announce(key: int) -> bool:
-    """Log what is not applied compiled for the layer of ``key``, once."""
+    """Log what of the plan of ``key`` is not applied compiled, once."""
     for line in _PENDING.pop(key, ()):
         logger.info("%s", line)
     return True
 
 
-class _Regions:
-    """What the compiled path does, per unit index, for the current plan:
-    ``checkpoint[i]`` whether unit ``i`` runs as a checkpoint region,
-    ``announce[i]`` the key of its log lines (0: none), ``selective[i]``
+class _Region:
+    """What the compiled path does for one unit under the current plan:
+    ``checkpoint``, whether it runs as a checkpoint region; ``selective``,
     the threshold of a unit run selective (``_selective.threshold``), or
-    None."""
+    None.  One object per unit, read through the unit's own forward: when
+    each block is compiled on its own, dynamo guards on these values, which
+    are the same for blocks planned alike, so they share one graph."""
+
+    __slots__ = ("checkpoint", "selective")
+
+    def __init__(self) -> None:
+        self.checkpoint = False
+        self.selective: float | None = None
+
+
+class _Regions:
+    """The units' regions, and ``announce``: the key of the current plan's
+    notes (0: none), the same for every unit."""
 
     def __init__(self, n: int) -> None:
-        self.checkpoint: tuple[bool, ...] = (False,) * n
-        self.announce: tuple[int, ...] = (0,) * n
-        self.selective: tuple[float | None, ...] = (None,) * n
+        self.units = tuple(_Region() for _ in range(n))
+        self.announce = 0
 
 
-def _unit_forward(unit: nn.Module, index: int, own: Any, regions: _Regions) -> Any:
+def _unit_forward(unit: nn.Module, region: _Region, own: Any, regions: _Regions) -> Any:
     """The forward installed on a unit: its forward in eager mode (run
     selective when the plan says so), and in a checkpoint region while
     dynamo traces it and the plan checkpoints the unit or runs it
@@ -172,13 +183,13 @@ def _unit_forward(unit: nn.Module, index: int, own: Any, regions: _Regions) -> A
     def forward(*args: Any, **kwargs: Any) -> Any:
         inner = own if own is not None else functools.partial(type(unit).forward, unit)
         if torch.compiler.is_compiling():
-            key = regions.announce[index]
+            key = regions.announce
             if key:
                 _announce(key)
-            if regions.checkpoint[index] and unit.training and torch.is_grad_enabled():
+            if region.checkpoint and unit.training and torch.is_grad_enabled():
                 return checkpoint(inner, *args, use_reentrant=False, **kwargs)
             return inner(*args, **kwargs)
-        limit = regions.selective[index]
+        limit = region.selective
         if limit is not None and unit.training and torch.is_grad_enabled():
             return _selective.run(inner, limit, args, kwargs)
         return inner(*args, **kwargs)
@@ -198,52 +209,35 @@ def install(executor: Any, units: list[tuple[str, nn.Module]]) -> None:
     def drop_notes() -> None:
         ex = ref()
         if ex is not None:
-            for key in ex.__dict__.get("_compile_regions", regions).announce:
-                _PENDING.pop(key, None)
+            _PENDING.pop(ex.__dict__.get("_compile_regions", regions).announce, None)
 
     executor.on_detach(drop_notes)
-    for i, (_, unit) in enumerate(units):
+    for region, (_, unit) in zip(regions.units, units):
         _copying.set_forward(
-            executor, unit, functools.partial(_unit_forward, unit, i, regions=regions)
+            executor, unit, functools.partial(_unit_forward, unit, region, regions=regions)
         )
 
 
 def update(executor: Any, plan: Any) -> None:
     """The compiled path follows ``plan`` (a new plan: the compiled code
     recompiles); ``executor.compile_fallbacks`` says what of it is not
-    applied compiled, logged at each layer's first trace."""
+    applied compiled, logged at the first trace under the plan."""
     regions = executor.__dict__.get("_compile_regions")
     found = fallbacks(plan, executor.autocast is not None)
     executor.__dict__["compile_fallbacks"] = found
     if regions is None:
         return
-    for key in regions.announce:
-        _PENDING.pop(key, None)
-    names = [layer.name for layer in plan.layers] if plan is not None else []
-    n = len(regions.checkpoint)
-    lines: list[list[str]] = [[] for _ in range(n)]
-    for note in found:
-        i = names.index(note.layer) if note.layer in names else 0
-        if i < n:
-            lines[i].append(note.message())
-    announce = []
-    for i in range(n):
-        if lines[i]:
-            key = next(_KEYS)
-            _PENDING[key] = tuple(lines[i])
-            announce.append(key)
-        else:
-            announce.append(0)
-    regions.announce = tuple(announce)
-    regions.checkpoint = tuple(
-        plan is not None
-        and i < len(plan.layers)
-        and bool({"checkpoint", "selective"} & set(plan.layers[i].techniques))
-        for i in range(n)
-    )
-    regions.selective = tuple(
-        _selective.threshold(plan.layers[i].flops, plan.layers[i].saved_bytes)
-        if plan is not None and i < len(plan.layers) and "selective" in plan.layers[i].techniques
-        else None
-        for i in range(n)
-    )
+    _PENDING.pop(regions.announce, None)
+    regions.announce = 0
+    if found:
+        regions.announce = next(_KEYS)
+        _PENDING[regions.announce] = tuple(note.message() for note in found)
+    layers = plan.layers if plan is not None else ()
+    for i, region in enumerate(regions.units):
+        techniques = set(layers[i].techniques) if i < len(layers) else set()
+        region.checkpoint = bool({"checkpoint", "selective"} & techniques)
+        region.selective = (
+            _selective.threshold(layers[i].flops, layers[i].saved_bytes)
+            if "selective" in techniques
+            else None
+        )

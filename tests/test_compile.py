@@ -203,6 +203,41 @@ def test_detaching_the_compiled_object_frees_the_executor():
     step(compiled, x)  # still runs, unwrapped
 
 
+def test_blocks_compiled_one_by_one_share_one_graph():
+    # block.compile() on each of 12 blocks: blocks planned alike must not
+    # recompile per block (dynamo's recompile limit is 8; past it the
+    # remaining blocks run uncompiled).
+    model, ref = twins(lambda: mlp(depth=12, p=0.0))
+    x = torch.randn(4, 32)
+    memscale.wrap(model, FORCE, sample_input=x)
+    dynamo_utils.counters.clear()
+    backend = Graphs()
+    calls = []
+
+    def counting(gm, example_inputs):
+        compiled = backend(gm, example_inputs)
+
+        def run(*args):
+            calls.append(1)
+            return compiled(*args)
+
+        return run
+
+    for block in model:
+        block.compile(backend=counting)
+    step(model, x)
+    step(model, x)
+    assert not dynamo_utils.counters["unimplemented"], dict(dynamo_utils.counters["unimplemented"])
+    assert len(backend.graphs) <= 2  # one graph (and one more at most for the first step)
+    assert len(calls) == 2 * 12  # every block ran compiled, both steps
+    assert all(
+        any("checkpoint" in str(n.target).lower() for n in g.graph.nodes) for g in backend.graphs
+    )
+    step(ref, x)
+    assert_same_grads(model, ref)
+    memscale.detach(model)
+
+
 def test_a_new_plan_recompiles_with_its_regions():
     model = mlp(depth=2, p=0.0)
     x = torch.randn(4, 32)
@@ -213,7 +248,7 @@ def test_a_new_plan_recompiles_with_its_regions():
     step(compiled, x)
     assert backend.regions() == 2
     # The same layers, the first left un-checkpointed: the graph follows.
-    executor._compile_regions.checkpoint = (False, True)
+    executor._compile_regions.units[0].checkpoint = False
     step(compiled, x)
     assert len(backend.graphs) == 2
     last = backend.graphs[-1]
