@@ -309,9 +309,7 @@ def profile_from(
     details = []
     if tile_flags is None:
         tile_flags = _tiling.layer_flags(units)
-    for i, ((name, module), r, tile_flag) in enumerate(
-        zip(units, profiler.results(), tile_flags)
-    ):
+    for i, ((name, module), r, tile_flag) in enumerate(zip(units, profiler.results(), tile_flags)):
         kind = type(module).__name__
         fields = (
             name,
