@@ -61,7 +61,7 @@ def _inner(module: nn.Module, original: str) -> Any:
 class _Tile:
     """One tile of queries: the inner attention on ``q`` (rows ``start`` to
     ``start + q.shape[2]`` of the queries), with its causal mask made here
-    when the model gave none.  It holds no tensor (``kwargs`` are the
+    when the model gave none.  It holds no activation (``kwargs`` are the
     model's small extras: scaling, dropout 0, position ids)."""
 
     def __init__(
@@ -122,18 +122,19 @@ class _Recomputed(torch.autograd.Function):
         q, key, value, mask = ctx.saved_tensors
         if mask is None:
             mask = ctx.mask
-        needs = ctx.needs_input_grad[1:4]
-        inputs = [t.detach().requires_grad_(n) for t, n in zip((q, key, value), needs)]
+        # A mask may be a learned bias: it gets its gradient too.
+        needs = [bool(n) for n in ctx.needs_input_grad[1:5]]
+        needs[3] = needs[3] and isinstance(mask, torch.Tensor)
+        tensors = (q, key, value, mask)
+        inputs = [t.detach().requires_grad_(True) if n else t for t, n in zip(tensors, needs)]
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
             for device, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-            out = ctx.tile(*inputs, mask)
-        wanted = [t for t in inputs if t.requires_grad]
-        got = (
-            iter(torch.autograd.grad(out, wanted, grad, allow_unused=True)) if wanted else iter(())
-        )
-        return (None, *(next(got) if n else None for n in needs), None)
+            out = ctx.tile(*inputs)
+        wanted = [t for t, n in zip(inputs, needs) if n]
+        got = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
+        return (None, *(next(got) if n else None for n in needs))
 
 
 def _query_tiled(
