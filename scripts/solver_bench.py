@@ -10,12 +10,19 @@ budget is the fixed bytes plus 20, 40, 60 or 80% of the activations; all
 techniques allowed (AGGRESSIVE), CPU cost constants.  Median of 5 runs.
 
     .venv/bin/python scripts/solver_bench.py
+    .venv/bin/python scripts/solver_bench.py --selective-cost
+
+``--selective-cost`` times the same chains with and without their
+selective profiles (and the technique), interleaved in one process, so
+that what the larger choice set costs is seen apart from the machine's
+load.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+import sys
 import time
 
 from memscale import Config, _core, _hardware, _planning
@@ -46,7 +53,56 @@ def chain(n: int, seed: int) -> tuple[_core.LayerStats, ...]:
     )
 
 
+def _problem(layers: tuple[_core.LayerStats, ...], frac: float, allowed: int) -> PlanProblem:
+    hardware = _hardware.assumed("cpu", 0, 1 << 50)
+    config = Config(mode="aggressive", async_offload=True)
+    acts = sum(layer.saved_bytes for layer in layers)
+    offload_in = OffloadInputs(
+        min_offload_bytes=1 << 20, host_tier=False, host_cap_bytes=-1, disk_tier=True
+    )
+    return PlanProblem(
+        layers=layers,
+        mode="aggressive",
+        allowed=allowed,
+        force=False,
+        budget_bytes=4 * GIB + int(frac * acts),
+        fixed_bytes=4 * GIB,
+        activation_bytes=acts,
+        total_flops=sum(layer.flops for layer in layers),
+        device="cpu",
+        device_count=1,
+        capacity_bytes=1 << 50,
+        peak_offset_bytes=0,
+        offload=offload_in,
+        solver=_planning.solver_inputs(config, hardware, offload_in),
+    )
+
+
+def selective_cost() -> None:
+    print("| layers | budget | without selective (median of 5) | with selective | ratio |")
+    print("| --- | --- | --- | --- | --- |")
+    for n in (1_000, 10_000):
+        layers = chain(n, seed=n)
+        plain = tuple(_core.LayerStats(tuple(layer)) for layer in layers)
+        for frac in (0.2, 0.6):
+            problems = {
+                "without": _problem(plain, frac, 7),
+                "with": _problem(layers, frac, _planning.IMPLEMENTED),
+            }
+            times: dict[str, list[float]] = {"without": [], "with": []}
+            for _ in range(5):
+                for name, problem in problems.items():
+                    t0 = time.perf_counter()
+                    solve(problem)
+                    times[name].append(time.perf_counter() - t0)
+            a, b = (statistics.median(times[k]) for k in ("without", "with"))
+            print(f"| {n:,} | {frac:.0%} | {a * 1e3:.1f} ms | {b * 1e3:.1f} ms | {b / a:.2f}x |")
+
+
 def main() -> None:
+    if "--selective-cost" in sys.argv[1:]:
+        selective_cost()
+        return
     hardware = _hardware.assumed("cpu", 0, 1 << 50)
     config = Config(mode="aggressive", async_offload=True)
     print(
