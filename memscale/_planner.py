@@ -1,16 +1,18 @@
-"""Plan -> simulate -> correct: the engine plans from the OOM predictor's
-simulated peaks.  The one owner of that loop.
+"""Measure -> plan -> verify: the engine plans from the OOM predictor's
+simulated steps.  The one owner of that loop.
 
-The engine's memory model (``csrc/engine.c``) estimates a step's peak
+The engine's memory model (``csrc/memory.c``) estimates a step's peak
 from the profile (``_planning``); the predictor (:mod:`memscale.predictor`)
 simulates the step on fake tensors.  :class:`PredictionSession` holds one
 simulation open and calibrates the engine on it
 (:meth:`PredictionSession.plan_offsets`): the unoptimized peak's
-correction, then the plans' correction, simulated under the plans the
-engine makes with it until one is verified to fit.  ``wrap`` plans with
-those corrections (:func:`predicted_offsets`) and, when no plan fits,
-checks the least budget by calibrating there (:func:`verified_least_budget`);
-:func:`predict_peak` and :func:`estimate_savings` report them.
+correction, then the memory model's terms per layer (:func:`calibrate`,
+from the unoptimized step and the step with every layer checkpointed
+alone), and one simulation of the plan made with them to verify it.
+``wrap`` plans with those (:func:`predicted_offsets`) and, when no plan
+fits, reports the least budget verified the same way
+(:func:`verified_least_budget`); :func:`predict_peak` and
+:func:`estimate_savings` report them.
 
 This module imports ``_planning`` (profiles and engine inputs) and the
 predictor (the simulation); neither of them imports it, nor each other.
