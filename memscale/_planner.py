@@ -139,8 +139,10 @@ def calibrate(
 ) -> tuple[int, Profile]:
     """The per-layer terms of the memory model, measured on two simulated
     steps: the unoptimized one and the one with every layer checkpointed
-    alone (``forced``).  Per distinct layer shape (:func:`_layer_key`), the
-    largest figure over its layers, so identical layers get identical terms:
+    alone (``forced``).  The first two per distinct layer shape
+    (:func:`_layer_key`): the largest figure over its layers.  The third per
+    layer (it depends on where the layer sits), its shape's largest for a
+    layer not measured:
 
     * ``saved_bytes``: what the layer's forward leaves alive when kept
       (``kept[i]``: its saved tensors and its output; its input is the
@@ -169,12 +171,15 @@ def calibrate(
             excess[i] = peaks[i] - (engine_base + held + saved[i])
         alone_here = chosen.techniques and chosen.segment == i
         held += stored[i] if alone_here else saved[i]
+    # A layer's own excess where it was measured (it depends on where the
+    # layer sits: what is in flight when backward reaches it); else its
+    # shape's largest.
     excess_of = _per_shape(layers, excess)
-    common = min(excess_of.values()) if excess_of else 0
+    common = min(excess.values()) if excess else 0
     new = tuple(
         _core.LayerStats(
             (x.name, x.kind, x.param_bytes, saved[i], stored[i], x.flops, x.flags),
-            {"backward_bytes": excess_of.get(_layer_key(x), common) - common},
+            {"backward_bytes": excess.get(i, excess_of.get(_layer_key(x), common)) - common},
         )
         for i, x in enumerate(layers)
     )
