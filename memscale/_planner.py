@@ -372,7 +372,7 @@ class PredictionSession:
     def profile(self) -> Profile:
         """The simulation's warm-up forward, measured as static profiling
         measures one."""
-        return self._steps.profile  # type: ignore[no-any-return]
+        return self._steps.profile
 
     def calibrated_profile(self, config: Config) -> Profile:
         """The profile the plan for ``config`` is made from: the warm-up's,
