@@ -37,7 +37,9 @@ ms_mem_terms_of(const ms_layer *L, size_t n, const ms_solver_choice *c,
         if (c[i].tiles > 1) {
             transient = ms_mem_tile_share(&L[i], c[i].tiles);
         }
-        transient = ms_add_sat(transient, backward);
+        else {
+            transient = ms_add_sat(transient, backward);
+        }
         int64_t at = ms_add_sat(held, transient);
         if (at > worst) {
             worst = at;

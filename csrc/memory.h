@@ -89,11 +89,14 @@ ms_mem_backward(const ms_layer *layer)
     return ms_nonneg(layer->backward_bytes);
 }
 
-/* What the recompute of a single layer in `tiles` tiles adds. */
+/* What the recompute of a single layer in `tiles` tiles adds: one tile's
+   share of its saved tensors and of its backward term. */
 static inline int64_t
 ms_mem_tile_share(const ms_layer *layer, int tiles)
 {
-    return ms_ceil_div(ms_nonneg(layer->saved_bytes), tiles);
+    return ms_ceil_div(ms_add_sat(ms_nonneg(layer->saved_bytes),
+                                  ms_mem_backward(layer)),
+                       tiles);
 }
 
 /* What a selective layer holds until backward: its input and the outputs

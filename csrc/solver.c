@@ -489,8 +489,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             if (ok_tile && ms_add_sat(ms_mem_saved(&L[i]), bw[1]) > room) {
                 int lg = 1;
                 for (int tl = 2; tl <= MS_MAX_TILES; tl *= 2, lg++) {
-                    if (ms_add_sat(ms_mem_tile_share(&L[i], tl), bw[1]) > room)
-                    {
+                    if (ms_mem_tile_share(&L[i], tl) > room) {
                         continue;
                     }
                     double c = v + (P[i + 1] - P[i])

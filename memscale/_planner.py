@@ -1,16 +1,18 @@
-"""Plan -> simulate -> correct: the engine plans from the OOM predictor's
-simulated peaks.  The one owner of that loop.
+"""Measure -> plan -> verify: the engine plans from the OOM predictor's
+simulated steps.  The one owner of that loop.
 
-The engine's memory model (``csrc/engine.c``) estimates a step's peak
+The engine's memory model (``csrc/memory.c``) estimates a step's peak
 from the profile (``_planning``); the predictor (:mod:`memscale.predictor`)
 simulates the step on fake tensors.  :class:`PredictionSession` holds one
 simulation open and calibrates the engine on it
 (:meth:`PredictionSession.plan_offsets`): the unoptimized peak's
-correction, then the plans' correction, simulated under the plans the
-engine makes with it until one is verified to fit.  ``wrap`` plans with
-those corrections (:func:`predicted_offsets`) and, when no plan fits,
-checks the least budget by calibrating there (:func:`verified_least_budget`);
-:func:`predict_peak` and :func:`estimate_savings` report them.
+correction, then the memory model's terms per layer (:func:`calibrate`,
+from the unoptimized step and the step with every layer checkpointed
+alone), and one simulation of the plan made with them to verify it.
+``wrap`` plans with those (:func:`predicted_offsets`) and, when no plan
+fits, reports the least budget verified the same way
+(:func:`verified_least_budget`); :func:`predict_peak` and
+:func:`estimate_savings` report them.
 
 This module imports ``_planning`` (profiles and engine inputs) and the
 predictor (the simulation); neither of them imports it, nor each other.
@@ -137,8 +139,10 @@ def calibrate(
 ) -> tuple[int, Profile]:
     """The per-layer terms of the memory model, measured on two simulated
     steps: the unoptimized one and the one with every layer checkpointed
-    alone (``forced``).  Per distinct layer shape (:func:`_layer_key`), the
-    largest figure over its layers, so identical layers get identical terms:
+    alone (``forced``).  The first two per distinct layer shape
+    (:func:`_layer_key`): the largest figure over its layers.  The third per
+    layer (it depends on where the layer sits), its shape's largest for a
+    layer not measured:
 
     * ``saved_bytes``: what the layer's forward leaves alive when kept
       (``kept[i]``: its saved tensors and its output; its input is the
@@ -167,13 +171,16 @@ def calibrate(
             excess[i] = peaks[i] - (engine_base + held + saved[i])
         alone_here = chosen.techniques and chosen.segment == i
         held += stored[i] if alone_here else saved[i]
+    # A layer's own excess where it was measured (it depends on where the
+    # layer sits: what is in flight when backward reaches it); else its
+    # shape's largest.
     excess_of = _per_shape(layers, excess)
-    common = min(excess_of.values()) if excess_of else 0
+    common = min(excess.values()) if excess else 0
     new = tuple(
         layer_stats(
             (x.name, x.kind, x.param_bytes, saved[i], stored[i], x.flops, x.flags),
             x,
-            backward_bytes=excess_of.get(_layer_key(x), common) - common,
+            backward_bytes=excess.get(i, excess_of.get(_layer_key(x), common)) - common,
         )
         for i, x in enumerate(layers)
     )
