@@ -5,11 +5,13 @@ peak and the bytes it starts from (parameters, gradients, optimizer state,
 batch); the difference is the step's activation memory A.  Then, at
 budgets of start + 20/30/40/50/60/70/80% of A:
 
-* memscale (``Config(memory_budget_gb=...)``, CONSERVATIVE: checkpointing
-  only, as the peers) plans with the budget planner; its measured peak and
-  step-time ratio are set beside the plan's predicted ones.  A budget no
-  plan reaches is recorded with the smallest one memscale can reach
-  (``MemoryBudgetError``).
+* memscale (``Config(memory_budget_gb=...)``) plans with the budget
+  planner, twice: "memscale" is BALANCED without offload (whole layers,
+  segments and selective checkpointing inside a layer: recompute only, as
+  the peers), "memscale conservative" is CONSERVATIVE (whole layers and
+  segments).  Its measured peak and step-time ratio are set beside the
+  plan's predicted ones.  A budget no plan reaches is recorded with the
+  smallest one memscale can reach (``MemoryBudgetError``).
 * the peers do not take a budget: torch.utils.checkpoint on every block,
   torch's selective checkpointing on every block (matmul, convolution and
   attention outputs saved, the rest recomputed), and checkpoint_sequential's
@@ -46,6 +48,12 @@ from .runner import predicted_overhead, selective_context, step_flops
 FRACTIONS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 SWEEP_MODELS = ("gpt2-12l", "llama-12l", "bert-12l")
 PEERS = ("checkpoint every block", "selective every block", "sqrt(n) segments")
+# memscale's rows: the method name and the Config it plans with (besides
+# the budget).  Offload stays off: the sweep compares recompute schedules.
+MEMSCALE = {
+    "memscale": {"mode": memscale.OptimizationMode.BALANCED, "enable_offloading": False},
+    "memscale conservative": {"mode": memscale.OptimizationMode.CONSERVATIVE},
+}
 
 ROCKMATE = (
     "Rockmate 2 does not run here: rockmate 2.0.0 needs rkgb >= 2.0.0, and the "
@@ -113,7 +121,7 @@ def checkpoint_segments(model: nn.Module) -> int:
 @dataclass
 class SweepRow:
     model: str
-    method: str  # "memscale", "checkpoint every block", "sqrt(n) segments"
+    method: str  # a key of MEMSCALE, or one of PEERS
     fraction: float | None  # of the unoptimized activation memory (memscale)
     budget_bytes: int | None
     peak_bytes: int | None
@@ -173,6 +181,57 @@ def _plan_summary(plan: Any) -> str:
     )
 
 
+def _memscale_row(
+    entry: BenchmarkModel,
+    name: str,
+    settings: dict[str, Any],
+    fraction: float,
+    budget: int,
+    timed: Callable[[Callable[[], None]], float],
+    overhead: Callable[[Callable[[], None]], float],
+) -> SweepRow:
+    """memscale planned at ``budget`` with ``settings``, measured."""
+    config = memscale.Config(memory_budget_gb=budget / GIB, enable_logging=False, **settings)
+
+    def setup(m: nn.Module, b: Batch) -> Any:
+        try:
+            memscale.wrap(m, config, sample_input=b.sample_input)
+        except memscale.MemoryBudgetError as exc:
+            return exc
+        return m._memscale_executor.plan  # type: ignore[union-attr]
+
+    model, batch, step, (plan, opt) = _prepared(entry, setup)
+    if isinstance(plan, memscale.MemoryBudgetError):
+        return SweepRow(
+            entry.name,
+            name,
+            fraction,
+            budget,
+            None,
+            None,
+            False,
+            min_budget_bytes=plan.min_budget_bytes,
+            plan="no plan fits",
+        )
+    report = _measure(step, model, batch, opt)
+    row = SweepRow(
+        entry.name,
+        name,
+        fraction,
+        budget,
+        report.peak_bytes,
+        timed(step),
+        report.peak_bytes <= budget,
+        predicted_peak_bytes=plan.peak_projected_bytes,
+        predicted_slowdown=plan.predicted_slowdown,
+        plan=_plan_summary(plan),
+        recompute_overhead=overhead(step),
+        predicted_recompute_overhead=predicted_overhead(plan),
+    )
+    memscale.detach(model)
+    return row
+
+
 def run_sweep(
     entry: BenchmarkModel, repeats: int = 3, progress: Callable[[str], None] = lambda m: None
 ) -> dict[str, Any]:
@@ -209,55 +268,9 @@ def run_sweep(
 
     for fraction in FRACTIONS:
         budget = start + int(fraction * activations)
-        progress(f"{entry.name}: memscale at {fraction:.0%}")
-        config = memscale.Config(
-            mode=memscale.OptimizationMode.CONSERVATIVE,
-            memory_budget_gb=budget / GIB,
-            enable_logging=False,
-        )
-
-        def setup(m: nn.Module, b: Batch, config: memscale.Config = config) -> Any:
-            try:
-                memscale.wrap(m, config, sample_input=b.sample_input)
-            except memscale.MemoryBudgetError as exc:
-                return exc
-            return m._memscale_executor.plan  # type: ignore[union-attr]
-
-        model, batch, step, (plan, opt) = _prepared(entry, setup)
-        if isinstance(plan, memscale.MemoryBudgetError):
-            rows.append(
-                SweepRow(
-                    entry.name,
-                    "memscale",
-                    fraction,
-                    budget,
-                    None,
-                    None,
-                    False,
-                    min_budget_bytes=plan.min_budget_bytes,
-                    plan="no plan fits",
-                )
-            )
-        else:
-            report = _measure(step, model, batch, opt)
-            rows.append(
-                SweepRow(
-                    entry.name,
-                    "memscale",
-                    fraction,
-                    budget,
-                    report.peak_bytes,
-                    timed(step),
-                    report.peak_bytes <= budget,
-                    predicted_peak_bytes=plan.peak_projected_bytes,
-                    predicted_slowdown=plan.predicted_slowdown,
-                    plan=_plan_summary(plan),
-                    recompute_overhead=overhead(step),
-                    predicted_recompute_overhead=predicted_overhead(plan),
-                )
-            )
-            memscale.detach(model)
-        del model, batch, step, opt
+        for name, settings in MEMSCALE.items():
+            progress(f"{entry.name}: {name} at {fraction:.0%}")
+            rows.append(_memscale_row(entry, name, settings, fraction, budget, timed, overhead))
         for method, (peak, ratio, flops) in peer_rows.items():
             rows.append(
                 SweepRow(
@@ -328,22 +341,23 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
     for ax, res in zip(axes[0], results):
         mib = 2**20
-        ours = [r for r in res["rows"] if r["method"] == "memscale" and r["peak_bytes"]]
-        ax.plot(
-            [r["peak_bytes"] / mib for r in ours],
-            [r["recompute_overhead"] for r in ours],
-            "o-",
-            color="C0",
-            label="memscale (budget planner)",
-        )
-        for r in ours:
-            ax.annotate(
-                f"{r['fraction']:.0%}",
-                (r["peak_bytes"] / mib, r["recompute_overhead"]),
-                textcoords="offset points",
-                xytext=(4, 4),
-                fontsize=8,
+        for k, (name, style) in enumerate(zip(MEMSCALE, ("o-", "o--"))):
+            ours = [r for r in res["rows"] if r["method"] == name and r["peak_bytes"]]
+            ax.plot(
+                [r["peak_bytes"] / mib for r in ours],
+                [r["recompute_overhead"] for r in ours],
+                style,
+                color="C0" if k == 0 else "C5",
+                label=f"{name} (budget planner)",
             )
+            for r in ours:
+                ax.annotate(
+                    f"{r['fraction']:.0%}",
+                    (r["peak_bytes"] / mib, r["recompute_overhead"]),
+                    textcoords="offset points",
+                    xytext=(4, 4 if k == 0 else -10),
+                    fontsize=8,
+                )
         for i, method in enumerate(PEERS):
             r = next(r for r in res["rows"] if r["method"] == method)
             ax.scatter(
