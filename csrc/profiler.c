@@ -318,7 +318,24 @@ hold_address(Profiler *self, PyObject *tensor)
     PyObject *storage = PyObject_CallMethodNoArgs(tensor,
                                                   self->st->s_untyped_storage);
     if (storage == NULL) {
+        /* No storage to hold (sparse, some subclasses): nothing to keep
+           from being reused, as add_storage() counts nothing for it. */
+        if (PyErr_ExceptionMatches(PyExc_RuntimeError)
+            || PyErr_ExceptionMatches(PyExc_NotImplementedError)
+            || PyErr_ExceptionMatches(PyExc_AttributeError)
+            || PyErr_ExceptionMatches(PyExc_TypeError))
+        {
+            PyErr_Clear();
+            return 0;
+        }
         return -1;
+    }
+    if (self->held == NULL) {
+        self->held = PyList_New(0); /* released by release_addresses() */
+        if (self->held == NULL) {
+            Py_DECREF(storage);
+            return -1;
+        }
     }
     if (self->free_weak == NULL) {
         self->free_weak = PyObject_GetAttrString((PyObject *)Py_TYPE(storage),
@@ -354,11 +371,10 @@ release_addresses(Profiler *self)
     if (self->held == NULL) {
         return;
     }
+    /* Taken whole, so that nothing here allocates; hold_address() makes a
+       new list when it next needs one. */
     PyObject *held = self->held;
-    self->held = PyList_New(0);
-    if (self->held == NULL) {
-        PyErr_WriteUnraisable((PyObject *)self);
-    }
+    self->held = NULL;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(held); i++) {
         PyObject *r = self->free_weak == NULL
                           ? NULL
@@ -499,14 +515,11 @@ end_pass(Profiler *self, int ok)
     {
         rc = -1;
     }
-    if (PyList_GET_SIZE(self->held) > 0) {
+    if (self->held != NULL) {
         ms_exc_state saved;
         ms_exc_save(&saved);
         release_addresses(self);
         ms_exc_restore(&saved);
-        if (self->held == NULL) {
-            return PyErr_Occurred() ? -1 : (PyErr_NoMemory(), -1);
-        }
     }
     if (rc < 0 || !ok) {
         return rc;
@@ -856,13 +869,12 @@ prof_traverse(Profiler *self, visitproc visit, void *arg)
 static int
 prof_clear(Profiler *self)
 {
-    if (self->held != NULL && PyList_GET_SIZE(self->held) > 0) {
+    if (self->held != NULL) {
         ms_exc_state saved;
         ms_exc_save(&saved);
         release_addresses(self);
         ms_exc_restore(&saved);
     }
-    Py_CLEAR(self->held);
     Py_CLEAR(self->free_weak);
     Py_CLEAR(self->units);
     Py_CLEAR(self->index_of);

@@ -10,6 +10,7 @@ predictor's corrections, is :mod:`memscale._planner`'s job.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from . import _core, _costs, _distributed, _offload, _selective, _tiling, _torch_compat
 from ._hardware import Hardware
 from ._model import split_input, tensors_of
-from ._solve import OffloadInputs, PlanProblem, SolverInputs
+from ._solve import OffloadInputs, PlanProblem, SolverInputs, layer_stats
 from .config import GIB, Config, OptimizationMode
 
 logger = logging.getLogger(__name__)
@@ -426,7 +427,7 @@ def merged(first: Profile, measured: Profile, indices: set[int]) -> Profile:
         if called:
             flags &= ~LAYER_NOT_CALLED
         layers.append(
-            _core.LayerStats(
+            layer_stats(
                 (
                     a.name,
                     a.kind,
@@ -435,7 +436,8 @@ def merged(first: Profile, measured: Profile, indices: set[int]) -> Profile:
                     max(a.input_bytes, b.input_bytes),
                     max(a.flops, b.flops),
                     flags,
-                )
+                ),
+                a,
             )
         )
         detail = dict(db)
@@ -452,6 +454,18 @@ def merged(first: Profile, measured: Profile, indices: set[int]) -> Profile:
         measured.method,
         tuple(details),
     )
+
+
+def with_selective_profiles(measured: Profile, first: Profile) -> Profile:
+    """``measured`` (real steps, which record no op profile), with each
+    layer's selective profile from ``first`` (the fake pass's)."""
+    layers = tuple(
+        layer_stats(tuple(b), a)
+        if a.selective_saved_bytes is not None and b.selective_saved_bytes is None
+        else b
+        for a, b in zip(first.layers, measured.layers)
+    )
+    return dataclasses.replace(measured, layers=layers)
 
 
 def allowed_techniques(config: Config) -> int:

@@ -526,10 +526,19 @@ class Wrapping:
             tile_flags = [layer.flags & _core.LAYER_TILEABLE for layer in first.profile.layers]
             profile = _planning.profile_from(prof, self.units, "warmup", tile_flags)
             check = executor.recompute_check
-            if check is not None and check.failed:
-                # A layer the recompute check refused while measured: its
-                # saved tensors, held by the check, were not counted.
-                profile = _planning.merged(first.profile, profile, set(check.failed))
+            unseen = set(check.failed) if check is not None and check.failed else set()
+            # A layer the recompute check refused while measured: its saved
+            # tensors, held by the check, were not counted; nor were those
+            # of a layer run selective (torch's checkpoint takes them).
+            plan = executor.plan
+            if plan is not None:
+                unseen |= {
+                    i for i, layer in enumerate(plan.layers) if "selective" in layer.techniques
+                }
+            if unseen:
+                profile = _planning.merged(first.profile, profile, unseen)
+            # Real steps record no op profile: the fake pass's stays.
+            profile = _planning.with_selective_profiles(profile, first.profile)
             try:
                 plan = self.install(profile, first.offsets, apply=False, again=True)
             except BaseException:

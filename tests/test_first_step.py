@@ -429,3 +429,47 @@ def test_a_layer_failing_the_recompute_check_while_measured_keeps_its_fake_figur
     assert "checkpoint" not in ex.plan.layers[1].techniques
     assert "checkpoint" in ex.plan.layers[0].techniques
     memscale.detach(model)
+
+
+def test_layers_run_selective_while_measured_keep_their_figures_and_profile():
+    # With use_static_profiling=False the refined plan is made from real
+    # steps.  A layer the first plan runs selective saves through torch's
+    # checkpoint, which the measuring does not see, and real steps record
+    # no op profile: the layer keeps the fake pass's figures and selective
+    # profile, so the refined plan is not built from its input alone.
+    from conftest import mlp
+
+    x = torch.randn(8, 64, 32, generator=torch.Generator().manual_seed(0))
+    unoptimized = memscale.predict_peak(
+        mlp(depth=4), x, config=memscale.Config(memory_budget_gb=100)
+    )
+    budget = unoptimized.unoptimized.peak_bytes * 0.8 / 2**30
+    model = mlp(depth=4)
+    config = memscale.Config(
+        mode="balanced",
+        enable_offloading=False,
+        memory_budget_gb=budget,
+        use_static_profiling=False,
+        warmup_steps=2,
+        enable_logging=False,
+    )
+    memscale.wrap(model, config)
+    executor = model._memscale_executor
+    model(x).pow(2).mean().backward()
+    first = executor.plan
+    selective = [i for i, layer in enumerate(first.layers) if "selective" in layer.techniques]
+    assert selective, [layer.techniques for layer in first.layers]
+    first_saved = [layer.saved_bytes for layer in first.layers]
+    for _ in range(3):
+        model.zero_grad()
+        model(x).pow(2).mean().backward()
+    refined = executor.plan
+    assert refined is not first
+    for i in selective:
+        assert refined.layers[i].saved_bytes >= first_saved[i]
+    assert executor.profile.layers[selective[0]].selective_saved_bytes is not None
+    # The refined plan keeps what the budget needs: its measured peak fits.
+    model.zero_grad()
+    report = measure_peak(lambda: model(x).pow(2).mean().backward(), model=model, inputs=(x,))
+    assert report.peak_bytes <= refined.budget_bytes
+    memscale.detach(model)
