@@ -481,8 +481,17 @@ def allowed_techniques(config: Config) -> int:
     if config.enable_checkpointing and config.mode is not OptimizationMode.CONSERVATIVE:
         # Selective checkpointing inside a layer (memscale._selective): in
         # BALANCED and AGGRESSIVE; CONSERVATIVE checkpoints whole layers,
-        # as the frameworks' own gradient checkpointing does.
-        wanted |= _core.TECH_SELECTIVE
+        # as the frameworks' own gradient checkpointing does.  It needs
+        # torch's selective checkpoint as of the releases that pass the
+        # policy the op's output (not torch 2.4).
+        if _torch_compat.selective_supported():
+            wanted |= _core.TECH_SELECTIVE
+        else:
+            logger.info(
+                "memscale: selective checkpointing needs a newer torch than %s; "
+                "the plan checkpoints whole layers instead",
+                torch.__version__,
+            )
     if wanted & _core.TECH_OFFLOAD and not wanted & _core.TECH_CHECKPOINT:
         # Offload moves checkpointed layers' inputs: without checkpointing
         # there is nothing for it to move.

@@ -36,17 +36,12 @@ per element an op without a FLOP formula writes).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (
-    SAC_IGNORED_OPS,
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint
 from torch.utils.flop_counter import flop_registry
 
 from . import _torch_compat
@@ -92,10 +87,14 @@ def keeps(threshold: float, flops: float, nbytes: int, random: bool) -> bool:
 class LayerOps:
     """What the ops of one unit's forward cost: per call (FLOPs, bytes,
     elements, random); ``updates_state``: an op wrote one of the unit's
-    buffers or parameters in place (BatchNorm's running statistics)."""
+    buffers or parameters in place (BatchNorm's running statistics);
+    ``mutated``: the indices of the calls whose outputs a later op of the
+    unit writes in place or through ``out=`` (``nn.ReLU(inplace=True)``
+    after a Linear)."""
 
     calls: list[tuple[float, int, int, bool]]
     updates_state: bool = False
+    mutated: set[int] = field(default_factory=set)
 
 
 class OpRecorder(_DispatchMode):
@@ -109,6 +108,7 @@ class OpRecorder(_DispatchMode):
         self.ops = [LayerOps([]) for _ in units]
         self._current: int | None = None
         self._state: set[int] = set()  # ids of the current unit's buffers and parameters
+        self._producer: dict[int, int] = {}  # storage -> index of the call that wrote it new
         self._handles: list[Any] = []
         for i, unit in enumerate(units):
             self._handles.append(unit.register_forward_pre_hook(functools.partial(self._enter, i)))
@@ -117,9 +117,11 @@ class OpRecorder(_DispatchMode):
     def _enter(self, index: int, module: nn.Module, args: Any) -> None:
         self._current = index
         self._state = {id(t) for t in (*module.buffers(), *module.parameters())}
+        self._producer = {}
 
     def _leave(self, module: nn.Module, args: Any, out: Any) -> None:
         self._current = None
+        self._producer = {}
 
     def close(self) -> None:
         while self._handles:
@@ -133,16 +135,31 @@ class OpRecorder(_DispatchMode):
         index = self._current
         if index is not None and func not in SAC_IGNORED_OPS:
             ops = self.ops[index]
-            ops.calls.append(op_cost(func, args, kwargs, out))
-            if any(id(t) in self._state for t in _torch_compat.op_written_args(func, args, kwargs)):
+            written = [
+                t
+                for t in _torch_compat.op_written_args(func, args, kwargs)
+                if isinstance(t, torch.Tensor)
+            ]
+            if any(id(t) in self._state for t in written):
                 ops.updates_state = True
+            for t in written:
+                # A kept output written later would be the mutated value in
+                # the recompute (torch refuses it): note which call made it.
+                producer = self._producer.get(_torch_compat.storage_key(t))
+                if producer is not None:
+                    ops.mutated.add(producer)
+            if _torch_compat.op_writes_new(func):
+                for t in _outputs(out):
+                    self._producer[_torch_compat.storage_key(t)] = len(ops.calls)
+            ops.calls.append(op_cost(func, args, kwargs, out))
         return out
 
 
 def recorder(units: list[nn.Module]) -> OpRecorder | None:
     """An :class:`OpRecorder` of ``units``, or None where torch has no
-    dispatch modes."""
-    if _torch_compat.dispatch_mode_base() is None:
+    dispatch modes or cannot run selective checkpointing
+    (``_torch_compat.selective_supported``)."""
+    if _torch_compat.dispatch_mode_base() is None or not _torch_compat.selective_supported():
         return None
     return OpRecorder(units)
 
@@ -163,8 +180,10 @@ def layer_profile(ops: LayerOps, flops: float, saved_bytes: int) -> tuple[int, f
     limit = threshold(flops, saved_bytes)
     kept = 0
     cost = 0.0
-    for op_flops, nbytes, numel, random in ops.calls:
+    for i, (op_flops, nbytes, numel, random) in enumerate(ops.calls):
         if keeps(limit, op_flops, nbytes, random):
+            if i in ops.mutated:
+                return None
             kept += nbytes
         else:
             cost += op_flops if op_flops > 0.0 else float(numel)
@@ -184,12 +203,14 @@ def _policy(threshold: float) -> Any:
 def run(forward: Any, threshold: float, args: tuple, kwargs: dict) -> Any:
     """``forward(*args, **kwargs)`` checkpointed selectively: the outputs of
     ops the layer's ``threshold`` keeps are kept, the rest recomputed in
-    backward (RNG state restored, so random ops draw the same)."""
+    backward (RNG state restored, so random ops draw the same).  Each
+    backward of a ``retain_graph=True`` graph recomputes from the same kept
+    outputs (``_torch_compat.selective_contexts``)."""
     policy = _policy(threshold)
     return checkpoint(
         forward,
         *args,
         use_reentrant=False,
-        context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
+        context_fn=functools.partial(_torch_compat.selective_contexts, policy),
         **kwargs,
     )

@@ -311,3 +311,126 @@ def test_a_layer_that_updates_its_buffers_never_runs_selective():
         model, list(model.blocks.named_children()), x, memscale.Config()
     )
     assert all(layer.selective_saved_bytes is not None for layer in profile.layers)
+
+
+# ------------------------------------------------ in-place ops, retain_graph
+
+
+class _InplaceBlock(torch.nn.Module):
+    """Block with an in-place activation (``relu_`` writes fc1's output, a
+    kept matmul output) or an in-place dropout (it writes GELU's output,
+    which is recomputed)."""
+
+    def __init__(self, inplace_act: bool, width: int = 32, p: float = 0.1) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(width, 4 * width)
+        self.act = torch.nn.ReLU(inplace=True) if inplace_act else torch.nn.GELU()
+        self.drop = torch.nn.Dropout(p, inplace=not inplace_act)
+        self.fc2 = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(self.drop(self.act(self.fc1(x))))
+
+
+def _relu_inplace():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[_InplaceBlock(True) for _ in range(4)]).train()
+
+
+def _dropout_inplace():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[_InplaceBlock(False) for _ in range(4)]).train()
+
+
+def test_an_inplace_op_on_a_kept_output_gives_no_selective_profile():
+    """``nn.ReLU(inplace=True)`` writes fc1's output, which the policy
+    would keep: torch's selective checkpoint refuses a mutated cached
+    output in backward, so the layer has no selective profile, and the
+    plan checkpoints it whole, with bitwise gradients."""
+    model = _relu_inplace()
+    profile = _planning.profile_upfront(model, _units(model), X, memscale.Config())
+    assert all(layer.selective_saved_bytes is None for layer in profile.layers)
+    model, ref = _wrapped(_relu_inplace, X, 0.8)
+    assert "selective" not in {t for ts in _techniques(model) for t in ts}
+    assert ("checkpoint",) in _techniques(model)
+    for seed in range(2):
+        assert_same_step(model, ref, X, seed=seed, loss_fn=_mse)
+    memscale.detach(model)
+
+
+def test_an_inplace_op_on_a_recomputed_output_keeps_the_profile():
+    """An in-place dropout writes GELU's output, which is recomputed: the
+    layer keeps its selective profile and runs selective, bitwise."""
+    model = _dropout_inplace()
+    profile = _planning.profile_upfront(model, _units(model), X, memscale.Config())
+    assert all(layer.selective_saved_bytes == ROWS * (128 + 32) * 4 for layer in profile.layers)
+    model, ref = _wrapped(_dropout_inplace, X, 0.8)
+    assert ("selective",) in _techniques(model)
+    for seed in range(2):
+        assert_same_step(model, ref, X, seed=seed, loss_fn=_mse)
+    memscale.detach(model)
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_selective_layers_backward_twice_with_retain_graph_bitwise():
+    """``backward(retain_graph=True)`` then a second backward through the
+    same graph: each recomputes from the same kept outputs (torch's own
+    selective cache allows one backward), and the gradients after each
+    backward equal the unwrapped model's bit for bit (dropout replayed)."""
+    model, ref = _wrapped(_mlp, X, 0.7)
+    assert ("selective",) in _techniques(model)
+    for seed in range(2):
+        seen = []
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            out = m(X)
+            out.pow(2).mean().backward(retain_graph=True)
+            first = _grads(m)
+            out.sum().backward()
+            seen.append((first, _grads(m)))
+        for got, want in zip(seen[0], seen[1]):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    memscale.detach(model)
+
+
+# ------------------------------------------------------------ torch gate
+
+
+def test_selective_needs_a_torch_whose_policy_sees_the_op_output(monkeypatch):
+    """Torch's SelectiveCheckpointContext gained ``op_output`` after 2.4:
+    without it (or without the indexed cache) no op is recorded, no layer
+    gets a selective profile, and selective is not an allowed technique."""
+    from torch.utils import checkpoint as ckpt
+
+    from memscale import _torch_compat
+
+    config = memscale.Config(mode="balanced")
+    assert _torch_compat.selective_supported()
+    assert _planning.allowed_techniques(config) & _core.TECH_SELECTIVE
+
+    class OldContext:  # torch 2.4's signature
+        def __init__(self, *, is_recompute):
+            self.is_recompute = is_recompute
+
+    monkeypatch.setattr(ckpt, "SelectiveCheckpointContext", OldContext)
+    assert not _torch_compat._selective_check_uncached()
+    monkeypatch.undo()
+    monkeypatch.delattr(ckpt, "_CONSUMED")
+    assert not _torch_compat._selective_check_uncached()
+    monkeypatch.undo()
+    assert _torch_compat._selective_check_uncached()
+
+    monkeypatch.setattr(_torch_compat, "selective_supported", lambda: False)
+    assert not _planning.allowed_techniques(config) & _core.TECH_SELECTIVE
+    model = _mlp()
+    assert _selective.recorder(list(model.children())) is None
+    profile = _planning.profile_upfront(model, _units(model), X, config)
+    assert all(layer.selective_saved_bytes is None for layer in profile.layers)
+    model, ref = _wrapped(_mlp, X, 0.7)
+    assert "selective" not in {t for ts in _techniques(model) for t in ts}
+    assert_same_step(model, ref, X, loss_fn=_mse)
+    memscale.detach(model)
