@@ -120,8 +120,15 @@ class _Recomputed(torch.autograd.Function):
     forward than the same block checkpointed whole.)  Backward runs the
     tile again under the forward's autocast state and differentiates it on
     its own (``torch.autograd.grad``), so the step's own backward may be
-    ``torch.autograd.grad`` too.  No random numbers are drawn: models with
-    attention dropout are not tiled over queries."""
+    ``torch.autograd.grad`` too.  Besides the queries, keys, values and
+    mask, the trainable tensors the tile reads (the attention module's own
+    parameters, such as GPT-OSS's ``sinks``, and grad-requiring kwargs
+    tensors) are inputs too, and get their gradients, summed over tiles.
+    Backward is differentiable (``create_graph``, a gradient penalty): then
+    it differentiates the saved tensors themselves, and refuses a read
+    tensor that is also upstream of the queries, keys or values (its
+    gradient would be counted twice).  No random numbers are drawn: models
+    with attention dropout are not tiled over queries."""
 
     @staticmethod
     def forward(
