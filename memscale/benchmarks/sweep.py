@@ -50,7 +50,7 @@ SWEEP_MODELS = ("gpt2-12l", "llama-12l", "bert-12l")
 PEERS = ("checkpoint every block", "selective every block", "sqrt(n) segments")
 # memscale's rows: the method name and the Config it plans with (besides
 # the budget).  Offload stays off: the sweep compares recompute schedules.
-MEMSCALE = {
+MEMSCALE: dict[str, dict[str, Any]] = {
     "memscale": {"mode": memscale.OptimizationMode.BALANCED, "enable_offloading": False},
     "memscale conservative": {"mode": memscale.OptimizationMode.CONSERVATIVE},
 }
