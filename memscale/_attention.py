@@ -70,8 +70,25 @@ class _Tile:
         self.module, self.inner, self.kwargs = module, inner, kwargs
         self.causal, self.start, self.q_len = causal, start, q_len
 
+    def extras(self) -> list[torch.Tensor]:
+        """The trainable tensors the tile reads besides its queries, keys,
+        values and mask: the attention module's own parameters that require
+        grad (GPT-OSS reads ``module.sinks``) and the grad-requiring tensors
+        among ``kwargs``, each once."""
+        found: dict[int, torch.Tensor] = {}
+        params = self.module.parameters(recurse=False) if self.module is not None else ()
+        for t in (*params, *self.kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                found.setdefault(id(t), t)
+        return list(found.values())
+
     def __call__(
-        self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any
+        self,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: Any,
+        swap: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if self.causal:
             # Query i of the tile sits at position start + i (keys end
@@ -84,7 +101,10 @@ class _Tile:
             mask = torch.zeros(size, k_len, dtype=q.dtype, device=q.device)
             mask.masked_fill_(cols[None, :] > rows[:, None], torch.finfo(q.dtype).min)
             mask = mask[None, None]
-        return self.inner(self.module, q, key, value, mask, **self.kwargs)[0]
+        kwargs = self.kwargs
+        if swap:  # backward: kwargs tensors replaced by their stand-ins
+            kwargs = {k: swap.get(id(v), v) for k, v in kwargs.items()}
+        return self.inner(self.module, q, key, value, mask, **kwargs)[0]
 
 
 class _Recomputed(torch.autograd.Function):
@@ -100,12 +120,25 @@ class _Recomputed(torch.autograd.Function):
     forward than the same block checkpointed whole.)  Backward runs the
     tile again under the forward's autocast state and differentiates it on
     its own (``torch.autograd.grad``), so the step's own backward may be
-    ``torch.autograd.grad`` too.  No random numbers are drawn: models with
-    attention dropout are not tiled over queries."""
+    ``torch.autograd.grad`` too.  Besides the queries, keys, values and
+    mask, the trainable tensors the tile reads (the attention module's own
+    parameters, such as GPT-OSS's ``sinks``, and grad-requiring kwargs
+    tensors) are inputs too, and get their gradients, summed over tiles.
+    Backward is differentiable (``create_graph``, a gradient penalty): then
+    it differentiates the saved tensors themselves, and refuses a read
+    tensor that is also upstream of the queries, keys or values (its
+    gradient would be counted twice).  No random numbers are drawn: models
+    with attention dropout are not tiled over queries."""
 
     @staticmethod
     def forward(
-        ctx: Any, tile: _Tile, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any
+        ctx: Any,
+        tile: _Tile,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: Any,
+        *extras: torch.Tensor,
     ) -> torch.Tensor:
         ctx.tile = tile
         devices = ("cpu",) if q.device.type == "cpu" else ("cpu", q.device.type)
@@ -114,27 +147,88 @@ class _Recomputed(torch.autograd.Function):
         ]
         ctx.save_for_backward(q, key, value, mask if isinstance(mask, torch.Tensor) else None)
         ctx.mask = None if isinstance(mask, torch.Tensor) else mask
+        # The tile reads these itself (module attributes, kwargs); they are
+        # inputs so that they get their gradients.
+        ctx.extras = extras
         return tile(q, key, value, mask)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         q, key, value, mask = ctx.saved_tensors
         if mask is None:
             mask = ctx.mask
+        # With create_graph (a gradient penalty), the recompute reads the
+        # saved tensors themselves, so that the gradients it returns stay
+        # functions of the tensors upstream and can be differentiated
+        # again.  Otherwise it reads detached copies.
+        create = torch.is_grad_enabled()
         # A mask may be a learned bias: it gets its gradient too.
         needs = [bool(n) for n in ctx.needs_input_grad[1:5]]
         needs[3] = needs[3] and isinstance(mask, torch.Tensor)
         tensors = (q, key, value, mask)
-        inputs = [t.detach().requires_grad_(True) if n else t for t, n in zip(tensors, needs)]
+        inputs = [
+            (t if create and t.requires_grad else t.detach().requires_grad_(True)) if n else t
+            for t, n in zip(tensors, needs)
+        ]
+        extras = list(ctx.extras)
+        extra_needs = [bool(n) for n in ctx.needs_input_grad[5:]]
+        swap: dict[int, torch.Tensor] = {}
+        if not create:
+            # A computed (non-leaf) kwargs tensor is read through a leaf
+            # stand-in, so its gradient does not also reach the parameters
+            # it was computed from (they get it from autograd, through it).
+            for i, t in enumerate(extras):
+                if t.grad_fn is not None:
+                    extras[i] = swap[id(t)] = t.detach().requires_grad_(True)
+        wanted = [t for t, n in zip(inputs, needs) if n]
+        wanted += [t for t, n in zip(extras, extra_needs) if n]
+        if create:
+            _check_disjoint(wanted)
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
             for device, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-            out = ctx.tile(*inputs)
-        wanted = [t for t, n in zip(inputs, needs) if n]
-        got = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
-        return (None, *(next(got) if n else None for n in needs))
+            out = ctx.tile(*inputs, swap=swap)
+        got = iter(
+            torch.autograd.grad(out, wanted, grad, allow_unused=True, create_graph=create)
+            if wanted
+            else ()
+        )
+        return (
+            None,
+            *(next(got) if n else None for n in needs),
+            *(next(got) if n else None for n in extra_needs),
+        )
+
+
+def _check_disjoint(wanted: list[torch.Tensor]) -> None:
+    """Differentiating w.r.t. the saved tensors themselves, a wanted tensor
+    upstream of another would get its gradient twice (here, and again
+    through the other): refuse that rather than return a wrong gradient."""
+    targets = {id(t): t for t in wanted}
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in wanted if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            var = getattr(nxt, "variable", None)
+            if var is not None and id(var) in targets:
+                raise RuntimeError(
+                    "memscale: double backward through attention query tiles: a trainable "
+                    "tensor the attention reads is also upstream of its queries, keys or "
+                    "values, so its gradient would be counted twice (not supported)"
+                )
+            if any(t.grad_fn is nxt for t in wanted):
+                raise RuntimeError(
+                    "memscale: double backward through attention query tiles: a tensor "
+                    "the attention reads is computed from another it reads (not supported)"
+                )
+            stack.append(nxt)
 
 
 def _query_tiled(
@@ -166,7 +260,7 @@ def _query_tiled(
         ):
             mask = attention_mask.narrow(2, start, size)
         tile = _Tile(module, inner, causal, start, q_len, kwargs)
-        outs.append(_Recomputed.apply(tile, q, key, value, mask))
+        outs.append(_Recomputed.apply(tile, q, key, value, mask, *tile.extras()))
         start += size
     return torch.cat(outs, dim=1), None  # (batch, queries, heads, head dim)
 

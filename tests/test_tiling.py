@@ -544,3 +544,161 @@ def test_two_dimensional_inputs_and_the_last_layer():
     assert [m.forward.dim for m in model] == [0, 0]
     assert model._memscale_executor.stats["tiled_calls"] == 2
     memscale.detach(model)
+
+
+class _Executor:
+    """What ``_attention.attach`` needs of an executor (no detach here)."""
+
+    def on_detach(self, fn):
+        pass
+
+    def on_copy(self, fn):
+        pass
+
+
+def test_query_tiles_give_the_attention_sinks_their_gradient():
+    """Regression (review): the tiles differentiated only their queries,
+    keys, values and mask, so GPT-OSS's ``sinks`` (a parameter the
+    attention reads, passed as ``s_aux``) got no gradient at all."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from memscale import _attention as attention
+
+    cfg = GptOssConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        layer_types=["full_attention"],
+        max_position_embeddings=64,
+    )
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(cfg).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_()
+    ref = copy.deepcopy(model)
+    assert attention.attach(_Executor(), model, 4)
+    ids = torch.randint(0, 64, (2, 16))
+    for m in (ref, model):
+        m(ids, labels=ids).loss.backward()
+    sinks = [n for n, _ in model.named_parameters() if n.endswith("sinks")]
+    assert sinks
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            # Summed over tiles instead of in one reduction: close, not bitwise.
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
+
+
+class _Sinks(nn.Module):
+    """An attention that reads a parameter of its own and a computed
+    tensor from its keyword arguments, like GPT-OSS's sinks."""
+
+    def __init__(self):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.randn(2))
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+
+def _sink_attention(module, q, k, v, mask, bias=None, **kw):
+    s = (q @ k.transpose(-1, -2)) * module.scale
+    if mask is not None:
+        s = s + mask
+    if bias is not None:
+        s = s + bias
+    sinks = module.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
+    p = torch.cat([s, sinks], dim=-1).softmax(-1)[..., :-1]
+    return (p @ v).transpose(1, 2), None
+
+
+def _sink_case(tiled: bool, penalty: bool):
+    from memscale._attention import _Recomputed, _Tile
+
+    torch.manual_seed(0)
+    module = _Sinks().double()  # float64: the tiles sum in another order
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(1, 1, 6, 6, dtype=torch.float64)
+    x = q * 1.5  # the tiles' queries have a history upstream
+    bias = w.sin()  # computed, in the kwargs
+    if tiled:
+        outs = []
+        for start in (0, 3):
+            tile = _Tile(module, _sink_attention, False, start, 6, {"bias": bias})
+            args = (x.narrow(2, start, 3), k, v, mask.narrow(2, start, 3))
+            outs.append(_Recomputed.apply(tile, *args, *tile.extras()))
+        out = torch.cat(outs, dim=1)
+    else:
+        out = _sink_attention(module, x, k, v, mask, bias=bias)[0]
+    leaves = [q, k, v, w, module.sinks, module.scale]
+    loss = out.pow(2).sum()
+    if penalty:
+        grads = torch.autograd.grad(loss, leaves, create_graph=True)
+        loss = loss + sum(g.pow(2).sum() for g in grads)
+    loss.backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("penalty", [False, True])
+def test_query_tiles_differentiate_what_the_attention_reads(penalty):
+    """Every trainable tensor a tile reads gets its gradient (the module's
+    parameters, a computed kwargs tensor and what it came from), and the
+    tiles are twice differentiable: a gradient penalty through them equals
+    the untiled one (regression: ``once_differentiable`` raised)."""
+    got, want = _sink_case(True, penalty), _sink_case(False, penalty)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a is not None, i
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), (i, rel(a, b))
+
+
+def test_a_gradient_penalty_through_wrapped_query_tiles_agrees():
+    """Regression (review): a gradient penalty (``create_graph=True``)
+    through a model whose attention is tiled over queries raised
+    (``once_differentiable``); it now equals the unwrapped model's."""
+    from memscale import _attention as attention
+
+    model, ref = _gpt2("eager"), _gpt2("eager")
+    ref.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (2, 64))
+    memscale.wrap(model, FORCE_TILE, sample_input={"input_ids": ids})
+    assert model.config._attn_implementation == attention.NAME
+    for m in (ref, model):
+        emb = m.transformer.wte(ids)
+        loss = m(inputs_embeds=emb, labels=ids).loss
+        (g,) = torch.autograd.grad(loss, emb, create_graph=True)
+        (loss + g.pow(2).sum()).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert rel(p.grad, q.grad) <= 1e-5, name
+    memscale.detach(model)
+
+
+def test_double_backward_refuses_a_read_tensor_upstream_of_the_queries():
+    """A parameter the attention reads that the queries were also computed
+    from would get its gradient twice when the tile differentiates the
+    saved queries themselves (create_graph): refused, not miscounted."""
+    from memscale._attention import _Recomputed, _Tile
+
+    module = _Sinks()
+    q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
+    x = q * module.scale  # the queries depend on a parameter the tile reads
+    tile = _Tile(module, _sink_attention, False, 0, 6, {})
+    out = _Recomputed.apply(tile, x, k, v, None, *tile.extras())
+    with pytest.raises(RuntimeError, match="counted twice"):
+        torch.autograd.grad(out.pow(2).sum(), [module.scale], create_graph=True)
+    # First order reads detached copies: no double count there (the total
+    # gradient: direct, and through the queries).
+    x = q * module.scale
+    out = _Recomputed.apply(tile, x, k, v, None, *tile.extras())
+    (got,) = torch.autograd.grad(out.pow(2).sum(), [module.scale])
+    x = q * module.scale
+    out = _sink_attention(module, x, k, v, None)[0]
+    (want,) = torch.autograd.grad(out.pow(2).sum(), [module.scale])
+    assert torch.allclose(got, want, rtol=1e-5)
