@@ -14,7 +14,7 @@ import torch
 from conftest import mlp
 
 import memscale
-from memscale import _costs, _planning, costs
+from memscale import _core, _costs, _model, _planner, _planning, costs
 from memscale._hardware import detect
 from memscale._solve import OffloadInputs
 
@@ -70,29 +70,32 @@ def test_a_measurement_is_kept_for_this_machine_and_used_by_the_planner(cache):
     assert not list(cache.glob("*.tmp"))
 
 
-def _offloads(budget_gb: float) -> tuple[int, str]:
+FAST_DISK = {"flop_rate": 1e8, "host_bw": 0.0, "disk_bw": 1e15, "tile_overhead": 3e-5}
+
+
+def _solver_plan(budget_gb: float):
+    """The budget planner's own plan (before any simulated check) for an
+    8-block MLP whose inputs are worth offloading."""
     torch.manual_seed(0)
     model = mlp(depth=8, width=256)
     x = torch.randn(2048, 256)
     config = memscale.Config(
         memory_budget_gb=budget_gb, mode=memscale.OptimizationMode.BALANCED, async_offload=False
     )
-    memscale.wrap(model, sample_input=x, config=config)
-    try:
-        plan = model._memscale_executor.plan
-        return plan.technique_counts["offload"], plan.hash
-    finally:
-        memscale.detach(model)
+    profile = _planning.profile_upfront(model, _core.find_units(model), x, config)
+    return _planner.make_plan(profile, config, detect("cpu"), _model.fixed_bytes(model, None))
 
 
 def test_measured_costs_change_the_plan_and_plans_stay_deterministic(cache):
-    offloaded, default_hash = _offloads(0.1)
-    assert offloaded > 0  # the default disk bandwidth makes offload pay here
-    _write(SLOW_DISK)
-    slow, slow_hash = _offloads(0.1)
-    assert slow == 0  # a disk at 1 kB/s never pays
-    assert slow_hash != default_hash
-    assert _offloads(0.1) == (slow, slow_hash)  # same machine, cache, Config
+    default = _solver_plan(0.1)
+    assert default.fits and default.technique_counts["offload"] == 0
+    # A measurement where recompute is slow and the disk free: the planner
+    # offloads inputs instead of recomputing.
+    _write(FAST_DISK)
+    measured = _solver_plan(0.1)
+    assert measured.fits and measured.technique_counts["offload"] > 0
+    assert measured.hash != default.hash
+    assert _solver_plan(0.1).hash == measured.hash  # same machine, cache, Config
 
 
 def test_another_machines_measurement_is_ignored_with_one_warning(cache, caplog):
