@@ -98,12 +98,14 @@ def _read_profile(profiler: Any, units: list[tuple[str, nn.Module]], ops: Any = 
 
 def _verifiable(plan: Any, forced: Any) -> bool:
     """Whether simulating ``plan`` tells something new: it fits, it
-    checkpoints, no layer is tiled (the simulation runs tiled layers
-    whole) and it is not every layer checkpointed alone (simulated)."""
+    checkpoints or runs layers selective, no layer is tiled (the
+    simulation runs tiled layers whole) and it is not every layer
+    checkpointed alone (simulated)."""
+    counts = plan.technique_counts
     return bool(
         plan.fits
-        and plan.technique_counts["checkpoint"]
-        and not plan.technique_counts["tiling"]
+        and (counts["checkpoint"] or counts.get("selective", 0))
+        and not counts["tiling"]
         and not _same_choices(plan, forced)
     )
 
@@ -302,7 +304,10 @@ class PredictionSession:
         if (
             plan.skipped
             or config.force_optimize
-            or (not plan.technique_counts["checkpoint"] and plan.fits)
+            or (
+                not (plan.technique_counts["checkpoint"] or plan.technique_counts["selective"])
+                and plan.fits
+            )
         ):
             return offset, offset
         forced = make_plan(profile, fallback_config(config, True), hw, fixed, peak_offset=offset)
