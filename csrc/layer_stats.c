@@ -111,13 +111,12 @@ parse_str(PyObject *item, Py_ssize_t index, int f, PyObject **out)
     return 0;
 }
 
-/* An int field.  Not an int: a TypeError naming the field.  Beyond a long
-   long: *out = LLONG_MAX, which every range check below refuses (with the
-   value as given). */
+/* An int field's value v.  Not an int: a TypeError naming the field.
+   Beyond a long long: *out = LLONG_MAX, which every range check below
+   refuses (with the value as given). */
 static int
-parse_ll(PyObject *item, Py_ssize_t index, int f, long long *out)
+ll_value(PyObject *v, Py_ssize_t index, int f, long long *out)
 {
-    PyObject *v = PyTuple_GET_ITEM(item, f);
     long long x = PyLong_AsLongLong(v);
     if (x == -1 && PyErr_Occurred()) {
         if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
@@ -139,8 +138,19 @@ parse_ll(PyObject *item, Py_ssize_t index, int f, long long *out)
 }
 
 static int
-check_bytes(PyObject *v, Py_ssize_t index, int f, long long x, int64_t *out)
+parse_ll(PyObject *item, Py_ssize_t index, int f, long long *out)
 {
+    return ll_value(PyTuple_GET_ITEM(item, f), index, f, out);
+}
+
+/* A size in bytes (field f's value v): an int in [0, 2**50]. */
+static int
+bytes_value(PyObject *v, Py_ssize_t index, int f, int64_t *out)
+{
+    long long x;
+    if (ll_value(v, index, f, &x) < 0) {
+        return -1;
+    }
     if (x < 0 || x > MS_MAX_BYTES) {
         PyErr_Format(PyExc_ValueError,
                      "layers[%zd].%s must be >= 0 and <= 2**50 bytes, got %R",
@@ -154,15 +164,28 @@ check_bytes(PyObject *v, Py_ssize_t index, int f, long long x, int64_t *out)
 static int
 parse_bytes(PyObject *item, Py_ssize_t index, int f, int64_t *out)
 {
-    long long x;
-    if (parse_ll(item, index, f, &x) < 0) {
-        return -1;
+    return bytes_value(PyTuple_GET_ITEM(item, f), index, f, out);
+}
+
+/* A field past the tuple, by name: a new reference, or None (new) when
+   the item has no such field (a plain tuple) or it is None; NULL with an
+   error otherwise. */
+static PyObject *
+named_field(PyObject *item, int f)
+{
+    PyObject *v = PyObject_GetAttrString(item, fields[f].name);
+    if (v == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            return NULL;
+        }
+        PyErr_Clear();
+        return Py_NewRef(Py_None);
     }
-    return check_bytes(PyTuple_GET_ITEM(item, f), index, f, x, out);
+    return v;
 }
 
 /* backward_bytes: the eighth item of a plain tuple, or the attribute of a
-   LayerStats (None: 0). */
+   LayerStats (None, or a tuple subclass without it: 0, not measured). */
 static int
 parse_backward(PyObject *item, Py_ssize_t index, int64_t *out)
 {
@@ -175,38 +198,12 @@ parse_backward(PyObject *item, Py_ssize_t index, int64_t *out)
         return 0;
     }
     else {
-        v = PyObject_GetAttrString(item, fields[F_BACKWARD_BYTES].name);
+        v = named_field(item, F_BACKWARD_BYTES);
         if (v == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-                return -1;
-            }
-            PyErr_Clear(); /* a tuple subclass without it: not measured */
-            return 0;
-        }
-    }
-    if (v == Py_None) {
-        Py_DECREF(v);
-        return 0;
-    }
-    long long x = PyLong_AsLongLong(v);
-    if (x == -1 && PyErr_Occurred()) {
-        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
-            PyErr_Clear();
-            x = LLONG_MAX;
-        }
-        else {
-            if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-                PyErr_Clear();
-                PyErr_Format(PyExc_TypeError,
-                             "layers[%zd].backward_bytes must be an int or "
-                             "None, got %.200s",
-                             index, Py_TYPE(v)->tp_name);
-            }
-            Py_DECREF(v);
             return -1;
         }
     }
-    int rc = check_bytes(v, index, F_BACKWARD_BYTES, x, out);
+    int rc = v == Py_None ? 0 : bytes_value(v, index, F_BACKWARD_BYTES, out);
     Py_DECREF(v);
     return rc;
 }
@@ -242,23 +239,6 @@ parse_flops(PyObject *item, Py_ssize_t index, double *out)
                              out);
 }
 
-/* A field past the tuple (F_SEL_*), by name: a new reference, or None
-   (new) when the item has no such field (a plain tuple) or it is None;
-   NULL with an error otherwise. */
-static PyObject *
-named_field(PyObject *item, int f)
-{
-    PyObject *v = PyObject_GetAttrString(item, fields[f].name);
-    if (v == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            return NULL;
-        }
-        PyErr_Clear();
-        return Py_NewRef(Py_None);
-    }
-    return v;
-}
-
 /* The selective profile of a layer, when it has one (both fields given):
    out->flags gets MS_LAYER_SELECTIVE.  0, or -1 with an error naming the
    layer and the field. */
@@ -288,33 +268,10 @@ parse_selective(PyObject *item, Py_ssize_t index, ms_layer *out)
         rc = -1;
         goto done;
     }
-    long long x = PyLong_AsLongLong(saved);
-    if (x == -1 && PyErr_Occurred()) {
-        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
-            PyErr_Clear();
-            x = LLONG_MAX;
-        }
-        else {
-            if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-                PyErr_Clear();
-                PyErr_Format(PyExc_TypeError,
-                             "layers[%zd].selective_saved_bytes must be an "
-                             "int, got %.200s",
-                             index, Py_TYPE(saved)->tp_name);
-            }
-            rc = -1;
-            goto done;
-        }
-    }
-    if (x < 0 || x > MS_MAX_BYTES) {
-        PyErr_Format(PyExc_ValueError,
-                     "layers[%zd].selective_saved_bytes must be >= 0 and <= "
-                     "2**50 bytes, got %R",
-                     index, saved);
-        rc = -1;
+    rc = bytes_value(saved, index, F_SEL_SAVED, &out->sel_saved_bytes);
+    if (rc < 0) {
         goto done;
     }
-    out->sel_saved_bytes = x;
     rc = parse_flops_value(flops, index, F_SEL_FLOPS, &out->sel_flops);
     if (rc == 0) {
         out->flags |= MS_LAYER_SELECTIVE;

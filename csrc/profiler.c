@@ -54,6 +54,23 @@ typedef struct {
 
 /* ---- storage accounting ------------------------------------------- */
 
+/* After a failure to read a tensor's storage: whether it is one a tensor
+   without a storage raises (sparse, some subclasses), then cleared, so
+   that the user's forward does not fail for what is only counting. */
+static int
+storage_less(void)
+{
+    if (PyErr_ExceptionMatches(PyExc_RuntimeError)
+        || PyErr_ExceptionMatches(PyExc_NotImplementedError)
+        || PyErr_ExceptionMatches(PyExc_AttributeError)
+        || PyErr_ExceptionMatches(PyExc_TypeError))
+    {
+        PyErr_Clear();
+        return 1;
+    }
+    return 0;
+}
+
 /* Add tensor's storage to `keys` unless seen or a parameter; return the
    bytes added (0 if none) or -1 with an exception set. */
 static long long
@@ -64,15 +81,7 @@ add_storage(Profiler *self, PyObject *tensor, PyObject *keys)
     if (ms_storage_key_and_size(self->st, tensor, &key, &nbytes) < 0) {
         /* Tensors without a storage (sparse, some subclasses): count
            nothing rather than fail the user's forward. */
-        if (PyErr_ExceptionMatches(PyExc_RuntimeError)
-            || PyErr_ExceptionMatches(PyExc_NotImplementedError)
-            || PyErr_ExceptionMatches(PyExc_AttributeError)
-            || PyErr_ExceptionMatches(PyExc_TypeError))
-        {
-            PyErr_Clear();
-            return 0;
-        }
-        return -1;
+        return storage_less() ? 0 : -1;
     }
     int r = PySet_Contains(self->param_keys, key);
     if (r == 0) {
@@ -320,15 +329,7 @@ hold_address(Profiler *self, PyObject *tensor)
     if (storage == NULL) {
         /* No storage to hold (sparse, some subclasses): nothing to keep
            from being reused, as add_storage() counts nothing for it. */
-        if (PyErr_ExceptionMatches(PyExc_RuntimeError)
-            || PyErr_ExceptionMatches(PyExc_NotImplementedError)
-            || PyErr_ExceptionMatches(PyExc_AttributeError)
-            || PyErr_ExceptionMatches(PyExc_TypeError))
-        {
-            PyErr_Clear();
-            return 0;
-        }
-        return -1;
+        return storage_less() ? 0 : -1;
     }
     if (self->held == NULL) {
         self->held = PyList_New(0); /* released by release_addresses() */
@@ -803,10 +804,10 @@ prof_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->param_keys = PySet_New(NULL);
     self->handles = PyList_New(0);
     self->stack = PyList_New(0);
-    self->held = PyList_New(0);
+    /* self->held: made by hold_address() when a pass first holds one */
     if (self->units == NULL || self->index_of == NULL
         || self->param_keys == NULL || self->handles == NULL
-        || self->stack == NULL || self->held == NULL)
+        || self->stack == NULL)
     {
         goto error;
     }
