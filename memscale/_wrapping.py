@@ -515,7 +515,7 @@ class Wrapping:
         saved-tensor hook, which takes the tensors in place of the
         profiler's (``csrc/frame.c``); the recompute check's second run of
         a layer counts no FLOPs (``_planning.WarmupFlops``)."""
-        executor, config = self.attached, self.config
+        executor = self.attached
         flops = _planning.WarmupFlops()
         profiler = _planning.new_warmup_profiler(self.model, self.units, flops)
 
@@ -547,19 +547,14 @@ class Wrapping:
             _telemetry.plan_built(executor, plan, self.model)
             return plan
 
-        try:
-            executor.start_profiling(profiler, on_profiled)
-        except BaseException:
-            profiler.detach()
-            raise
-        executor.__dict__["_warmup_flops"] = flops  # dropped by detach
-        logger.log(
-            logging.INFO if config.enable_logging else logging.DEBUG,
+        self._measure(
+            profiler,
+            on_profiled,
             "memscale: measuring %d training forward passes for real under "
             "this plan (Config.use_static_profiling=False), then planning "
             "again from what they measured",
-            config.warmup_steps,
         )
+        executor.__dict__["_warmup_flops"] = flops  # dropped by detach
 
     def plan_after_warmup(self) -> None:
         """Measure the first ``warmup_steps`` training forwards for real
@@ -580,15 +575,26 @@ class Wrapping:
             _telemetry.plan_built(executor, plan, self.model)
             return plan
 
+        self._measure(
+            profiler,
+            on_profiled,
+            "memscale: profiling the first %d training forward passes for "
+            "real (they run unoptimized), then planning",
+        )
+
+    def _measure(self, profiler: Any, on_profiled: Any, message: str) -> None:
+        """Measure the next ``warmup_steps`` training forwards with
+        ``profiler``, then call ``on_profiled``; ``message`` (with the step
+        count) says so in the log."""
+        config = self.config
         try:
-            executor.start_profiling(profiler, on_profiled)
+            self.attached.start_profiling(profiler, on_profiled)
         except BaseException:
             profiler.detach()
             raise
         logger.log(
             logging.INFO if config.enable_logging else logging.DEBUG,
-            "memscale: profiling the first %d training forward passes for "
-            "real (they run unoptimized), then planning",
+            message,
             config.warmup_steps,
         )
 

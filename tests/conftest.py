@@ -126,6 +126,28 @@ def tiny_gpt2(dropout: float = 0.1, **config):
     return GPT2LMHeadModel(GPT2Config(**{**fields, **config}))
 
 
+def tiny_llama(**config):
+    """A 2-block Llama (64 wide, 256 tokens, grouped-query attention);
+    ``config`` overrides any LlamaConfig field."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    fields = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(LlamaConfig(**{**fields, **config}))
+
+
 def tiny_bert(dropout: float = 0.1):
     from transformers import BertConfig, BertForMaskedLM
 

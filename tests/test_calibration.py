@@ -5,8 +5,8 @@ simulations."""
 
 from __future__ import annotations
 
+import conftest
 import pytest
-import torch
 from conftest import tiny_gpt2, token_batch
 
 import memscale
@@ -18,23 +18,7 @@ QUIET = memscale.Config(mode="conservative", enable_logging=False)
 
 
 def tiny_llama(layers: int = 4):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(cfg)
+    return conftest.tiny_llama(num_hidden_layers=layers)
 
 
 def _batch():

@@ -6,6 +6,7 @@ on the benchmark models."""
 
 from __future__ import annotations
 
+import conftest
 import pytest
 import torch
 from conftest import mlp, tiny_gpt2
@@ -17,23 +18,7 @@ MODES = ("conservative", "balanced", "aggressive")
 
 
 def tiny_llama(vocab: int = 256):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(cfg)
+    return conftest.tiny_llama(vocab_size=vocab, intermediate_size=160, num_hidden_layers=3)
 
 
 def _hf(factory, vocab: int = 256):

@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from conftest import CNN, hook_count, mlp, tiny_gpt2, token_batch
+from conftest import CNN, hook_count, mlp, tiny_gpt2, tiny_llama, token_batch
 from torch import nn
 
 import memscale
@@ -26,26 +26,6 @@ from memscale.predictor import DeviceSpec, PeakPrediction, _workspace
 FORCE = memscale.Config(mode="conservative", force_optimize=True, enable_logging=False)
 QUIET = memscale.Config(enable_logging=False)
 TOLERANCE = 0.005
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(cfg)
 
 
 def _mse_target():
