@@ -26,19 +26,14 @@ ms_mem_terms_of(const ms_layer *L, size_t n, const ms_solver_choice *c,
             continue;
         }
         size_t j = i;
-        int64_t transient = 0, backward = 0;
+        int64_t saved = 0, transient = 0;
         while (j < n && c[j].seg_start == (int)i) {
-            transient = ms_add_sat(transient, ms_mem_saved(&L[j]));
-            if (ms_mem_backward(&L[j]) > backward) {
-                backward = ms_mem_backward(&L[j]);
-            }
+            saved = ms_add_sat(saved, ms_mem_saved(&L[j]));
+            transient = ms_mem_seg_step(transient, saved, &L[j]);
             j++;
         }
         if (c[i].tiles > 1) {
             transient = ms_mem_tile_share(&L[i], c[i].tiles);
-        }
-        else {
-            transient = ms_add_sat(transient, backward);
         }
         int64_t at = ms_add_sat(held, transient);
         if (at > worst) {

@@ -8,10 +8,12 @@
  * a) holds that input, or nothing when it is offloaded.  When backward
  * reaches a segment, everything held before it is still held and the
  * recompute adds the saved tensors of the segment's layers (one tile's
- * share of them for a tiled single layer) and the largest backward term
- * of its layers (what a layer's recompute and backward need beyond its
- * saved tensors: gradients in flight, temporaries; measured per layer by
- * the OOM predictor, 0 when not measured).  A selective layer (kept as a
+ * share of them for a tiled single layer); when backward reaches each of
+ * its layers, the saved tensors of the layers up to it are alive and its
+ * backward term adds to them (what a layer's recompute and backward need
+ * beyond its saved tensors: gradients in flight, temporaries; measured per
+ * layer by the OOM predictor, 0 when not measured): the segment's term is
+ * the largest of these (ms_mem_seg_step).  A selective layer (kept as a
  * unit, ms_solver_choice.selective) holds its input and the outputs of its
  * costly ops; at its backward the cheap ones are recomputed, so it then
  * holds ms_mem_selective_backward (a recompute term like a segment's,
@@ -87,6 +89,20 @@ static inline int64_t
 ms_mem_backward(const ms_layer *layer)
 {
     return ms_nonneg(layer->backward_bytes);
+}
+
+/* A segment's recompute term, one layer further: `worst` over its layers
+   so far, `saved` the saved tensors of its layers up to and including
+   `layer`.  When backward reaches a layer of a recomputed segment, the
+   saved tensors of the segment's layers up to it are alive (those after it
+   were freed by their backward) and its own backward term adds to them
+   (which counts what is in flight then, the gradients of the layers after
+   it among them): the segment's term is the largest of these. */
+static inline int64_t
+ms_mem_seg_step(int64_t worst, int64_t saved, const ms_layer *layer)
+{
+    int64_t at = ms_add_sat(saved, ms_mem_backward(layer));
+    return at > worst ? at : worst;
 }
 
 /* What the recompute of a single layer in `tiles` tiles adds: one tile's

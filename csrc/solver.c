@@ -344,14 +344,16 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
     int64_t *SP = malloc((n + 1) * sizeof(int64_t)); /* saved prefix */
     double *P = malloc((n + 1) * sizeof(double));    /* cost prefix */
     size_t *run_end = malloc((n ? n : 1) * sizeof(size_t));
-    /* bw[k]: the largest backward term of layers i .. i + k - 1 (row i). */
-    int64_t *bw = malloc((W + 1) * sizeof(int64_t));
+    /* rt[k]: the recompute term of the segment i .. i + k - 1 (row i,
+       ms_mem_seg_step): the largest over its layers m of saved(i .. m) +
+       backward(m).  Non-decreasing in k. */
+    int64_t *rt = malloc((W + 1) * sizeof(int64_t));
     t.leaf = malloc(width * t.leaves * sizeof(cand));
     t.node = calloc(width * t.leaves, sizeof(uint32_t));
     int rc = -1;
     if (cur == NULL || next == NULL || back == NULL || SP == NULL || P == NULL
         || run_end == NULL || t.leaf == NULL || t.node == NULL
-        || cur_held == NULL || next_held == NULL || bw == NULL)
+        || cur_held == NULL || next_held == NULL || rt == NULL)
     {
         goto done;
     }
@@ -410,10 +412,10 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
         int ok_tile = ok_ckpt && can_tile(p, &L[i]);
         double off_cost = ok_off ? ms_solver_offload_seconds(p, &L[i]) : 0.0;
         size_t last = run_end[i] < i + W ? run_end[i] : i + W; /* exclusive */
-        bw[0] = 0;
+        rt[0] = 0;
         for (size_t k = i; k < last; k++) {
-            int64_t b = ms_mem_backward(&L[k]);
-            bw[k - i + 1] = b > bw[k - i] ? b : bw[k - i];
+            rt[k - i + 1] = ms_mem_seg_step(rt[k - i], SP[k + 1] - SP[i],
+                                            &L[k]);
         }
         for (size_t h = 0; h < width; h++) {
             double v = cur[h];
@@ -462,13 +464,13 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             int64_t in_bytes = ms_add_sat(held, ms_mem_stored(&L[i], 0));
             int in_fits = in_bytes <= BE;
             size_t hin = in_fits ? (size_t)(in_bytes / bucket) : 0;
-            if (ms_add_sat(SP[i + 1] - SP[i], bw[1]) <= room) {
+            if (rt[1] <= room) {
                 /* The longest segment whose recompute fits: binary search
-                   on the saved-bytes prefix (it only grows). */
+                   on its recompute term (it only grows). */
                 size_t lo = i + 1, hi = last;
                 while (lo < hi) {
                     size_t mid = lo + (hi - lo + 1) / 2;
-                    if (ms_add_sat(SP[mid] - SP[i], bw[mid - i]) <= room) {
+                    if (rt[mid - i] <= room) {
                         lo = mid;
                     }
                     else {
@@ -486,7 +488,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             }
             /* One layer in tiles, when it does not fit whole: the fewest
                tiles whose share fits. */
-            if (ok_tile && ms_add_sat(ms_mem_saved(&L[i]), bw[1]) > room) {
+            if (ok_tile && rt[1] > room) {
                 int lg = 1;
                 for (int tl = 2; tl <= MS_MAX_TILES; tl *= 2, lg++) {
                     if (ms_mem_tile_share(&L[i], tl) > room) {
@@ -574,7 +576,7 @@ done:
     free(SP);
     free(P);
     free(run_end);
-    free(bw);
+    free(rt);
     free(t.leaf);
     free(t.node);
     return rc;

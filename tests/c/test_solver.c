@@ -182,6 +182,31 @@ test_model(void)
     CHECK(ms_solver_check(&p, L, 3, e) == -1); /* segment not a run */
     ms_solver_choice g[3] = {{0, 0, 2, 0}, {0, 0, 1, 0}, {-1, 0, 1, 0}};
     CHECK(ms_solver_check(&p, L, 3, g) == -1); /* tiles on a 2-layer segment */
+    {
+        /* A segment's backward terms: when backward reaches a layer, the
+           saved tensors of the layers up to it are alive, not those after
+           it (their backward is done).  Segment [0..2] of saved 10/20/30,
+           backward 25/5/0: max(10 + 25, 30 + 5, 60 + 0) = 60, not
+           60 + 25; with backward 45 on layer 0: 10 + 45 = 55 < 60; 55 on
+           layer 1: 30 + 55 = 85. */
+        ms_layer B[3] = {layer(10, 2, 1, 0), layer(20, 3, 2, 0),
+                         layer(30, 4, 4, 0)};
+        ms_solver_choice s[3] = {{0, 0, 1, 0}, {0, 0, 1, 0}, {0, 0, 1, 0}};
+        B[0].backward_bytes = 25;
+        B[1].backward_bytes = 5;
+        CHECK(model_peak(B, 3, s) == 60);
+        B[0].backward_bytes = 45;
+        CHECK(model_peak(B, 3, s) == 60);
+        B[1].backward_bytes = 55;
+        CHECK(model_peak(B, 3, s) == 85);
+        /* The solver agrees: 60 fits the first two, not the third. */
+        ms_solver_problem q = problem(84, MS_TECH_CHECKPOINT);
+        ms_solver_choice out[3];
+        ms_solver_result r;
+        B[1].backward_bytes = 5;
+        CHECK(ms_solve(&q, B, 3, out, &r) == 0 && r.feasible);
+        CHECK(r.peak_bytes == bpeak(&q, B, 3, out));
+    }
     group_end("model");
 }
 
@@ -390,6 +415,9 @@ random_chain(ms_layer *L, size_t n, int64_t scale)
         }
         L[i] = layer(rnd_range(0, scale), rnd_range(0, scale / 2),
                      (double)rnd_range(0, 20), flags);
+        if (rnd() % 2 == 0) {
+            L[i].backward_bytes = rnd_range(0, scale / 2);
+        }
         if (rnd() % 2 == 0) {
             L[i].flags |= MS_LAYER_SELECTIVE;
             L[i].sel_saved_bytes = rnd_range(0, scale / 2);
