@@ -355,8 +355,13 @@ class PredictionSession:
     ) -> int:
         """No plan fits ``config``'s budget: the least budget the planner
         reaches with the per-layer terms, checked by simulating its plan
-        there once (the one verification); when that plan needs more, the
-        simulated peak of every layer checkpointed alone."""
+        there once (the one verification).  When that plan needs more than
+        the model says (the memory model leaves out a few bytes per
+        checkpointed layer: the RNG state each one's frame records), its
+        simulated peak is the least budget, if the planner makes the same
+        plan at that budget (then ``wrap`` there makes it, simulates it at
+        that peak and keeps it); else the simulated peak of every layer
+        checkpointed alone."""
         forced_peak = self.forced_peak
         assert forced_peak is not None
         if least >= forced_peak:
@@ -365,8 +370,14 @@ class PredictionSession:
         there = make_plan(profile, at, self.hardware, fixed, offset, plan_offset)
         if not _verifiable(there, forced):
             return least
-        if self._steps.simulated_peak(there, at) <= _planning.budget_bytes(at, self.hardware):
+        peak = self._steps.simulated_peak(there, at)
+        if peak <= _planning.budget_bytes(at, self.hardware):
             return least
+        if peak < forced_peak:
+            at = config.replace(memory_budget_gb=(peak + 1) / GIB)
+            again = make_plan(profile, at, self.hardware, fixed, offset, plan_offset)
+            if _same_choices(again, there) and peak <= _planning.budget_bytes(at, self.hardware):
+                return peak
         return forced_peak
 
     def least_budget(self, config: Config) -> int | None:
