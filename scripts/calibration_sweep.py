@@ -3,12 +3,15 @@ budget sweep's budgets: how well the per-layer calibrated memory model
 holds.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/calibration_sweep.py \
-        [--models gpt2-12l llama-12l bert-12l] [--shares 0.2 0.3 ... 0.8]
+        [--models gpt2-12l llama-12l bert-12l] [--shares 0.2 0.3 ... 0.8] \
+        [--modes memscale conservative]
 
 Per model it measures the unoptimized training step's exact peak once
 (budgets ``start + share x activations``, as ``memscale.benchmarks.sweep``),
-then per budget: the plan ``wrap`` makes (``Config(mode="conservative",
-memory_budget_gb=...)``), the engine's predicted peak, the OOM predictor's
+then per budget and mode: the plan ``wrap`` makes (the budget sweep's
+rows: ``memscale`` is ``Config(mode="balanced", enable_offloading=False,
+memory_budget_gb=...)``: whole layers, segments and selective;
+``conservative`` is ``Config(mode="conservative", ...)``), the engine's predicted peak, the OOM predictor's
 simulated peak of that plan (fake tensors; the one ``wrap`` ran to verify
 it, "-" when it ran none), the exact peak of a real
 training step under it (allocator events, ``measure_peak``) and whether
@@ -49,21 +52,30 @@ def _choices(plan: Any) -> tuple[Any, ...]:
 
 def _segments(plan: Any) -> str:
     seg: list[int] = []
-    kept = 0
+    kept = selective = 0
     for layer in plan.layers:
-        if not layer.techniques:
+        if "selective" in layer.techniques:
+            selective += 1
+        elif not layer.techniques:
             kept += 1
         elif layer.segment == layer.index:
             seg.append(1)
         else:
             seg[-1] += 1
-    return f"{len(seg)} segments {seg}, {kept} kept"
+    out = f"{len(seg)} segments {seg}, {kept} kept"
+    return out + (f", {selective} selective" if selective else "")
 
 
-def _row(name: str, share: float, start: int, activations: int) -> str:
+MODES = {
+    "memscale": {"mode": "balanced", "enable_offloading": False},
+    "conservative": {"mode": "conservative"},
+}
+
+
+def _row(name: str, mode: str, share: float, start: int, activations: int) -> str:
     budget = int(start + share * activations)
     config = memscale.Config(
-        mode="conservative", memory_budget_gb=budget / GIB, enable_logging=False
+        **MODES[mode], memory_budget_gb=budget / GIB, enable_logging=False
     )
     model, sample, loss_fn = wrap_time._build(name)
     seen: dict[Any, int] = {}
@@ -86,7 +98,7 @@ def _row(name: str, share: float, start: int, activations: int) -> str:
         memscale.wrap(model, config, sample_input=sample)
     except memscale.MemoryBudgetError as exc:
         return (
-            f"| {name} | {share:.0%} | {budget} | no plan (least "
+            f"| {name} | {mode} | {share:.0%} | {budget} | no plan (least "
             f"{exc.min_budget_bytes}) | - | - | - | - | - | - |"
         )
     finally:
@@ -100,13 +112,13 @@ def _row(name: str, share: float, start: int, activations: int) -> str:
     predicted = int(plan.peak_projected_bytes)
     err = (predicted - measured) / measured
     return (
-        f"| {name} | {share:.0%} | {budget} | {_segments(plan)} | {predicted} | "
+        f"| {name} | {mode} | {share:.0%} | {budget} | {_segments(plan)} | {predicted} | "
         f"{simulated if simulated is not None else '-'} | {measured} | {err:+.2%} | "
         f"{'yes' if fallback else 'no'} | {'yes' if measured <= budget else 'NO'} |"
     )
 
 
-def sweep(name: str, shares: list[float]) -> None:
+def sweep(name: str, shares: list[float], modes: list[str]) -> None:
     model, sample, loss_fn = wrap_time._build(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -117,8 +129,9 @@ def sweep(name: str, shares: list[float]) -> None:
 
     base = measure_peak(step, model=model, inputs=(sample, opt.state), warmup=1)
     for share in shares:
-        print(_row(name, share, base.start_bytes, base.peak_delta_bytes), flush=True)
-        gc.collect()
+        for mode in modes:
+            print(_row(name, mode, share, base.start_bytes, base.peak_delta_bytes), flush=True)
+            gc.collect()
 
 
 def main() -> None:
@@ -127,16 +140,17 @@ def main() -> None:
     parser.add_argument(
         "--shares", nargs="*", type=float, default=[0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
     )
+    parser.add_argument("--modes", nargs="*", choices=sorted(MODES), default=list(MODES))
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
     print(
-        "| model | budget share | budget bytes | plan | predicted | simulated | measured "
+        "| model | mode | budget share | budget bytes | plan | predicted | simulated | measured "
         "| predicted vs measured | fallback | fits |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models:
-        sweep(name, args.shares)
+        sweep(name, args.shares, args.modes)
 
 
 if __name__ == "__main__":
