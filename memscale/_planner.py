@@ -374,7 +374,7 @@ class PredictionSession:
         if peak <= _planning.budget_bytes(at, self.hardware):
             return least
         if peak < forced_peak:
-            at = config.replace(memory_budget_gb=(peak + 1) / GIB)
+            at = config.replace(memory_budget_gb=peak / GIB)  # exact: GIB is 2**30
             again = make_plan(profile, at, self.hardware, fixed, offset, plan_offset)
             if _same_choices(again, there) and peak <= _planning.budget_bytes(at, self.hardware):
                 return peak
