@@ -361,11 +361,14 @@ class PredictionSession:
         simulated peak is the least budget, if the planner makes the same
         plan at that budget (then ``wrap`` there makes it, simulates it at
         that peak and keeps it); else the simulated peak of every layer
-        checkpointed alone."""
-        forced_peak = self.forced_peak
-        assert forced_peak is not None
-        if least >= forced_peak:
-            return forced_peak
+        checkpointed alone.  Never above the unoptimized step's simulated
+        peak (at that budget the model is left alone): on a chain of layers
+        smaller than the RNG state a checkpoint records, checkpointing
+        holds more than it frees."""
+        assert self.forced_peak is not None
+        known = min(self.forced_peak, self.unoptimized_peak())
+        if least >= known:
+            return known
         at = config.replace(memory_budget_gb=(least + 1) / GIB)
         there = make_plan(profile, at, self.hardware, fixed, offset, plan_offset)
         if not _verifiable(there, forced):
@@ -373,12 +376,12 @@ class PredictionSession:
         peak = self._steps.simulated_peak(there, at)
         if peak <= _planning.budget_bytes(at, self.hardware):
             return least
-        if peak < forced_peak:
+        if peak < known:
             at = config.replace(memory_budget_gb=peak / GIB)  # exact: GIB is 2**30
             again = make_plan(profile, at, self.hardware, fixed, offset, plan_offset)
             if _same_choices(again, there) and peak <= _planning.budget_bytes(at, self.hardware):
                 return peak
-        return forced_peak
+        return known
 
     def least_budget(self, config: Config) -> int | None:
         """The least budget :meth:`plan_offsets` verified for ``config`` when
