@@ -40,7 +40,7 @@ ms_mem_terms_of(const ms_layer *L, size_t n, const ms_solver_choice *c,
             worst = at;
             worst_at = i;
         }
-        held = ms_add_sat(held, ms_mem_stored(L, i, c[i].offload));
+        held = ms_add_sat(held, ms_mem_stored(&L[i], c[i].offload));
         i = j;
     }
     terms->end = held;

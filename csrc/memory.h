@@ -76,23 +76,11 @@ ms_mem_saved(const ms_layer *layer)
     return ms_nonneg(layer->saved_bytes);
 }
 
-/* What a segment that starts at layer i of L holds until backward: its
-   input_bytes.  Measured, that is what the layer's forward leaves alive
-   when checkpointed alone (its output, which the next unit takes in); the
-   segment's input is the output of the unit before it, which that unit's
-   figure counts.  Offloaded, the segment's input leaves the device: what
-   stays is its output less the previous layer's (the input that left, of
-   the same size in a chain of equal layers); the first layer's input is
-   the model's, which stays with the caller. */
+/* What a segment that starts at `layer` holds until backward. */
 static inline int64_t
-ms_mem_stored(const ms_layer *L, size_t i, int offloaded)
+ms_mem_stored(const ms_layer *layer, int offloaded)
 {
-    int64_t own = ms_nonneg(L[i].input_bytes);
-    if (!offloaded || i == 0) {
-        return own;
-    }
-    int64_t prev = ms_nonneg(L[i - 1].input_bytes);
-    return own > prev ? own - prev : 0;
+    return offloaded ? 0 : ms_nonneg(layer->input_bytes);
 }
 
 /* What the backward of a recomputed layer needs on top of its saved

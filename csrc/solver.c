@@ -459,15 +459,11 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             if (!ok_ckpt) {
                 continue;
             }
-            /* A segment starting here holds its input; offloaded, what
-               ms_mem_stored says (its output less the input that left). */
-            int64_t in_bytes = ms_add_sat(held, ms_mem_stored(L, i, 0));
+            /* A segment starting here holds its input, or (offloaded)
+               nothing: held stays. */
+            int64_t in_bytes = ms_add_sat(held, ms_mem_stored(&L[i], 0));
             int in_fits = in_bytes <= BE;
             size_t hin = in_fits ? (size_t)(in_bytes / bucket) : 0;
-            int64_t off_bytes = ok_off ? ms_add_sat(held, ms_mem_stored(L, i, 1))
-                                       : held;
-            int off_fits = ok_off && off_bytes <= BE;
-            size_t hoff = off_fits ? (size_t)(off_bytes / bucket) : 0;
             if (rt[1] <= room) {
                 /* The longest segment whose recompute fits: binary search
                    on its recompute term (it only grows). */
@@ -486,9 +482,8 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                 if (in_fits) {
                     tree_offer(&t, hin, slot, g, in_bytes, i, h, 0);
                 }
-                if (off_fits) {
-                    tree_offer(&t, hoff, slot, g + off_cost, off_bytes, i, h,
-                               1);
+                if (ok_off) {
+                    tree_offer(&t, h, slot, g + off_cost, held, i, h, 1);
                 }
             }
             /* One layer in tiles, when it does not fit whole: the fewest
@@ -509,14 +504,14 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                         next_held[hin] = in_bytes;
                         back[(i + 1) * width + hin] = back_pack(h, 1, 0, lg);
                     }
-                    if (off_fits
-                        && (c + off_cost < next[hoff]
-                            || (c + off_cost == next[hoff]
-                                && off_bytes < next_held[hoff])))
+                    if (ok_off
+                        && (c + off_cost < next[h]
+                            || (c + off_cost == next[h]
+                                && held < next_held[h])))
                     {
-                        next[hoff] = c + off_cost;
-                        next_held[hoff] = off_bytes;
-                        back[(i + 1) * width + hoff] = back_pack(h, 1, 1, lg);
+                        next[h] = c + off_cost;
+                        next_held[h] = held;
+                        back[(i + 1) * width + h] = back_pack(h, 1, 1, lg);
                     }
                     break;
                 }
