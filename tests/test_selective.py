@@ -175,6 +175,81 @@ def test_balanced_runs_layers_selective_where_it_pays_conservative_does_not():
     memscale.detach(model)
 
 
+def test_a_tighter_budget_runs_a_level_that_keeps_less():
+    """At 50% of the unoptimized peak the planner runs three layers at
+    level 0 (fc2's output kept, fc1 recomputed too: threshold 64 FLOPs per
+    byte); at 70% at level 1 (both matmul outputs kept).  The plan JSON
+    carries the level and its threshold, the executor runs each layer at
+    its plan's threshold, the measured peak is within the budget and the
+    gradients are bitwise, dropout replayed."""
+    model, _ = _wrapped(_mlp, X, 0.7)
+    plan = model._memscale_executor.plan
+    assert [(lp.selective_level, lp.selective_threshold) for lp in plan.layers[:3]] == [
+        (1, 16.0)
+    ] * 3
+    memscale.detach(model)
+    model, ref = _wrapped(_mlp, X, 0.5)
+    plan = model._memscale_executor.plan
+    assert _techniques(model) == [("selective",)] * 3 + [()]
+    assert [(lp.selective_level, lp.selective_threshold) for lp in plan.layers] == [
+        (0, 64.0)
+    ] * 3 + [(-1, 0.0)]
+    assert '"selective_level":0,"selective_threshold":64.0' in plan.to_json()
+    seen = []
+    run = _selective.run
+
+    def spy(forward, threshold, args, kwargs):
+        seen.append(threshold)
+        return run(forward, threshold, args, kwargs)
+
+    _selective.run = spy
+    try:
+        for seed in range(2):
+            assert_same_step(model, ref, X, seed=seed, loss_fn=_mse)
+        report = measure_peak(lambda: _mse(model, X).backward(), model=model, inputs=X, warmup=1)
+    finally:
+        _selective.run = run
+    assert seen and set(seen) == {64.0}
+    assert report.start_bytes + report.peak_delta_bytes <= plan.budget_bytes
+    memscale.detach(model)
+
+
+def test_build_plan_picks_each_layers_level_by_the_budget():
+    """Two layers (100 bytes saved, input 10) with three levels each
+    (keep 10/30/60, recomputing 30/2/0.5 FLOPs): the first runs selective
+    (the second kept: a selective backward after it would hold it too),
+    at the highest level the budget allows; the plan's JSON and hash
+    change with the level."""
+    levels = ((64.0, 10, 30.0), (16.0, 30, 2.0), (4.0, 60, 0.5))
+    layers = [
+        _core.LayerStats((f"h.{i}", "Block", 0, 100, 10, 50.0, 0), {"selective_levels": levels})
+        for i in range(2)
+    ]
+    kw = dict(
+        mode="balanced",
+        allowed=_core.TECH_CHECKPOINT | _core.TECH_SELECTIVE,
+        force=False,
+        fixed_bytes=0,
+        activation_bytes=200,
+        total_flops=100.0,
+        device="cpu",
+        device_count=1,
+        capacity_bytes=10**6,
+        solver=True,
+        flop_rate=1.0,
+    )
+    seen = {}
+    for budget, want in ((200, -1), (170, 2), (140, 1), (120, 0)):
+        plan = _core.build_plan(layers, budget_bytes=budget, **kw)
+        assert plan.fits, budget
+        assert [lp.selective_level for lp in plan.layers] == [want, -1], budget
+        threshold = levels[want][0] if want >= 0 else 0.0
+        assert [lp.selective_threshold for lp in plan.layers] == [threshold, 0.0]
+        assert f'"selective_level":{want},"selective_threshold":{threshold!r}' in plan.to_json()
+        seen[plan.hash] = budget
+    assert len(seen) == 4
+
+
 def test_the_same_problem_gives_the_same_plan():
     a, _ = _wrapped(_mlp, X, 0.8)
     b, _ = _wrapped(_mlp, X, 0.8)
