@@ -278,8 +278,7 @@ parse_level(PyObject *v, Py_ssize_t index, Py_ssize_t k, double above,
         return -1;
     }
     double f;
-    if (parse_flops_value(PyTuple_GET_ITEM(v, 2), index, F_SEL_LEVELS, &f)
-        < 0)
+    if (parse_flops_value(PyTuple_GET_ITEM(v, 2), index, F_SEL_LEVELS, &f) < 0)
     {
         return -1;
     }

@@ -14,8 +14,8 @@
  * the OOM predictor, 0 when not measured).  A selective layer (kept as a
  * unit, ms_solver_choice.selective) holds its input and the outputs of its
  * costly ops (those of its level, ms_solver_choice.level); at its backward
- * the cheap ones are recomputed, so it then holds ms_mem_selective_backward (a recompute term like a segment's,
- * without a measured backward term):
+ * the cheap ones are recomputed, so it then holds ms_mem_selective_backward (a
+ * recompute term like a segment's, without a measured backward term):
  *
  *     end       = sum over units of what they hold
  *     recompute = max over segments (held before it + its transient)

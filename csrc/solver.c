@@ -23,10 +23,10 @@
  *
  * Overhead, in seconds: each checkpointed layer is recomputed once (its
  * forward FLOPs / flop_rate), a selective layer recomputes the ops its
- * level does not keep (the level's flops / flop_rate); an offloaded input is written and read once
- * at offload_bw (asynchronously, the write hides behind the layer's
- * forward and the read behind its backward, about twice the forward); a
- * layer in t tiles makes t - 1 more calls of tile_overhead each.
+ * level does not keep (the level's flops / flop_rate); an offloaded input is
+ * written and read once at offload_bw (asynchronously, the write hides behind
+ * the layer's forward and the read behind its backward, about twice the
+ * forward); a layer in t tiles makes t - 1 more calls of tile_overhead each.
  *
  * The DP runs over (layer i, bytes held by the layers before i), the held
  * bytes grouped in buckets of ceil(budget / resolution) bytes.  Each state
@@ -58,7 +58,8 @@ typedef uint32_t back_t;
 #define BACK_NONE UINT32_MAX
 #define BACK_SELECTIVE 16
 #define BACK_LEVEL_SHIFT 5
-_Static_assert(MS_SEL_LEVELS <= 8, "a level must fit the back-pointer's 3 bits");
+_Static_assert(MS_SEL_LEVELS <= 8,
+               "a level must fit the back-pointer's 3 bits");
 
 static back_t
 back_pack(size_t prev_h, int len, int offload, int tiles_log2)
@@ -413,9 +414,35 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
         if (i == n) {
             break;
         }
-        int n_sel = can_select(p, &L[i]) ? L[i].sel_levels : 0;
-        if (n_sel > MS_SEL_LEVELS) {
-            n_sel = MS_SEL_LEVELS;
+        /* The layer's selective levels worth a move: what each holds,
+           its backward term and its cost; a level no better than keeping
+           the layer (holding as much) or than another level (holding as
+           much, no less backward, costing as much) is left out. */
+        int n_sel = 0;
+        int sel_level[MS_SEL_LEVELS];
+        int64_t sel_held[MS_SEL_LEVELS], sel_bw[MS_SEL_LEVELS];
+        double sel_cost[MS_SEL_LEVELS];
+        int levels = can_select(p, &L[i]) ? L[i].sel_levels : 0;
+        for (int j = 0; j < levels && j < MS_SEL_LEVELS; j++) {
+            int64_t hj = ms_mem_selective_held(&L[i], j);
+            int64_t bj = ms_mem_selective_backward(&L[i], j);
+            double cj = sel_flops(&L[i], j) / p->flop_rate;
+            int worse = hj >= ms_mem_saved(&L[i]);
+            for (int k = 0; k < levels && k < MS_SEL_LEVELS && !worse; k++) {
+                int64_t hk = ms_mem_selective_held(&L[i], k);
+                int64_t bk = ms_mem_selective_backward(&L[i], k);
+                double ck = sel_flops(&L[i], k) / p->flop_rate;
+                /* k is as good everywhere (ties: the lower level stays) */
+                worse = k != j && hk <= hj && bk <= bj && ck <= cj
+                        && (hk < hj || bk < bj || ck < cj || k < j);
+            }
+            if (!worse) {
+                sel_level[n_sel] = j;
+                sel_held[n_sel] = hj;
+                sel_bw[n_sel] = bj;
+                sel_cost[n_sel] = cj;
+                n_sel++;
+            }
         }
         int ok_ckpt = ckpt && eligible(&L[i]);
         int ok_off = ok_ckpt && can_offload(p, &L[i]);
@@ -452,13 +479,12 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             /* Selective, at each level: holds its input and the outputs
                the level keeps; its backward must fit the recompute
                budget. */
-            for (int j = 0; j < n_sel; j++) {
-                if (ms_mem_selective_backward(&L[i], j) > room) {
+            for (int k = 0; k < n_sel; k++) {
+                if (sel_bw[k] > room) {
                     continue;
                 }
-                int64_t hs_bytes = ms_add_sat(held,
-                                              ms_mem_selective_held(&L[i], j));
-                double cs = v + sel_flops(&L[i], j) / p->flop_rate;
+                int64_t hs_bytes = ms_add_sat(held, sel_held[k]);
+                double cs = v + sel_cost[k];
                 size_t hs = (size_t)(hs_bytes / bucket);
                 if (hs_bytes <= BE
                     && (cs < next[hs]
@@ -466,9 +492,10 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                 {
                     next[hs] = cs;
                     next_held[hs] = hs_bytes;
-                    back[(i + 1) * width + hs] =
-                        back_pack(h, 0, 0, 0) | BACK_SELECTIVE
-                        | (back_t)j << BACK_LEVEL_SHIFT;
+                    back[(i + 1) * width + hs] = back_pack(h, 0, 0, 0)
+                                                 | BACK_SELECTIVE
+                                                 | (back_t)sel_level[k]
+                                                       << BACK_LEVEL_SHIFT;
                 }
             }
             if (!ok_ckpt) {

@@ -52,9 +52,7 @@ def _summary(plan: Any) -> str:
     levels = sorted(
         layer.selective_level for layer in plan.layers if "selective" in layer.techniques
     )
-    at = (
-        " (levels " + ",".join(str(k) for k in levels) + ")" if levels else ""
-    )
+    at = " (levels " + ",".join(str(k) for k in levels) + ")" if levels else ""
     return (
         f"{counts['selective']} selective{at}, {counts['checkpoint']} checkpointed "
         f"in {len(segs)} segments, "
@@ -95,9 +93,7 @@ def run(
         )
         log(f"{name}: {method}: {format_bytes(report.peak_bytes)}")
         del model, batch, step, opt
-    variants: dict[str, dict[str, Any]] = {
-        BALANCED: dict(mode="balanced", enable_offloading=False)
-    }
+    variants: dict[str, dict[str, Any]] = {BALANCED: dict(mode="balanced", enable_offloading=False)}
     if conservative:
         variants["memscale CONSERVATIVE (no selective)"] = dict(mode="conservative")
     for fraction in fractions:
@@ -212,9 +208,7 @@ def main() -> int:
         print(msg, file=sys.stderr, flush=True)
 
     fractions = tuple(float(f) for f in args.fractions.split(","))
-    results = [
-        run(name, log, fractions, args.conservative) for name in args.models.split(",")
-    ]
+    results = [run(name, log, fractions, args.conservative) for name in args.models.split(",")]
     text = table(results) + "\n\n" + verdicts(results)
     print(text)
     if args.json:

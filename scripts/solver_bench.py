@@ -56,10 +56,7 @@ def _levels(rng: random.Random) -> tuple[tuple[float, int, float], ...]:
     """8 nested levels: each keeps 1 MiB more and recomputes less."""
     kept = rng.randint(6, 10) << 20
     last = rng.randint(2, 4) * 1e7
-    return tuple(
-        (float(64 >> k), kept + (k << 20), last + (7 - k) * 1.5e8)
-        for k in range(8)
-    )
+    return tuple((float(256 >> k), kept + (k << 20), last + (7 - k) * 1.5e8) for k in range(8))
 
 
 def _problem(layers: tuple[_core.LayerStats, ...], frac: float, allowed: int) -> PlanProblem:

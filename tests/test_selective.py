@@ -486,9 +486,7 @@ def test_an_inplace_op_on_a_recomputed_output_keeps_the_profile():
     layer keeps its selective profile and runs selective, bitwise."""
     model = _dropout_inplace()
     profile = _planning.profile_upfront(model, _units(model), X, memscale.Config())
-    assert all(
-        layer.selective_levels[-1][1] == ROWS * (128 + 32) * 4 for layer in profile.layers
-    )
+    assert all(layer.selective_levels[-1][1] == ROWS * (128 + 32) * 4 for layer in profile.layers)
     model, ref = _wrapped(_dropout_inplace, X, 0.8)
     assert ("selective",) in _techniques(model)
     for seed in range(2):

@@ -456,10 +456,10 @@ random_chain(ms_layer *L, size_t n, int64_t scale)
                      (double)rnd_range(0, 20), flags);
         L[i].sel_levels = 0;
         if (rnd() % 2 == 0) {
-            /* 1 to 4 nested levels: each keeps more and recomputes less
+            /* 1 to 3 nested levels: each keeps more and recomputes less
                (a level may also keep more than the layer saves). */
             L[i].flags |= MS_LAYER_SELECTIVE;
-            L[i].sel_levels = (int)rnd_range(1, 4);
+            L[i].sel_levels = (int)rnd_range(1, 3);
             int64_t kept = rnd_range(0, scale / 4);
             double cost = (double)rnd_range(4, 12);
             for (int k = 0; k < L[i].sel_levels; k++) {
