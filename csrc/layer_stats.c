@@ -256,6 +256,14 @@ parse_level(PyObject *v, Py_ssize_t index, Py_ssize_t k, double above,
     }
     double t = PyFloat_AsDouble(PyTuple_GET_ITEM(v, 0));
     if (t == -1.0 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "layers[%zd].%s[%zd]: the threshold must be a "
+                         "number, got %.200s",
+                         index, name, k,
+                         Py_TYPE(PyTuple_GET_ITEM(v, 0))->tp_name);
+        }
         return -1;
     }
     if (!isfinite(t) || !(t > 0.0) || !(t < above)) {

@@ -546,6 +546,7 @@ def test_layer_stats_selective_levels_by_name():
     bad(((1.0, "x", 0.0),), TypeError, r"layers\[0\].selective_levels must be an int")
     bad(((1.0, 1, float("nan")),), ValueError, r"selective_levels must be a finite")
     bad(((0.0, 1, 1.0),), ValueError, r"selective_levels\[0\]: the threshold must be")
+    bad((("x", 1, 1.0),), TypeError, r"selective_levels\[0\]: the threshold must be a number")
     bad(((float("inf"), 1, 1.0),), ValueError, r"the threshold must be")
     # The levels keep more in turn: thresholds must decrease.
     bad(((2.0, 1, 1.0), (2.0, 2, 0.5)), ValueError, r"selective_levels\[1\]: the threshold")
