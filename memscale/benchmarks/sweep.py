@@ -582,23 +582,39 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                     f"{100 * PREDICTION_TOLERANCE:g}%)"
                 )
 
-        # (b) The least memory: a refused budget's min_budget_bytes is the
-        # least budget memscale accepts; a measured peak is memory it
-        # reached.  The lower of the two is memscale's least.
-        candidates = [(r["min_budget_bytes"], "least budget accepted") for r in ours] + [
-            (r["peak_bytes"], f"measured peak at {_pct(None if r['least'] else r['fraction'])}")
+        # A plan at the least budget memscale accepts must fit it too.
+        for r in ours:
+            if r.get("least", False) and r["peak_bytes"] is not None and not r["fits"]:
+                bad(
+                    f"at its least budget {_bytes(r['budget_bytes'])} the measured peak "
+                    f"{_bytes(r['peak_bytes'])} is over it"
+                )
+
+        # (b) The least memory memscale reaches: the lowest measured peak
+        # of its plans (the least-budget row's, when the sweep ran it); a
+        # refused budget's min_budget_bytes only where nothing was measured.
+        measured = [
+            (
+                r["peak_bytes"],
+                f"measured at {_pct(None if r.get('least', False) else r['fraction'])}",
+            )
             for r in ours
-            if r["fits"]
+            if r["peak_bytes"] is not None
         ]
-        candidates = [c for c in candidates if c[0] is not None]
+        refused = [(r["min_budget_bytes"], "least budget accepted, not measured") for r in ours]
+        candidates = measured or [c for c in refused if c[0] is not None]
         ours_least = min(candidates, default=None)
+        accepted = [r["budget_bytes"] for r in ours if r.get("least", False)]
         peer_peaks = [
-            (p["peak_bytes"], p["method"], p["fraction"]) for p in peers if p["peak_bytes"]
+            (p["peak_bytes"], p["method"], p["fraction"])
+            for p in peers
+            if p["peak_bytes"] is not None
         ]
         lowest = min(peer_peaks, default=None)
         least_item = {
             "memscale_bytes": None if ours_least is None else ours_least[0],
             "memscale_from": None if ours_least is None else ours_least[1],
+            "least_budget_bytes": accepted[0] if accepted else None,
             "peer_bytes": None if lowest is None else lowest[0],
             "peer": None if lowest is None else lowest[1],
             "peer_fraction": None if lowest is None else lowest[2],
@@ -645,7 +661,8 @@ def summary_text(results: list[dict[str, Any]]) -> str:
             least = m["least"]
             lines.append(
                 f"  least: memscale {_bytes(least['memscale_bytes'])} "
-                f"({least['memscale_from']}); lowest peer peak "
+                f"({least['memscale_from']}; least budget accepted "
+                f"{_bytes(least['least_budget_bytes'])}); lowest peer peak "
                 f"{_bytes(least['peer_bytes'])} ({least['peer']})"
             )
             errs = ", ".join(
@@ -683,7 +700,8 @@ def table(results: list[dict[str, Any]]) -> str:
     for res in results:
         for r in res["rows"]:
             budget = (
-                f"{format_bytes(r['budget_bytes'])} ({r['fraction']:.0%})"
+                f"{format_bytes(r['budget_bytes'])} ({r['fraction']:.0%}"
+                f"{', least' if r.get('least', False) else ''})"
                 if r["budget_bytes"] is not None
                 else "-"
             )
