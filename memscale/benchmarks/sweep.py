@@ -466,7 +466,7 @@ def run_sweep(
 def pair_spread(baseline_s: Sequence[float], variant_s: Sequence[float]) -> tuple[float, float]:
     """The least and greatest ratio of one interleaved pair: each variant
     call over the baseline call timed just before it (``time_ratio``'s
-    order).  The median ratio sits between them."""
+    order)."""
     pairs = [v / b for b, v in zip(baseline_s, variant_s) if b > 0]
     if not pairs:
         return (math.nan, math.nan)
