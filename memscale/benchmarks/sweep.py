@@ -29,7 +29,8 @@ budgets of start + 20/30/40/50/60/70/80% of A:
   hold fewer intermediates and run faster): compiling the 12-layer models
   with inductor takes minutes per budget here, so inductor itself runs only
   at the fractions ``--sweep-inductor`` names ("compile min-cut
-  (inductor)", no FLOPs: its kernels run outside the dispatcher).
+  (inductor)", no FLOPs: its generated kernels run outside the
+  dispatcher, so a count would hold only the ops it calls as aten kernels).
   torch's fraction is not of the same quantity as the sweep's: 0 is the
   memory of saving only the compiled graph's inputs (recomputing the whole
   forward in backward, all at once) and 1 the saved tensors of its default
@@ -325,15 +326,16 @@ def _compile_row(
     torch._dynamo.reset()  # nothing compiled for an earlier model is reused
     model, batch = entry.build(seed=0)
     model.train()
-    backend = memory_budget_backend(fraction, kernels)
-    compiled = cast(nn.Module, torch.compile(model, backend=backend))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = _step_fn(compiled, batch, optimizer)
     try:
+        backend = memory_budget_backend(fraction, kernels)
+        compiled = cast(nn.Module, torch.compile(model, backend=backend))
+        step = _step_fn(compiled, batch, optimizer)
         step()  # compiles forward and backward; optimizer state
         report = _measure(step, model, batch, optimizer)
         ratio, spread = timed(step)
-        # Inductor's kernels run outside the dispatcher: not countable.
+        # Inductor's generated kernels run outside the dispatcher: only the
+        # ops it calls as aten kernels would be counted.  No figure.
         flops = overhead(step) if kernels == "eager" else None
     except Exception as exc:
         return SweepRow(
