@@ -12,6 +12,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import memscale
 from memscale import _planner
+from memscale.benchmarks.models import BENCHMARK_MODELS
+from memscale.benchmarks.runner import prepare
 from memscale.config import GIB
 
 FORCE = memscale.Config(mode="conservative", force_optimize=True, enable_logging=False)
@@ -93,7 +95,7 @@ def test_a_replayed_optimizer_step_is_the_step_run_again(case, optimizer):
     assert replayed.tracker.events == run.tracker.events
     assert replayed.tracker.phase_marks == run.tracker.phase_marks
     assert replayed.tracker.sizes_at_birth == run.tracker.sizes_at_birth
-    assert [c for c in replayed.tracker.categories] == run.tracker.categories
+    assert list(replayed.tracker.categories) == run.tracker.categories
     assert replayed.tracker.kernel_calls == run.tracker.kernel_calls
     assert replayed.breakdown({}) == run.breakdown({})
     assert any(phase == "optimizer" for _, phase in run.tracker.phase_marks)
@@ -120,3 +122,13 @@ def test_a_step_that_keeps_what_its_optimizer_made_is_not_replayed():
             before = steps.count
             session.predict(FORCE)
             assert steps.count > before
+
+
+def test_the_benchmark_reports_the_cpu_time_of_wrap():
+    entry = BENCHMARK_MODELS["mlp"]
+    wrapped = prepare(entry, "conservative")
+    try:
+        assert wrapped.wrap_cpu_seconds is not None and wrapped.wrap_cpu_seconds > 0
+    finally:
+        wrapped.close()
+    assert prepare(entry, "torch-checkpoint").wrap_cpu_seconds is None

@@ -35,7 +35,7 @@ def _collect(obj: Any, out: list[torch.Tensor]) -> None:
         for item in obj:
             if isinstance(item, torch.Tensor):
                 out.append(item)
-            elif isinstance(item, (tuple, list, dict)) or isinstance(item, Mapping):
+            elif isinstance(item, (tuple, list, dict, Mapping)):
                 _collect(item, out)
     elif isinstance(obj, torch.Tensor):
         out.append(obj)
