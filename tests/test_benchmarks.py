@@ -98,6 +98,8 @@ def test_json_schema(suite_run):
             "aggressive",
         )
         assert (r["predicted_recompute_overhead"] is not None) == memscale_variant
+        assert (r["wrap_cpu_seconds"] is not None) == memscale_variant
+        assert r["wrap_cpu_seconds"] is None or r["wrap_cpu_seconds"] > 0
     for r in results:
         low, high = r["time_ratio_spread"]
         assert 0 < low <= r["time_ratio"] <= high
@@ -128,6 +130,7 @@ def test_memscale_uses_no_more_memory_than_torch_checkpoint(suite_run):
 def test_table_progress_lines_and_default_plot(suite_run):
     stdout, doc, png = suite_run
     assert "conservative" in stdout and "time ratio" in stdout and "FLOPs ratio" in stdout
+    assert "wrap CPU-s" in stdout
     # Not a terminal: a line per finished row, before the table.
     model = doc["results"][0]["model"]
     rows = [

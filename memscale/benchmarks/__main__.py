@@ -117,8 +117,12 @@ def row_line(r: VariantResult, base: VariantResult) -> str:
         f"{r.model} {r.variant}: peak {format_bytes(r.peak_bytes)} "
         f"({r.peak_bytes / base.peak_bytes:.0%} of unoptimized), FLOPs "
         f"{_flops(r)}, time ratio {_ratio(r)}, loss diff {r.loss_abs_diff:.2g}, grad diff "
-        f"{r.grad_max_abs_diff:.2g}"
+        f"{r.grad_max_abs_diff:.2g}, wrap {_wrap_cpu(r)} CPU-s"
     )
+
+
+def _wrap_cpu(r: VariantResult) -> str:
+    return "-" if r.wrap_cpu_seconds is None else f"{r.wrap_cpu_seconds:.2f}"
 
 
 def table(results: list[VariantResult]) -> str:
@@ -132,6 +136,7 @@ def table(results: list[VariantResult]) -> str:
         "time ratio",
         "loss diff",
         "grad diff",
+        "wrap CPU-s",
     )
     rows = [head]
     base: dict[str, VariantResult] = {}
@@ -151,6 +156,7 @@ def table(results: list[VariantResult]) -> str:
                 _ratio(r),
                 f"{r.loss_abs_diff:.2g}",
                 f"{r.grad_max_abs_diff:.2g}",
+                _wrap_cpu(r),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

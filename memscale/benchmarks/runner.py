@@ -25,7 +25,10 @@ Per variant the suite reports:
   exact and the same on every run, so two variants' compute can be compared
   on a noisy machine.  memscale's variants also carry the planner's own
   prediction of it, ``1 + recompute_ratio / 3`` (backward costs about two
-  forwards).
+  forwards);
+* for memscale's variants, the CPU seconds ``memscale.wrap`` took
+  (``time.process_time`` around it: profiling, the simulated steps and the
+  plan), ``wrap_cpu_seconds``.
 """
 
 from __future__ import annotations
@@ -241,6 +244,8 @@ class Prepared:
     # Drains the device's queue (CUDA) before a clock is read; a no-op on
     # the CPU.
     sync: Callable[[], None] = field(default=_no_sync)
+    # CPU seconds memscale.wrap took (time.process_time), None unwrapped.
+    wrap_cpu_seconds: float | None = None
 
     def step(self) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -289,14 +294,17 @@ def prepare(entry: BenchmarkModel, variant: str, device: torch.device | str = "c
     plan_hash: str | None = None
     techniques: dict[str, int] | None = None
     plan: Any = None
+    wrap_cpu: float | None = None
     if variant in MODES:
         config = memscale.Config(mode=MODES[variant], force_optimize=True, enable_logging=False)
+        cpu = time.process_time()
         memscale.wrap(
             model,
             config,
             sample_input=batch.sample_input,
             async_offload=variant == "balanced-async",
         )
+        wrap_cpu = time.process_time() - cpu
         plan = model.__dict__["_memscale_executor"].plan
         plan_hash, techniques = plan.hash, plan.technique_counts
     elif variant in ("torch-checkpoint", "torch-selective"):
@@ -318,7 +326,16 @@ def prepare(entry: BenchmarkModel, variant: str, device: torch.device | str = "c
         raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return Prepared(model, batch, optimizer, plan_hash, techniques, plan, synchronizer(device))
+    return Prepared(
+        model,
+        batch,
+        optimizer,
+        plan_hash,
+        techniques,
+        plan,
+        synchronizer(device),
+        wrap_cpu_seconds=wrap_cpu,
+    )
 
 
 @dataclass
@@ -351,6 +368,9 @@ class VariantResult:
     # bytes_written, io_seconds (time the I/O took, on the C thread when
     # async) and wait_seconds (time the training thread spent on it).
     offload: dict[str, float] | None = None
+    # CPU seconds memscale.wrap took (time.process_time around it: the
+    # profile, the simulated steps and the plan); None for the others.
+    wrap_cpu_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -542,6 +562,7 @@ def run_model(
     meta: dict[str, tuple[str | None, dict[str, int] | None]] = {}
     flops: dict[str, int | None] = {}
     predicted: dict[str, float | None] = {}
+    wrap_cpu: dict[str, float | None] = {}
     for name in names:
         note(f"{entry.name}: agreement and memory of {name}")
         prepared = prepare(entry, name, device)
@@ -561,6 +582,7 @@ def run_model(
         flops[name] = None if prepared.compiled else step_flops(prepared.step)
         meta[name] = (prepared.plan_hash, prepared.techniques)
         predicted[name] = predicted_overhead(prepared.plan)
+        wrap_cpu[name] = prepared.wrap_cpu_seconds
         prepared.close()
         del prepared
         gc.collect()
@@ -610,6 +632,7 @@ def run_model(
                 step_flops=flops[name],
                 recompute_overhead=_overhead(flops[name], flops["unoptimized"]),
                 predicted_recompute_overhead=predicted[name],
+                wrap_cpu_seconds=wrap_cpu[name],
             )
         )
     return results
