@@ -303,7 +303,12 @@ class PredictionSession:
         self._profiles[config] = profile
         if (
             plan.skipped
-            or config.force_optimize
+            # A forced plan is calibrated only when it tiles: the tiles are
+            # doubled while the projected peak falls, and the unoptimized
+            # correction on every recompute term (which carries what the
+            # start of backward holds, such as the loss's gradient) would
+            # make tiles look useful where the measured peak is elsewhere.
+            or (config.force_optimize and not plan.technique_counts["tiling"])
             or (
                 not (plan.technique_counts["checkpoint"] or plan.technique_counts["selective"])
                 and plan.fits

@@ -156,3 +156,32 @@ def test_a_tiled_block_holds_no_more_after_forward(case):
     # of KiB a block here).  What remains: a few 8-byte scalars a block on
     # GPT-2 (72 B), under the 1 KiB allowed.
     assert held[True] <= held[False] + 1024, held
+
+
+def _forced_plan(case: str, mode: str):
+    build, batch, _ = CASES[case]()
+    model = build()
+    memscale.wrap(
+        model,
+        memscale.Config(mode=mode, force_optimize=True, enable_logging=False),
+        sample_input=batch,
+    )
+    try:
+        return model._memscale_executor.plan
+    finally:
+        memscale.detach(model)
+
+
+@pytest.mark.slow
+def test_forced_aggressive_tiles_only_where_the_peak_falls():
+    """Where the logits make the peak at the start of backward, tiling a
+    block's recompute cannot lower it: forced AGGRESSIVE tiles nothing and
+    projects CONSERVATIVE's peak there.  On the MLP, whose peak is a
+    block's recompute, it still tiles (and projects less)."""
+    logits = _forced_plan("llama-logits", "aggressive")
+    assert logits.technique_counts["tiling"] == 0, [x.tiles for x in logits.layers]
+    mlp_plan = _forced_plan("mlp", "aggressive")
+    assert mlp_plan.technique_counts["tiling"] > 0
+    assert (
+        mlp_plan.peak_projected_bytes < _forced_plan("mlp", "conservative").peak_projected_bytes
+    )
