@@ -301,12 +301,14 @@ def test_mode_changes_the_plan_not_the_decision(mode):
     assert json.loads(plan.to_json())["mode"] == mode
     # The layers' inputs are under min_offload_bytes (1 MiB by default), so
     # offload has nothing to move and every mode checkpoints the same;
-    # AGGRESSIVE tiles on top, where tiles lower the peak: here every
-    # block's recompute makes it in turn, the last ones above the others.
+    # AGGRESSIVE tiles on top, where tiles lower the peak: here (its plan
+    # calibrated per layer on the simulated step) every block's recompute
+    # makes the peak in turn.
     assert [(tuple(t for t in l.techniques if t != "tiling"), l.rule) for l in plan.layers] == [
         (l.techniques, l.rule) for l in base.layers
     ]
-    assert [l.tiles for l in plan.layers] == ([4, 4, 8, 16] if mode == "aggressive" else [1] * 4)
+    tiles = [l.tiles for l in plan.layers]
+    assert all(t > 1 for t in tiles) if mode == "aggressive" else tiles == [1] * 4, tiles
     if mode == "aggressive":
         assert plan.peak_projected_bytes < base.peak_projected_bytes
     assert (plan.hash == base.hash) == (mode == "conservative")
