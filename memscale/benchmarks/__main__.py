@@ -117,7 +117,8 @@ def row_line(r: VariantResult, base: VariantResult) -> str:
         f"{r.model} {r.variant}: peak {format_bytes(r.peak_bytes)} "
         f"({r.peak_bytes / base.peak_bytes:.0%} of unoptimized), FLOPs "
         f"{_flops(r)}, time ratio {_ratio(r)}, loss diff {r.loss_abs_diff:.2g}, grad diff "
-        f"{r.grad_max_abs_diff:.2g}, wrap {_wrap_cpu(r)} CPU-s"
+        f"{r.grad_max_abs_diff:.2g}"
+        + ("" if r.wrap_cpu_seconds is None else f", wrap {r.wrap_cpu_seconds:.2f} CPU-s")
     )
 
 
