@@ -517,11 +517,18 @@ def _sweep_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     from tqdm import tqdm
 
     bar = tqdm(entries, unit="model", disable=not sys.stderr.isatty(), file=sys.stderr)
+
+    def progress(message: str) -> None:
+        if bar.disable:  # no terminal: a line per step of the sweep instead
+            print(message, file=sys.stderr, flush=True)
+        else:
+            bar.set_description(message)
+
     results = [
         sweep.run_sweep(
             e,
             repeats=args.repeats,
-            progress=lambda m: bar.set_description(m),
+            progress=progress,
             compile_peer=not args.sweep_no_compile,
             inductor_fractions=inductor,
         )
