@@ -184,8 +184,10 @@ def recorder(units: list[nn.Module]) -> OpRecorder | None:
 
 
 def threshold(flops: float, saved_bytes: int) -> float:
-    """A layer's threshold: its forward FLOPs per byte it saves for
-    backward (from its LayerStats, or its LayerPlan at run time)."""
+    """A layer's own threshold: its forward FLOPs per byte it saves for
+    backward (from its LayerStats).  :func:`layer_profile` always offers
+    the level at this threshold; the plan may choose another
+    (``LayerPlan.selective_threshold``)."""
     return flops / saved_bytes if saved_bytes > 0 else float("inf")
 
 
@@ -276,7 +278,7 @@ def _policy(threshold: float) -> Any:
 
 def run(forward: Any, threshold: float, args: tuple, kwargs: dict) -> Any:
     """``forward(*args, **kwargs)`` checkpointed selectively: the outputs of
-    ops the layer's ``threshold`` keeps are kept, the rest recomputed in
+    ops ``threshold`` keeps (the plan's level's) are kept, the rest recomputed in
     backward (RNG state restored, so random ops draw the same).  Each
     backward of a ``retain_graph=True`` graph recomputes from the same kept
     outputs (``_torch_compat.selective_contexts``)."""

@@ -87,6 +87,9 @@ def _solver_plan(budget_gb: float):
 
 
 def test_measured_costs_change_the_plan_and_plans_stay_deterministic(cache):
+    # A measurement where the disk is slow: nothing is offloaded (with the
+    # default costs one input is, beside layers run selective).
+    _write(SLOW_DISK)
     default = _solver_plan(0.1)
     assert default.fits and default.technique_counts["offload"] == 0
     # A measurement where recompute is slow and the disk free: the planner
