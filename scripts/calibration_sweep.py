@@ -74,9 +74,7 @@ MODES = {
 
 def _row(name: str, mode: str, share: float, start: int, activations: int) -> str:
     budget = int(start + share * activations)
-    config = memscale.Config(
-        **MODES[mode], memory_budget_gb=budget / GIB, enable_logging=False
-    )
+    config = memscale.Config(**MODES[mode], memory_budget_gb=budget / GIB, enable_logging=False)
     model, sample, loss_fn = wrap_time._build(name)
     seen: dict[Any, int] = {}
     offsets: list[Any] = []
