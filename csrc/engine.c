@@ -265,8 +265,11 @@ slowdown(const ms_problem *p, const ms_layer *layers, size_t n,
         p, MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING, 0);
     double extra = 0.0;
     for (size_t i = 0; i < n; i++) {
-        if (out[i].techniques & MS_TECH_SELECTIVE) {
-            double f = layers[i].sel_flops;
+        const ms_sel_level *s = (out[i].techniques & MS_TECH_SELECTIVE)
+                                    ? ms_sel_at(&layers[i], out[i].sel_level)
+                                    : NULL;
+        if (s != NULL) {
+            double f = s->flops;
             extra += (f > 0.0 && isfinite(f) ? f : 0.0) / sp.flop_rate;
         }
         if (!(out[i].techniques & MS_TECH_CHECKPOINT)) {
@@ -323,8 +326,9 @@ solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
     int64_t host_used = 0;
     for (size_t i = 0; i < n; i++) {
         if (c[i].seg_start < 0 && c[i].selective) {
-            int64_t held = ms_mem_selective_held(&layers[i]);
+            int64_t held = ms_mem_selective_held(&layers[i], c[i].level);
             out[i].techniques = MS_TECH_SELECTIVE;
+            out[i].sel_level = c[i].level;
             out[i].rule = MS_RULE_SOLVER;
             out[i].bytes_saved = layers[i].saved_bytes > held
                                      ? layers[i].saved_bytes - held
@@ -387,6 +391,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
         c[i].offload = 0;
         c[i].tiles = 1;
         c[i].selective = 0;
+        c[i].level = 0;
     }
 
     int64_t in_layers = 0;
@@ -418,6 +423,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
         out[i].bytes_saved = 0;
         out[i].tiles = 1;
         out[i].segment = -1;
+        out[i].sel_level = -1;
         ms_rule why = ineligible_reason(&layers[i]);
         if (res->skipped) {
             out[i].rule = MS_RULE_SMART_SKIP;

@@ -63,11 +63,25 @@ enum {
     MS_LAYER_TILEABLE = 1u << 2,
     /* Its recompute did not match its forward (found at the first step). */
     MS_LAYER_UNREPEATABLE = 1u << 3,
-    /* Has a selective profile (ms_layer.sel_*): may run selective.  Set
-       by the parser (layer_stats.c) when LayerStats has one, never given
-       in LayerStats.flags. */
+    /* Has a selective profile (ms_layer.sel, at least one level): may run
+       selective.  Set by the parser (layer_stats.c) when LayerStats has
+       one, never given in LayerStats.flags. */
     MS_LAYER_SELECTIVE = 1u << 4,
 };
+
+/* The most saved-op sets (levels) of a layer run selective. */
+#define MS_SEL_LEVELS 8
+
+/* One level of a layer run selective: the ops whose FLOPs per byte they
+   write reach `threshold` are kept, the rest recomputed in backward.  The
+   levels of a layer are nested (thresholds decrease, so each keeps what
+   the one before keeps and more). */
+typedef struct {
+    double threshold;    /* FLOPs per byte: an op at or above it is kept */
+    int64_t saved_bytes; /* its kept outputs, held besides the input */
+    double flops;        /* the recompute: FLOPs of the recomputed ops, and
+                            one per element an op without a formula writes */
+} ms_sel_level;
 
 typedef struct {
     int64_t param_bytes; /* parameters owned by the layer */
@@ -78,10 +92,10 @@ typedef struct {
     /* Its recompute's and backward's bytes on top of its saved tensors,
        measured per layer (memory.h); 0 when not measured. */
     int64_t backward_bytes;
-    /* Selective (with MS_LAYER_SELECTIVE): the outputs of its costly ops
-       it keeps besides its input, and the cost of recomputing the rest. */
-    int64_t sel_saved_bytes;
-    double sel_flops;
+    /* Selective (with MS_LAYER_SELECTIVE): sel_levels levels (1 to
+       MS_SEL_LEVELS), fewest kept bytes first. */
+    int sel_levels;
+    ms_sel_level sel[MS_SEL_LEVELS];
 } ms_layer;
 
 typedef struct {
@@ -120,6 +134,8 @@ typedef struct {
     int tiles;           /* > 1: run in this many tiles (MS_TECH_TILING) */
     int segment;         /* checkpointed: the first layer of its segment
                             (itself when alone); -1 otherwise */
+    int sel_level;       /* run selective: its level (ms_layer.sel); -1
+                            otherwise */
 } ms_choice;
 
 typedef struct {

@@ -23,8 +23,7 @@ enum {
     N_FIELDS, /* the tuple's fields; by name only after it: */
     /* the per-layer calibration of the memory model, 0 when not measured */
     F_BACKWARD_BYTES = N_FIELDS,
-    F_SEL_SAVED, /* the selective profile */
-    F_SEL_FLOPS,
+    F_SEL_LEVELS, /* the selective profile */
     N_ALL_FIELDS
 };
 
@@ -53,13 +52,15 @@ static PyStructSequence_Field fields[] = {
         "tensors and of what is held before it, measured per layer on the\n"
         "OOM predictor's simulated step (None or 0: not measured).  Not in\n"
         "the tuple: LayerStats(fields, {'backward_bytes': n})."},
-    [F_SEL_SAVED] = {"selective_saved_bytes",
-        "Run selective: bytes of the outputs of its costly ops, kept until\n"
-        "backward besides its input (None: no selective profile).  By name\n"
-        "only: LayerStats(fields, {'selective_saved_bytes': ...})."},
-    [F_SEL_FLOPS] = {"selective_flops",
-        "Run selective: the cost of recomputing its cheap ops in backward\n"
-        "(None: no selective profile)."},
+    [F_SEL_LEVELS] = {"selective_levels",
+        "Run selective: the saved-op sets the unit may run with, a tuple of\n"
+        "1 to 8 (threshold, saved_bytes, flops): an op is kept when its\n"
+        "FLOPs per byte written reach threshold (> 0; the thresholds\n"
+        "decrease, so each level keeps more than the one before),\n"
+        "saved_bytes are its kept outputs (held until backward besides the\n"
+        "input) and flops the cost of recomputing the rest (None: no\n"
+        "selective profile).  By name only:\n"
+        "LayerStats(fields, {'selective_levels': ((t, b, f), ...)})."},
     [N_ALL_FIELDS] = {NULL, NULL},
 };
 
@@ -69,9 +70,8 @@ PyDoc_STRVAR(layer_stats_doc,
 "param_bytes, saved_bytes, input_bytes, flops, flags.  A tuple:\n"
 "build_plan also accepts a plain tuple of these seven fields, or of\n"
 "eight with backward_bytes (an attribute of LayerStats, not in the\n"
-"tuple) last.  Two more fields, given by name in dict, describe the\n"
-"layer run selective: selective_saved_bytes and selective_flops (both or\n"
-"neither).");
+"tuple) last.  One more, given by name in dict, describes the layer\n"
+"run selective: selective_levels.");
 /* clang-format on */
 
 static PyStructSequence_Desc layer_stats_desc = {
@@ -239,46 +239,96 @@ parse_flops(PyObject *item, Py_ssize_t index, double *out)
                              out);
 }
 
-/* The selective profile of a layer, when it has one (both fields given):
+/* Level k of a selective profile: (threshold, saved_bytes, flops), its
+   threshold below `above` (the previous level's; INFINITY for the
+   first).  0, or -1 with an error naming the layer, the field and k. */
+static int
+parse_level(PyObject *v, Py_ssize_t index, Py_ssize_t k, double above,
+            ms_sel_level *out)
+{
+    const char *name = fields[F_SEL_LEVELS].name;
+    if (!PyTuple_Check(v) || PyTuple_GET_SIZE(v) != 3) {
+        PyErr_Format(PyExc_TypeError,
+                     "layers[%zd].%s[%zd] must be a tuple (threshold, "
+                     "saved_bytes, flops), got %R",
+                     index, name, k, v);
+        return -1;
+    }
+    double t = PyFloat_AsDouble(PyTuple_GET_ITEM(v, 0));
+    if (t == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (!isfinite(t) || !(t > 0.0) || !(t < above)) {
+        PyErr_Format(PyExc_ValueError,
+                     "layers[%zd].%s[%zd]: the threshold must be a finite "
+                     "number > 0 and below the previous level's (the "
+                     "levels keep more ops in turn), got %R",
+                     index, name, k, PyTuple_GET_ITEM(v, 0));
+        return -1;
+    }
+    long long b;
+    if (ll_value(PyTuple_GET_ITEM(v, 1), index, F_SEL_LEVELS, &b) < 0) {
+        return -1;
+    }
+    if (b < 0 || b > MS_MAX_BYTES) {
+        PyErr_Format(PyExc_ValueError,
+                     "layers[%zd].%s[%zd]: saved_bytes must be >= 0 and <= "
+                     "2**50, got %R",
+                     index, name, k, PyTuple_GET_ITEM(v, 1));
+        return -1;
+    }
+    double f;
+    if (parse_flops_value(PyTuple_GET_ITEM(v, 2), index, F_SEL_LEVELS, &f)
+        < 0)
+    {
+        return -1;
+    }
+    out->threshold = t;
+    out->saved_bytes = b;
+    out->flops = f;
+    return 0;
+}
+
+/* The selective profile of a layer, when it has one: out->sel and
    out->flags gets MS_LAYER_SELECTIVE.  0, or -1 with an error naming the
    layer and the field. */
 static int
 parse_selective(PyObject *item, Py_ssize_t index, ms_layer *out)
 {
-    PyObject *saved = named_field(item, F_SEL_SAVED);
-    if (saved == NULL) {
+    PyObject *levels = named_field(item, F_SEL_LEVELS);
+    if (levels == NULL) {
         return -1;
     }
-    PyObject *flops = named_field(item, F_SEL_FLOPS);
-    if (flops == NULL) {
-        Py_DECREF(saved);
-        return -1;
+    int rc = -1;
+    if (levels == Py_None) {
+        rc = 0; /* no selective profile */
+        goto done;
     }
-    int rc = 0;
-    if (saved == Py_None && flops == Py_None) {
-        goto done; /* no selective profile */
-    }
-    if (saved == Py_None || flops == Py_None) {
-        int missing = saved == Py_None ? F_SEL_SAVED : F_SEL_FLOPS;
-        int given = saved == Py_None ? F_SEL_FLOPS : F_SEL_SAVED;
+    if (!PyTuple_Check(levels) || PyTuple_GET_SIZE(levels) < 1
+        || PyTuple_GET_SIZE(levels) > MS_SEL_LEVELS)
+    {
         PyErr_Format(PyExc_ValueError,
-                     "layers[%zd] has %s but no %s: a selective profile "
-                     "needs both (or neither)",
-                     index, fields[given].name, fields[missing].name);
-        rc = -1;
+                     "layers[%zd].%s must be None or a tuple of 1 to %d "
+                     "levels (threshold, saved_bytes, flops), got %R",
+                     index, fields[F_SEL_LEVELS].name, (int)MS_SEL_LEVELS,
+                     levels);
         goto done;
     }
-    rc = bytes_value(saved, index, F_SEL_SAVED, &out->sel_saved_bytes);
-    if (rc < 0) {
-        goto done;
+    double above = INFINITY;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(levels); k++) {
+        if (parse_level(PyTuple_GET_ITEM(levels, k), index, k, above,
+                        &out->sel[k])
+            < 0)
+        {
+            goto done;
+        }
+        above = out->sel[k].threshold;
     }
-    rc = parse_flops_value(flops, index, F_SEL_FLOPS, &out->sel_flops);
-    if (rc == 0) {
-        out->flags |= MS_LAYER_SELECTIVE;
-    }
+    out->sel_levels = (int)PyTuple_GET_SIZE(levels);
+    out->flags |= MS_LAYER_SELECTIVE;
+    rc = 0;
 done:
-    Py_DECREF(saved);
-    Py_DECREF(flops);
+    Py_DECREF(levels);
     return rc;
 }
 
@@ -326,7 +376,6 @@ ms_layer_stats_parse(PyObject *item, Py_ssize_t index, PyObject **name,
         return -1;
     }
     out->flags = (unsigned)flags;
-    out->sel_saved_bytes = 0;
-    out->sel_flops = 0.0;
+    out->sel_levels = 0;
     return parse_selective(item, index, out);
 }

@@ -11,12 +11,12 @@ ms_mem_terms_of(const ms_layer *L, size_t n, const ms_solver_choice *c,
     size_t worst_at = n;
     for (size_t i = 0; i < n;) {
         if (c[i].seg_start < 0 && c[i].selective) {
-            int64_t at = ms_add_sat(held, ms_mem_selective_backward(&L[i]));
+            int64_t at = ms_add_sat(held, ms_mem_selective_backward(&L[i], c[i].level));
             if (at > worst) {
                 worst = at;
                 worst_at = i;
             }
-            held = ms_add_sat(held, ms_mem_selective_held(&L[i]));
+            held = ms_add_sat(held, ms_mem_selective_held(&L[i], c[i].level));
             i++;
             continue;
         }

@@ -15,8 +15,8 @@
  * layer by the OOM predictor, 0 when not measured): the segment's term is
  * the largest of these (ms_mem_seg_step).  A selective layer (kept as a
  * unit, ms_solver_choice.selective) holds its input and the outputs of its
- * costly ops; at its backward the cheap ones are recomputed, so it then
- * holds ms_mem_selective_backward (a recompute term like a segment's,
+ * costly ops (those of its level, ms_solver_choice.level); at its backward
+ * the cheap ones are recomputed, so it then holds ms_mem_selective_backward (a recompute term like a segment's,
  * without a measured backward term):
  *
  *     end       = sum over units of what they hold
@@ -115,22 +115,33 @@ ms_mem_tile_share(const ms_layer *layer, int tiles)
                        tiles);
 }
 
-/* What a selective layer holds until backward: its input and the outputs
-   of the ops it keeps. */
-static inline int64_t
-ms_mem_selective_held(const ms_layer *layer)
+/* Level `level` of a selective layer (ms_layer.sel); NULL when it has no
+   such level. */
+static inline const ms_sel_level *
+ms_sel_at(const ms_layer *layer, int level)
 {
+    return level >= 0 && level < layer->sel_levels && level < MS_SEL_LEVELS
+               ? &layer->sel[level]
+               : NULL;
+}
+
+/* What a selective layer run at `level` holds until backward: its input
+   and the outputs of the ops that level keeps. */
+static inline int64_t
+ms_mem_selective_held(const ms_layer *layer, int level)
+{
+    const ms_sel_level *s = ms_sel_at(layer, level);
     return ms_add_sat(ms_nonneg(layer->input_bytes),
-                      ms_nonneg(layer->sel_saved_bytes));
+                      s != NULL ? ms_nonneg(s->saved_bytes) : 0);
 }
 
 /* What is alive for a selective layer at its backward: what it holds and
    the cheap outputs recomputed (its saved tensors, the input among them),
    whichever is more. */
 static inline int64_t
-ms_mem_selective_backward(const ms_layer *layer)
+ms_mem_selective_backward(const ms_layer *layer, int level)
 {
-    int64_t held = ms_mem_selective_held(layer);
+    int64_t held = ms_mem_selective_held(layer, level);
     int64_t saved = ms_mem_saved(layer);
     return held > saved ? held : saved;
 }

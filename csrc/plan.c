@@ -11,6 +11,7 @@
 
 #include "engine.h"
 #include "layer_stats.h"
+#include "memory.h"
 
 #include <limits.h>
 #include <math.h>
@@ -35,6 +36,8 @@ typedef struct {
     unsigned mask;
     int tiles;
     int segment;
+    int selective_level;
+    double selective_threshold;
 } LayerPlan;
 
 typedef struct {
@@ -142,6 +145,15 @@ static PyMemberDef layer_members[] = {
      "Checkpointed: the index of the first layer of its checkpoint\n"
      "segment (its own index when recomputed alone); -1 otherwise.  A\n"
      "segment's layers are recomputed together from its first input."},
+    {"selective_level", Py_T_INT, offsetof(LayerPlan, selective_level),
+     Py_READONLY,
+     "Run selective: which of its LayerStats.selective_levels (0: the\n"
+     "first, fewest bytes kept); -1 otherwise."},
+    {"selective_threshold", Py_T_DOUBLE,
+     offsetof(LayerPlan, selective_threshold), Py_READONLY,
+     "Run selective: the level's threshold, in FLOPs per byte written (an\n"
+     "op whose output costs at least this much is kept, the rest are\n"
+     "recomputed in backward); 0.0 otherwise."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -338,6 +350,10 @@ plan_to_json_str(Plan *p)
             || sb_key(&b, "tiles", 0) < 0 || sb_ll(&b, (long long)l->tiles) < 0
             || sb_key(&b, "segment", 0) < 0
             || sb_ll(&b, (long long)l->segment) < 0
+            || sb_key(&b, "selective_level", 0) < 0
+            || sb_ll(&b, (long long)l->selective_level) < 0
+            || sb_key(&b, "selective_threshold", 0) < 0
+            || sb_double(&b, l->selective_threshold) < 0
             || sb_key(&b, "bytes_saved", 0) < 0
             || sb_ll(&b, l->bytes_saved) < 0
             || sb_key(&b, "param_bytes", 0) < 0
@@ -614,6 +630,11 @@ make_layer(ms_state *st, Py_ssize_t index, PyObject *name, PyObject *kind,
     l->mask = c->techniques;
     l->tiles = c->tiles;
     l->segment = c->segment;
+    const ms_sel_level *sel = (c->techniques & MS_TECH_SELECTIVE)
+                                  ? ms_sel_at(in, c->sel_level)
+                                  : NULL;
+    l->selective_level = sel != NULL ? c->sel_level : -1;
+    l->selective_threshold = sel != NULL ? sel->threshold : 0.0;
     PyObject_GC_Track(l);
 
     Py_ssize_t nt = 0;

@@ -14,14 +14,16 @@
  * every plan it returns is measured again whole by ms_mem_terms_of.
  *
  * A kept layer may also run selective (MS_LAYER_SELECTIVE layers, when
- * MS_TECH_SELECTIVE is allowed): it then holds its input and the outputs
- * of its costly ops, and its backward holds ms_mem_selective_backward
- * (memory.h), a recompute term checked against the budget like a
- * segment's.
+ * MS_TECH_SELECTIVE is allowed), at one of its levels (ms_layer.sel: the
+ * saved-op sets the profiler offers, nested, each keeping more of the
+ * costly ops' outputs and recomputing less): it then holds its input and
+ * the outputs that level keeps, and its backward holds
+ * ms_mem_selective_backward (memory.h), a recompute term checked against
+ * the budget like a segment's.
  *
  * Overhead, in seconds: each checkpointed layer is recomputed once (its
- * forward FLOPs / flop_rate), a selective layer recomputes its cheap ops
- * (sel_flops / flop_rate); an offloaded input is written and read once
+ * forward FLOPs / flop_rate), a selective layer recomputes the ops its
+ * level does not keep (the level's flops / flop_rate); an offloaded input is written and read once
  * at offload_bw (asynchronously, the write hides behind the layer's
  * forward and the read behind its backward, about twice the forward); a
  * layer in t tiles makes t - 1 more calls of tile_overhead each.
@@ -32,7 +34,8 @@
  * check is exact and a plan it returns fits the exact budget; within a
  * bucket only the cheapest path survives (ties: the one holding less), so
  * the plan is optimal when the bucket is one byte and close to it
- * otherwise.  Work: O(n x (resolution + 1) x log max_segment); memory: 4
+ * otherwise.  Work: O(n x (resolution + 1) x (log max_segment + levels));
+ * memory: 4
  * bytes of back-pointer per state, two rows of costs, and one tournament
  * tree of max_segment + 1 leaves per bucket (see below).
  */
@@ -50,10 +53,12 @@
 
 /* Back-pointer of a state: prev_h (16 bits) | length (8; 0 = kept) |
    code (8: bit 0 offloaded, bits 1-3 log2 of the tiles, bit 4 a kept
-   layer run selective). */
+   layer run selective, bits 5-7 its level). */
 typedef uint32_t back_t;
 #define BACK_NONE UINT32_MAX
 #define BACK_SELECTIVE 16
+#define BACK_LEVEL_SHIFT 5
+_Static_assert(MS_SEL_LEVELS <= 8, "a level must fit the back-pointer's 3 bits");
 
 static back_t
 back_pack(size_t prev_h, int len, int offload, int tiles_log2)
@@ -95,13 +100,15 @@ static int
 can_select(const ms_solver_problem *p, const ms_layer *l)
 {
     return (p->allowed & MS_TECH_SELECTIVE) && (l->flags & MS_LAYER_SELECTIVE)
-           && eligible(l);
+           && l->sel_levels > 0 && eligible(l);
 }
 
+/* The recompute of `l` run selective at `level` (0 for no such level). */
 static double
-sel_flops(const ms_layer *l)
+sel_flops(const ms_layer *l, int level)
 {
-    return l->sel_flops > 0.0 && isfinite(l->sel_flops) ? l->sel_flops : 0.0;
+    const ms_sel_level *s = ms_sel_at(l, level);
+    return s != NULL && s->flops > 0.0 && isfinite(s->flops) ? s->flops : 0.0;
 }
 
 double
@@ -123,7 +130,9 @@ ms_solver_check(const ms_solver_problem *p, const ms_layer *L, size_t n,
         int s = c[i].seg_start;
         if (s < 0) {
             if (c[i].offload || c[i].tiles != 1
-                || (c[i].selective && !can_select(p, &L[i])))
+                || (c[i].selective
+                    && (!can_select(p, &L[i])
+                        || ms_sel_at(&L[i], c[i].level) == NULL)))
             {
                 return -1;
             }
@@ -185,8 +194,8 @@ ms_solver_overhead(const ms_solver_problem *p, const ms_layer *L, size_t n,
     for (size_t i = 0; i < n; i++) {
         if (c[i].seg_start < 0) {
             if (c[i].selective) {
-                total += sel_flops(&L[i]) / p->flop_rate;
-                flops += sel_flops(&L[i]);
+                total += sel_flops(&L[i], c[i].level) / p->flop_rate;
+                flops += sel_flops(&L[i], c[i].level);
             }
             continue;
         }
@@ -216,6 +225,7 @@ keep_all(ms_solver_choice *out, size_t n)
         out[i].offload = 0;
         out[i].tiles = 1;
         out[i].selective = 0;
+        out[i].level = 0;
     }
 }
 
@@ -405,8 +415,10 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
         if (i == n) {
             break;
         }
-        int ok_sel = can_select(p, &L[i]);
-        double sel_cost = ok_sel ? sel_flops(&L[i]) / p->flop_rate : 0.0;
+        int n_sel = can_select(p, &L[i]) ? L[i].sel_levels : 0;
+        if (n_sel > MS_SEL_LEVELS) {
+            n_sel = MS_SEL_LEVELS;
+        }
         int ok_ckpt = ckpt && eligible(&L[i]);
         int ok_off = ok_ckpt && can_offload(p, &L[i]);
         int ok_tile = ok_ckpt && can_tile(p, &L[i]);
@@ -439,12 +451,16 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                     back[(i + 1) * width + hk] = back_pack(h, 0, 0, 0);
                 }
             }
-            /* Selective: holds its input and its costly ops' outputs; its
-               backward must fit the recompute budget. */
-            if (ok_sel && ms_mem_selective_backward(&L[i]) <= room) {
+            /* Selective, at each level: holds its input and the outputs
+               the level keeps; its backward must fit the recompute
+               budget. */
+            for (int j = 0; j < n_sel; j++) {
+                if (ms_mem_selective_backward(&L[i], j) > room) {
+                    continue;
+                }
                 int64_t hs_bytes = ms_add_sat(held,
-                                              ms_mem_selective_held(&L[i]));
-                double cs = v + sel_cost;
+                                              ms_mem_selective_held(&L[i], j));
+                double cs = v + sel_flops(&L[i], j) / p->flop_rate;
                 size_t hs = (size_t)(hs_bytes / bucket);
                 if (hs_bytes <= BE
                     && (cs < next[hs]
@@ -452,8 +468,9 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                 {
                     next[hs] = cs;
                     next_held[hs] = hs_bytes;
-                    back[(i + 1) * width + hs] = back_pack(h, 0, 0, 0)
-                                                 | BACK_SELECTIVE;
+                    back[(i + 1) * width + hs] =
+                        back_pack(h, 0, 0, 0) | BACK_SELECTIVE
+                        | (back_t)j << BACK_LEVEL_SHIFT;
                 }
             }
             if (!ok_ckpt) {
@@ -548,6 +565,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             if (len == 0) {
                 i -= 1; /* kept: out[i] already says so */
                 out[i].selective = (code & BACK_SELECTIVE) != 0;
+                out[i].level = out[i].selective ? code >> BACK_LEVEL_SHIFT : 0;
             }
             else {
                 size_t start = i - (size_t)len;

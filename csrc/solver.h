@@ -30,6 +30,7 @@ typedef struct {
     int tiles;     /* 1, or a power of two up to MS_MAX_TILES (a one-layer
                       segment) */
     int selective; /* kept (seg_start -1) as a selective layer */
+    int level;     /* selective: which of the layer's levels (ms_layer.sel) */
 } ms_solver_choice;
 
 typedef struct {

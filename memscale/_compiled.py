@@ -150,8 +150,8 @@ def _announce(key: int) -> bool:
 class _Region:
     """What the compiled path does for one unit under the current plan:
     ``checkpoint``, whether it runs as a checkpoint region; ``selective``,
-    the threshold of a unit run selective (``_selective.threshold``), or
-    None.  One object per unit, read through the unit's own forward: when
+    the threshold of a unit run selective (its level's,
+    ``LayerPlan.selective_threshold``), or None.  One object per unit, read through the unit's own forward: when
     each block is compiled on its own, dynamo guards on these values, which
     are the same for blocks planned alike, so they share one graph."""
 
@@ -236,8 +236,4 @@ def update(executor: Any, plan: Any) -> None:
     for i, region in enumerate(regions.units):
         techniques = set(layers[i].techniques) if i < len(layers) else set()
         region.checkpoint = bool({"checkpoint", "selective"} & techniques)
-        region.selective = (
-            _selective.threshold(layers[i].flops, layers[i].saved_bytes)
-            if "selective" in techniques
-            else None
-        )
+        region.selective = layers[i].selective_threshold if "selective" in techniques else None

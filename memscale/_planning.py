@@ -321,18 +321,15 @@ def profile_from(
             float(r["flops"]),
             r["flags"] | tile_flag,
         )
-        found = (
+        levels = (
             _selective.layer_profile(ops.ops[i], float(r["flops"]), r["saved_bytes"])
             if ops is not None
             else None
         )
-        if found is None:
+        if levels is None:
             layers.append(_core.LayerStats(fields))
         else:
-            kept, cost = found
-            layers.append(
-                _core.LayerStats(fields, {"selective_saved_bytes": kept, "selective_flops": cost})
-            )
+            layers.append(_core.LayerStats(fields, {"selective_levels": levels}))
         details.append({"name": name, "kind": kind, **r})
     return Profile(
         tuple(layers),
@@ -461,7 +458,7 @@ def with_selective_profiles(measured: Profile, first: Profile) -> Profile:
     layer's selective profile from ``first`` (the fake pass's)."""
     layers = tuple(
         layer_stats(tuple(b), a)
-        if a.selective_saved_bytes is not None and b.selective_saved_bytes is None
+        if a.selective_levels is not None and b.selective_levels is None
         else b
         for a, b in zip(first.layers, measured.layers)
     )

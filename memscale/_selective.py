@@ -9,13 +9,20 @@ again in backward from them.  The C executor treats the layer as kept (no
 frame of its own); the forward is installed per unit by
 ``memscale._compiled`` (``_unit_forward``), from ``wrap`` to ``detach``.
 
-Which ops are kept: those that cost more FLOPs per byte they write than
-the layer as a whole (its forward FLOPs over the bytes it saves for
-backward, the layer's *threshold*).  Keeping such an output costs fewer
-bytes per FLOP it spares than checkpointing the whole layer does; the rest
-(norms, activations, softmax, dropout, residual adds, reshapes) is
-recomputed.  FLOPs are ``torch.utils.flop_counter``'s formulas (matmuls,
-convolutions, attention); an op without one counts as cheap.  An op that
+Which ops are kept: those whose FLOPs per byte written reach the
+threshold of the layer's *level*.  The profile offers the planner a small
+ladder of levels per layer (:func:`layer_profile`): the ops with a FLOP
+formula sorted by FLOPs per byte, each level a prefix of that order (it
+keeps every op at or above its threshold), from the costliest ops only up
+to every op with a formula (no counted FLOPs recomputed, the most bytes
+kept), and always the level at the layer's own threshold (its forward
+FLOPs over the bytes it saves for backward: keeping such an output costs
+fewer bytes per FLOP it spares than checkpointing the whole layer does).
+The solver picks one level per layer, or none (``LayerPlan.selective_level``
+and ``selective_threshold``).  The rest (norms, activations, softmax,
+dropout, residual adds, reshapes) is recomputed.  FLOPs are
+``torch.utils.flop_counter``'s formulas (matmuls, convolutions,
+attention); an op without one counts as cheap.  An op that
 draws random numbers (``nondeterministic_seeded``, such as dropout) is
 never kept: it is recomputed with the RNG state the checkpoint restores,
 so its masks are the same, and the gradients are bitwise those of the
@@ -27,10 +34,10 @@ checkpoint would write them again in the recompute.
 Profiling (:class:`OpRecorder`) runs in the same fake-tensor forward as
 the C profiler: per unit, each op's FLOPs, the bytes of its new outputs
 and whether it is random.  :func:`layer_profile` turns that into the
-layer's selective figures for the planner (``LayerStats``'s
-``selective_saved_bytes`` and ``selective_flops``: the bytes kept besides
-the input, and the recompute cost, FLOPs of the recomputed ops plus one
-per element an op without a FLOP formula writes).
+layer's levels for the planner (``LayerStats.selective_levels``: per
+level its threshold, the bytes kept besides the input, and the recompute
+cost, FLOPs of the recomputed ops plus one per element an op without a
+FLOP formula writes: a level that keeps more recomputes less).
 """
 
 from __future__ import annotations
@@ -46,7 +53,18 @@ from torch.utils.flop_counter import flop_registry
 
 from . import _torch_compat
 
-__all__ = ["LayerOps", "OpRecorder", "layer_profile", "recorder", "run", "threshold"]
+__all__ = [
+    "MAX_LEVELS",
+    "LayerOps",
+    "OpRecorder",
+    "layer_profile",
+    "recorder",
+    "run",
+    "threshold",
+]
+
+# The most levels a layer offers the planner (the C solver's MS_SEL_LEVELS).
+MAX_LEVELS = 8
 
 
 def _outputs(out: Any) -> list[torch.Tensor]:
@@ -79,8 +97,9 @@ def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, int,
 
 def keeps(threshold: float, flops: float, nbytes: int, random: bool) -> bool:
     """The policy: keep an op's output when it is not random and costs at
-    least ``threshold`` FLOPs per byte written."""
-    return not random and flops > 0.0 and nbytes > 0 and flops >= threshold * nbytes
+    least ``threshold`` FLOPs per byte written (``flops / nbytes``, the
+    very division :func:`layer_profile` makes a level's threshold of)."""
+    return not random and flops > 0.0 and nbytes > 0 and flops / nbytes >= threshold
 
 
 @dataclass
@@ -170,24 +189,79 @@ def threshold(flops: float, saved_bytes: int) -> float:
     return flops / saved_bytes if saved_bytes > 0 else float("inf")
 
 
-def layer_profile(ops: LayerOps, flops: float, saved_bytes: int) -> tuple[int, float] | None:
-    """The bytes of the outputs the layer keeps run selective, and what its
-    recompute costs; None when nothing was measured, or when its forward
-    updates its own state (a recompute would update it again: torch's
-    checkpoint does not put buffers back)."""
+Level = tuple[float, int, float]
+
+
+def _pick(ladder: list[Level], at_threshold: int, limit: int) -> list[Level]:
+    """At most ``limit`` levels of ``ladder`` (fewest bytes kept first):
+    the last (every op with a formula), the one at index ``at_threshold``
+    (the layer's threshold; -1: none), and the rest spread evenly over the
+    kept bytes between the first and the last."""
+    if len(ladder) <= limit:
+        return ladder
+    chosen = {len(ladder) - 1, 0}
+    if at_threshold >= 0:
+        chosen.add(at_threshold)
+    lo, hi = ladder[0][1], ladder[-1][1]
+    slots = limit - len(chosen)
+    for q in range(1, slots + 1):
+        target = lo + (hi - lo) * q / (slots + 1)
+        free = [k for k in range(len(ladder)) if k not in chosen]
+        if not free:
+            break
+        chosen.add(min(free, key=lambda k: (abs(ladder[k][1] - target), k)))
+    return [ladder[k] for k in sorted(chosen)]
+
+
+def layer_profile(
+    ops: LayerOps, flops: float, saved_bytes: int, limit: int = MAX_LEVELS
+) -> tuple[Level, ...] | None:
+    """The layer's levels run selective, fewest bytes kept first: per
+    level (threshold, bytes of the outputs it keeps, what its recompute
+    costs).  The ops with a FLOP formula that are not random are sorted by
+    FLOPs per byte written; each distinct value is a level's threshold (it
+    keeps every op at or above it), down to the level that keeps them all.
+    A level is left out when it would keep an output a later op writes in
+    place (torch refuses a changed cached output), and so are the ones
+    after it; a level that keeps no fewer bytes than the layer saves is no
+    better than keeping the layer.  Of more than ``limit`` levels, the
+    last, the one at the layer's threshold (:func:`threshold`) and the
+    rest spread evenly by bytes are kept.  None when nothing was measured,
+    no level remains, or the forward updates its own state (a recompute
+    would update it again: torch's checkpoint does not put buffers
+    back)."""
     if not ops.calls or saved_bytes <= 0 or ops.updates_state:
         return None
-    limit = threshold(flops, saved_bytes)
-    kept = 0
-    cost = 0.0
-    for i, (op_flops, nbytes, numel, random) in enumerate(ops.calls):
-        if keeps(limit, op_flops, nbytes, random):
-            if i in ops.mutated:
-                return None
-            kept += nbytes
-        else:
-            cost += op_flops if op_flops > 0.0 else float(numel)
-    return kept, cost
+    ratios = sorted(
+        {
+            op_flops / nbytes
+            for op_flops, nbytes, _, random in ops.calls
+            if keeps(0.0, op_flops, nbytes, random)
+        },
+        reverse=True,
+    )
+    layer_threshold = threshold(flops, saved_bytes)
+    ladder: list[Level] = []
+    at_threshold = -1
+    for limit_ratio in ratios:
+        kept = 0
+        cost = 0.0
+        for i, (op_flops, nbytes, numel, random) in enumerate(ops.calls):
+            if keeps(limit_ratio, op_flops, nbytes, random):
+                if i in ops.mutated:
+                    kept = -1
+                    break
+                kept += nbytes
+            else:
+                cost += op_flops if op_flops > 0.0 else float(numel)
+        if kept < 0 or kept >= saved_bytes:
+            break
+        if limit_ratio >= layer_threshold:
+            at_threshold = len(ladder)
+        ladder.append((limit_ratio, kept, cost))
+    if not ladder:
+        return None
+    return tuple(_pick(ladder, at_threshold, limit))
 
 
 def _policy(threshold: float) -> Any:

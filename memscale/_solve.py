@@ -119,9 +119,10 @@ def layer_stats(
     ``backward_bytes`` (bytes times ``factor``); ``backward_bytes`` given
     here replaces the latter."""
     named: dict[str, Any] = {}
-    if like is not None and like.selective_saved_bytes is not None:
-        named["selective_saved_bytes"] = int(like.selective_saved_bytes * factor)
-        named["selective_flops"] = like.selective_flops
+    if like is not None and like.selective_levels is not None:
+        named["selective_levels"] = tuple(
+            (t, int(kept * factor), cost) for t, kept, cost in like.selective_levels
+        )
     if backward_bytes is None and like is not None and like.backward_bytes is not None:
         backward_bytes = int(like.backward_bytes * factor)
     if backward_bytes is not None:

@@ -1,23 +1,28 @@
 """Selective checkpointing chosen by the planner, measured.
 
-    OMP_NUM_THREADS=1 python scripts/selective_bench.py [--json PATH] [--models gpt2-12l,llama-12l]
+    OMP_NUM_THREADS=1 python scripts/selective_bench.py [--json PATH]
+        [--models gpt2-12l,llama-12l] [--fractions 0.5,0.6,0.7,0.8] [--conservative]
 
 For each model (memscale.benchmarks.models) the unoptimized training step
 is measured (exact peak from allocator events, and the bytes it starts
-from); at budgets of start + 30/50/70% of its activation memory:
+from); at budgets of start + 50/60/70/80% of its activation memory:
 
-* memscale CONSERVATIVE: whole-layer checkpointing and segments only (the
-  planner without selective);
-* memscale BALANCED with ``enable_offloading=False``: the same planner
-  with selective checkpointing inside a layer added (and nothing else);
+* memscale BALANCED with ``enable_offloading=False`` (the budget sweep's
+  "memscale" row): the planner with selective checkpointing inside a
+  layer, each layer at one of its levels (saved-op sets), besides
+  checkpoints and segments;
+* with ``--conservative``, memscale CONSERVATIVE too: whole-layer
+  checkpointing and segments only (the planner without selective);
 * the peers, measured once: torch.utils.checkpoint on every block, and
   torch's selective checkpointing on every block (save-matmuls policy).
 
 Each row: the exact peak of a whole step (AdamW), whether it fits, the
 step's FLOPs over the unoptimized step's (FlopCounterMode: forward,
 backward, recompute, optimizer; deterministic), the plan's predicted peak
-and what it chose, and wrap's wall time.  No time ratios: FLOPs are the
-judge here.
+and what it chose (selective layers per level), and wrap's wall time.  No
+time ratios: FLOPs are the judge here.  After the table, one line per
+budget: for each peer that fits it, whether memscale fits and recomputes
+no more FLOPs.
 """
 
 from __future__ import annotations
@@ -37,20 +42,29 @@ from memscale.benchmarks.runner import lookup, selective_context, step_flops
 from memscale.benchmarks.sweep import _measure, _prepared
 from memscale.config import GIB
 
-FRACTIONS = (0.3, 0.5, 0.7)
+FRACTIONS = (0.5, 0.6, 0.7, 0.8)
+BALANCED = "memscale BALANCED, no offload"
 
 
 def _summary(plan: Any) -> str:
     counts = plan.technique_counts
     segs = {layer.segment for layer in plan.layers if layer.segment >= 0}
+    levels = sorted(
+        layer.selective_level for layer in plan.layers if "selective" in layer.techniques
+    )
+    at = (
+        " (levels " + ",".join(str(k) for k in levels) + ")" if levels else ""
+    )
     return (
-        f"{counts['selective']} selective, {counts['checkpoint']} checkpointed "
+        f"{counts['selective']} selective{at}, {counts['checkpoint']} checkpointed "
         f"in {len(segs)} segments, "
         f"{sum(1 for layer in plan.layers if not layer.techniques)} kept"
     )
 
 
-def run(name: str, log: Any) -> dict[str, Any]:
+def run(
+    name: str, log: Any, fractions: tuple[float, ...] = FRACTIONS, conservative: bool = False
+) -> dict[str, Any]:
     entry = lookup(name)
     base_model, base_batch, base_step, (_, base_opt) = _prepared(entry, lambda m, b: None)
     base = _measure(base_step, base_model, base_batch, base_opt)
@@ -81,13 +95,12 @@ def run(name: str, log: Any) -> dict[str, Any]:
         )
         log(f"{name}: {method}: {format_bytes(report.peak_bytes)}")
         del model, batch, step, opt
-    variants = {
-        "memscale CONSERVATIVE (no selective)": dict(mode="conservative"),
-        "memscale BALANCED, no offload (with selective)": dict(
-            mode="balanced", enable_offloading=False
-        ),
+    variants: dict[str, dict[str, Any]] = {
+        BALANCED: dict(mode="balanced", enable_offloading=False)
     }
-    for fraction in FRACTIONS:
+    if conservative:
+        variants["memscale CONSERVATIVE (no selective)"] = dict(mode="conservative")
+    for fraction in fractions:
         budget = start + int(fraction * activations)
         for method, kw in variants.items():
             config = memscale.Config(memory_budget_gb=budget / GIB, enable_logging=False, **kw)
@@ -163,25 +176,56 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def verdicts(results: list[dict[str, Any]]) -> str:
+    """Per model and budget: for each peer whose peak fits the budget,
+    whether memscale's plan fits it too and recomputes no more FLOPs."""
+    out = []
+    for res in results:
+        peers = [r for r in res["rows"] if r["budget_bytes"] is None]
+        for r in res["rows"]:
+            if r["method"] != BALANCED:
+                continue
+            for peer in peers:
+                if peer["peak_bytes"] > r["budget_bytes"]:
+                    continue
+                fits = bool(r.get("fits"))
+                ok = fits and r["flops_ratio"] <= peer["flops_ratio"] + 1e-9
+                mine = f"{r['flops_ratio']:.4f}x" if fits else "does not fit"
+                out.append(
+                    f"{res['model']} {r['fraction']:.0%}: {peer['method']} fits "
+                    f"({peer['flops_ratio']:.4f}x); memscale {mine}: "
+                    f"{'ok' if ok else 'BEHIND'}"
+                )
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--models", default="gpt2-12l,llama-12l")
+    ap.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
+    ap.add_argument("--conservative", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    results = [run(name, log) for name in args.models.split(",")]
-    text = table(results)
+    fractions = tuple(float(f) for f in args.fractions.split(","))
+    results = [
+        run(name, log, fractions, args.conservative) for name in args.models.split(",")
+    ]
+    text = table(results) + "\n\n" + verdicts(results)
     print(text)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {
                     "command": "OMP_NUM_THREADS=1 python scripts/selective_bench.py "
-                    f"--json {args.json}",
+                    f"--json {args.json}"
+                    + (f" --models {args.models}" if args.models != "gpt2-12l,llama-12l" else "")
+                    + (f" --fractions {args.fractions}" if fractions != FRACTIONS else "")
+                    + (" --conservative" if args.conservative else ""),
                     "machine": f"{platform.machine()} {platform.system()}, "
                     f"Python {platform.python_version()}, torch {torch.__version__}",
                     "date": time.strftime("%Y-%m-%d"),

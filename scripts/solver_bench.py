@@ -5,7 +5,9 @@ the Plan object).
 
 Transformer-like chains: layers of 20 to 28 MiB saved and 2 MiB input,
 8e9 to 1.2e10 forward FLOPs each, every one a tiling candidate with a
-selective profile (6 to 10 MiB kept, 2e7 to 4e7 FLOPs recomputed); the
+selective profile of 8 levels (the most a layer has: from 6 to 10 MiB
+kept and 8e8 to 1.2e9 FLOPs recomputed up to 14 to 18 MiB kept and 2e7
+to 4e7 FLOPs); the
 budget is the fixed bytes plus 20, 40, 60 or 80% of the activations; all
 techniques allowed (AGGRESSIVE), CPU cost constants.  Median of 5 runs.
 
@@ -44,12 +46,19 @@ def chain(n: int, seed: int) -> tuple[_core.LayerStats, ...]:
                 rng.randint(8, 12) * 1e9,
                 _core.LAYER_TILEABLE,
             ),
-            {
-                "selective_saved_bytes": rng.randint(6, 10) << 20,
-                "selective_flops": rng.randint(2, 4) * 1e7,
-            },
+            {"selective_levels": _levels(rng)},
         )
         for i in range(n)
+    )
+
+
+def _levels(rng: random.Random) -> tuple[tuple[float, int, float], ...]:
+    """8 nested levels: each keeps 1 MiB more and recomputes less."""
+    kept = rng.randint(6, 10) << 20
+    last = rng.randint(2, 4) * 1e7
+    return tuple(
+        (float(64 >> k), kept + (k << 20), last + (7 - k) * 1.5e8)
+        for k in range(8)
     )
 
 

@@ -488,10 +488,10 @@ def test_layer_stats_is_a_named_tuple_of_the_seven_figures():
     stats = _core.LayerStats(("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE))
     assert isinstance(stats, tuple) and len(stats) == 7
     assert _core.LayerStats.n_sequence_fields == 7
-    # Three more by name only, not in the tuple: backward_bytes (the
-    # per-layer calibration) and the selective profile (None without).
-    assert _core.LayerStats.n_fields == 10 and stats.backward_bytes is None
-    assert stats.selective_saved_bytes is None and stats.selective_flops is None
+    # Two more by name only, not in the tuple: backward_bytes (the
+    # per-layer calibration) and the selective levels (None without).
+    assert _core.LayerStats.n_fields == 9 and stats.backward_bytes is None
+    assert stats.selective_levels is None
     assert _core.LayerStats.__match_args__ == LAYER_FIELDS
     assert tuple(getattr(stats, f) for f in LAYER_FIELDS) == tuple(stats)
     assert stats == ("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE)
@@ -506,15 +506,15 @@ def test_layer_stats_is_a_named_tuple_of_the_seven_figures():
         _core.LayerStats(("h.0", "Block", 8))  # a LayerStats has 7 fields
 
 
-def test_layer_stats_selective_profile_by_name():
+def test_layer_stats_selective_levels_by_name():
     row = ("h.0", "Block", 8, 100, 10, 2.5, 0)
-    stats = _core.LayerStats(row, {"selective_saved_bytes": 30, "selective_flops": 0.5})
+    levels = ((8.0, 30, 0.5), (2.0, 60, 0.25))
+    stats = _core.LayerStats(row, {"selective_levels": levels})
     assert stats == row and len(stats) == 7
-    assert stats.selective_saved_bytes == 30 and stats.selective_flops == 0.5
-    for field in ("selective_saved_bytes", "selective_flops"):
-        assert getattr(_core.LayerStats, field).__doc__, field
+    assert stats.selective_levels == levels
+    assert _core.LayerStats.selective_levels.__doc__
     again = pickle.loads(pickle.dumps(stats))
-    assert again.selective_saved_bytes == 30 and again.selective_flops == 0.5
+    assert again.selective_levels == levels
     kw = dict(
         mode="balanced",
         allowed=_core.TECH_CHECKPOINT | _core.TECH_SELECTIVE,
@@ -531,24 +531,25 @@ def test_layer_stats_selective_profile_by_name():
     # fields): both plan.
     for layers in ([stats], [row], [_core.LayerStats(row)]):
         assert len(_core.build_plan(layers, **kw)) == 1
-    # Half a profile, or a bad one: errors naming the layer and the field.
-    with pytest.raises(
-        ValueError, match=r"layers\[0\] has selective_saved_bytes but no selective_flops"
-    ):
-        _core.build_plan([_core.LayerStats(row, {"selective_saved_bytes": 3})], **kw)
-    with pytest.raises(
-        ValueError, match=r"layers\[0\] has selective_flops but no selective_saved_bytes"
-    ):
-        _core.build_plan([_core.LayerStats(row, {"selective_flops": 3.0})], **kw)
-    bad = _core.LayerStats(row, {"selective_saved_bytes": -1, "selective_flops": 0.0})
-    with pytest.raises(ValueError, match=r"layers\[0\].selective_saved_bytes must be >= 0"):
-        _core.build_plan([bad], **kw)
-    bad = _core.LayerStats(row, {"selective_saved_bytes": 1, "selective_flops": float("nan")})
-    with pytest.raises(ValueError, match=r"layers\[0\].selective_flops must be a finite"):
-        _core.build_plan([bad], **kw)
-    bad = _core.LayerStats(row, {"selective_saved_bytes": "x", "selective_flops": 1.0})
-    with pytest.raises(TypeError, match=r"layers\[0\].selective_saved_bytes must be an int"):
-        _core.build_plan([bad], **kw)
+
+    # A bad profile: errors naming the layer, the field and the level.
+    def bad(value, error, match):
+        stats = _core.LayerStats(row, {"selective_levels": value})
+        with pytest.raises(error, match=match):
+            _core.build_plan([stats], **kw)
+
+    bad((), ValueError, r"layers\[0\].selective_levels must be None or a tuple of 1 to 8")
+    bad(((1.0, 1, 1.0),) * 9, ValueError, r"tuple of 1 to 8")
+    bad([(1.0, 1, 1.0)], ValueError, r"selective_levels must be None or a tuple")
+    bad(((1.0, 1),), TypeError, r"layers\[0\].selective_levels\[0\] must be a tuple")
+    bad(((1.0, -1, 0.0),), ValueError, r"selective_levels\[0\]: saved_bytes must be >= 0")
+    bad(((1.0, "x", 0.0),), TypeError, r"layers\[0\].selective_levels must be an int")
+    bad(((1.0, 1, float("nan")),), ValueError, r"selective_levels must be a finite")
+    bad(((0.0, 1, 1.0),), ValueError, r"selective_levels\[0\]: the threshold must be")
+    bad(((float("inf"), 1, 1.0),), ValueError, r"the threshold must be")
+    # The levels keep more in turn: thresholds must decrease.
+    bad(((2.0, 1, 1.0), (2.0, 2, 0.5)), ValueError, r"selective_levels\[1\]: the threshold")
+    bad(((2.0, 1, 1.0), (4.0, 2, 0.5)), ValueError, r"below the previous level's")
     # The flag is the parser's, never the caller's.
     with pytest.raises(ValueError, match="unknown bits"):
         _core.build_plan([("h.0", "Block", 8, 100, 10, 2.5, 16)], **kw)

@@ -467,7 +467,7 @@ def test_layers_run_selective_while_measured_keep_their_figures_and_profile():
     assert refined is not first
     for i in selective:
         assert refined.layers[i].saved_bytes >= first_saved[i]
-    assert executor.profile.layers[selective[0]].selective_saved_bytes is not None
+    assert executor.profile.layers[selective[0]].selective_levels is not None
     # The refined plan keeps what the budget needs: its measured peak fits.
     model.zero_grad()
     report = measure_peak(lambda: model(x).pow(2).mean().backward(), model=model, inputs=(x,))

@@ -53,6 +53,8 @@ LAYER_KEYS = [
     "tier",
     "tiles",
     "segment",
+    "selective_level",
+    "selective_threshold",
     "bytes_saved",
     "param_bytes",
     "saved_bytes",

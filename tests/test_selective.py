@@ -74,21 +74,66 @@ def test_the_policy_keeps_costly_outputs_and_never_random_ones():
     assert _selective.threshold(100.0, 0) == float("inf")
 
 
-def test_profile_of_an_mlp_block_keeps_the_matmul_outputs():
-    """Block: fc1 (32 -> 128), GELU, dropout, fc2 (128 -> 32), add.  Its
-    threshold (FLOPs per saved byte) is below both matmuls' FLOPs per byte
-    written, so their outputs are kept; GELU, dropout (output and mask)
-    and the add are recomputed, at one per element."""
+def test_profile_of_an_mlp_block_is_a_ladder_of_the_matmul_outputs():
+    """Block: fc1 (32 -> 128), GELU, dropout, fc2 (128 -> 32), add.  fc2
+    costs 64 FLOPs per byte it writes (2 x 128 per 4-byte element), fc1
+    16: two levels, fc2's output kept (fc1 recomputed too), then both
+    (the layer's own threshold is below 16).  GELU, dropout (output and
+    mask) and the add are recomputed at every level, at one per
+    element."""
     model = _mlp()
     profile = _planning.profile_upfront(model, _units(model), X, memscale.Config())
+    gelu, dropout_out, dropout_mask, add = 128, 128, 128, 32
+    cheap = ROWS * (gelu + dropout_out + dropout_mask + add)
+    fc1 = 2 * ROWS * 32 * 128
     for layer in profile.layers:
-        assert layer.selective_saved_bytes is not None
-        assert layer.selective_saved_bytes == ROWS * (128 + 32) * 4
-        gelu, dropout_out, dropout_mask, add = 128, 128, 128, 32
-        assert layer.selective_flops == ROWS * (gelu + dropout_out + dropout_mask + add)
-        assert layer.flops == 2 * ROWS * 32 * 128 * 2
+        assert layer.flops == 2 * fc1
+        assert _selective.threshold(layer.flops, layer.saved_bytes) < 16.0
+        assert layer.selective_levels == (
+            (64.0, ROWS * 32 * 4, fc1 + cheap),
+            (16.0, ROWS * (128 + 32) * 4, cheap),
+        )
         # Held run selective: its input and the kept outputs, less than kept.
-        assert layer.input_bytes + layer.selective_saved_bytes < layer.saved_bytes
+        assert layer.input_bytes + layer.selective_levels[-1][1] < layer.saved_bytes
+
+
+def test_levels_keep_more_and_recompute_less_in_turn():
+    """The ladder from made-up op records: levels in decreasing threshold,
+    each keeping more bytes and recomputing less (an op with no formula
+    counts one per element), random ops never kept, equal ratios kept
+    together, and none past an op whose output is written in place."""
+    calls = [
+        (800.0, 8, 2, False),  # 100 FLOPs per byte
+        (400.0, 8, 2, False),  # 50
+        (4000.0, 80, 20, False),  # 50, with the one above
+        (100.0, 10, 3, False),  # 10
+        (9e9, 4, 1, True),  # random: never kept
+        (0.0, 40, 10, False),  # no formula: one per element
+        (10.0, 10, 3, False),  # 1
+    ]
+    ops = _selective.LayerOps(calls)
+    levels = _selective.layer_profile(ops, flops=1e4, saved_bytes=1000)
+    assert [t for t, _, _ in levels] == [100.0, 50.0, 10.0, 1.0]
+    assert [b for _, b, _ in levels] == [8, 96, 106, 116]
+    rest = 9e9 + 10  # the random op and the op without a formula
+    assert [f for _, _, f in levels] == [
+        4510.0 + rest,
+        110.0 + rest,
+        10.0 + rest,
+        rest,
+    ]
+    # Written in place later: the level keeping call 3 and those after go.
+    ops.mutated.add(3)
+    assert [t for t, _, _ in _selective.layer_profile(ops, 1e4, 1000)] == [100.0, 50.0]
+    ops.mutated.add(0)
+    assert _selective.layer_profile(ops, 1e4, 1000) is None
+    # A level keeping as much as the layer saves is no better than keeping it.
+    ops.mutated.clear()
+    assert [b for _, b, _ in _selective.layer_profile(ops, 1e4, 106)] == [8, 96]
+    # At most `limit` levels: the first, the last, the layer's own
+    # threshold's (here 10: flops over saved bytes), the rest by bytes.
+    picked = _selective.layer_profile(ops, flops=1e4, saved_bytes=1000, limit=3)
+    assert [t for t, _, _ in picked] == [100.0, 10.0, 1.0]
 
 
 def test_a_warmup_profile_has_no_selective_layers():
@@ -103,7 +148,7 @@ def test_a_warmup_profile_has_no_selective_layers():
     finally:
         prof.detach()
     profile = _planning.profile_from(prof, _units(model), "warmup")
-    assert all(layer.selective_saved_bytes is None for layer in profile.layers)
+    assert all(layer.selective_levels is None for layer in profile.layers)
 
 
 # ------------------------------------------------------------- the planner
@@ -128,6 +173,81 @@ def test_balanced_runs_layers_selective_where_it_pays_conservative_does_not():
     assert cons.technique_counts["checkpoint"] == 2
     assert selective_ratio < cons.recompute_ratio / 10
     memscale.detach(model)
+
+
+def test_a_tighter_budget_runs_a_level_that_keeps_less():
+    """At 50% of the unoptimized peak the planner runs three layers at
+    level 0 (fc2's output kept, fc1 recomputed too: threshold 64 FLOPs per
+    byte); at 70% at level 1 (both matmul outputs kept).  The plan JSON
+    carries the level and its threshold, the executor runs each layer at
+    its plan's threshold, the measured peak is within the budget and the
+    gradients are bitwise, dropout replayed."""
+    model, _ = _wrapped(_mlp, X, 0.7)
+    plan = model._memscale_executor.plan
+    assert [(lp.selective_level, lp.selective_threshold) for lp in plan.layers[:3]] == [
+        (1, 16.0)
+    ] * 3
+    memscale.detach(model)
+    model, ref = _wrapped(_mlp, X, 0.5)
+    plan = model._memscale_executor.plan
+    assert _techniques(model) == [("selective",)] * 3 + [()]
+    assert [(lp.selective_level, lp.selective_threshold) for lp in plan.layers] == [
+        (0, 64.0)
+    ] * 3 + [(-1, 0.0)]
+    assert '"selective_level":0,"selective_threshold":64.0' in plan.to_json()
+    seen = []
+    run = _selective.run
+
+    def spy(forward, threshold, args, kwargs):
+        seen.append(threshold)
+        return run(forward, threshold, args, kwargs)
+
+    _selective.run = spy
+    try:
+        for seed in range(2):
+            assert_same_step(model, ref, X, seed=seed, loss_fn=_mse)
+        report = measure_peak(lambda: _mse(model, X).backward(), model=model, inputs=X, warmup=1)
+    finally:
+        _selective.run = run
+    assert seen and set(seen) == {64.0}
+    assert report.start_bytes + report.peak_delta_bytes <= plan.budget_bytes
+    memscale.detach(model)
+
+
+def test_build_plan_picks_each_layers_level_by_the_budget():
+    """Two layers (100 bytes saved, input 10) with three levels each
+    (keep 10/30/60, recomputing 30/2/0.5 FLOPs): the first runs selective
+    (the second kept: a selective backward after it would hold it too),
+    at the highest level the budget allows; the plan's JSON and hash
+    change with the level."""
+    levels = ((64.0, 10, 30.0), (16.0, 30, 2.0), (4.0, 60, 0.5))
+    layers = [
+        _core.LayerStats((f"h.{i}", "Block", 0, 100, 10, 50.0, 0), {"selective_levels": levels})
+        for i in range(2)
+    ]
+    kw = dict(
+        mode="balanced",
+        allowed=_core.TECH_CHECKPOINT | _core.TECH_SELECTIVE,
+        force=False,
+        fixed_bytes=0,
+        activation_bytes=200,
+        total_flops=100.0,
+        device="cpu",
+        device_count=1,
+        capacity_bytes=10**6,
+        solver=True,
+        flop_rate=1.0,
+    )
+    seen = {}
+    for budget, want in ((200, -1), (170, 2), (140, 1), (120, 0)):
+        plan = _core.build_plan(layers, budget_bytes=budget, **kw)
+        assert plan.fits, budget
+        assert [lp.selective_level for lp in plan.layers] == [want, -1], budget
+        threshold = levels[want][0] if want >= 0 else 0.0
+        assert [lp.selective_threshold for lp in plan.layers] == [threshold, 0.0]
+        assert f'"selective_level":{want},"selective_threshold":{threshold!r}' in plan.to_json()
+        seen[plan.hash] = budget
+    assert len(seen) == 4
 
 
 def test_the_same_problem_gives_the_same_plan():
@@ -305,12 +425,12 @@ def test_a_layer_that_updates_its_buffers_never_runs_selective():
     profile = _planning.profile_upfront(
         model, list(model.blocks.named_children()), x, memscale.Config()
     )
-    assert all(layer.selective_saved_bytes is None for layer in profile.layers)
+    assert all(layer.selective_levels is None for layer in profile.layers)
     model.eval()  # no statistics written: a profile
     profile = _planning.profile_upfront(
         model, list(model.blocks.named_children()), x, memscale.Config()
     )
-    assert all(layer.selective_saved_bytes is not None for layer in profile.layers)
+    assert all(layer.selective_levels is not None for layer in profile.layers)
 
 
 # ------------------------------------------------ in-place ops, retain_graph
@@ -342,17 +462,20 @@ def _dropout_inplace():
     return torch.nn.Sequential(*[_InplaceBlock(False) for _ in range(4)]).train()
 
 
-def test_an_inplace_op_on_a_kept_output_gives_no_selective_profile():
-    """``nn.ReLU(inplace=True)`` writes fc1's output, which the policy
-    would keep: torch's selective checkpoint refuses a mutated cached
-    output in backward, so the layer has no selective profile, and the
-    plan checkpoints it whole, with bitwise gradients."""
+def test_an_inplace_op_on_a_kept_output_ends_the_ladder_there():
+    """``nn.ReLU(inplace=True)`` writes fc1's output: torch's selective
+    checkpoint refuses a mutated cached output in backward, so no level
+    keeps it.  The one level left keeps fc2's output and recomputes fc1
+    (and its in-place ReLU); whatever the plan runs, gradients are
+    bitwise."""
     model = _relu_inplace()
     profile = _planning.profile_upfront(model, _units(model), X, memscale.Config())
-    assert all(layer.selective_saved_bytes is None for layer in profile.layers)
+    assert all(
+        [(t, b) for t, b, _ in layer.selective_levels] == [(64.0, ROWS * 32 * 4)]
+        for layer in profile.layers
+    )
     model, ref = _wrapped(_relu_inplace, X, 0.8)
-    assert "selective" not in {t for ts in _techniques(model) for t in ts}
-    assert ("checkpoint",) in _techniques(model)
+    assert {t for ts in _techniques(model) for t in ts} & {"selective", "checkpoint"}
     for seed in range(2):
         assert_same_step(model, ref, X, seed=seed, loss_fn=_mse)
     memscale.detach(model)
@@ -363,7 +486,9 @@ def test_an_inplace_op_on_a_recomputed_output_keeps_the_profile():
     layer keeps its selective profile and runs selective, bitwise."""
     model = _dropout_inplace()
     profile = _planning.profile_upfront(model, _units(model), X, memscale.Config())
-    assert all(layer.selective_saved_bytes == ROWS * (128 + 32) * 4 for layer in profile.layers)
+    assert all(
+        layer.selective_levels[-1][1] == ROWS * (128 + 32) * 4 for layer in profile.layers
+    )
     model, ref = _wrapped(_dropout_inplace, X, 0.8)
     assert ("selective",) in _techniques(model)
     for seed in range(2):
@@ -429,7 +554,7 @@ def test_selective_needs_a_torch_whose_policy_sees_the_op_output(monkeypatch):
     model = _mlp()
     assert _selective.recorder(list(model.children())) is None
     profile = _planning.profile_upfront(model, _units(model), X, config)
-    assert all(layer.selective_saved_bytes is None for layer in profile.layers)
+    assert all(layer.selective_levels is None for layer in profile.layers)
     model, ref = _wrapped(_mlp, X, 0.7)
     assert "selective" not in {t for ts in _techniques(model) for t in ts}
     assert_same_step(model, ref, X, loss_fn=_mse)

@@ -134,7 +134,7 @@ test_model(void)
 {
     group_begin();
     ms_layer L[3] = {layer(10, 2, 1, 0), layer(20, 3, 2, 0), layer(30, 4, 4, 0)};
-    ms_solver_choice c[3] = {{-1, 0, 1, 0}, {-1, 0, 1, 0}, {-1, 0, 1, 0}};
+    ms_solver_choice c[3] = {{-1, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}};
     ms_solver_problem p = problem(1000, ALL);
     CHECK(model_peak(L, 3, c) == 60);
     CHECK(ms_solver_overhead(&p, L, 3, c, NULL) == 0.0);
@@ -163,7 +163,7 @@ test_model(void)
     double flops = 0;
     CHECK(ms_solver_overhead(&p, L, 3, c, &flops) == 7.0 && flops == 7.0);
     /* Singles, layer 2 in 4 tiles: 5 held + ceil(30 / 4) = 13 at its recompute. */
-    ms_solver_choice d[3] = {{0, 0, 1, 0}, {1, 0, 1, 0}, {2, 0, 4, 0}};
+    ms_solver_choice d[3] = {{0, 0, 1, 0, 0}, {1, 0, 1, 0, 0}, {2, 0, 4, 0, 0}};
     CHECK(ms_solver_check(&p, L, 3, d) == -1); /* not tileable */
     L[2].flags = MS_LAYER_TILEABLE;
     CHECK(ms_solver_check(&p, L, 3, d) == 0);
@@ -178,9 +178,9 @@ test_model(void)
     p.async_offload = 1; /* write 3 - 2 hidden, read 3 - 4: hidden */
     CHECK(ms_solver_offload_seconds(&p, &L[1]) == 1.0);
     /* Invalid shapes. */
-    ms_solver_choice e[3] = {{-1, 0, 1, 0}, {0, 0, 1, 0}, {-1, 0, 1, 0}};
+    ms_solver_choice e[3] = {{-1, 0, 1, 0, 0}, {0, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}};
     CHECK(ms_solver_check(&p, L, 3, e) == -1); /* segment not a run */
-    ms_solver_choice g[3] = {{0, 0, 2, 0}, {0, 0, 1, 0}, {-1, 0, 1, 0}};
+    ms_solver_choice g[3] = {{0, 0, 2, 0, 0}, {0, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}};
     CHECK(ms_solver_check(&p, L, 3, g) == -1); /* tiles on a 2-layer segment */
     {
         /* A segment's backward terms: when backward reaches a layer, the
@@ -191,7 +191,7 @@ test_model(void)
            layer 1: 30 + 55 = 85. */
         ms_layer B[3] = {layer(10, 2, 1, 0), layer(20, 3, 2, 0),
                          layer(30, 4, 4, 0)};
-        ms_solver_choice s[3] = {{0, 0, 1, 0}, {0, 0, 1, 0}, {0, 0, 1, 0}};
+        ms_solver_choice s[3] = {{0, 0, 1, 0, 0}, {0, 0, 1, 0, 0}, {0, 0, 1, 0, 0}};
         B[0].backward_bytes = 25;
         B[1].backward_bytes = 5;
         CHECK(model_peak(B, 3, s) == 60);
@@ -310,9 +310,9 @@ test_selective(void)
     ms_layer L[3] = {layer(50, 10, 50.0, 0), layer(100, 10, 50.0, 0),
                      layer(50, 10, 50.0, 0)};
     L[1].flags |= MS_LAYER_SELECTIVE;
-    L[1].sel_saved_bytes = 30;
-    L[1].sel_flops = 2.0;
-    ms_solver_choice c[3] = {{-1, 0, 1, 0}, {-1, 0, 1, 1}, {-1, 0, 1, 0}};
+    L[1].sel_levels = 1;
+    L[1].sel[0] = (ms_sel_level){4.0, 30, 2.0};
+    ms_solver_choice c[3] = {{-1, 0, 1, 0, 0}, {-1, 0, 1, 1, 0}, {-1, 0, 1, 0, 0}};
     ms_mem_terms t;
     ms_mem_terms_of(L, 3, c, &t);
     /* end: 50 + (10 + 30) + 50; its backward: 50 before + max(40, 100). */
@@ -349,7 +349,64 @@ test_selective(void)
     p.budget_bytes = 120;
     CHECK(ms_solve(&p, L, 3, d, &r) == 0 && r.feasible);
     CHECK(r.peak_bytes <= 120 && ms_solver_check(&p, L, 3, d) == 0);
+    /* A level the layer does not have is refused. */
+    c[1].level = 1;
+    CHECK(ms_solver_check(&p, L, 3, c) == -1);
     group_end("selective");
+}
+
+static void
+test_selective_levels(void)
+{
+    group_begin();
+    /* Layer 0 (saves 100, input 10) has three levels: keep 10 and
+       recompute 30, keep 30 and recompute 2, keep 60 and recompute 0.5. */
+    ms_layer L[3] = {layer(100, 10, 50.0, 0), layer(50, 10, 50.0, 0),
+                     layer(50, 10, 50.0, 0)};
+    L[0].flags |= MS_LAYER_SELECTIVE;
+    L[0].sel_levels = 3;
+    L[0].sel[0] = (ms_sel_level){64.0, 10, 30.0};
+    L[0].sel[1] = (ms_sel_level){16.0, 30, 2.0};
+    L[0].sel[2] = (ms_sel_level){4.0, 60, 0.5};
+    ms_solver_choice c[3] = {
+        {-1, 0, 1, 1, 2}, {-1, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}};
+    ms_mem_terms t;
+    ms_mem_terms_of(L, 3, c, &t);
+    /* Level 2: end (10 + 60) + 50 + 50; its backward max(70, 100). */
+    CHECK(t.end == 170 && t.recompute == 100 && t.recompute_at == 0);
+    ms_solver_problem p = problem(170, ALL | MS_TECH_SELECTIVE);
+    double fl = -1.0;
+    CHECK(ms_solver_check(&p, L, 3, c) == 0);
+    CHECK(ms_solver_overhead(&p, L, 3, c, &fl) == 0.5 && fl == 0.5);
+    c[0].level = 3; /* no such level */
+    CHECK(ms_solver_check(&p, L, 3, c) == -1);
+    c[0].level = -1;
+    CHECK(ms_solver_check(&p, L, 3, c) == -1);
+
+    /* Each budget gets the level that keeps the most that fits (170: the
+       last, 140: the middle one, 120: the first); checkpointing a layer
+       (50) never pays here. */
+    static const struct {
+        int64_t budget;
+        int level;
+        double cost;
+    } want[] = {{170, 2, 0.5}, {169, 1, 2.0}, {140, 1, 2.0}, {139, 0, 30.0},
+                {120, 0, 30.0}};
+    for (size_t k = 0; k < sizeof(want) / sizeof(want[0]); k++) {
+        ms_solver_choice d[3];
+        ms_solver_result r;
+        p.budget_bytes = want[k].budget;
+        snprintf(ctx, sizeof(ctx), "budget %lld", (long long)want[k].budget);
+        CHECK(ms_solve(&p, L, 3, d, &r) == 0 && r.feasible);
+        CHECK(d[0].seg_start == -1 && d[0].selective
+              && d[0].level == want[k].level);
+        CHECK(d[1].seg_start == -1 && !d[1].selective);
+        CHECK(d[2].seg_start == -1 && !d[2].selective);
+        CHECK(r.overhead_seconds == want[k].cost);
+        CHECK(r.peak_bytes <= want[k].budget);
+    }
+    ctx[0] = '\0';
+    group_end("selective levels");
 }
 
 /* ---- exhaustive --------------------------------------------------------- */
@@ -378,16 +435,23 @@ enumerate(const ms_solver_problem *p, const ms_layer *L, size_t n, size_t i,
     c[i].seg_start = -1;
     c[i].offload = 0;
     c[i].tiles = 1;
-    for (int sel = 0; sel < 2; sel++) {
-        c[i].selective = sel;
+    c[i].selective = 0;
+    c[i].level = 0;
+    enumerate(p, L, n, i + 1, c);
+    for (int lv = 0; lv < L[i].sel_levels; lv++) {
+        c[i].selective = 1;
+        c[i].level = lv;
         enumerate(p, L, n, i + 1, c);
     }
+    c[i].selective = 0;
+    c[i].level = 0;
     for (size_t j = i; j < n; j++) {
         for (size_t k = i; k <= j; k++) {
             c[k].seg_start = (int)i;
             c[k].offload = 0;
             c[k].tiles = 1;
             c[k].selective = 0;
+            c[k].level = 0;
         }
         for (int off = 0; off < 2; off++) {
             for (int t = 1; t <= MS_MAX_TILES; t *= 2) {
@@ -415,13 +479,23 @@ random_chain(ms_layer *L, size_t n, int64_t scale)
         }
         L[i] = layer(rnd_range(0, scale), rnd_range(0, scale / 2),
                      (double)rnd_range(0, 20), flags);
+        L[i].sel_levels = 0;
         if (rnd() % 2 == 0) {
             L[i].backward_bytes = rnd_range(0, scale / 2);
         }
         if (rnd() % 2 == 0) {
+            /* 1 to 4 nested levels: each keeps more and recomputes less
+               (a level may also keep more than the layer saves). */
             L[i].flags |= MS_LAYER_SELECTIVE;
-            L[i].sel_saved_bytes = rnd_range(0, scale / 2);
-            L[i].sel_flops = (double)rnd_range(0, 8);
+            L[i].sel_levels = (int)rnd_range(1, 4);
+            int64_t kept = rnd_range(0, scale / 4);
+            double cost = (double)rnd_range(4, 12);
+            for (int k = 0; k < L[i].sel_levels; k++) {
+                L[i].sel[k] = (ms_sel_level){(double)(64 >> k), kept, cost};
+                kept += rnd_range(0, scale / 4);
+                cost -= (double)rnd_range(0, 4);
+                cost = cost > 0.0 ? cost : 0.0;
+            }
         }
     }
 }
@@ -621,6 +695,7 @@ main(void)
     test_model();
     test_known();
     test_selective();
+    test_selective_levels();
     test_exhaustive();
     test_fuzz();
     test_min_budget();
