@@ -109,9 +109,9 @@ def test_selective_peer_is_bitwise_on_a_hugging_face_model():
 @pytest.mark.slow
 def test_sweep_rows_carry_the_flops_judge(monkeypatch):
     monkeypatch.setattr(sweep, "FRACTIONS", (0.5,))
-    result = sweep.run_sweep(BENCHMARK_MODELS["gpt2"], repeats=1)
-    rows = {r["method"]: r for r in result["rows"]}
-    assert set(rows) == {*sweep.MEMSCALE, *sweep.PEERS}
+    result = sweep.run_sweep(BENCHMARK_MODELS["gpt2"], repeats=2)
+    rows = {r["method"]: r for r in result["rows"] if not r["least"]}
+    assert set(rows) == {*sweep.MEMSCALE, *sweep.PEERS, sweep.COMPILE_PEER}
     every = rows["checkpoint every block"]["recompute_overhead"]
     selective = rows["selective every block"]["recompute_overhead"]
     # Checkpointing every block recomputes every block's matmuls; the
@@ -123,5 +123,22 @@ def test_sweep_rows_carry_the_flops_judge(monkeypatch):
         assert ours["min_budget_bytes"] is None  # half the activations: a plan fits
         assert ours["recompute_overhead"] >= 1.0
         assert ours["predicted_recompute_overhead"] >= 1.0
+        # Its least budget, planned and measured, below the 50% budget.
+        (least,) = [r for r in result["rows"] if r["method"] == name and r["least"]]
+        assert least["budget_bytes"] < ours["budget_bytes"]
+        assert least["peak_bytes"] is not None and least["min_budget_bytes"] is None
+    # The compile peer: measured at the same share, its recompute counted.
+    compiled = rows[sweep.COMPILE_PEER]
+    assert compiled["plan"] == "activation_memory_budget=0.5, 2 graph(s)"
+    assert result["start_bytes"] < compiled["peak_bytes"] < result["unoptimized_peak_bytes"]
+    assert compiled["fits"] == (compiled["peak_bytes"] <= compiled["budget_bytes"])
+    assert compiled["recompute_overhead"] >= 1.0
+    for r in result["rows"]:
+        if r["time_ratio"] is not None:
+            low, high = r["time_ratio_spread"]
+            assert 0 < low <= high
+    assert result["summary"] == sweep.summarize(result)
     text = sweep.table([result])
     assert "FLOPs ratio" in text and "selective every block" in text
+    assert sweep.COMPILE_PEER in text and "(50%, least)" not in text
+    assert sweep.summary_text([result]).startswith("gpt2, memscale:")

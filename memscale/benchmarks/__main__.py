@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import platform
 import sys
@@ -295,13 +296,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="the budget sweep instead: budgets at 20/40/60/80%% of "
+        help="the budget sweep instead: budgets at 20 to 80%% of "
         "the unoptimized activation memory, memscale's budget "
-        "planner against checkpointing every block and "
-        "sqrt(n) segments (default models: "
-        "gpt2-12l and llama-12l)",
+        "planner against checkpointing every block, selective "
+        "checkpointing every block, sqrt(n) segments and torch.compile's "
+        "min-cut partition under activation_memory_budget (default models: "
+        "gpt2-12l, llama-12l and bert-12l); a summary of every claim it "
+        "checks follows the table",
+    )
+    parser.add_argument(
+        "--sweep-inductor",
+        metavar="FRACTIONS",
+        default="",
+        help="with --sweep: also compile with inductor's kernels at these "
+        "budget fractions (comma-separated, of 0.2..0.8, e.g. 0.5); each "
+        "compile takes minutes on a small CPU",
+    )
+    parser.add_argument(
+        "--sweep-no-compile",
+        action="store_true",
+        help="with --sweep: leave out the compile min-cut peer",
+    )
+    parser.add_argument(
+        "--sweep-check",
+        metavar="JSON",
+        help="print the summary of a sweep's --json file (recomputed from its "
+        "rows) instead of running anything; exit status 1 if it lists a violation",
     )
     args = parser.parse_args(argv)
+    if args.sweep_check:
+        return _sweep_check(args.sweep_check, parser)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     try:
@@ -467,30 +491,51 @@ def _sweep_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         entries = select(names, False)
     except ValueError as exc:
         parser.error(str(exc))
+    try:
+        inductor = tuple(float(x) for x in args.sweep_inductor.split(",") if x.strip())
+    except ValueError:
+        parser.error(f"--sweep-inductor {args.sweep_inductor!r}: give fractions like 0.5,0.8")
+    for x in inductor:
+        if not any(math.isclose(x, g) for g in sweep.FRACTIONS):
+            parser.error(
+                f"--sweep-inductor {x:g}: not a sweep budget; choose from "
+                + ", ".join(f"{g:g}" for g in sweep.FRACTIONS)
+            )
+    if not args.sweep_no_compile or inductor:
+        from .runner import compile_budget_unavailable
+
+        reason = compile_budget_unavailable()
+        if reason is not None:
+            print(f"the compile min-cut peer is skipped: {reason}", file=sys.stderr)
     from tqdm import tqdm
 
     bar = tqdm(entries, unit="model", disable=not sys.stderr.isatty(), file=sys.stderr)
     results = [
-        sweep.run_sweep(e, repeats=min(args.repeats, 3), progress=lambda m: bar.set_description(m))
+        sweep.run_sweep(
+            e,
+            repeats=args.repeats,
+            progress=lambda m: bar.set_description(m),
+            compile_peer=not args.sweep_no_compile,
+            inductor_fractions=inductor,
+        )
         for e in bar
     ]
     print(sweep.table(results))
     print("\n" + sweep.ROCKMATE)
-    print(
-        "\nbudget: start bytes (parameters, gradients, AdamW state, batch) + the "
-        "fraction of the unoptimized step's activation memory (its exact peak "
-        "above the start). peak: measured, exact (allocator events) over a whole "
-        "training step; time ratio: median step time over the unoptimized median, "
-        "interleaved. predicted: the plan's own figures (Plan.peak_projected_bytes, "
-        "Plan.predicted_slowdown). memscale runs CONSERVATIVE (checkpointing "
-        "only), as the peers."
-    )
+    print("\n" + sweep.NOTES.format(repeats=args.repeats))
+    print("\n" + sweep.summary_text(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(
                 {
-                    "schema": "memscale-sweep/1",
+                    "schema": "memscale-sweep/2",
                     "machine": machine(),
+                    "settings": {
+                        "repeats": args.repeats,
+                        "compile_peer": not args.sweep_no_compile,
+                        "inductor_fractions": list(inductor),
+                    },
+                    "notes": sweep.NOTES.format(repeats=args.repeats),
                     "rockmate": sweep.ROCKMATE,
                     "results": results,
                 },
@@ -500,6 +545,23 @@ def _sweep_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if args.plot:
         sweep.plot(results, args.plot)
     return 0
+
+
+def _sweep_check(path: str, parser: argparse.ArgumentParser) -> int:
+    from . import sweep
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            payload = json.load(f)
+        results = payload["results"]
+        for res in results:
+            res["summary"] = sweep.summarize(res)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        parser.error(
+            f"--sweep-check {path}: not a sweep's --json file ({type(exc).__name__}: {exc})"
+        )
+    print(sweep.summary_text(results))
+    return 1 if any(res["summary"]["violations"] for res in results) else 0
 
 
 if __name__ == "__main__":

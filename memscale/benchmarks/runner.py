@@ -186,17 +186,30 @@ class CheckpointSequential(nn.Module):
         return checkpoint_sequential(self.inner, self.segments, x, use_reentrant=False)
 
 
-def memory_budget_backend(budget: float) -> Callable[..., Any]:
-    """Inductor, partitioning forward and backward under
+def memory_budget_backend(budget: float, kernels: str = "inductor") -> Callable[..., Any]:
+    """A torch.compile backend partitioning forward and backward under
     ``torch._functorch.config.activation_memory_budget = budget`` (a
     backend of its own, so that no graph compiled without the budget is
-    reused)."""
-    from torch._inductor.compile_fx import compile_fx
+    reused): inductor, or with ``kernels="eager"`` the same decompositions
+    and min-cut partition run with eager kernels (PARTITION_BACKEND).
+    ``backend.graphs`` counts the graphs it compiled (Dynamo's graph breaks
+    split the partition into regions)."""
+    inner: Callable[..., Any]
+    if kernels == "eager":
+        inner = torch._dynamo.lookup_backend(PARTITION_BACKEND)
+    elif kernels == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        inner = compile_fx
+    else:
+        raise ValueError(f"kernels must be 'eager' or 'inductor', got {kernels!r}")
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        backend.graphs += 1  # type: ignore[attr-defined]
         with torch._functorch.config.patch(activation_memory_budget=budget):
-            return compile_fx(gm, example_inputs)
+            return inner(gm, example_inputs)
 
+    backend.graphs = 0  # type: ignore[attr-defined]
     return backend
 
 
@@ -343,14 +356,84 @@ class VariantResult:
         return asdict(self)
 
 
+class _CompiledFlopCounter(FlopCounterMode):
+    """FlopCounterMode that lets torch.compile run.  Under a plain
+    FlopCounterMode Dynamo skips every frame (a dispatch mode is active) and
+    the step runs eagerly, so a compiled step's own FLOPs (its partition's
+    recompute) went uncounted.  This mode sets ``ignore_compile_internals``:
+    off while Dynamo and AOT autograd trace, on while the compiled graphs
+    run, so it counts the aten ops of graphs run with eager kernels
+    (``aot_eager``-style backends) and, as before, every eager op.  It
+    counts the total only: the per-module breakdown's global module hooks
+    would make Dynamo recompile the model and trace the hooks."""
+
+    def __enter__(self) -> _CompiledFlopCounter:
+        from torch.utils.flop_counter import _FlopCounterMode
+
+        class _Mode(_FlopCounterMode):
+            @classmethod
+            def ignore_compile_internals(cls) -> bool:
+                return True
+
+        self.flop_counts.clear()
+        self.mode = _Mode(self)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *args: Any) -> Any:
+        mode, self.mode = self.mode, None
+        assert mode is not None
+        return mode.__exit__(*args)
+
+
 def step_flops(step: Callable[[], Any]) -> int:
     """FLOPs of one call of ``step`` (a whole training step), counted by
     ``FlopCounterMode``: a recompute in backward runs under the same mode
-    and is counted with the rest."""
-    counter = FlopCounterMode(display=False)
+    and is counted with the rest, and so do the graphs of a step compiled
+    with eager kernels (not inductor's: they run outside the dispatcher)."""
+    counter = _CompiledFlopCounter(display=False)
     with counter:
         step()
     return int(counter.get_total_flops())
+
+
+# The compile peer of the budget sweep: AOT autograd's min-cut partition
+# under activation_memory_budget, with inductor's decompositions, run with
+# eager kernels (torch's debugging backend of that name); "inductor" for
+# inductor's own kernels.
+PARTITION_BACKEND = "aot_eager_decomp_partition"
+
+
+def compile_budget_unavailable() -> str | None:
+    """Why this torch cannot run the compile peer, or None."""
+    from torch.utils import _python_dispatch, flop_counter
+
+    missing = [
+        what
+        for what, ok in (
+            (
+                "torch._functorch.config.activation_memory_budget",
+                hasattr(torch._functorch.config, "activation_memory_budget"),
+            ),
+            (
+                "TorchDispatchMode.ignore_compile_internals",
+                hasattr(_python_dispatch.TorchDispatchMode, "ignore_compile_internals"),
+            ),
+            (
+                "torch.utils.flop_counter._FlopCounterMode",
+                hasattr(flop_counter, "_FlopCounterMode"),
+            ),
+        )
+        if not ok
+    ]
+    if not missing:
+        try:
+            torch._dynamo.lookup_backend(PARTITION_BACKEND)
+        except Exception as exc:  # torch raises InvalidBackend
+            missing.append(f"the {PARTITION_BACKEND!r} backend ({type(exc).__name__})")
+    if not missing:
+        return None
+    return f"torch {torch.__version__} lacks " + ", ".join(missing)
 
 
 def predicted_overhead(plan: Any) -> float | None:
