@@ -94,6 +94,7 @@ class _Simulation:
         self.in_backward: Any = None
         if not self.floor.step_in_backward:
             return
+        self.step.replays_optimizer = False
         if opt is not None:
             tier = (
                 _step_in_backward.SimulatedStateTier()

@@ -17,7 +17,7 @@ from torch import nn
 from .. import _model, _torch_compat
 from ._fake import REAL_VALUE_LIMIT, FakeWorld
 from ._results import PeakBreakdown
-from ._tracker import StorageTracker
+from ._tracker import Recording, StorageTracker
 from ._tree import tensors_in
 from ._workspace import Kernel
 
@@ -194,6 +194,16 @@ class Step:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.fallback_state = fallback_state
+        # The steady-state optimizer step, as the first tracked step ran it
+        # (StorageTracker.recorded): its memory does not depend on the plan
+        # (the same gradients and state, every temporary freed inside it),
+        # so later steps replay its events instead of running it again.
+        # None: not recorded yet, or it cannot be replayed.
+        self.optimizer_replay: Recording | None = None
+        # False when optimizer.step() does more than its events show (the
+        # step in backward keeps its own bookkeeping across steps).
+        self.replays_optimizer = True
+        self.optimizer_steps = 0  # optimizer steps run (warm-up included)
 
     def _loss(self, output: Any) -> torch.Tensor:
         loss = self.loss_fn(output) if self.loss_fn is not None else default_loss(output)
@@ -221,7 +231,14 @@ class Step:
             loss.backward()
         tracker.set_phase("optimizer")
         if self.optimizer is not None:
-            self.optimizer.step()
+            if self.optimizer_replay is not None:
+                tracker.replay(self.optimizer_replay)
+            else:
+                since = tracker.mark()
+                self.optimizer.step()
+                self.optimizer_steps += 1
+                if self.replays_optimizer and not self.state_made_in_step:
+                    self.optimizer_replay = tracker.recorded(since)
         del loss
         tracker.set_phase("end")
 
@@ -246,6 +263,7 @@ class Step:
                 p.grad = torch.zeros_like(p)
         if self.optimizer is not None:
             self.optimizer.step()
+            self.optimizer_steps += 1
         return result
 
     def optimizer_state(self) -> list[torch.Tensor]:

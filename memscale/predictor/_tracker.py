@@ -5,6 +5,7 @@ and what made it up."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from collections.abc import Callable, Mapping
@@ -14,7 +15,7 @@ import torch
 
 from .. import _torch_compat
 from ._results import CATEGORIES, PeakBreakdown
-from ._tree import tensors_in
+from ._tree import tensor_list, tensors_in
 from ._workspace import Kernel, signature, workspace_ops
 
 _EQUAL = torch.ops.aten.equal.default
@@ -25,6 +26,18 @@ _EQUAL = torch.ops.aten.equal.default
 # importing memscale still works (wrap() does not need it), and a
 # StorageTracker refuses to be made, saying why.
 _DispatchMode: type = _torch_compat.dispatch_mode_base() or object
+
+
+@dataclasses.dataclass(frozen=True)
+class Recording:
+    """A stretch of a step's events whose storages were all made and freed
+    inside it (serials counted from its first), to be replayed in another
+    step (:meth:`StorageTracker.replay`)."""
+
+    events: tuple[tuple[int, int], ...]
+    sizes_at_birth: tuple[int, ...]
+    categories: tuple[str, ...]
+    kernel_calls: tuple[tuple[int, Any, tuple[int | None, ...]], ...]
 
 
 class StorageTracker(_DispatchMode):
@@ -118,6 +131,45 @@ class StorageTracker(_DispatchMode):
             self.events.append((serial, nbytes))
         return serial
 
+    def mark(self) -> tuple[int, int, int]:
+        """Where the step is now: (events, serials, kernel calls) so far;
+        :meth:`recorded` takes what happened after it."""
+        return len(self.events), len(self.sizes), len(self.kernel_calls or ())
+
+    def recorded(self, since: tuple[int, int, int]) -> Recording | None:
+        """What happened from ``since`` (a :meth:`mark`) to now, to be put
+        into another step by :meth:`replay`; None when it touched a storage
+        made before it, or left one it made alive (then it depends on the
+        step it ran in, and only running it again tells)."""
+        at, first, calls = since
+        events = self.events[at:]
+        if any(serial < first for serial, _ in events) or any(self.sizes[first:]):
+            return None
+        return Recording(
+            events=tuple((serial - first, delta) for serial, delta in events),
+            sizes_at_birth=tuple(self.sizes_at_birth[first:]),
+            categories=tuple(self.categories[first:]),
+            kernel_calls=tuple(
+                (i - at, sig, tuple(None if s is None else s - first for s in got))
+                for i, sig, got in (self.kernel_calls or [])[calls:]
+            ),
+        )
+
+    def replay(self, recording: Recording) -> None:
+        """Append ``recording``'s events as if what made them ran here: new
+        serials for the storages it made (each born and freed in it), the
+        same bytes, categories and kernel calls."""
+        at, first = len(self.events), len(self.sizes)
+        self.sizes += [0] * len(recording.sizes_at_birth)
+        self.sizes_at_birth += recording.sizes_at_birth
+        self.categories += recording.categories
+        self.events += [(first + serial, delta) for serial, delta in recording.events]
+        if self.kernel_calls is not None:
+            self.kernel_calls += [
+                (at + i, sig, tuple(None if s is None else first + s for s in got))
+                for i, sig, got in recording.kernel_calls
+            ]
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _EQUAL and self.phase == "backward":
             # The executor compares a layer's buffers before and after
@@ -133,7 +185,8 @@ class StorageTracker(_DispatchMode):
         else:
             out = func(*args, **kwargs)
         if self.active:
-            serials = tuple(self.track(t) for t in tensors_in(out))
+            track = self.track
+            serials = tuple([track(t) for t in tensor_list(out)])
             if self.kernel_calls is not None and func in workspace_ops():
                 sig = signature(func, args, kwargs)
                 if sig is not None:
@@ -141,7 +194,15 @@ class StorageTracker(_DispatchMode):
         return out
 
     def _all_real(self, args: Any, kwargs: Any) -> bool:
-        return not any(self._is_fake(t) for t in tensors_in((args, kwargs)))
+        is_fake = self._is_fake
+        for t in tensor_list(args):
+            if is_fake(t):
+                return False
+        if kwargs:
+            for t in tensor_list(kwargs):
+                if is_fake(t):
+                    return False
+        return True
 
     def _run_real(self, func: Any, args: Any, kwargs: Any) -> Any:
         """An operator on real tensors only (or none): its result's size

@@ -1,0 +1,122 @@
+"""What makes ``wrap`` with a budget cheap, without changing what it
+predicts: the steady-state optimizer step is simulated once per session and
+replayed in every later simulated step, event for event."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import mlp, tiny_gpt2, token_batch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+import memscale
+from memscale import _planner
+from memscale.config import GIB
+
+FORCE = memscale.Config(mode="conservative", force_optimize=True, enable_logging=False)
+
+
+def _gpt2():
+    model = tiny_gpt2(dropout=0.0)
+    return model, {"input_ids": token_batch(), "labels": token_batch()}, None
+
+
+def _mlp():
+    target = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    return mlp(depth=6, width=32), x, lambda out: nn.functional.mse_loss(out, target)
+
+
+class _Steps:
+    """Counts optimizer.step() calls (of any optimizer) while installed."""
+
+    def __enter__(self):
+        self.count = 0
+
+        def hook(*_):
+            self.count += 1
+
+        self._handle = register_optimizer_step_pre_hook(hook)
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.remove()
+
+
+def _budget_config(session, share=0.5):
+    """A budget half way between the unoptimized step's peak and what is
+    held before it starts: the planner checkpoints, so the session
+    simulates the step with every layer checkpointed alone and the plan."""
+    plan = session.plan(FORCE)
+    unopt = session._steps.breakdowns(plan, FORCE)[0]
+    held = unopt.parameters + unopt.gradients + unopt.optimizer_state + unopt.inputs
+    budget = held + share * (unopt.peak_bytes - held)
+    return memscale.Config(mode="conservative", memory_budget_gb=budget / GIB, enable_logging=False)
+
+
+def test_the_optimizer_step_is_simulated_once_per_session():
+    model, x, loss_fn = _mlp()
+    with _Steps() as steps:
+        with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+            # The warm-up makes the state; the unoptimized step runs the
+            # steady-state step once.
+            assert steps.count == 2
+            config = _budget_config(session)
+            plan = session.plan(config)
+            assert plan.technique_counts["checkpoint"]
+            assert session.forced_peak is not None
+            simulated = session._steps._traces
+            assert len(simulated) >= 2, list(simulated)  # forced and the plan
+    # Every later step replays it (before: one more step per simulation).
+    assert steps.count == 2
+
+
+@pytest.mark.parametrize(
+    "case, optimizer",
+    [(_mlp, None), (_gpt2, None), (_mlp, "sgd-momentum")],
+)
+def test_a_replayed_optimizer_step_is_the_step_run_again(case, optimizer):
+    model, x, loss_fn = case()
+    opt = None
+    if optimizer == "sgd-momentum":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with _planner.PredictionSession(model, x, opt, loss_fn=loss_fn) as session:
+        steps = session._steps
+        step = steps._sim.step
+        assert step.optimizer_replay is not None
+        plan = session.plan(FORCE)
+        replayed = steps._trace(plan, FORCE)[1]
+        # The same step with the optimizer run for real.
+        step.optimizer_replay, step.replays_optimizer = None, False
+        run = steps._sim.under(plan, FORCE, steps.hardware)
+    assert replayed.tracker.events == run.tracker.events
+    assert replayed.tracker.phase_marks == run.tracker.phase_marks
+    assert replayed.tracker.sizes_at_birth == run.tracker.sizes_at_birth
+    assert [c for c in replayed.tracker.categories] == run.tracker.categories
+    assert replayed.tracker.kernel_calls == run.tracker.kernel_calls
+    assert replayed.breakdown({}) == run.breakdown({})
+    assert any(phase == "optimizer" for _, phase in run.tracker.phase_marks)
+
+
+def test_a_step_that_keeps_what_its_optimizer_made_is_not_replayed():
+    """An optimizer whose step leaves a new tensor alive (here: a fresh
+    buffer each step) depends on the step it runs in: it is run again."""
+
+    class Fresh(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self.state[p]["last"] = p.grad.clone()
+            return super().step(closure)
+
+    model, x, loss_fn = _mlp()
+    opt = Fresh(model.parameters(), lr=0.1)
+    with _Steps() as steps:
+        with _planner.PredictionSession(model, x, opt, loss_fn=loss_fn) as session:
+            assert session._steps._sim.step.optimizer_replay is None
+            before = steps.count
+            session.predict(FORCE)
+            assert steps.count > before
