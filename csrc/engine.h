@@ -80,8 +80,10 @@ enum {
 typedef struct {
     double threshold;    /* FLOPs per byte: an op at or above it is kept */
     int64_t saved_bytes; /* its kept outputs, held besides the input */
-    double flops;        /* the recompute: FLOPs of the recomputed ops, and
-                            one per element an op without a formula writes */
+    double flops;        /* the recompute, in FLOPs at the matmul rate: the
+                            recomputed ops' FLOPs at their class's rate, and
+                            the elements an op without a formula writes at
+                            the element rate (one FLOP each by default) */
 } ms_sel_level;
 
 typedef struct {

@@ -309,6 +309,12 @@ def _disk_bw(directory: str | None, nbytes: int = 64 << 20) -> float:
     return 2.0 * nbytes / (written + read)
 
 
+# Each op class's timing is the best of this many runs (each takes about
+# 10 ms on a CPU): on a loaded machine fewer let another process's turn
+# into every run.
+_CLASS_REPEATS = 15
+
+
 def _counted_flops(fn: Callable[[], object]) -> float:
     """The FLOPs ``torch.utils.flop_counter`` counts for ``fn()`` (what the
     planner's profile counts for the same op)."""
@@ -327,7 +333,7 @@ def _conv_rate(device: torch.device, sync: Callable[[], None]) -> float:
     def conv() -> object:
         return torch.nn.functional.conv2d(x, w, padding=1)
 
-    return _counted_flops(conv) / _best_seconds(conv, sync, 5)
+    return _counted_flops(conv) / _best_seconds(conv, sync, _CLASS_REPEATS)
 
 
 def _attention_rate(device: torch.device, sync: Callable[[], None]) -> float:
@@ -343,7 +349,7 @@ def _attention_rate(device: torch.device, sync: Callable[[], None]) -> float:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     flops = _counted_flops(attention) or float(sdpa_flop_count(q.shape, k.shape, v.shape))
-    return flops / _best_seconds(attention, sync, 5)
+    return flops / _best_seconds(attention, sync, _CLASS_REPEATS)
 
 
 # The element rate's chain: five ops without a FLOP formula, each writing
@@ -365,7 +371,7 @@ def _element_rate(device: torch.device, sync: Callable[[], None]) -> float:
     (2**26 on a GPU) in rows of 1024."""
     x = torch.randn((1 << 21 if device.type == "cpu" else 1 << 26) // 1024, 1024, device=device)
     written = ELEMENT_CHAIN_OPS * x.numel()
-    return written / _best_seconds(lambda: _element_chain(x), sync, 5)
+    return written / _best_seconds(lambda: _element_chain(x), sync, _CLASS_REPEATS)
 
 
 def _tile_overhead(device: torch.device, sync: Callable[[], None]) -> float:

@@ -32,12 +32,15 @@ A layer whose forward writes its own buffers or parameters in place
 checkpoint would write them again in the recompute.
 
 Profiling (:class:`OpRecorder`) runs in the same fake-tensor forward as
-the C profiler: per unit, each op's FLOPs, the bytes of its new outputs
-and whether it is random.  :func:`layer_profile` turns that into the
-layer's levels for the planner (``LayerStats.selective_levels``: per
-level its threshold, the bytes kept besides the input, and the recompute
-cost, FLOPs of the recomputed ops plus one per element an op without a
-FLOP formula writes: a level that keeps more recomputes less).
+the C profiler: per unit, each op's FLOPs, its class (:func:`op_class`),
+the bytes of its new outputs and whether it is random.
+:func:`layer_profile` turns that into the layer's levels for the planner
+(``LayerStats.selective_levels``: per level its threshold, the bytes kept
+besides the input, and the recompute cost, in FLOPs at the matmul rate:
+the recomputed ops' FLOPs at their class's rate, and the elements an op
+without a FLOP formula writes at the element rate, one FLOP each with
+the default costs: a level that keeps more recomputes less), and
+:func:`recompute_cost` into what recomputing the whole layer costs.
 """
 
 from __future__ import annotations
