@@ -253,7 +253,9 @@ solver_problem(const ms_problem *p, unsigned base, int64_t avail)
 }
 
 /* Step time with the plan over step time without, with a step costing
-   three forwards (forward, and backward at twice its cost). */
+   three forwards (forward, and backward at twice its cost).  A forward
+   costs the model's counted FLOPs, with each layer's cost in place of its
+   FLOPs (ms_layer_cost: convolutions and attention at their rates). */
 static double
 slowdown(const ms_problem *p, const ms_layer *layers, size_t n,
          const ms_choice *out)
@@ -263,8 +265,11 @@ slowdown(const ms_problem *p, const ms_layer *layers, size_t n,
     }
     ms_solver_problem sp = solver_problem(
         p, MS_TECH_CHECKPOINT | MS_TECH_OFFLOAD | MS_TECH_TILING, 0);
-    double extra = 0.0;
+    double extra = 0.0, forward = p->total_flops;
     for (size_t i = 0; i < n; i++) {
+        double counted = layers[i].flops;
+        forward += ms_layer_cost(&layers[i])
+                   - (counted > 0.0 && isfinite(counted) ? counted : 0.0);
         const ms_sel_level *s = (out[i].techniques & MS_TECH_SELECTIVE)
                                     ? ms_sel_at(&layers[i], out[i].sel_level)
                                     : NULL;
@@ -275,8 +280,7 @@ slowdown(const ms_problem *p, const ms_layer *layers, size_t n,
         if (!(out[i].techniques & MS_TECH_CHECKPOINT)) {
             continue;
         }
-        double f = layers[i].flops;
-        extra += (f > 0.0 && isfinite(f) ? f : 0.0) / sp.flop_rate;
+        extra += ms_layer_cost(&layers[i]) / sp.flop_rate;
         if (out[i].segment == (int)i) {
             if (out[i].techniques & MS_TECH_OFFLOAD && sp.offload_bw > 0.0) {
                 extra += ms_solver_offload_seconds(&sp, &layers[i]);
@@ -286,7 +290,7 @@ slowdown(const ms_problem *p, const ms_layer *layers, size_t n,
             }
         }
     }
-    return 1.0 + extra / (3.0 * p->total_flops / sp.flop_rate);
+    return forward > 0.0 ? 1.0 + extra / (3.0 * forward / sp.flop_rate) : 1.0;
 }
 
 /* The budget planner: 1 when it found a plan (out and res set), 0 when no

@@ -8,6 +8,7 @@
 #ifndef MEMSCALE_ENGINE_H
 #define MEMSCALE_ENGINE_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -79,16 +80,23 @@ enum {
 typedef struct {
     double threshold;    /* FLOPs per byte: an op at or above it is kept */
     int64_t saved_bytes; /* its kept outputs, held besides the input */
-    double flops;        /* the recompute: FLOPs of the recomputed ops, and
-                            one per element an op without a formula writes */
+    double flops;        /* the recompute, in FLOPs at the matmul rate: the
+                            recomputed ops' FLOPs at their class's rate, and
+                            the elements an op without a formula writes at
+                            the element rate (one FLOP each by default) */
 } ms_sel_level;
 
 typedef struct {
     int64_t param_bytes; /* parameters owned by the layer */
     int64_t saved_bytes; /* activations it saves for backward */
     int64_t input_bytes; /* inputs checkpointing keeps instead */
-    double flops;        /* forward cost */
+    double flops;        /* forward cost (counted FLOPs) */
     unsigned flags;      /* MS_LAYER_* */
+    /* Recomputing it whole, in FLOPs at the matmul rate (its counted
+       FLOPs with convolutions and attention weighted by their measured
+       rates, memscale/_costs.py); 0 when not given: its flops.  Read
+       through ms_layer_cost. */
+    double cost;
     /* Its recompute's and backward's bytes on top of its saved tensors,
        measured per layer (memory.h); 0 when not measured. */
     int64_t backward_bytes;
@@ -97,6 +105,16 @@ typedef struct {
     int sel_levels;
     ms_sel_level sel[MS_SEL_LEVELS];
 } ms_layer;
+
+/* What recomputing `l` whole costs, in FLOPs at the matmul rate: its cost
+   when given, else its counted FLOPs; 0 for a negative, infinite or nan
+   figure. */
+static inline double
+ms_layer_cost(const ms_layer *l)
+{
+    double f = l->cost > 0.0 ? l->cost : l->flops;
+    return f > 0.0 && isfinite(f) ? f : 0.0;
+}
 
 typedef struct {
     ms_mode mode;

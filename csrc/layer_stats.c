@@ -24,6 +24,7 @@ enum {
     /* the per-layer calibration of the memory model, 0 when not measured */
     F_BACKWARD_BYTES = N_FIELDS,
     F_SEL_LEVELS, /* the selective profile */
+    F_COST,       /* the whole recompute at the matmul rate */
     N_ALL_FIELDS
 };
 
@@ -61,6 +62,12 @@ static PyStructSequence_Field fields[] = {
         "input) and flops the cost of recomputing the rest (None: no\n"
         "selective profile).  By name only:\n"
         "LayerStats(fields, {'selective_levels': ((t, b, f), ...)})."},
+    [F_COST] = {"recompute_cost",
+        "What recomputing the whole unit costs, in FLOPs at the matmul\n"
+        "rate: its counted FLOPs with convolutions and attention weighted\n"
+        "by the rates memscale.costs measured (a float; None or 0: its\n"
+        "flops).  flops stays the counted FLOPs.  By name only:\n"
+        "LayerStats(fields, {'recompute_cost': c})."},
     [N_ALL_FIELDS] = {NULL, NULL},
 };
 
@@ -70,8 +77,9 @@ PyDoc_STRVAR(layer_stats_doc,
 "param_bytes, saved_bytes, input_bytes, flops, flags.  A tuple:\n"
 "build_plan also accepts a plain tuple of these seven fields, or of\n"
 "eight with backward_bytes (an attribute of LayerStats, not in the\n"
-"tuple) last.  One more, given by name in dict, describes the layer\n"
-"run selective: selective_levels.");
+"tuple) last.  Two more are given by name in dict: selective_levels\n"
+"(the layer run selective) and recompute_cost (what recomputing it\n"
+"costs at the matmul rate).");
 /* clang-format on */
 
 static PyStructSequence_Desc layer_stats_desc = {
@@ -232,6 +240,20 @@ parse_flops_value(PyObject *v, Py_ssize_t index, int f, double *out)
     return 0;
 }
 
+/* recompute_cost, by name (None: 0, not given). */
+static int
+parse_cost(PyObject *item, Py_ssize_t index, double *out)
+{
+    *out = 0.0;
+    PyObject *v = named_field(item, F_COST);
+    if (v == NULL) {
+        return -1;
+    }
+    int rc = v == Py_None ? 0 : parse_flops_value(v, index, F_COST, out);
+    Py_DECREF(v);
+    return rc;
+}
+
 static int
 parse_flops(PyObject *item, Py_ssize_t index, double *out)
 {
@@ -370,7 +392,8 @@ ms_layer_stats_parse(PyObject *item, Py_ssize_t index, PyObject **name,
         || parse_bytes(item, index, F_INPUT_BYTES, &out->input_bytes) < 0
         || parse_flops(item, index, &out->flops) < 0
         || parse_ll(item, index, F_FLAGS, &flags) < 0
-        || parse_backward(item, index, &out->backward_bytes) < 0)
+        || parse_backward(item, index, &out->backward_bytes) < 0
+        || parse_cost(item, index, &out->cost) < 0)
     {
         return -1;
     }

@@ -22,11 +22,13 @@
  * the budget like a segment's.
  *
  * Overhead, in seconds: each checkpointed layer is recomputed once (its
- * forward FLOPs / flop_rate), a selective layer recomputes the ops its
- * level does not keep (the level's flops / flop_rate); an offloaded input is
- * written and read once at offload_bw (asynchronously, the write hides behind
- * the layer's forward and the read behind its backward, about twice the
- * forward); a layer in t tiles makes t - 1 more calls of tile_overhead each.
+ * cost / flop_rate: its forward FLOPs, convolutions and attention weighted
+ * by their measured rates, ms_layer_cost), a selective layer recomputes
+ * the ops its level does not keep (the level's flops / flop_rate, weighted
+ * alike); an offloaded input is written and read once at offload_bw
+ * (asynchronously, the write hides behind the layer's forward and the read
+ * behind its backward, about twice the forward); a layer in t tiles makes
+ * t - 1 more calls of tile_overhead each.
  *
  * The DP runs over (layer i, bytes held by the layers before i), the held
  * bytes grouped in buckets of ceil(budget / resolution) bytes.  Each state
@@ -90,11 +92,11 @@ can_tile(const ms_solver_problem *p, const ms_layer *l)
            && l->saved_bytes > 1;
 }
 
+/* Recomputing `l` whole: its cost (FLOPs at the matmul rate) over it. */
 static double
 seconds(const ms_solver_problem *p, const ms_layer *l)
 {
-    double f = l->flops > 0.0 && isfinite(l->flops) ? l->flops : 0.0;
-    return f / p->flop_rate;
+    return ms_layer_cost(l) / p->flop_rate;
 }
 
 static int

@@ -56,6 +56,10 @@ class LayerStats(structseq[Any], tuple[str, str, int, int, int, float, int]):
     # Levels (threshold, saved_bytes, flops), fewest bytes kept first.
     @property
     def selective_levels(self) -> tuple[tuple[float, int, float], ...] | None: ...
+    # By name only: recomputing the layer whole, in FLOPs at the matmul
+    # rate (None: its flops).
+    @property
+    def recompute_cost(self) -> float | None: ...
 
 # What build_plan accepts per layer: a LayerStats or a plain tuple of its
 # fields.

@@ -1,12 +1,17 @@
 """The budget planner's cost constants, measured once per machine (the
 public face is :mod:`memscale.costs`).
 
-The planner weighs recomputation against offloading with four constants
-per device: the rate of the FLOPs its profile counts (matrix products,
-convolutions and attention: what ``torch.utils.flop_counter`` counts), the
-bandwidth of a copy to pinned host memory and back, the bandwidth of the
-disk tier, and the cost of one more module call (a tile).  Without a
-measurement the planner uses :data:`DEFAULTS`, fixed per device type.
+The planner weighs recomputation against offloading with constants per
+device: the rate of the FLOPs its profile counts per class of op (matrix
+products, convolutions, attention kernels: what ``torch.utils.flop_counter``
+has a formula for), the rate of the ops without a formula in elements
+written per second (pointwise ops, norms, softmax), the bandwidth of a copy
+to pinned host memory and back, the bandwidth of the disk tier, and the
+cost of one more module call (a tile).  Without a measurement the planner
+uses :data:`DEFAULTS`, fixed per device type, where convolutions and
+attention run at the matmul rate and an element costs one matmul FLOP
+(``CostTable.weights``: what the planner charged before it measured
+them).
 
 ``python -m memscale.costs`` (or :func:`measure` with ``save=True``) times
 them on this machine and stores them in a cache file named by a
@@ -39,26 +44,35 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from ._version import __version__
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULTS", "CostTable", "cache_path", "fingerprint", "for_device", "measure"]
+__all__ = ["DEFAULTS", "UNITS", "CostTable", "cache_path", "fingerprint", "for_device", "measure"]
 
 
 @dataclass(frozen=True, slots=True)
 class CostTable:
     """The planner's constants for one device.  ``host_bw`` is 0 where
-    there is no host tier (a CPU model's memory already is host memory)."""
+    there is no host tier (a CPU model's memory already is host memory).
+    The rates of convolutions, attention and elements default to
+    ``flop_rate`` (None: not measured)."""
 
-    flop_rate: float  # counted FLOPs per second (matmul, convolution, attention)
+    flop_rate: float  # counted FLOPs per second of a matrix product
     host_bw: float  # bytes per second, device -> pinned host -> device
     disk_bw: float  # bytes per second, written and read back through a file
     tile_overhead: float  # seconds per extra module call
+    conv_rate: float | None = None  # counted FLOPs per second of a convolution
+    attention_rate: float | None = None  # ... of scaled_dot_product_attention's kernels
+    element_rate: float | None = None  # elements per second an op without a formula writes
     source: str = "default"  # "default", or the cache file it was read from
 
     def __post_init__(self) -> None:
+        for name in _CLASS_RATES:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.flop_rate)
         for f in fields(self):
             if f.name == "source":
                 continue
@@ -71,8 +85,35 @@ class CostTable:
                 )
 
     def constants(self) -> dict[str, float]:
-        """The four constants, without where they came from."""
+        """The constants, without where they came from."""
         return {k: v for k, v in asdict(self).items() if k != "source"}
+
+    def weights(self) -> tuple[float, float, float]:
+        """What a convolution FLOP, an attention FLOP and an element an op
+        without a FLOP formula writes cost in matmul FLOPs (flop_rate over
+        each rate): the planner's recompute costs are in matmul FLOPs.
+        (1.0, 1.0, 1.0) with the default rates."""
+        return (
+            self.flop_rate / float(self.conv_rate or self.flop_rate),
+            self.flop_rate / float(self.attention_rate or self.flop_rate),
+            self.flop_rate / float(self.element_rate or self.flop_rate),
+        )
+
+
+# The rates per class of op: optional in a cache file (one written before
+# they were measured stays valid: they are flop_rate's then).
+_CLASS_RATES = ("conv_rate", "attention_rate", "element_rate")
+
+# What each constant is measured in (``python -m memscale.costs`` shows it).
+UNITS = {
+    "flop_rate": "FLOP/s",
+    "conv_rate": "FLOP/s",
+    "attention_rate": "FLOP/s",
+    "element_rate": "elements/s",
+    "host_bw": "bytes/s",
+    "disk_bw": "bytes/s",
+    "tile_overhead": "s/call",
+}
 
 
 # The CPU row is this project's 2-core test machine in float32; the CUDA
@@ -158,8 +199,7 @@ def for_device(device_type: str, index: int = 0) -> CostTable:
         data = json.loads(text)
         if data.get("fingerprint") != fingerprint(device_type, index):
             raise ValueError("its fingerprint is another machine's")
-        raw = data["costs"]
-        table = CostTable(**{k: float(raw[k]) for k in _CONSTANTS}, source=str(path))
+        table = CostTable(**_read_constants(data["costs"]), source=str(path))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return _unreadable(path, device_type, str(e))
     return table
@@ -178,6 +218,24 @@ def _unreadable(path: Path, device_type: str, why: str) -> CostTable:
 
 
 _CONSTANTS = tuple(f.name for f in fields(CostTable) if f.name != "source")
+
+
+def _read_constants(raw: Any) -> dict[str, float]:
+    """The constants of a cache file's ``costs`` record: each a number; the
+    rates per class of op may be missing (flop_rate's then)."""
+    if not isinstance(raw, dict):
+        raise TypeError(f"its costs are not a record: {raw!r}")
+    out: dict[str, float] = {}
+    for name in _CONSTANTS:
+        if name not in raw:
+            if name in _CLASS_RATES:
+                continue
+            raise KeyError(f"it has no {name}")
+        value = raw[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"CostTable.{name} must be a number, got {value!r}")
+        out[name] = float(value)
+    return out
 
 
 def _round(value: float) -> float:
@@ -251,6 +309,71 @@ def _disk_bw(directory: str | None, nbytes: int = 64 << 20) -> float:
     return 2.0 * nbytes / (written + read)
 
 
+# Each op class's timing is the best of this many runs (each takes about
+# 10 ms on a CPU): on a loaded machine fewer let another process's turn
+# into every run.
+_CLASS_REPEATS = 15
+
+
+def _counted_flops(fn: Callable[[], object]) -> float:
+    """The FLOPs ``torch.utils.flop_counter`` counts for ``fn()`` (what the
+    planner's profile counts for the same op)."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def _conv_rate(device: torch.device, sync: Callable[[], None]) -> float:
+    """A 3x3 convolution, 64 channels in and out, padded (a ResNet
+    stage's)."""
+    batch, side = (8, 32) if device.type == "cpu" else (32, 56)
+    x = torch.randn(batch, 64, side, side, device=device)
+    w = torch.randn(64, 64, 3, 3, device=device)
+
+    def conv() -> object:
+        return torch.nn.functional.conv2d(x, w, padding=1)
+
+    return _counted_flops(conv) / _best_seconds(conv, sync, _CLASS_REPEATS)
+
+
+def _attention_rate(device: torch.device, sync: Callable[[], None]) -> float:
+    """``scaled_dot_product_attention``, 8 heads of 64 over 256 positions
+    (1024 on a GPU), causal, through whichever kernel torch picks.  Its
+    FLOPs are torch's formula for the kernels it has one for; on a CPU,
+    whose kernel it counts none for, the same formula (two matrix products
+    per head)."""
+    batch, seq = (4, 256) if device.type == "cpu" else (8, 1024)
+    q, k, v = (torch.randn(batch, 8, seq, 64, device=device) for _ in range(3))
+
+    def attention() -> object:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    flops = _counted_flops(attention) or float(sdpa_flop_count(q.shape, k.shape, v.shape))
+    return flops / _best_seconds(attention, sync, _CLASS_REPEATS)
+
+
+# The element rate's chain: five ops without a FLOP formula, each writing
+# one tensor the size of its input.
+ELEMENT_CHAIN_OPS = 5
+
+
+def _element_chain(x: torch.Tensor) -> torch.Tensor:
+    y = torch.nn.functional.gelu(x)
+    y = torch.softmax(y, dim=-1)
+    y = y * x
+    y = y + x
+    return torch.tanh(y)
+
+
+def _element_rate(device: torch.device, sync: Callable[[], None]) -> float:
+    """Elements written per second by ops without a FLOP formula (what the
+    planner charges per element): the chain above, on 2**21 elements
+    (2**26 on a GPU) in rows of 1024."""
+    x = torch.randn((1 << 21 if device.type == "cpu" else 1 << 26) // 1024, 1024, device=device)
+    written = ELEMENT_CHAIN_OPS * x.numel()
+    return written / _best_seconds(lambda: _element_chain(x), sync, _CLASS_REPEATS)
+
+
 def _tile_overhead(device: torch.device, sync: Callable[[], None]) -> float:
     layer = torch.nn.Linear(8, 8).to(device)
     x = torch.randn(1, 8, device=device)
@@ -272,7 +395,7 @@ def measure(
     save: bool = False,
 ) -> CostTable:
     """Time the planner's constants for ``device_type`` on this machine
-    (about a second on a CPU) and, with ``save=True``, keep them for every
+    (a few seconds on a CPU) and, with ``save=True``, keep them for every
     later plan on this machine (see :func:`cache_path`).  ``disk_dir`` is
     where the disk tier writes (``Config.spill_dir``; default: the system's
     temporary directory)."""
@@ -292,6 +415,9 @@ def measure(
         "host_bw": _host_bw(device, sync),
         "disk_bw": _disk_bw(disk_dir),
         "tile_overhead": _tile_overhead(device, sync),
+        "conv_rate": _conv_rate(device, sync),
+        "attention_rate": _attention_rate(device, sync),
+        "element_rate": _element_rate(device, sync),
     }
     table = CostTable(**{k: _round(v) for k, v in values.items()}, source="measured")
     if save:

@@ -300,16 +300,22 @@ def profile_from(
     method: str,
     tile_flags: list[int] | None = None,
     ops: Any = None,
+    costs: _costs.CostTable | None = None,
 ) -> Profile:
     """The profile ``profiler`` measured; ``tile_flags``: each unit's
     tiling flag, when not to be read off the units now (memscale's own
     hooks on them, while a plan is applied, make none a candidate); with
     ``ops`` (an ``_selective.OpRecorder`` of the same pass) each layer's
-    selective profile too."""
+    selective profile and its ``recompute_cost`` too, in FLOPs at the
+    matmul rate of ``costs`` (default: the units' device's,
+    ``_costs.for_device``)."""
     layers = []
     details = []
     if tile_flags is None:
         tile_flags = _tiling.layer_flags(units)
+    weights = _selective.UNWEIGHTED
+    if ops is not None:
+        weights = (costs if costs is not None else _units_costs(units)).weights()
     for i, ((name, module), r, tile_flag) in enumerate(zip(units, profiler.results(), tile_flags)):
         kind = type(module).__name__
         fields = (
@@ -321,15 +327,16 @@ def profile_from(
             float(r["flops"]),
             r["flags"] | tile_flag,
         )
-        levels = (
-            _selective.layer_profile(ops.ops[i], float(r["flops"]), r["saved_bytes"])
-            if ops is not None
-            else None
-        )
-        if levels is None:
-            layers.append(_core.LayerStats(fields))
-        else:
-            layers.append(_core.LayerStats(fields, {"selective_levels": levels}))
+        named: dict[str, Any] = {}
+        if ops is not None:
+            flops = float(r["flops"])
+            levels = _selective.layer_profile(ops.ops[i], flops, r["saved_bytes"], weights=weights)
+            if levels is not None:
+                named["selective_levels"] = levels
+            cost = _selective.recompute_cost(ops.ops[i], flops, weights)
+            if cost != flops:  # (with the default costs it is flops: left out)
+                named["recompute_cost"] = cost
+        layers.append(_core.LayerStats(fields, named) if named else _core.LayerStats(fields))
         details.append({"name": name, "kind": kind, **r})
     return Profile(
         tuple(layers),
@@ -338,6 +345,15 @@ def profile_from(
         method,
         tuple(details),
     )
+
+
+def _units_costs(units: list[tuple[str, torch.nn.Module]]) -> _costs.CostTable:
+    """The cost constants of the device the units' tensors are on."""
+    for _, module in units:
+        for tensor in (*module.parameters(), *module.buffers()):
+            device = tensor.device
+            return _costs.for_device(device.type, device.index or 0)
+    return _costs.for_device("cpu")
 
 
 class _GlobalOnly:

@@ -32,12 +32,15 @@ A layer whose forward writes its own buffers or parameters in place
 checkpoint would write them again in the recompute.
 
 Profiling (:class:`OpRecorder`) runs in the same fake-tensor forward as
-the C profiler: per unit, each op's FLOPs, the bytes of its new outputs
-and whether it is random.  :func:`layer_profile` turns that into the
-layer's levels for the planner (``LayerStats.selective_levels``: per
-level its threshold, the bytes kept besides the input, and the recompute
-cost, FLOPs of the recomputed ops plus one per element an op without a
-FLOP formula writes: a level that keeps more recomputes less).
+the C profiler: per unit, each op's FLOPs, its class (:func:`op_class`),
+the bytes of its new outputs and whether it is random.
+:func:`layer_profile` turns that into the layer's levels for the planner
+(``LayerStats.selective_levels``: per level its threshold, the bytes kept
+besides the input, and the recompute cost, in FLOPs at the matmul rate:
+the recomputed ops' FLOPs at their class's rate, and the elements an op
+without a FLOP formula writes at the element rate, one FLOP each with
+the default costs: a level that keeps more recomputes less), and
+:func:`recompute_cost` into what recomputing the whole layer costs.
 """
 
 from __future__ import annotations
@@ -54,10 +57,17 @@ from torch.utils.flop_counter import flop_registry
 from . import _torch_compat
 
 __all__ = [
+    "ATTENTION",
+    "CONV",
+    "MATMUL",
     "MAX_LEVELS",
+    "UNWEIGHTED",
     "LayerOps",
     "OpRecorder",
+    "Weights",
     "layer_profile",
+    "op_class",
+    "recompute_cost",
     "recorder",
     "run",
     "threshold",
@@ -95,6 +105,43 @@ def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, int,
     return flops, nbytes, numel, random
 
 
+# The classes of ops with a FLOP formula, timed apart by memscale.costs
+# (a matrix product, a convolution, an attention kernel); an op without a
+# formula is costed per element it writes.
+MATMUL, CONV, ATTENTION = 0, 1, 2
+
+
+def op_class(func: Any) -> int:
+    """The class of the op ``func`` when it has a FLOP formula (by the name
+    of its overload packet: the convolutions and the attention kernels of
+    ``flop_registry``; MATMUL for the rest)."""
+    name = getattr(_torch_compat.op_packet(func), "__name__", "")
+    if "conv" in name:
+        return CONV
+    if "attention" in name:
+        return ATTENTION
+    return MATMUL
+
+
+# What one FLOP of each class, and one element an op without a formula
+# writes, costs in FLOPs at the matmul rate: (conv, attention, element),
+# from the machine's measured rates (``_costs.CostTable.weights``).
+Weights = tuple[float, float, float]
+UNWEIGHTED: Weights = (1.0, 1.0, 1.0)
+
+
+def _weighted(flops: float, numel: int, kind: int, weights: Weights) -> float:
+    """One op's recompute at the matmul rate: its FLOPs at its class's rate,
+    or, without a formula, its elements at the element rate."""
+    if flops <= 0.0:
+        return float(numel) * weights[2]
+    if kind == CONV:
+        return flops * weights[0]
+    if kind == ATTENTION:
+        return flops * weights[1]
+    return flops
+
+
 def keeps(threshold: float, flops: float, nbytes: int, random: bool) -> bool:
     """The policy: keep an op's output when it is not random and costs at
     least ``threshold`` FLOPs per byte written (``flops / nbytes``, the
@@ -114,6 +161,11 @@ class LayerOps:
     calls: list[tuple[float, int, int, bool]]
     updates_state: bool = False
     mutated: set[int] = field(default_factory=set)
+    # Per call, its op_class (MATMUL where not recorded).
+    classes: list[int] = field(default_factory=list)
+
+    def op_class(self, index: int) -> int:
+        return self.classes[index] if index < len(self.classes) else MATMUL
 
 
 class OpRecorder(_DispatchMode):
@@ -171,6 +223,7 @@ class OpRecorder(_DispatchMode):
                 for t in _outputs(out):
                     self._producer[_torch_compat.storage_key(t)] = len(ops.calls)
             ops.calls.append(op_cost(func, args, kwargs, out))
+            ops.classes.append(op_class(func))
         return out
 
 
@@ -215,8 +268,28 @@ def _pick(ladder: list[Level], at_threshold: int, limit: int) -> list[Level]:
     return [ladder[k] for k in sorted(chosen)]
 
 
+def recompute_cost(ops: LayerOps, flops: float, weights: Weights = UNWEIGHTED) -> float:
+    """What recomputing the whole layer costs in FLOPs at the matmul rate:
+    every op it runs at its class's rate (as a level's recompute is
+    charged), less one FLOP per element an op without a formula writes.
+    Unweighted that is its counted ``flops`` exactly, what the planner has
+    always charged a whole recompute; weighted, it differs from the sum
+    the levels are charged by that one FLOP per element only, next to the
+    measured element rate's hundreds (``python -m memscale.costs``)."""
+    extra = 0.0
+    for i, (op_flops, _, numel, _) in enumerate(ops.calls):
+        extra += _weighted(op_flops, numel, ops.op_class(i), weights) - (
+            op_flops if op_flops > 0.0 else float(numel)
+        )
+    return flops + extra
+
+
 def layer_profile(
-    ops: LayerOps, flops: float, saved_bytes: int, limit: int = MAX_LEVELS
+    ops: LayerOps,
+    flops: float,
+    saved_bytes: int,
+    limit: int = MAX_LEVELS,
+    weights: Weights = UNWEIGHTED,
 ) -> tuple[Level, ...] | None:
     """The layer's levels run selective, fewest bytes kept first: per
     level (threshold, bytes of the outputs it keeps, what its recompute
@@ -228,7 +301,10 @@ def layer_profile(
     after it; a level that keeps no fewer bytes than the layer saves is no
     better than keeping the layer.  Of more than ``limit`` levels, the
     last, the one at the layer's threshold (:func:`threshold`) and the
-    rest spread evenly by bytes are kept.  None when nothing was measured,
+    rest spread evenly by bytes are kept.  A level's recompute cost is in
+    FLOPs at the matmul rate: each recomputed op's FLOPs at its class's
+    rate, or its elements at the element rate (``weights``; unweighted,
+    one per element).  None when nothing was measured,
     no level remains, or the forward updates its own state (a recompute
     would update it again: torch's checkpoint does not put buffers
     back)."""
@@ -255,7 +331,7 @@ def layer_profile(
                     break
                 kept += nbytes
             else:
-                cost += op_flops if op_flops > 0.0 else float(numel)
+                cost += _weighted(op_flops, numel, ops.op_class(i), weights)
         if kept < 0 or kept >= saved_bytes:
             break
         if limit_ratio >= layer_threshold:

@@ -115,14 +115,16 @@ def layer_stats(
     backward_bytes: int | None = None,
 ) -> _core.LayerStats:
     """A ``LayerStats`` of the seven tuple ``fields``, with the fields
-    ``like`` has by name only: its selective profile and its per-layer
-    ``backward_bytes`` (bytes times ``factor``); ``backward_bytes`` given
-    here replaces the latter."""
+    ``like`` has by name only: its selective profile, its
+    ``recompute_cost`` and its per-layer ``backward_bytes`` (bytes times
+    ``factor``); ``backward_bytes`` given here replaces the latter."""
     named: dict[str, Any] = {}
     if like is not None and like.selective_levels is not None:
         named["selective_levels"] = tuple(
             (t, int(kept * factor), cost) for t, kept, cost in like.selective_levels
         )
+    if like is not None and like.recompute_cost is not None:
+        named["recompute_cost"] = like.recompute_cost
     if backward_bytes is None and like is not None and like.backward_bytes is not None:
         backward_bytes = int(like.backward_bytes * factor)
     if backward_bytes is not None:

@@ -1,8 +1,11 @@
 """The budget planner's cost constants, measured once per machine.
 
-``python -m memscale.costs`` times them on this machine and keeps them in a
-cache file named by the machine's fingerprint; every later plan made on
-this machine uses them (``--show`` prints what is in use).  See
+``python -m memscale.costs`` times them on this machine (the matmul,
+convolution and attention FLOP rates, the element rate of the ops without
+a FLOP formula, the host and disk bandwidths, the cost of a module call)
+and keeps them in a cache file named by the machine's fingerprint; every
+later plan made on this machine uses them (``--show`` prints what is in
+use).  See
 docs/planning.md, "The cost model".
 """
 
@@ -13,9 +16,18 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ._costs import DEFAULTS, CostTable, cache_path, fingerprint, for_device, measure
+from ._costs import DEFAULTS, UNITS, CostTable, cache_path, fingerprint, for_device, measure
 
-__all__ = ["DEFAULTS", "CostTable", "cache_path", "fingerprint", "for_device", "main", "measure"]
+__all__ = [
+    "DEFAULTS",
+    "UNITS",
+    "CostTable",
+    "cache_path",
+    "fingerprint",
+    "for_device",
+    "main",
+    "measure",
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,7 +53,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, value in table.constants().items():
         old = before.constants()[name]
         change = "" if args.show or old == value else f"   (was {old:.3g}, {before.source})"
-        print(f"{name:>14}: {value:.3g}{change}")
+        print(f"{name:>14}: {value:.3g} {UNITS[name]}{change}")
+    conv, attention, element = table.weights()
+    print(
+        f"in matmul FLOPs: a convolution FLOP costs {conv:.3g}, an attention "
+        f"FLOP {attention:.3g}, an element written {element:.3g}"
+    )
     return 0
 
 

@@ -488,10 +488,11 @@ def test_layer_stats_is_a_named_tuple_of_the_seven_figures():
     stats = _core.LayerStats(("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE))
     assert isinstance(stats, tuple) and len(stats) == 7
     assert _core.LayerStats.n_sequence_fields == 7
-    # Two more by name only, not in the tuple: backward_bytes (the
-    # per-layer calibration) and the selective levels (None without).
-    assert _core.LayerStats.n_fields == 9 and stats.backward_bytes is None
-    assert stats.selective_levels is None
+    # Three more by name only, not in the tuple: backward_bytes (the
+    # per-layer calibration), the selective levels and the recompute cost
+    # (None without).
+    assert _core.LayerStats.n_fields == 10 and stats.backward_bytes is None
+    assert stats.selective_levels is None and stats.recompute_cost is None
     assert _core.LayerStats.__match_args__ == LAYER_FIELDS
     assert tuple(getattr(stats, f) for f in LAYER_FIELDS) == tuple(stats)
     assert stats == ("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE)
@@ -504,6 +505,36 @@ def test_layer_stats_is_a_named_tuple_of_the_seven_figures():
         stats.saved_bytes = 5  # type: ignore[misc]
     with pytest.raises(TypeError):
         _core.LayerStats(("h.0", "Block", 8))  # a LayerStats has 7 fields
+
+
+def test_layer_stats_recompute_cost_by_name():
+    row = ("h.0", "Block", 8, 100, 10, 2.5, 0)
+    stats = _core.LayerStats(row, {"recompute_cost": 25.0})
+    assert stats == row and stats.recompute_cost == 25.0
+    assert _core.LayerStats.recompute_cost.__doc__
+    assert pickle.loads(pickle.dumps(stats)).recompute_cost == 25.0
+    kw = dict(
+        mode="balanced",
+        allowed=_core.TECH_CHECKPOINT,
+        force=True,
+        budget_bytes=10**9,
+        fixed_bytes=0,
+        activation_bytes=100,
+        total_flops=2.5,
+        device="cpu",
+        device_count=1,
+        capacity_bytes=10**9,
+        solver=True,
+        flop_rate=1.0,
+    )
+    # The predicted slowdown charges the recompute cost: ten times the
+    # FLOPs over a forward of that cost (25 / (3 x 25)), not 2.5 / 7.5.
+    plan = _core.build_plan([stats], **kw)
+    assert plan.recompute_ratio == 1.0  # the counted FLOPs
+    assert plan.predicted_slowdown == pytest.approx(1 + 1 / 3)
+    for value, error in ((-1.0, ValueError), (float("inf"), ValueError), ("x", TypeError)):
+        with pytest.raises(error, match=r"layers\[0\]\.recompute_cost must be"):
+            _core.build_plan([_core.LayerStats(row, {"recompute_cost": value})], **kw)
 
 
 def test_layer_stats_selective_levels_by_name():

@@ -153,6 +153,21 @@ test_model(void)
         CHECK(ms_mem_peak(&t, 3, INT64_MAX - 5, 0, 0, NULL) == INT64_MAX);
     }
     CHECK(ms_solver_overhead(&p, L, 3, c, NULL) == 2.0);
+    /* A recompute cost (its convolutions at their rate) in place of the
+       counted FLOPs; the FLOPs recomputed stay the counted ones.  0, nan
+       or negative: its FLOPs; infinite: nothing. */
+    {
+        double fl = 0;
+        L[1].cost = 5.0;
+        CHECK(ms_solver_overhead(&p, L, 3, c, &fl) == 5.0 && fl == 2.0);
+        L[1].cost = NAN;
+        CHECK(ms_solver_overhead(&p, L, 3, c, NULL) == 2.0);
+        L[1].cost = -1.0;
+        CHECK(ms_solver_overhead(&p, L, 3, c, NULL) == 2.0);
+        L[1].cost = INFINITY;
+        CHECK(ms_solver_overhead(&p, L, 3, c, NULL) == 0.0);
+        L[1].cost = 0.0;
+    }
     /* Segment [1..2]: held 10 + 3; recompute 10 + 50 = 60. */
     c[2].seg_start = 1;
     CHECK(model_peak(L, 3, c) == 60);
@@ -482,6 +497,10 @@ random_chain(ms_layer *L, size_t n, int64_t scale)
         L[i].sel_levels = 0;
         if (rnd() % 2 == 0) {
             L[i].backward_bytes = rnd_range(0, scale / 2);
+        }
+        if (rnd() % 3 == 0) {
+            /* recomputed at a cost of its own (0: its flops) */
+            L[i].cost = (double)rnd_range(0, 40);
         }
         if (rnd() % 2 == 0) {
             /* 1 to 3 nested levels: each keeps more and recomputes less
