@@ -182,6 +182,4 @@ def test_forced_aggressive_tiles_only_where_the_peak_falls():
     assert logits.technique_counts["tiling"] == 0, [x.tiles for x in logits.layers]
     mlp_plan = _forced_plan("mlp", "aggressive")
     assert mlp_plan.technique_counts["tiling"] > 0
-    assert (
-        mlp_plan.peak_projected_bytes < _forced_plan("mlp", "conservative").peak_projected_bytes
-    )
+    assert mlp_plan.peak_projected_bytes < _forced_plan("mlp", "conservative").peak_projected_bytes
