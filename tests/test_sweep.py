@@ -214,3 +214,30 @@ def test_sweep_inductor_takes_only_the_sweep_s_budgets(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--sweep", "--sweep-inductor", "0.45", "--models", "gpt2"])
     assert "--sweep-inductor 0.45: not a sweep budget" in capsys.readouterr().err
+
+
+def test_sweep_check_joins_one_run_per_model(tmp_path, capsys):
+    """One sweep process per model, joined: the table and summary of all,
+    and with --json the joined file, which checks like one run's."""
+    first, second = _result(_clean_rows()), {**_result(_clean_rows()), "model": "n"}
+    for res in (first, second):
+        for row in res["rows"]:
+            row["model"] = res["model"]
+    a, b, joined = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "joined.json"
+    a.write_text(json.dumps({"schema": "memscale-sweep/2", "results": [first]}))
+    b.write_text(json.dumps({"schema": "memscale-sweep/2", "results": [second]}))
+    assert cli.main(["--sweep-check", str(a), str(b), "--json", str(joined)]) == 0
+    out = capsys.readouterr().out
+    assert "m: 0 violation(s)" in out and "n: 0 violation(s)" in out
+    payload = json.loads(joined.read_text())
+    assert [r["model"] for r in payload["results"]] == ["m", "n"]
+    assert payload["schema"] == "memscale-sweep/2"
+    assert payload["joined_from"] == [
+        {"file": "a.json", "models": ["m"]},
+        {"file": "b.json", "models": ["n"]},
+    ]
+    assert cli.main(["--sweep-check", str(joined)]) == 0
+    # The same model twice is refused.
+    with pytest.raises(SystemExit):
+        cli.main(["--sweep-check", str(a), str(a)])
+    assert "model(s) m in more than one file" in capsys.readouterr().err

@@ -327,12 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sweep-check",
         metavar="JSON",
-        help="print the summary of a sweep's --json file (recomputed from its "
-        "rows) instead of running anything; exit status 1 if it lists a violation",
+        nargs="+",
+        help="print the table and summary of one or more sweeps' --json files "
+        "(recomputed from their rows; several files: one run per model, "
+        "joined) instead of running anything; with --json and --plot, write "
+        "the joined figures and their plot; exit status 1 if the summary "
+        "lists a violation",
     )
     args = parser.parse_args(argv)
     if args.sweep_check:
-        return _sweep_check(args.sweep_check, parser)
+        return _sweep_check(args.sweep_check, args, parser)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     try:
@@ -561,20 +565,50 @@ def _sweep_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     return 0
 
 
-def _sweep_check(path: str, parser: argparse.ArgumentParser) -> int:
+def _sweep_check(
+    paths: list[str], args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> int:
     from . import sweep
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            payload = json.load(f)
-        results = payload["results"]
-        for res in results:
-            res["summary"] = sweep.summarize(res)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        parser.error(
-            f"--sweep-check {path}: not a sweep's --json file ({type(exc).__name__}: {exc})"
-        )
+    payloads = []
+    results: list[dict[str, Any]] = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                payload = json.load(f)
+            found = payload["results"]
+            for res in found:
+                res["summary"] = sweep.summarize(res)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(
+                f"--sweep-check {path}: not a sweep's --json file ({type(exc).__name__}: {exc})"
+            )
+        payloads.append(payload)
+        results.extend(found)
+    models = [res["model"] for res in results]
+    repeated = sorted({m for m in models if models.count(m) > 1})
+    if repeated:
+        parser.error(f"--sweep-check: model(s) {', '.join(repeated)} in more than one file")
+    if len(paths) > 1:
+        print(sweep.table(results))
     print(sweep.summary_text(results))
+    if args.json:
+        first = payloads[0]
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(
+                {
+                    **{k: v for k, v in first.items() if k != "results"},
+                    "joined_from": [
+                        {"file": os.path.basename(p), "models": [r["model"] for r in q["results"]]}
+                        for p, q in zip(paths, payloads)
+                    ],
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
+    if args.plot:
+        sweep.plot(results, args.plot)
     return 1 if any(res["summary"]["violations"] for res in results) else 0
 
 
