@@ -37,6 +37,7 @@ RESULT_KEYS = {
     "step_flops",
     "recompute_overhead",
     "predicted_recompute_overhead",
+    "wrap_cpu_seconds",
 }
 
 
