@@ -513,20 +513,18 @@ def test_layer_stats_recompute_cost_by_name():
     assert stats == row and stats.recompute_cost == 25.0
     assert _core.LayerStats.recompute_cost.__doc__
     assert pickle.loads(pickle.dumps(stats)).recompute_cost == 25.0
-    kw = dict(
-        mode="balanced",
-        allowed=_core.TECH_CHECKPOINT,
-        force=True,
-        budget_bytes=10**9,
-        fixed_bytes=0,
-        activation_bytes=100,
-        total_flops=2.5,
-        device="cpu",
-        device_count=1,
-        capacity_bytes=10**9,
-        solver=True,
-        flop_rate=1.0,
-    )
+    kw = {
+        **PLAN_ARGS,
+        "allowed": _core.TECH_CHECKPOINT,
+        "force": True,
+        "budget_bytes": 10**9,
+        "fixed_bytes": 0,
+        "activation_bytes": 100,
+        "total_flops": 2.5,
+        "capacity_bytes": 10**9,
+        "solver": True,
+        "flop_rate": 1.0,
+    }
     # The predicted slowdown charges the recompute cost: ten times the
     # FLOPs over a forward of that cost (25 / (3 x 25)), not 2.5 / 7.5.
     plan = _core.build_plan([stats], **kw)
@@ -546,18 +544,15 @@ def test_layer_stats_selective_levels_by_name():
     assert _core.LayerStats.selective_levels.__doc__
     again = pickle.loads(pickle.dumps(stats))
     assert again.selective_levels == levels
-    kw = dict(
-        mode="balanced",
-        allowed=_core.TECH_CHECKPOINT | _core.TECH_SELECTIVE,
-        force=False,
-        budget_bytes=10**9,
-        fixed_bytes=0,
-        activation_bytes=100,
-        total_flops=2.5,
-        device="cpu",
-        device_count=1,
-        capacity_bytes=10**9,
-    )
+    kw = {
+        **PLAN_ARGS,
+        "allowed": _core.TECH_CHECKPOINT | _core.TECH_SELECTIVE,
+        "budget_bytes": 10**9,
+        "fixed_bytes": 0,
+        "activation_bytes": 100,
+        "total_flops": 2.5,
+        "capacity_bytes": 10**9,
+    }
     # With the profile, without it (a plain tuple, a LayerStats of seven
     # fields): both plan.
     for layers in ([stats], [row], [_core.LayerStats(row)]):
