@@ -247,11 +247,18 @@ class PredictionSession:
     def __exit__(self, *exc: Any) -> None:
         self._steps.__exit__(*exc)
 
+    def _fixed(self) -> int:
+        """What the engine holds all step long: the model's and the
+        optimizer's tensors, and the libraries' workspaces on the device
+        (as wrap() counts them: _wrapping._Pipeline)."""
+        fixed = _model.fixed_bytes(self.model, self.optimizer, self.floor)
+        return fixed + self._steps.library_bytes
+
     def plan(self, config: Config) -> Any:
         """The plan wrap() makes with ``config``: the same profile (the
         warm-up's forward on fake tensors), the same Stage 1 (the strategy
         policy, when ``auto_policy`` is on) and the same engine inputs."""
-        fixed = _model.fixed_bytes(self.model, self.optimizer, self.floor)
+        fixed = self._fixed()
         profile = self._steps.profile
         if config.auto_policy:
             context = policy.StrategyContext.build(
@@ -293,7 +300,7 @@ class PredictionSession:
         if profile is None:
             profile = self._steps.profile
         if fixed is None:
-            fixed = _model.fixed_bytes(self.model, self.optimizer, self.floor)
+            fixed = self._fixed()
         hw = self.hardware
         base = make_plan(profile, config, hw, fixed)
         offset = self.unoptimized_peak() - base.peak_unoptimized_bytes
@@ -435,6 +442,7 @@ class PredictionSession:
         plan = self.plan(config)
         steps = self._steps
         unoptimized, optimized, unprobed = steps.breakdowns(plan, config)
+        libraries = steps.library_bytes
         chosen = tuple(layer.name for layer in plan.layers if layer.techniques)
         result = PeakPrediction(
             unoptimized=unoptimized,
@@ -456,6 +464,7 @@ class PredictionSession:
             optimizer=steps.optimizer_name,
             optimizer_simulated=steps.optimizer_simulated,
             unprobed_calls=unprobed,
+            library_workspace_bytes=libraries,
             seconds=self._setup_seconds + time.perf_counter() - t0,
             plan=plan,
         )

@@ -157,15 +157,31 @@ def tensor_version(t: torch.Tensor) -> int:
     return int(t._version)
 
 
-def profiler_memory_events(prof: Any) -> list[tuple[str, int, int, int]] | None:
+def profiler_memory_events(
+    prof: Any, device_type: str | None = None
+) -> list[tuple[str, int, int, int]] | None:
     """``(name, start_ns, end_ns, nbytes)`` of every raw event of a stopped
     ``torch.profiler.profile(profile_memory=True)`` session; allocator
-    events are named ``"[memory]"``.  This reads the kineto results as
+    events are named ``"[memory]"``.  With ``device_type`` ("cpu",
+    "cuda"), the allocator events of other devices are left out (the
+    profiler records every allocator's events, CUDA's too, with CPU
+    activity alone).  This reads the kineto results as
     ``memscale._measure`` does (``prof.profiler.kineto_results``,
     not a public API).  None when this torch does not provide them."""
     try:
         raw = prof.profiler.kineto_results.events()
-        return [(e.name(), e.start_ns(), e.end_ns(), e.nbytes()) for e in raw]
+        out = []
+        for e in raw:
+            name = e.name()
+            if (
+                device_type is not None
+                and name == "[memory]"
+                # DeviceType.CUDA -> "cuda"
+                and str(e.device_type()).rsplit(".", 1)[-1].lower() != device_type
+            ):
+                continue
+            out.append((name, e.start_ns(), e.end_ns(), e.nbytes()))
+        return out
     except AttributeError:  # pragma: no cover - depends on the torch build
         logger.info("the profiler's raw events are unavailable in torch %s", torch.__version__)
         return None

@@ -39,6 +39,7 @@ from ._format import format_bytes, plan_table
 from ._hardware import Hardware
 from ._solve import PlanProblem
 from .config import GIB, Config
+from .predictor import library_workspace_bytes
 
 # The plan's log lines keep the logger name they have always had (users
 # filter on it; docs/observability.md shows it).
@@ -222,6 +223,9 @@ class Wrapping:
         self.fixed = _model.fixed_bytes(model, optimizer, _model.floor_of(config))
         if _distributed.is_fsdp2(model):
             self.fixed += _distributed.fsdp2_in_flight_bytes(model)
+        # cuBLAS's workspaces on a CUDA device (0 elsewhere), as the OOM
+        # predictor counts them in every simulated peak.
+        self.fixed += library_workspace_bytes(device)
         self.executor: Executor | None = None
 
     # -- where the profile comes from --------------------------------------

@@ -423,6 +423,53 @@ def test_a_running_profiler_skips_the_kernel_probes():
     assert probed.unoptimized.peak_bytes > prediction.unoptimized.peak_bytes
 
 
+def test_which_calls_a_cuda_step_probes():
+    """On CUDA every aten call is probed except views and random operators
+    (probing one would advance the user's generator)."""
+    aten = torch.ops.aten
+    for op in (aten.mm.default, aten.add.Tensor, aten.sum.dim_IntList, aten.mse_loss.default):
+        assert _workspace.probe_on_device(op), op
+    for op in (
+        aten.view.default,
+        aten.t.default,
+        aten.native_dropout.default,
+        aten.bernoulli_.float,
+        aten.rand_like.default,
+        aten._local_scalar_dense.default,
+    ):
+        assert not _workspace.probe_on_device(op), op
+    assert not _workspace.probe_on_device(len)
+
+
+def test_a_call_that_fails_on_zero_inputs_is_counted_unprobed():
+    _workspace._PROBED.clear()
+    zeros = torch.zeros(3, 3)
+    failing = _workspace.signature(torch.ops.aten.cholesky.default, (zeros,), {})
+    ok = _workspace.signature(torch.ops.aten.mse_loss.default, (zeros, zeros), {})
+    state = torch.get_rng_state()
+    found, unprobed = _workspace.probe_workspace({failing: 36, ok: 4}, 1 << 20)
+    assert unprobed == 1 and set(found) == {ok}
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_an_in_place_call_returns_nothing_new():
+    """What an in-place call returns is its input: the probe does not take
+    it for a new storage (its scratch would be hidden behind it)."""
+    _workspace._PROBED.clear()
+    x = torch.zeros(64, 64)
+    sig = _workspace.signature(torch.ops.aten.add_.Tensor, (x, x), {})
+    found, unprobed = _workspace.probe_workspace({sig: 0}, 1 << 20)
+    assert unprobed == 0 and found[sig].returned == (0,)
+
+
+def test_no_library_workspace_off_cuda():
+    model, x, loss_fn = _case("mlp")
+    prediction = predict_peak(model, x, FORCE, loss_fn=loss_fn)
+    assert prediction.library_workspace_bytes == 0
+    assert _workspace.library_workspace_bytes(torch.device("cpu")) == 0
+    assert prediction.to_dict()["library_workspace_bytes"] == 0
+
+
 def test_the_result_type():
     model, x, loss_fn = _case("mlp")
     prediction = predict_peak(model, x, FORCE, loss_fn=loss_fn)

@@ -36,16 +36,22 @@ Three things a pure fake step would get wrong are handled:
 * Kernels that keep scratch memory inside one operator call (oneDNN
   convolutions) or return a storage larger than their result (CPU
   ``mse_loss`` returns its elementwise buffer): each distinct call of the
-  operators in ``_workspace._WORKSPACE_OPS`` is run once for real on zero-filled
-  tensors under the memory profiler, and what it really allocates is put
-  into the event sequence (CPU only; ``PROBE_LIMIT``).
+  operators in ``_workspace._WORKSPACE_OPS`` (on CUDA: of every aten
+  operator but views and random ones, ``_workspace.probe_on_device``) is
+  run once for real on zero-filled tensors of its device under the memory
+  profiler, and what it really allocates is put into the event sequence
+  (where the device's runtime is here; ``PROBE_LIMIT``).  On CUDA the
+  cuBLAS workspaces a step keeps (one per thread that runs matmuls) are
+  measured once per process and device and added to every peak
+  (``PeakPrediction.library_workspace_bytes``).
 * Python's garbage collector is off during a tracked step, so frees happen
   at refcount zero only and the figure is the same every run.
 
 What the prediction counts is what ``memscale._measure``
-measures: the bytes of live tensor storages.  Not counted: memory that is
-not a tensor, scratch memory of kernels outside those, and on
-CUDA the caching allocator's rounding and reserve.
+measures: the bytes of live tensor storages, and on CUDA the libraries'
+workspaces.  Not counted: other memory that is not a tensor, scratch
+memory of kernels outside those, and on CUDA the caching allocator's
+rounding and reserve.
 
 One file per job: ``_device`` (the device predicted for), ``_results`` (what
 a prediction returns), ``_tree`` (tensors in nested containers),
@@ -67,7 +73,7 @@ from ._results import (
 )
 from ._session import SimulationSession
 from ._step import default_loss, rebuild_optimizer
-from ._workspace import PROBE_LIMIT
+from ._workspace import PROBE_LIMIT, library_workspace_bytes
 
 __all__ = [
     "CATEGORIES",
@@ -80,6 +86,7 @@ __all__ = [
     "SavingsEstimate",
     "SimulationSession",
     "default_loss",
+    "library_workspace_bytes",
     "predicted_time_ratio",
     "rebuild_optimizer",
     "resolve_device",

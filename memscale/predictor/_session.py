@@ -4,6 +4,7 @@ simulated when first asked for."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,9 @@ from ..config import Config
 from ._fake import REAL_VALUE_LIMIT, FakeWorld
 from ._results import PeakBreakdown
 from ._step import Step, Trace, estimated_state, fake_optimizer
-from ._workspace import PROBE_LIMIT, Kernel, probe_workspace
+from ._workspace import PROBE_LIMIT, Kernel, library_workspace_bytes, probe_workspace
+
+logger = logging.getLogger(__name__)
 
 
 def _drop_grad(p: torch.Tensor) -> None:
@@ -264,6 +267,10 @@ class SimulationSession:
     ) -> None:
         self.model = model
         self.hardware = hardware
+        self._sim_device = sim_device
+        # What the libraries keep on the device besides the step's tensors
+        # (cuBLAS workspaces on CUDA; 0 elsewhere), measured on entry.
+        self.library_bytes = 0
         self._sim = _Simulation(
             model,
             sample_input,
@@ -300,6 +307,14 @@ class SimulationSession:
         try:
             self._unoptimized = self._guard(self._sim.unoptimized)
             self._probe(self._unoptimized, "")
+            self.library_bytes = library_workspace_bytes(self._sim_device)
+            if self.library_bytes:
+                logger.info(
+                    "memscale: the libraries keep %d bytes on %s (cuBLAS workspaces); "
+                    "every predicted peak includes them",
+                    self.library_bytes,
+                    self._sim_device,
+                )
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -354,11 +369,16 @@ class SimulationSession:
                 lambda: self._sim.first_step(plan, config, self.hardware)
             )
             self._probe(self._traces[key], key)
-        return self._traces[key].breakdown(self._workspace)
+        return self._breakdown(self._traces[key])
+
+    def _breakdown(self, trace: Trace) -> PeakBreakdown:
+        """The peak of ``trace`` with the libraries' workspaces, which are
+        alive all step long (every absolute figure of this class has them)."""
+        return trace.breakdown(self._workspace).with_libraries(self.library_bytes)
 
     def simulated_peak(self, plan: Any, config: Config) -> int:
         """The peak bytes of the step under ``plan`` (made with ``config``)."""
-        return int(self._trace(plan, config)[1].breakdown(self._workspace).peak_bytes)
+        return int(self._breakdown(self._trace(plan, config)[1]).peak_bytes)
 
     def recompute_peaks(self, plan: Any, config: Config) -> dict[int, int]:
         """Per recomputed unit (its index in the plan), the peak bytes of
@@ -379,7 +399,7 @@ class SimulationSession:
         peaks = tracker.span_peaks(self._workspace, bounds)
         out: dict[int, int] = {}
         for (_, unit), peak in zip(marks, peaks):
-            out[unit] = max(out.get(unit, 0), int(peak))
+            out[unit] = max(out.get(unit, 0), int(peak) + self.library_bytes)
         return out
 
     def forward_holds(self, plan: Any = None, config: Config | None = None) -> dict[int, int]:
@@ -402,7 +422,7 @@ class SimulationSession:
 
     def unoptimized_peak(self) -> int:
         """The peak bytes of the unoptimized step."""
-        return int(self._unoptimized.breakdown(self._workspace).peak_bytes)
+        return int(self._breakdown(self._unoptimized).peak_bytes)
 
     def breakdowns(self, plan: Any, config: Config) -> tuple[PeakBreakdown, PeakBreakdown, int]:
         """The unoptimized step and the step under ``plan`` (the unoptimized
@@ -412,7 +432,7 @@ class SimulationSession:
         if plan.technique_counts["checkpoint"]:
             key, trace = self._trace(plan, config)
         return (
-            self._unoptimized.breakdown(self._workspace),
-            trace.breakdown(self._workspace),
+            self._breakdown(self._unoptimized),
+            self._breakdown(trace),
             self._unprobed[""] + self._unprobed.get(key, 0),
         )

@@ -293,6 +293,9 @@ class Step:
         tracker = StorageTracker(REAL_VALUE_LIMIT)
         if self.world.device.type == "cpu":
             tracker.kernel_calls = []
+        elif self.world.device.type == "cuda" and torch.cuda.is_available():
+            tracker.kernel_calls = []
+            tracker.probe_all = True
         handles = []
 
         # The executor's checkpoint frame keeps the RNG state of its layer's

@@ -16,7 +16,7 @@ import torch
 from .. import _torch_compat
 from ._results import CATEGORIES, PeakBreakdown
 from ._tree import tensor_list, tensors_in
-from ._workspace import Kernel, signature, workspace_ops
+from ._workspace import Kernel, probe_on_device, signature, workspace_ops
 
 _EQUAL = torch.ops.aten.equal.default
 
@@ -76,6 +76,9 @@ class StorageTracker(_DispatchMode):
         # returned) of operators whose kernels keep scratch memory (see
         # _workspace._WORKSPACE_OPS); None: not recorded.
         self.kernel_calls: list[tuple[int, Any, tuple[int | None, ...]]] | None = None
+        # Record every probeable call, not only those of _WORKSPACE_OPS
+        # (a step on CUDA: _workspace.probe_on_device).
+        self.probe_all = False
         # Called with each new phase before it is marked (the step's own
         # bookkeeping of what the executor holds).
         self.on_phase: Callable[[str], None] | None = None
@@ -187,7 +190,9 @@ class StorageTracker(_DispatchMode):
         if self.active:
             track = self.track
             serials = tuple([track(t) for t in tensor_list(out)])
-            if self.kernel_calls is not None and func in workspace_ops():
+            if self.kernel_calls is not None and (
+                probe_on_device(func) if self.probe_all else func in workspace_ops()
+            ):
                 sig = signature(func, args, kwargs)
                 if sig is not None:
                     self.kernel_calls.append((len(self.events), sig, serials))

@@ -1,7 +1,9 @@
 """Kernel workspace probing: the scratch memory a kernel keeps inside one
 operator call, which a fake tensor cannot show, measured by running each
-distinct call once for real on zero-filled CPU tensors under the memory
-profiler."""
+distinct call once for real on zero-filled tensors (on the device the
+step is simulated on) under the memory profiler; and on CUDA the
+libraries' persistent workspaces (cuBLAS keeps one per handle, and a
+training step uses two: the forward's thread and autograd's)."""
 
 from __future__ import annotations
 
@@ -55,6 +57,28 @@ _WORKSPACE_OPS = (
 # probed, and PeakPrediction.unprobed_calls counts them.
 PROBE_LIMIT = 256 << 20
 
+# On CUDA the kernels that keep scratch memory are many and vary with the
+# library versions (cuDNN's convolution workspaces, reductions' staging
+# buffers, attention backward, a loss's elementwise buffer: measured on an
+# H100 with torch 2.11, scripts/gpu_scratch.py), so every distinct call of
+# an aten operator is probed there, except views (they allocate nothing)
+# and random operators (running one would advance the device's generator).
+_NEVER_PROBED = frozenset(
+    ("_local_scalar_dense", "equal", "_assert_async", "record_stream", "set_", "resize_")
+)
+
+
+def probe_on_device(func: Any) -> bool:
+    """Whether a CUDA step's call of ``func`` is probed (see above)."""
+    try:
+        if func.namespace != "aten" or func.is_view:
+            return False
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return False
+        return func._schema.name.partition("::")[2] not in _NEVER_PROBED
+    except AttributeError:  # not an OpOverload
+        return False
+
 
 _WORKSPACE_OP_SET: frozenset[Any] | None = None
 
@@ -77,6 +101,7 @@ class _TensorSpec:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    device: str = "cpu"
 
     @property
     def nbytes(self) -> int:
@@ -86,12 +111,16 @@ class _TensorSpec:
         return span * self.dtype.itemsize if all(self.shape) else 0
 
     def make(self) -> torch.Tensor:
-        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype).zero_()
+        return torch.empty_strided(
+            self.shape, self.stride, dtype=self.dtype, device=self.device
+        ).zero_()
 
 
 def _spec(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        return _TensorSpec(tuple(obj.shape), tuple(obj.stride()), obj.dtype)
+        if obj.layout is not torch.strided:
+            raise TypeError("only strided tensors can be remade")
+        return _TensorSpec(tuple(obj.shape), tuple(obj.stride()), obj.dtype, str(obj.device))
     if isinstance(obj, (tuple, list)):
         return tuple(_spec(o) for o in obj)
     hash(obj)  # TypeError for anything a signature cannot hold
@@ -147,11 +176,11 @@ _PROBED: dict[tuple[Any, int], Kernel] = {}
 
 def probe_workspace(signatures: Mapping[Any, int], limit: int) -> tuple[dict[Any, Kernel], int]:
     """Scratch bytes of each kernel call, measured by running it once on
-    real zero-filled CPU tensors under the memory profiler (as
+    real zero-filled tensors on its device under the memory profiler (as
     memscale._measure does): the allocator's peak inside the
     call minus the bytes it returns.  Returns the figures and the number of
-    calls not probed (inputs and outputs above ``limit`` bytes, or a
-    profiler is already running).  ``signatures`` maps each call to the
+    calls not probed (inputs and outputs above ``limit`` bytes, a call
+    that fails on zero-filled inputs, or a profiler is already running).  ``signatures`` maps each call to the
     bytes its fake twin returned."""
     threads = torch.get_num_threads()
     out: dict[Any, Kernel] = {}
@@ -174,33 +203,82 @@ def probe_workspace(signatures: Mapping[Any, int], limit: int) -> tuple[dict[Any
             len(todo),
         )
         return out, skipped + len(todo)
+    for device_type in sorted({_device_type(sig) for sig in todo}):
+        batch = [sig for sig in todo if _device_type(sig) == device_type]
+        found, failed = _probe_batch(batch, device_type, threads)
+        out.update(found)
+        skipped += failed
+    return out, skipped
+
+
+def _device_type(sig: Any) -> str:
+    """The device type of a call's tensors (the first one's: "cpu" when it
+    has none)."""
+    stack = [sig[1], tuple(v for _, v in sig[2])]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, _TensorSpec):
+            return torch.device(item.device).type
+        if isinstance(item, tuple):
+            stack[:0] = list(item)
+    return "cpu"
+
+
+@contextlib.contextmanager
+def _rng_kept(device_type: str) -> Any:
+    """Puts the generators back as they were: no probed call should draw
+    from them (random operators are not probed), and a kernel that does
+    anyway must not shift the user's random stream."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if device_type == "cuda" else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _probe_batch(todo: list[Any], device_type: str, threads: int) -> tuple[dict[Any, Kernel], int]:
+    """Probe the calls of ``todo`` (all on ``device_type``): the figures,
+    and how many calls could not run on zero-filled inputs."""
     tools = _torch_compat.fake_tensor_tools()
     real = tools[1]() if tools is not None else contextlib.nullcontext()
-    calls: list[tuple[int, tuple[int, ...]]] = []
+    calls: dict[int, tuple[int, tuple[int, ...]]] = {}
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with measure.quiet_profiler("probe start"):
         prof.start()
     try:
-        with real, torch.no_grad():  # real tensors, also inside a fake world
+        with real, torch.no_grad(), _rng_kept(device_type):  # real tensors, also in a fake world
             for i, sig in enumerate(todo):
                 func, args, kwargs = _call_of(sig)
-                func(*args, **kwargs)  # first call: caches, lazy init
-                with record_function(f"memscale::probe{i}"):
-                    result = func(*args, **kwargs)
+                held = {
+                    id(t.untyped_storage()) for t in tensors_in((args, kwargs))
+                }  # alive through the call: their storages are not returned
+                try:
+                    func(*args, **kwargs)  # first call: caches, lazy init, algorithm choice
+                    with record_function(f"memscale::probe{i}"):
+                        result = func(*args, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - a call that needs other values
+                    logger.debug("memscale: %s not probed (%s: %s)", func, type(exc).__name__, exc)
+                    continue
                 sizes = {}
                 per_output = []
                 for t in tensors_in(result):
                     st = t.untyped_storage()
-                    sizes[id(st)] = st.nbytes()
-                    per_output.append(st.nbytes())
-                calls.append((sum(sizes.values()), tuple(per_output)))
+                    nbytes = 0 if id(st) in held else st.nbytes()
+                    sizes[id(st)] = nbytes
+                    per_output.append(nbytes)
+                calls[i] = (sum(sizes.values()), tuple(per_output))
                 del result, args, kwargs
+            if device_type == "cuda":
+                torch.cuda.synchronize()
     finally:
         with measure.quiet_profiler("probe stop"):
             prof.stop()
-    raw = _torch_compat.profiler_memory_events(prof)
+    raw = _torch_compat.profiler_memory_events(prof, device_type)
     if raw is None:  # pragma: no cover - depends on the torch build
-        return out, skipped + len(todo)
+        return {}, len(todo)
     windows: dict[int, tuple[int, int]] = {}
     memory = []
     for name, begin, end, nbytes in raw:
@@ -209,10 +287,52 @@ def probe_workspace(signatures: Mapping[Any, int], limit: int) -> tuple[dict[Any
         elif name == "[memory]":
             memory.append((begin, nbytes))
     memory.sort(key=lambda e: e[0])
+    out: dict[Any, Kernel] = {}
     for i, sig in enumerate(todo):
+        if i not in calls:
+            continue
         begin, end = windows[i]
         peak, _ = measure.running_peak(e for e in memory if begin <= e[0] <= end)
         returned, returned_each = calls[i]
         kernel = Kernel(max(0, peak - returned), returned_each)
         _PROBED[(sig, threads)] = out[sig] = kernel
-    return out, skipped
+    return out, len(todo) - len(calls)
+
+
+# device index -> bytes, for this process (see library_workspace_bytes).
+_LIBRARIES: dict[int, int] = {}
+
+
+def library_workspace_bytes(device: torch.device) -> int:
+    """The bytes the libraries keep allocated on a CUDA ``device`` once a
+    training step has run: cuBLAS's workspace of the calling thread's
+    handle (its matmuls in forward) and of autograd's device thread (its
+    matmuls in backward), 2 x 32 MiB plus cuBLASLt's on an H100 with torch
+    2.11 (measured by scripts/gpu_scratch.py).  Measured once per device
+    and process: the workspaces are given back
+    (``torch._C._cuda_clearCublasWorkspaces``, as torch's own CUDA graph
+    trees do; the next matmul makes them again), then a small linear layer
+    runs forward and backward, and what stays allocated is the answer.
+    0 for any other device type."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _LIBRARIES:
+        return _LIBRARIES[index]
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    tools = _torch_compat.fake_tensor_tools()
+    real = tools[1]() if tools is not None else contextlib.nullcontext()
+    with real, torch.cuda.device(index), torch.enable_grad():
+        torch.cuda.synchronize()
+        if clear is not None:
+            clear()
+        before = torch.cuda.memory_allocated(index)
+        x = torch.zeros(64, 64, device=f"cuda:{index}", requires_grad=True)
+        w = torch.zeros(64, 64, device=f"cuda:{index}", requires_grad=True)
+        b = torch.zeros(64, device=f"cuda:{index}", requires_grad=True)
+        (torch.nn.functional.linear(x, w, b) @ w).sum().backward()
+        del x, w, b
+        torch.cuda.synchronize()
+        kept = max(0, torch.cuda.memory_allocated(index) - before)
+    _LIBRARIES[index] = kept
+    return kept
