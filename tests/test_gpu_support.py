@@ -237,6 +237,26 @@ def test_gpu_check_without_cuda_stops_at_once_and_says_why(tmp_path):
     print(f"gpu-check without CUDA answered in {took:.1f} s")
 
 
+def test_the_scratch_diagnostic_without_cuda_says_so(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "gpu_scratch.py"),
+            "--json",
+            str(tmp_path / "s.json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "no CUDA device" in proc.stdout
+    assert not (tmp_path / "s.json").exists()
+
+
 @pytest.mark.slow
 def test_gpu_check_dry_run_collects_and_skips_every_cuda_test(tmp_path):
     if torch.cuda.is_available():
