@@ -462,6 +462,22 @@ def test_an_in_place_call_returns_nothing_new():
     assert unprobed == 0 and found[sig].returned == (0,)
 
 
+def test_the_probe_reads_the_allocator_events_of_its_device_only():
+    """The profiler records every allocator's events (CUDA's too, with CPU
+    activity alone): a probe of a call on one device reads that device's."""
+    prof = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    )
+    prof.start()
+    x = torch.zeros(1000)
+    prof.stop()
+    del x
+    cpu = [e for e in _torch_compat.profiler_memory_events(prof, "cpu") if e[0] == "[memory]"]
+    cuda = [e for e in _torch_compat.profiler_memory_events(prof, "cuda") if e[0] == "[memory]"]
+    every = [e for e in _torch_compat.profiler_memory_events(prof) if e[0] == "[memory]"]
+    assert [e[3] for e in cpu] == [4000] and cuda == [] and every == cpu
+
+
 def test_no_library_workspace_off_cuda():
     model, x, loss_fn = _case("mlp")
     prediction = predict_peak(model, x, FORCE, loss_fn=loss_fn)
