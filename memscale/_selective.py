@@ -381,7 +381,9 @@ def layer_profile(
     rest spread evenly by bytes are kept.  A level's recompute cost is in
     FLOPs at the matmul rate: each recomputed op's FLOPs at its class's
     rate, or its elements at the element rate (``weights``; unweighted,
-    one per element).  None when nothing was measured,
+    one per element); the ops of the layer's tail (``LayerOps.tail``) are
+    not recomputed: torch's checkpoint stops a selective recompute early
+    too, once the forward's last saved tensor is saved again.  None when nothing was measured,
     no level remains, or the forward updates its own state (a recompute
     would update it again: torch's checkpoint does not put buffers
     back)."""
@@ -407,7 +409,7 @@ def layer_profile(
                     kept = -1
                     break
                 kept += nbytes
-            else:
+            elif i not in ops.tail:  # (the recompute stops before its tail)
                 cost += _weighted(op_flops, numel, ops.op_class(i), weights)
         if kept < 0 or kept >= saved_bytes:
             break
