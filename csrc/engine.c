@@ -252,10 +252,19 @@ solver_problem(const ms_problem *p, unsigned base, int64_t avail)
     return sp;
 }
 
+/* Whether checkpointed layer i is the last of its segment in `out`. */
+static int
+ends_segment(const ms_choice *out, size_t n, size_t i)
+{
+    return i + 1 == n || !(out[i + 1].techniques & MS_TECH_CHECKPOINT)
+           || out[i + 1].segment != out[i].segment;
+}
+
 /* Step time with the plan over step time without, with a step costing
    three forwards (forward, and backward at twice its cost).  A forward
    costs the model's counted FLOPs, with each layer's cost in place of its
-   FLOPs (ms_layer_cost: convolutions and attention at their rates). */
+   FLOPs (ms_layer_cost: convolutions and attention at their rates); a
+   segment's recompute stops early in its last layer (its tail). */
 static double
 slowdown(const ms_problem *p, const ms_layer *layers, size_t n,
          const ms_choice *out)
@@ -281,6 +290,9 @@ slowdown(const ms_problem *p, const ms_layer *layers, size_t n,
             continue;
         }
         extra += ms_layer_cost(&layers[i]) / sp.flop_rate;
+        if (ends_segment(out, n, i)) {
+            extra -= ms_layer_tail_cost(&layers[i]) / sp.flop_rate;
+        }
         if (out[i].segment == (int)i) {
             if (out[i].techniques & MS_TECH_OFFLOAD && sp.offload_bw > 0.0) {
                 extra += ms_solver_offload_seconds(&sp, &layers[i]);
@@ -521,10 +533,13 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
         peak = projected_peak(p, layers, n, c, rest);
     }
 
+    /* Every layer the rules checkpoint is a segment of its own: its
+       recompute stops early in it (ms_layer_tail_flops). */
     double recomputed = 0.0;
     for (size_t i = 0; i < n; i++) {
         if (is_checkpointed(c, i)) {
-            recomputed += layers[i].flops;
+            recomputed += ms_layer_flops(&layers[i])
+                          - ms_layer_tail_flops(&layers[i]);
         }
     }
     res->peak_projected = peak;

@@ -104,6 +104,18 @@ typedef struct {
        MS_SEL_LEVELS), fewest kept bytes first. */
     int sel_levels;
     ms_sel_level sel[MS_SEL_LEVELS];
+    /* The tail: what a recompute that ends in this layer does not run.
+       A recompute stops once the last tensor the layer's forward saved
+       for backward is saved again (torch's and memscale's early stop), so
+       the ops after that moment are not rerun: in counted FLOPs
+       (tail_flops, at most flops) and at the matmul rate (tail_cost, at
+       most the cost; 0 when not given: its tail_flops).  A layer
+       checkpointed alone is charged its cost less its tail; a segment,
+       its layers' costs less its last layer's tail.  Read through
+       ms_layer_tail_flops and ms_layer_tail_cost; 0: the whole layer is
+       recomputed. */
+    double tail_flops;
+    double tail_cost;
 } ms_layer;
 
 /* What recomputing `l` whole costs, in FLOPs at the matmul rate: its cost
@@ -114,6 +126,38 @@ ms_layer_cost(const ms_layer *l)
 {
     double f = l->cost > 0.0 ? l->cost : l->flops;
     return f > 0.0 && isfinite(f) ? f : 0.0;
+}
+
+/* The counted FLOPs of `l` (0 for a negative, infinite or nan figure). */
+static inline double
+ms_layer_flops(const ms_layer *l)
+{
+    return l->flops > 0.0 && isfinite(l->flops) ? l->flops : 0.0;
+}
+
+/* x, or 0 for a negative, infinite or nan figure, at most `whole`. */
+static inline double
+ms_tail_clamp(double x, double whole)
+{
+    x = x > 0.0 && isfinite(x) ? x : 0.0;
+    return x < whole ? x : whole;
+}
+
+/* The counted FLOPs a recompute ending in `l` does not run (at most its
+   flops). */
+static inline double
+ms_layer_tail_flops(const ms_layer *l)
+{
+    return ms_tail_clamp(l->tail_flops, ms_layer_flops(l));
+}
+
+/* The same at the matmul rate: its tail_cost when given, else its
+   tail_flops, at most ms_layer_cost. */
+static inline double
+ms_layer_tail_cost(const ms_layer *l)
+{
+    return ms_tail_clamp(l->tail_cost > 0.0 ? l->tail_cost : l->tail_flops,
+                         ms_layer_cost(l));
 }
 
 typedef struct {

@@ -25,6 +25,8 @@ enum {
     F_BACKWARD_BYTES = N_FIELDS,
     F_SEL_LEVELS, /* the selective profile */
     F_COST,       /* the whole recompute at the matmul rate */
+    F_TAIL_FLOPS, /* what a recompute ending in it does not run */
+    F_TAIL_COST,  /* the same at the matmul rate */
     N_ALL_FIELDS
 };
 
@@ -68,6 +70,18 @@ static PyStructSequence_Field fields[] = {
         "by the rates memscale.costs measured (a float; None or 0: its\n"
         "flops).  flops stays the counted FLOPs.  By name only:\n"
         "LayerStats(fields, {'recompute_cost': c})."},
+    [F_TAIL_FLOPS] = {"tail_flops",
+        "The unit's tail: the counted FLOPs of the ops a recompute that\n"
+        "ends in it does not run, a float <= flops.  A recompute stops\n"
+        "once the last tensor the forward saved for backward is saved\n"
+        "again (torch's early stop, and memscale's), so the ops after that\n"
+        "moment are not rerun: the unit checkpointed alone, or last in a\n"
+        "segment, is charged its recompute less its tail (None or 0: the\n"
+        "whole unit).  By name only: LayerStats(fields, {'tail_flops': f})."},
+    [F_TAIL_COST] = {"tail_cost",
+        "The tail at the matmul rate, as recompute_cost weighs the unit's\n"
+        "ops, a float <= recompute_cost (None or 0: tail_flops).  By name\n"
+        "only: LayerStats(fields, {'tail_cost': c})."},
     [N_ALL_FIELDS] = {NULL, NULL},
 };
 
@@ -77,9 +91,10 @@ PyDoc_STRVAR(layer_stats_doc,
 "param_bytes, saved_bytes, input_bytes, flops, flags.  A tuple:\n"
 "build_plan also accepts a plain tuple of these seven fields, or of\n"
 "eight with backward_bytes (an attribute of LayerStats, not in the\n"
-"tuple) last.  Two more are given by name in dict: selective_levels\n"
-"(the layer run selective) and recompute_cost (what recomputing it\n"
-"costs at the matmul rate).");
+"tuple) last.  More are given by name in dict: selective_levels (the\n"
+"layer run selective), recompute_cost (what recomputing it costs at\n"
+"the matmul rate), tail_flops and tail_cost (what a recompute ending\n"
+"in it does not run).");
 /* clang-format on */
 
 static PyStructSequence_Desc layer_stats_desc = {
@@ -254,6 +269,45 @@ parse_cost(PyObject *item, Py_ssize_t index, double *out)
     return rc;
 }
 
+/* tail_flops and tail_cost, by name (None: 0, not given), each no more
+   than the whole it is a part of: flops, and the cost (its flops when
+   not given). */
+static int
+parse_tail(PyObject *item, Py_ssize_t index, ms_layer *out)
+{
+    static const int tail_fields[2] = {F_TAIL_FLOPS, F_TAIL_COST};
+    double whole[2] = {out->flops, out->cost > 0.0 ? out->cost : out->flops};
+    double *dest[2] = {&out->tail_flops, &out->tail_cost};
+    for (int k = 0; k < 2; k++) {
+        int f = tail_fields[k];
+        *dest[k] = 0.0;
+        PyObject *v = named_field(item, f);
+        if (v == NULL) {
+            return -1;
+        }
+        int rc = v == Py_None ? 0 : parse_flops_value(v, index, f, dest[k]);
+        if (rc == 0 && *dest[k] > whole[k]) {
+            PyObject *w = PyFloat_FromDouble(whole[k]);
+            if (w != NULL) {
+                PyErr_Format(PyExc_ValueError,
+                             "layers[%zd].%s must be at most the unit's %s "
+                             "(%R), got %R: the tail is a part of its "
+                             "recompute",
+                             index, fields[f].name,
+                             k == 0 ? "flops" : "recompute_cost (or flops)", w,
+                             v);
+                Py_DECREF(w);
+            }
+            rc = -1;
+        }
+        Py_DECREF(v);
+        if (rc < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static int
 parse_flops(PyObject *item, Py_ssize_t index, double *out)
 {
@@ -393,7 +447,8 @@ ms_layer_stats_parse(PyObject *item, Py_ssize_t index, PyObject **name,
         || parse_flops(item, index, &out->flops) < 0
         || parse_ll(item, index, F_FLAGS, &flags) < 0
         || parse_backward(item, index, &out->backward_bytes) < 0
-        || parse_cost(item, index, &out->cost) < 0)
+        || parse_cost(item, index, &out->cost) < 0
+        || parse_tail(item, index, out) < 0)
     {
         return -1;
     }

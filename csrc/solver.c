@@ -23,7 +23,11 @@
  *
  * Overhead, in seconds: each checkpointed layer is recomputed once (its
  * cost / flop_rate: its forward FLOPs, convolutions and attention weighted
- * by their measured rates, ms_layer_cost), a selective layer recomputes
+ * by their measured rates, ms_layer_cost), less, in the last layer of
+ * each segment (a layer alone is its own), its tail (ms_layer_tail_cost:
+ * the recompute stops once the last tensor backward needs exists, so the
+ * ops after it are not rerun; a segment's other layers run whole, their
+ * outputs feeding the next), a selective layer recomputes
  * the ops its level does not keep (the level's flops / flop_rate, weighted
  * alike); an offloaded input is written and read once at offload_bw
  * (asynchronously, the write hides behind the layer's forward and the read
@@ -97,6 +101,20 @@ static double
 seconds(const ms_solver_problem *p, const ms_layer *l)
 {
     return ms_layer_cost(l) / p->flop_rate;
+}
+
+/* What a recompute ending in `l` does not run (its tail), in seconds. */
+static double
+tail_seconds(const ms_solver_problem *p, const ms_layer *l)
+{
+    return ms_layer_tail_cost(l) / p->flop_rate;
+}
+
+/* Whether layer i, checkpointed, is the last of its segment. */
+static int
+ends_segment(const ms_solver_choice *c, size_t n, size_t i)
+{
+    return i + 1 == n || c[i + 1].seg_start != c[i].seg_start;
 }
 
 static int
@@ -203,7 +221,12 @@ ms_solver_overhead(const ms_solver_problem *p, const ms_layer *L, size_t n,
             continue;
         }
         total += seconds(p, &L[i]);
-        flops += L[i].flops > 0.0 && isfinite(L[i].flops) ? L[i].flops : 0.0;
+        flops += ms_layer_flops(&L[i]);
+        if (ends_segment(c, n, i)) {
+            /* The recompute stops early in its last layer. */
+            total -= tail_seconds(p, &L[i]);
+            flops -= ms_layer_tail_flops(&L[i]);
+        }
         if (c[i].seg_start == (int)i) {
             if (c[i].offload) {
                 total += ms_solver_offload_seconds(p, &L[i]);
@@ -403,7 +426,8 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             for (size_t h = 0; h < width; h++) {
                 tree_expire(&t, h, slot);
                 const cand *c = tree_best(&t, h);
-                double v = c->g + P[i];
+                /* A segment ending at layer i - 1 stops early there. */
+                double v = c->g + P[i] - tail_seconds(p, &L[i - 1]);
                 if (c->g < INFINITY
                     && (v < cur[h] || (v == cur[h] && c->held < cur_held[h])))
                 {
@@ -540,7 +564,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                     if (ms_mem_tile_share(&L[i], tl) > room) {
                         continue;
                     }
-                    double c = v + (P[i + 1] - P[i])
+                    double c = v + (P[i + 1] - P[i]) - tail_seconds(p, &L[i])
                                + (tl - 1) * p->tile_overhead;
                     if (in_fits
                         && (c < next[hin]

@@ -60,6 +60,13 @@ class LayerStats(structseq[Any], tuple[str, str, int, int, int, float, int]):
     # rate (None: its flops).
     @property
     def recompute_cost(self) -> float | None: ...
+    # By name only: what a recompute ending in the layer does not run
+    # (torch's early stop), in counted FLOPs and at the matmul rate
+    # (None: nothing; tail_cost None: tail_flops).
+    @property
+    def tail_flops(self) -> float | None: ...
+    @property
+    def tail_cost(self) -> float | None: ...
 
 # What build_plan accepts per layer: a LayerStats or a plain tuple of its
 # fields.

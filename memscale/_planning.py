@@ -79,7 +79,7 @@ def _measure(
     modules = [m for _, m in units]
     profiler = _core.Profiler(modules, params, FlopCounterMode(display=False))
     profiler.attach()
-    ops = _selective.recorder(modules)
+    ops = _selective.recorder(modules, profiler)
     try:
         profiler.begin_pass()
         ok = False
@@ -306,8 +306,9 @@ def profile_from(
     tiling flag, when not to be read off the units now (memscale's own
     hooks on them, while a plan is applied, make none a candidate); with
     ``ops`` (an ``_selective.OpRecorder`` of the same pass) each layer's
-    selective profile and its ``recompute_cost`` too, in FLOPs at the
-    matmul rate of ``costs`` (default: the units' device's,
+    selective profile, its ``recompute_cost`` and its tail (``tail_flops``
+    and ``tail_cost``: what a recompute ending in it does not run) too, in
+    FLOPs at the matmul rate of ``costs`` (default: the units' device's,
     ``_costs.for_device``)."""
     layers = []
     details = []
@@ -336,6 +337,11 @@ def profile_from(
             cost = _selective.recompute_cost(ops.ops[i], flops, weights)
             if cost != flops:  # (with the default costs it is flops: left out)
                 named["recompute_cost"] = cost
+            tail_flops, tail_cost = _selective.tail(ops.ops[i], flops, weights)
+            if tail_flops > 0.0 or tail_cost > 0.0:
+                named["tail_flops"] = tail_flops
+                if tail_cost != tail_flops:
+                    named["tail_cost"] = tail_cost
         layers.append(_core.LayerStats(fields, named) if named else _core.LayerStats(fields))
         details.append({"name": name, "kind": kind, **r})
     return Profile(
@@ -471,10 +477,11 @@ def merged(first: Profile, measured: Profile, indices: set[int]) -> Profile:
 
 def with_selective_profiles(measured: Profile, first: Profile) -> Profile:
     """``measured`` (real steps, which record no op profile), with each
-    layer's selective profile from ``first`` (the fake pass's)."""
+    layer's selective profile and tail from ``first`` (the fake pass's)."""
     layers = tuple(
         layer_stats(tuple(b), a)
-        if a.selective_levels is not None and b.selective_levels is None
+        if (a.selective_levels is not None and b.selective_levels is None)
+        or (a.tail_flops is not None and b.tail_flops is None)
         else b
         for a, b in zip(first.layers, measured.layers)
     )

@@ -163,23 +163,43 @@ class LayerOps:
     mutated: set[int] = field(default_factory=set)
     # Per call, its op_class (MATMUL where not recorded).
     classes: list[int] = field(default_factory=list)
+    # The tail: the indices of the calls a recompute of the unit does not
+    # run, those after the last tensor autograd saved in its forward
+    # (recorded with the saved-tensor hooks; empty when not recorded).
+    tail: set[int] = field(default_factory=set)
 
     def op_class(self, index: int) -> int:
         return self.classes[index] if index < len(self.classes) else MATMUL
+
+
+SavedHooks = tuple[Any, Any]  # (pack, unpack) of torch's saved-tensor hooks
 
 
 class OpRecorder(_DispatchMode):
     """Records, per planning unit, the cost of every op its forward runs
     (while entered; the unit is known from forward hooks on the units,
     removed by :meth:`close`).  Use :func:`recorder`, which is None where
-    torch has no dispatch modes."""
+    torch has no dispatch modes.
 
-    def __init__(self, units: list[nn.Module]) -> None:
+    With ``saved_hooks`` (the saved-tensor hooks in force around it: the
+    C profiler's ``_count`` and ``_ident``), it also records each unit's
+    tail (``LayerOps.tail``): while entered, its own saved-tensor hooks
+    note when the unit's forward saves a tensor for backward and hand the
+    tensor on to those.  A checkpoint's recompute (torch's non-reentrant
+    one with its default early stop, and memscale's executor alike) stops
+    as soon as it has saved as many tensors as the forward did: autograd
+    saves an op's inputs before the op runs and its outputs after, so the
+    calls not yet recorded at the unit's last save are never rerun."""
+
+    def __init__(self, units: list[nn.Module], saved_hooks: SavedHooks | None = None) -> None:
         super().__init__()
         self.ops = [LayerOps([]) for _ in units]
         self._current: int | None = None
         self._state: set[int] = set()  # ids of the current unit's buffers and parameters
         self._producer: dict[int, int] = {}  # storage -> index of the call that wrote it new
+        self._last_save = 0  # the current unit's calls recorded at its last save
+        self._saved_hooks = saved_hooks
+        self._saved_ctx: Any = None
         self._handles: list[Any] = []
         for i, unit in enumerate(units):
             self._handles.append(unit.register_forward_pre_hook(functools.partial(self._enter, i)))
@@ -189,10 +209,42 @@ class OpRecorder(_DispatchMode):
         self._current = index
         self._state = {id(t) for t in (*module.buffers(), *module.parameters())}
         self._producer = {}
+        # A call that saves nothing is never recomputed: all of it is tail.
+        self._last_save = len(self.ops[index].calls)
 
     def _leave(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self._current is not None and self._saved_ctx is not None:
+            ops = self.ops[self._current]
+            ops.tail.update(range(self._last_save, len(ops.calls)))
         self._current = None
         self._producer = {}
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if self._current is not None:
+            self._last_save = len(self.ops[self._current].calls)
+        assert self._saved_hooks is not None
+        return self._saved_hooks[0](tensor)
+
+    def __enter__(self) -> OpRecorder:
+        super().__enter__()
+        if self._saved_hooks is not None:
+            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._saved_hooks[1])
+            try:
+                ctx.__enter__()
+            except BaseException:
+                super().__exit__(None, None, None)
+                raise
+            self._saved_ctx = ctx
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        ctx, self._saved_ctx = self._saved_ctx, None
+        try:
+            if ctx is not None:
+                ctx.__exit__(*exc)
+        finally:
+            result = super().__exit__(*exc)
+        return result
 
     def close(self) -> None:
         while self._handles:
@@ -227,13 +279,17 @@ class OpRecorder(_DispatchMode):
         return out
 
 
-def recorder(units: list[nn.Module]) -> OpRecorder | None:
+def recorder(units: list[nn.Module], profiler: Any = None) -> OpRecorder | None:
     """An :class:`OpRecorder` of ``units``, or None where torch has no
     dispatch modes or cannot run selective checkpointing
-    (``_torch_compat.selective_supported``)."""
+    (``_torch_compat.selective_supported``).  With ``profiler`` (the C
+    Profiler whose pass it records, begun before it is entered) it records
+    the units' tails too, its saved-tensor hooks handing every tensor on
+    to the profiler's."""
     if _torch_compat.dispatch_mode_base() is None or not _torch_compat.selective_supported():
         return None
-    return OpRecorder(units)
+    hooks = None if profiler is None else (profiler._count, profiler._ident)
+    return OpRecorder(units, hooks)
 
 
 def threshold(flops: float, saved_bytes: int) -> float:
@@ -268,6 +324,29 @@ def _pick(ladder: list[Level], at_threshold: int, limit: int) -> list[Level]:
     return [ladder[k] for k in sorted(chosen)]
 
 
+def _cost_share(ops: LayerOps, index: int, weights: Weights) -> float:
+    """Call ``index``'s part of :func:`recompute_cost` (its FLOPs at its
+    class's rate; without a formula, its elements at the element rate less
+    one each)."""
+    op_flops, _, numel, _ = ops.calls[index]
+    weighted = _weighted(op_flops, numel, ops.op_class(index), weights)
+    return weighted if op_flops > 0.0 else weighted - float(numel)
+
+
+def tail(ops: LayerOps, flops: float, weights: Weights = UNWEIGHTED) -> tuple[float, float]:
+    """What a recompute of the layer does not run (``LayerOps.tail``, the
+    calls after its forward's last saved tensor): (counted FLOPs, cost at
+    the matmul rate as :func:`recompute_cost` weighs them), each at most
+    the whole (``flops``, and its :func:`recompute_cost`).  (0.0, 0.0)
+    when no tail was recorded."""
+    if not ops.tail:
+        return 0.0, 0.0
+    counted = sum(ops.calls[i][0] for i in sorted(ops.tail))
+    cost = sum(_cost_share(ops, i, weights) for i in sorted(ops.tail))
+    whole = recompute_cost(ops, flops, weights)
+    return min(max(counted, 0.0), flops), min(max(cost, 0.0), whole)
+
+
 def recompute_cost(ops: LayerOps, flops: float, weights: Weights = UNWEIGHTED) -> float:
     """What recomputing the whole layer costs in FLOPs at the matmul rate:
     every op it runs at its class's rate (as a level's recompute is
@@ -277,10 +356,8 @@ def recompute_cost(ops: LayerOps, flops: float, weights: Weights = UNWEIGHTED) -
     the levels are charged by that one FLOP per element only, next to the
     measured element rate's hundreds (``python -m memscale.costs``)."""
     extra = 0.0
-    for i, (op_flops, _, numel, _) in enumerate(ops.calls):
-        extra += _weighted(op_flops, numel, ops.op_class(i), weights) - (
-            op_flops if op_flops > 0.0 else float(numel)
-        )
+    for i, (op_flops, _, _, _) in enumerate(ops.calls):
+        extra += _cost_share(ops, i, weights) - op_flops
     return flops + extra
 
 
@@ -304,7 +381,9 @@ def layer_profile(
     rest spread evenly by bytes are kept.  A level's recompute cost is in
     FLOPs at the matmul rate: each recomputed op's FLOPs at its class's
     rate, or its elements at the element rate (``weights``; unweighted,
-    one per element).  None when nothing was measured,
+    one per element); the ops of the layer's tail (``LayerOps.tail``) are
+    not recomputed: torch's checkpoint stops a selective recompute early
+    too, once the forward's last saved tensor is saved again.  None when nothing was measured,
     no level remains, or the forward updates its own state (a recompute
     would update it again: torch's checkpoint does not put buffers
     back)."""
@@ -330,7 +409,7 @@ def layer_profile(
                     kept = -1
                     break
                 kept += nbytes
-            else:
+            elif i not in ops.tail:  # (the recompute stops before its tail)
                 cost += _weighted(op_flops, numel, ops.op_class(i), weights)
         if kept < 0 or kept >= saved_bytes:
             break

@@ -116,8 +116,9 @@ def layer_stats(
 ) -> _core.LayerStats:
     """A ``LayerStats`` of the seven tuple ``fields``, with the fields
     ``like`` has by name only: its selective profile, its
-    ``recompute_cost`` and its per-layer ``backward_bytes`` (bytes times
-    ``factor``); ``backward_bytes`` given here replaces the latter."""
+    ``recompute_cost``, its tail (``tail_flops``, ``tail_cost``) and its
+    per-layer ``backward_bytes`` (bytes times ``factor``);
+    ``backward_bytes`` given here replaces the latter."""
     named: dict[str, Any] = {}
     if like is not None and like.selective_levels is not None:
         named["selective_levels"] = tuple(
@@ -125,6 +126,13 @@ def layer_stats(
         )
     if like is not None and like.recompute_cost is not None:
         named["recompute_cost"] = like.recompute_cost
+    if like is not None and like.tail_flops is not None:
+        # A part of the recompute: no more than the whole of ``fields``
+        # (whose FLOPs may be another pass's).
+        flops = float(fields[5])
+        named["tail_flops"] = min(like.tail_flops, flops)
+        if like.tail_cost is not None:
+            named["tail_cost"] = min(like.tail_cost, named.get("recompute_cost") or flops)
     if backward_bytes is None and like is not None and like.backward_bytes is not None:
         backward_bytes = int(like.backward_bytes * factor)
     if backward_bytes is not None:

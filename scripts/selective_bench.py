@@ -18,7 +18,8 @@ from); at budgets of start + 50/60/70/80% of its activation memory:
 
 Each row: the exact peak of a whole step (AdamW), whether it fits, the
 step's FLOPs over the unoptimized step's (FlopCounterMode: forward,
-backward, recompute, optimizer; deterministic), the plan's predicted peak
+backward, recompute, optimizer; deterministic) with the plan's prediction
+of it (``1 + Plan.recompute_ratio / 3``), the plan's predicted peak
 and what it chose (selective layers per level), and wrap's wall time.  No
 time ratios: FLOPs are the judge here.  After the table, one line per
 budget: for each peer that fits it, whether memscale fits and recomputes
@@ -48,14 +49,18 @@ BALANCED = "memscale BALANCED, no offload"
 
 def _summary(plan: Any) -> str:
     counts = plan.technique_counts
-    segs = {layer.segment for layer in plan.layers if layer.segment >= 0}
+    segs: dict[int, int] = {}
+    for layer in plan.layers:
+        if layer.segment >= 0:
+            segs[layer.segment] = segs.get(layer.segment, 0) + 1
+    lengths = ",".join(str(n) for n in sorted(segs.values(), reverse=True))
     levels = sorted(
         layer.selective_level for layer in plan.layers if "selective" in layer.techniques
     )
     at = " (levels " + ",".join(str(k) for k in levels) + ")" if levels else ""
     return (
         f"{counts['selective']} selective{at}, {counts['checkpoint']} checkpointed "
-        f"in {len(segs)} segments, "
+        f"in {len(segs)} segments [{lengths}], "
         f"{sum(1 for layer in plan.layers if not layer.techniques)} kept"
     )
 
@@ -163,6 +168,8 @@ def table(results: list[dict[str, Any]]) -> str:
                 peak = format_bytes(r["peak_bytes"])
             fits = {True: "yes", False: "no", None: "-"}[r.get("fits")]
             fl = f"{r['flops_ratio']:.3f}x" if r.get("flops_ratio") else "-"
+            if r.get("predicted_flops_ratio"):
+                fl += f" (pred {r['predicted_flops_ratio']:.3f}x)"
             pp = format_bytes(r["predicted_peak_bytes"]) if r.get("predicted_peak_bytes") else "-"
             wrap = f"{r['wrap_s']} s" if "wrap_s" in r else "-"
             out.append(

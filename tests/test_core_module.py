@@ -488,11 +488,12 @@ def test_layer_stats_is_a_named_tuple_of_the_seven_figures():
     stats = _core.LayerStats(("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE))
     assert isinstance(stats, tuple) and len(stats) == 7
     assert _core.LayerStats.n_sequence_fields == 7
-    # Three more by name only, not in the tuple: backward_bytes (the
-    # per-layer calibration), the selective levels and the recompute cost
-    # (None without).
-    assert _core.LayerStats.n_fields == 10 and stats.backward_bytes is None
+    # Five more by name only, not in the tuple: backward_bytes (the
+    # per-layer calibration), the selective levels, the recompute cost
+    # and the tail (None without).
+    assert _core.LayerStats.n_fields == 12 and stats.backward_bytes is None
     assert stats.selective_levels is None and stats.recompute_cost is None
+    assert stats.tail_flops is None and stats.tail_cost is None
     assert _core.LayerStats.__match_args__ == LAYER_FIELDS
     assert tuple(getattr(stats, f) for f in LAYER_FIELDS) == tuple(stats)
     assert stats == ("h.0", "Block", 8, 100, 10, 2.5, _core.LAYER_TILEABLE)
@@ -533,6 +534,51 @@ def test_layer_stats_recompute_cost_by_name():
     for value, error in ((-1.0, ValueError), (float("inf"), ValueError), ("x", TypeError)):
         with pytest.raises(error, match=r"layers\[0\]\.recompute_cost must be"):
             _core.build_plan([_core.LayerStats(row, {"recompute_cost": value})], **kw)
+
+
+def test_layer_stats_tail_by_name():
+    """A unit's tail (what a recompute ending in it does not run) is taken
+    off its recompute: in the counted FLOPs of recompute_ratio, and at the
+    matmul rate (tail_cost, else tail_flops) in the predicted slowdown."""
+    row = ("h.0", "Block", 8, 100, 10, 4.0, 0)
+    stats = _core.LayerStats(row, {"tail_flops": 1.0, "tail_cost": 2.0})
+    assert stats == row and stats.tail_flops == 1.0 and stats.tail_cost == 2.0
+    assert _core.LayerStats.tail_flops.__doc__ and _core.LayerStats.tail_cost.__doc__
+    again = pickle.loads(pickle.dumps(stats))
+    assert (again.tail_flops, again.tail_cost) == (1.0, 2.0)
+    kw = {
+        **PLAN_ARGS,
+        "allowed": _core.TECH_CHECKPOINT,
+        "force": True,
+        "budget_bytes": 10**9,
+        "fixed_bytes": 0,
+        "activation_bytes": 100,
+        "total_flops": 4.0,
+        "capacity_bytes": 10**9,
+        "solver": True,
+        "flop_rate": 1.0,
+    }
+    plan = _core.build_plan([stats], **kw)
+    assert plan.recompute_ratio == 0.75  # (4 - 1) / 4
+    assert plan.predicted_slowdown == pytest.approx(1 + 2 / 12)  # (4 - 2) / (3 x 4)
+    plan = _core.build_plan([_core.LayerStats(row, {"tail_flops": 1.0})], **kw)
+    assert plan.predicted_slowdown == pytest.approx(1 + 3 / 12)  # tail_cost: tail_flops
+    plan = _core.build_plan([row], **kw)
+    assert plan.recompute_ratio == 1.0  # no tail: the whole unit
+    for named, error, match in (
+        ({"tail_flops": -1.0}, ValueError, r"tail_flops must be a finite number >= 0"),
+        ({"tail_flops": float("nan")}, ValueError, r"tail_flops must be a finite"),
+        ({"tail_flops": "x"}, TypeError, r"tail_flops must be a number"),
+        ({"tail_flops": 5.0}, ValueError, r"tail_flops must be at most the unit's flops"),
+        ({"tail_cost": 5.0}, ValueError, r"tail_cost must be at most the unit's recompute_cost"),
+        ({"tail_cost": 5.0, "recompute_cost": 6.0}, None, None),
+    ):
+        layer = _core.LayerStats(row, named)
+        if error is None:
+            assert _core.build_plan([layer], **kw).predicted_slowdown == pytest.approx(1 + 1 / 18)
+            continue
+        with pytest.raises(error, match=r"layers\[0\]\." + match):
+            _core.build_plan([layer], **kw)
 
 
 def test_layer_stats_selective_levels_by_name():

@@ -48,7 +48,16 @@ SOLVER_SOURCES = [
     ROOT / "csrc" / "solver.c",
     ROOT / "csrc" / "memory.c",
 ]
-SOLVER_GROUPS = ["model", "known", "selective", "exhaustive", "fuzz", "min-budget", "timing"]
+SOLVER_GROUPS = [
+    "model",
+    "known",
+    "tail",
+    "selective",
+    "exhaustive",
+    "fuzz",
+    "min-budget",
+    "timing",
+]
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed$")
 
 PROBE = r"""

@@ -288,7 +288,10 @@ def test_force_optimize_checkpoints_every_layer():
     assert all(l.techniques == ("checkpoint",) for l in plan.layers)
     assert all(l.bytes_saved == l.saved_bytes - l.input_bytes > 0 for l in plan.layers)
     assert plan.technique_counts == {"checkpoint": 4, "offload": 0, "tiling": 0, "selective": 0}
-    assert plan.recompute_ratio == 1.0  # the units are the whole forward
+    # The units are the whole forward; a recompute stops before each
+    # unit's second Linear (its inputs are the unit's last saved tensors),
+    # half of its FLOPs.
+    assert plan.recompute_ratio == 0.5
     assert plan.peak_projected_bytes < plan.peak_unoptimized_bytes
     assert stats["hooks"] == 2 + 2 * 4
 
@@ -415,8 +418,10 @@ def test_budget_between_peaks_checkpoints_some_layers():
         plan.fixed_bytes, plan.activation_bytes, budget, engine_layers(plan), plan.peak_offset_bytes
     )
     assert len(chosen) <= len(want)
-    assert plan.recompute_ratio == pytest.approx(len(chosen) / len(plan))
-    assert plan.predicted_slowdown == pytest.approx(1 + len(chosen) / len(plan) / 3)
+    # Each alone: its recompute stops before its second Linear (half).
+    assert all(plan.layers[i].segment == i for i in chosen)
+    assert plan.recompute_ratio == pytest.approx(len(chosen) / len(plan) / 2)
+    assert plan.predicted_slowdown == pytest.approx(1 + len(chosen) / len(plan) / 6)
 
 
 # --------------------------------------------- build_plan rules, by hand

@@ -78,13 +78,14 @@ def test_profile_of_an_mlp_block_is_a_ladder_of_the_matmul_outputs():
     """Block: fc1 (32 -> 128), GELU, dropout, fc2 (128 -> 32), add.  fc2
     costs 64 FLOPs per byte it writes (2 x 128 per 4-byte element), fc1
     16: two levels, fc2's output kept (fc1 recomputed too), then both
-    (the layer's own threshold is below 16).  GELU, dropout (output and
-    mask) and the add are recomputed at every level, at one per
-    element."""
+    (the layer's own threshold is below 16).  GELU and dropout (output
+    and mask) are recomputed at every level, at one per element; fc2 and
+    the add are the layer's tail (fc2's inputs are its last saved
+    tensors), which no recompute runs."""
     model = _mlp()
     profile = _planning.profile_upfront(model, _units(model), X, memscale.Config())
-    gelu, dropout_out, dropout_mask, add = 128, 128, 128, 32
-    cheap = ROWS * (gelu + dropout_out + dropout_mask + add)
+    gelu, dropout_out, dropout_mask = 128, 128, 128
+    cheap = ROWS * (gelu + dropout_out + dropout_mask)
     fc1 = 2 * ROWS * 32 * 128
     for layer in profile.layers:
         assert layer.flops == 2 * fc1
@@ -176,25 +177,22 @@ def test_balanced_runs_layers_selective_where_it_pays_conservative_does_not():
 
 
 def test_a_tighter_budget_runs_a_level_that_keeps_less():
-    """At 50% of the unoptimized peak the planner runs three layers at
-    level 0 (fc2's output kept, fc1 recomputed too: threshold 64 FLOPs per
-    byte); at 70% at level 1 (both matmul outputs kept).  The plan JSON
-    carries the level and its threshold, the executor runs each layer at
-    its plan's threshold, the measured peak is within the budget and the
-    gradients are bitwise, dropout replayed."""
-    model, _ = _wrapped(_mlp, X, 0.7)
-    plan = model._memscale_executor.plan
-    assert [(lp.selective_level, lp.selective_threshold) for lp in plan.layers[:3]] == [
-        (1, 16.0)
-    ] * 3
-    memscale.detach(model)
-    model, ref = _wrapped(_mlp, X, 0.5)
+    """At 70% of the unoptimized peak the planner runs three layers at
+    level 1 (both matmul outputs kept: threshold 16 FLOPs per byte, above
+    the layer's own).  The plan JSON carries the level and its threshold,
+    the executor runs each layer at its plan's threshold, the measured peak
+    is within the budget and the gradients are bitwise, dropout replayed.
+    At 50% it checkpoints the three layers alone instead of running them
+    at level 0: that level keeps only fc2's output, which no recompute
+    reaches (it stops before fc2, whose inputs are the block's last saved
+    tensors), so checkpointing recomputes as much and holds less."""
+    model, ref = _wrapped(_mlp, X, 0.7)
     plan = model._memscale_executor.plan
     assert _techniques(model) == [("selective",)] * 3 + [()]
     assert [(lp.selective_level, lp.selective_threshold) for lp in plan.layers] == [
-        (0, 64.0)
+        (1, 16.0)
     ] * 3 + [(-1, 0.0)]
-    assert '"selective_level":0,"selective_threshold":64.0' in plan.to_json()
+    assert '"selective_level":1,"selective_threshold":16.0' in plan.to_json()
     seen = []
     run = _selective.run
 
@@ -209,8 +207,13 @@ def test_a_tighter_budget_runs_a_level_that_keeps_less():
         report = measure_peak(lambda: _mse(model, X).backward(), model=model, inputs=X, warmup=1)
     finally:
         _selective.run = run
-    assert seen and set(seen) == {64.0}
+    assert seen and set(seen) == {16.0}
     assert report.start_bytes + report.peak_delta_bytes <= plan.budget_bytes
+    memscale.detach(model)
+    model, _ = _wrapped(_mlp, X, 0.5)
+    plan = model._memscale_executor.plan
+    assert _techniques(model) == [("checkpoint",)] * 3 + [()]
+    assert [lp.segment for lp in plan.layers] == [0, 1, 2, -1]
     memscale.detach(model)
 
 

@@ -139,7 +139,7 @@ class _Simulation:
                     raise
                 # The ops of each unit, for its selective profile: the
                 # same recording as wrap()'s static profiling.
-                ops = _selective.recorder(modules)
+                ops = _selective.recorder(modules, prof)
                 if ops is not None:
                     ops.__enter__()
                 holder["ops"] = ops

@@ -468,6 +468,24 @@ test_force(void)
             check_invariants(&p, L, 7, out, &r);
         }
     }
+    /* A forced layer is checkpointed alone: its recompute stops early, so
+       its tail (the ops after its last saved tensor) is not recomputed;
+       a tail beyond the layer's FLOPs is taken as them (layer 6 has
+       none). tail_cost, at the matmul rate, is what the slowdown skips:
+       (50 - 30) / (3 x 400) more than a step. */
+    L[0].tail_flops = 20.0;
+    L[0].tail_cost = 30.0;
+    L[6].tail_flops = 5.0;
+    {
+        ms_problem p = problem(1, 64, acts, 400);
+        p.force = 1;
+        p.flop_rate = 1.0;
+        snprintf(ctx, sizeof(ctx), "tails");
+        CHECKC(ms_engine_plan(&p, L, 7, out, &r) == 0);
+        CHECKC(r.recompute_ratio == 30.0 / 400.0);
+        CHECKC(fabs(r.predicted_slowdown - (1.0 + 20.0 / 1200.0)) < 1e-12);
+        check_invariants(&p, L, 7, out, &r);
+    }
     group_end("force-all");
 }
 

@@ -7,6 +7,8 @@
  *   known       small chains with a known optimum
  *   selective   a layer run selective: its memory terms, cost, and the
  *               solver choosing it where it pays
+ *   tail        the early stop: a recompute ending in a layer skips its
+ *               tail, so singles beat a segment where that is cheaper
  *   exhaustive  every plan of random chains of up to 7 layers enumerated:
  *               the solver's overhead equals the best plan's that fits
  *   fuzz        random large chains: no crash, a plan it returns is valid
@@ -167,6 +169,21 @@ test_model(void)
         L[1].cost = INFINITY;
         CHECK(ms_solver_overhead(&p, L, 3, c, NULL) == 0.0);
         L[1].cost = 0.0;
+        /* Its tail (the ops after its last saved tensor) is not rerun:
+           tail_cost off the overhead (tail_flops when 0), tail_flops off
+           the FLOPs; each at most the whole, nan or negative: none. */
+        L[1].tail_flops = 0.5;
+        CHECK(ms_solver_overhead(&p, L, 3, c, &fl) == 1.5 && fl == 1.5);
+        L[1].tail_cost = 1.5;
+        CHECK(ms_solver_overhead(&p, L, 3, c, &fl) == 0.5 && fl == 1.5);
+        L[1].tail_flops = 9.0;
+        L[1].tail_cost = 9.0;
+        CHECK(ms_solver_overhead(&p, L, 3, c, &fl) == 0.0 && fl == 0.0);
+        L[1].tail_flops = NAN;
+        L[1].tail_cost = -1.0;
+        CHECK(ms_solver_overhead(&p, L, 3, c, &fl) == 2.0 && fl == 2.0);
+        L[1].tail_flops = 0.0;
+        L[1].tail_cost = 0.0;
     }
     /* Segment [1..2]: held 10 + 3; recompute 10 + 50 = 60. */
     c[2].seg_start = 1;
@@ -311,6 +328,69 @@ test_known(void)
     p = problem(0, ALL);
     CHECK(ms_solve(&p, O, 0, oc, &r) == 0 && r.feasible && r.peak_bytes == 0);
     group_end("known");
+}
+
+/* ---- tail ---------------------------------------------------------------- */
+
+static void
+test_tail(void)
+{
+    group_begin();
+    /* Four layers: saved 10, input 1, recompute 4, of which the last op
+       (tail 1) is not rerun when a recompute ends in the layer. */
+    ms_layer L[4];
+    for (int i = 0; i < 4; i++) {
+        L[i] = layer(10, 1, 4.0, 0);
+        L[i].tail_flops = 1.0;
+    }
+    ms_solver_problem p = problem(1000, MS_TECH_CHECKPOINT);
+    /* A segment skips its last layer's tail only: [0..1] costs 4 + 3;
+       [0] and [1] alone 3 + 3. */
+    ms_solver_choice seg[4] = {
+        {0, 0, 1, 0, 0}, {0, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}};
+    ms_solver_choice one[4] = {
+        {0, 0, 1, 0, 0}, {1, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}};
+    double fl = -1.0;
+    CHECK(ms_solver_overhead(&p, L, 4, seg, &fl) == 7.0 && fl == 7.0);
+    CHECK(ms_solver_overhead(&p, L, 4, one, &fl) == 6.0 && fl == 6.0);
+    /* Budget 22: both fit ([0..1] holds 1 and recomputes 20 with 0
+       before it, or 1 + 1 + 20 kept at the end; singles hold 2 + 20).
+       Without tails they tie; with them the singles win. */
+    ms_solver_choice c[4];
+    ms_solver_result r;
+    p.budget_bytes = 22;
+    CHECK(bpeak(&p, L, 4, seg) <= 22 && bpeak(&p, L, 4, one) <= 22);
+    CHECK(ms_solve(&p, L, 4, c, &r) == 0 && r.feasible);
+    CHECK(r.overhead_seconds == 6.0 && r.recompute_flops == 6.0);
+    for (int i = 0; i < 4; i++) {
+        CHECK(c[i].seg_start == -1 || c[i].seg_start == i);
+    }
+    /* A tail at the matmul rate (tail_cost 3) is what the overhead
+       skips; the FLOPs recomputed skip tail_flops: two singles cost
+       1 + 1 and recompute 3 + 3 counted FLOPs. */
+    for (int i = 0; i < 4; i++) {
+        L[i].tail_cost = 3.0;
+    }
+    CHECK(ms_solve(&p, L, 4, c, &r) == 0 && r.feasible);
+    CHECK(r.overhead_seconds == 2.0 && r.recompute_flops == 6.0);
+    /* A tiled layer (alone) skips its tail too: one layer of 100 saved
+       in 4 tiles at budget 30 costs 3 - 1 + 3 x 0.5. */
+    ms_layer T[1] = {layer(100, 5, 3, MS_LAYER_TILEABLE)};
+    T[0].tail_flops = 1.0;
+    ms_solver_choice tc[1];
+    p = problem(30, ALL);
+    CHECK(ms_solve(&p, T, 1, tc, &r) == 0);
+    CHECK(r.feasible && tc[0].tiles == 4);
+    CHECK(r.overhead_seconds == 2.0 + 3 * 0.5 && r.recompute_flops == 2.0);
+    /* No tail: the plans and overheads of before (the known group's). */
+    for (int i = 0; i < 4; i++) {
+        L[i].tail_flops = 0.0;
+        L[i].tail_cost = 0.0;
+    }
+    p = problem(22, MS_TECH_CHECKPOINT);
+    CHECK(ms_solve(&p, L, 4, c, &r) == 0 && r.feasible);
+    CHECK(r.overhead_seconds == 8.0 && r.recompute_flops == 8.0);
+    group_end("tail");
 }
 
 /* ---- selective ---------------------------------------------------------- */
@@ -501,6 +581,14 @@ random_chain(ms_layer *L, size_t n, int64_t scale)
         if (rnd() % 3 == 0) {
             /* recomputed at a cost of its own (0: its flops) */
             L[i].cost = (double)rnd_range(0, 40);
+        }
+        if (rnd() % 2 == 0) {
+            /* a tail (the early stop), sometimes more than the whole:
+               taken as the whole */
+            L[i].tail_flops = (double)rnd_range(0, 24);
+            if (rnd() % 2 == 0) {
+                L[i].tail_cost = (double)rnd_range(0, 44);
+            }
         }
         if (rnd() % 2 == 0) {
             /* 1 to 3 nested levels: each keeps more and recomputes less
@@ -713,6 +801,7 @@ main(void)
     setvbuf(stdout, NULL, _IOLBF, 0);
     test_model();
     test_known();
+    test_tail();
     test_selective();
     test_selective_levels();
     test_exhaustive();
