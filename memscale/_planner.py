@@ -138,6 +138,7 @@ def calibrate(
     alone: dict[int, int],
     forced: Any,
     peaks: dict[int, int],
+    frame: int = 0,
 ) -> tuple[int, Profile]:
     """The per-layer terms of the memory model, measured on two simulated
     steps: the unoptimized one and the one with every layer checkpointed
@@ -158,6 +159,11 @@ def calibrate(
       engine's unoptimized peak less the layers' saved bytes, what the
       layers before i hold and layer i's saved bytes).
 
+    A layer checkpointed alone also holds its checkpoint's RNG state,
+    ``frame`` bytes (``_model.checkpoint_frame_bytes``; the engine adds
+    them to what each segment stores, ``_planning.plan_problem``), which the
+    simulation's stand-in makes outside the layer's forward.
+
     Returns the common part of the last (the least excess, the plans'
     correction; it may be negative) and the profile with the terms; a
     layer of a shape never measured keeps the profiler's figures."""
@@ -172,7 +178,7 @@ def calibrate(
         if i in peaks:
             excess[i] = peaks[i] - (engine_base + held + saved[i])
         alone_here = chosen.techniques and chosen.segment == i
-        held += stored[i] if alone_here else saved[i]
+        held += stored[i] + frame if alone_here else saved[i]
     # A layer's own excess where it was measured (it depends on where the
     # layer sits: what is in flight when backward reaches it); else its
     # shape's largest.
@@ -334,6 +340,7 @@ class PredictionSession:
             self._steps.forward_holds(forced, config),
             forced,
             self._steps.recompute_peaks(forced, config),
+            _model.checkpoint_frame_bytes(hw.device),
         )
         self._profiles[config] = profile
         plan = make_plan(profile, config, hw, fixed, peak_offset=offset, plan_offset=plan_offset)

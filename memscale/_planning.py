@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from . import _core, _costs, _distributed, _offload, _selective, _tiling, _torch_compat
 from ._hardware import Hardware
-from ._model import split_input, tensors_of
+from ._model import checkpoint_frame_bytes, split_input, tensors_of
 from ._solve import OffloadInputs, PlanProblem, SolverInputs, layer_stats
 from .config import GIB, Config, OptimizationMode
 
@@ -556,6 +556,22 @@ def solver_inputs(config: Config, hardware: Hardware, offload_in: OffloadInputs)
     )
 
 
+def with_frame_bytes(layers: Any, frame: int) -> tuple[_core.LayerStats, ...]:
+    """``layers`` with ``frame`` bytes (what a checkpoint keeps besides its
+    inputs: ``_model.checkpoint_frame_bytes``) added to each one's
+    ``input_bytes``."""
+    if not frame:
+        return tuple(layers)
+    return tuple(
+        layer_stats(
+            (x.name, x.kind, x.param_bytes, x.saved_bytes, x.input_bytes + frame, x.flops, x.flags),
+            x,
+            backward_bytes=x.backward_bytes,  # as given: the engine checks it
+        )
+        for x in layers
+    )
+
+
 def plan_problem(
     profile: Profile,
     config: Config,
@@ -565,10 +581,13 @@ def plan_problem(
     plan_offset: int | None = None,
 ) -> PlanProblem:
     """The engine's problem for ``profile`` under ``config`` on
-    ``hardware``: plain data, so that one rank can send it to the others."""
+    ``hardware``: plain data, so that one rank can send it to the others.
+    A layer's ``input_bytes`` there is what checkpointing it keeps: its
+    inputs and the RNG state of its checkpoint (one per segment: the engine
+    counts the stored bytes of a segment's first layer only)."""
     offload_in = _offload.plan_inputs(config, hardware)
     return PlanProblem(
-        layers=tuple(profile.layers),
+        layers=with_frame_bytes(profile.layers, checkpoint_frame_bytes(hardware.device)),
         mode=config.mode.value,
         allowed=allowed_techniques(config),
         force=config.force_optimize,

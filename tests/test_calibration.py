@@ -65,15 +65,18 @@ def _problem(layers, budget: int = 1 << 40, force: bool = True):
 def test_backward_bytes_enter_the_recompute_term():
     """Every layer checkpointed: the peak is the worst recompute, which
     now adds the layer's backward term to its saved tensors."""
-    layers = [(f"l{i}", "Block", 0, 1000, 10, 1.0, 0) for i in range(4)]
+    # Sizes well above the RNG state a checkpoint keeps on the CPU (which
+    # the engine adds to what each checkpoint stores: plan_problem).
+    layers = [(f"l{i}", "Block", 0, 1_000_000, 10_000, 1.0, 0) for i in range(4)]
     plain = solve(_problem(layers))
-    more = solve(_problem([(*x, 500 if i == 3 else 0) for i, x in enumerate(layers)]))
-    assert more.peak_projected_bytes == plain.peak_projected_bytes + 500
+    assert all(x.techniques for x in plain.layers)
+    more = solve(_problem([(*x, 500_000 if i == 3 else 0) for i, x in enumerate(layers)]))
+    assert more.peak_projected_bytes == plain.peak_projected_bytes + 500_000
     # The budget planner prices it too: a budget between the two peaks
     # fits all-checkpointed without the term, not with it.
-    budget = plain.peak_projected_bytes + 250
+    budget = plain.peak_projected_bytes + 250_000
     assert solve(_problem(layers, budget, force=False)).fits
-    terms = [(*x, 500) for x in layers]
+    terms = [(*x, 500_000) for x in layers]
     assert not solve(_problem(terms, budget, force=False)).fits
 
 
