@@ -660,8 +660,8 @@ ex_get_stats(Executor *ex, void *Py_UNUSED(c))
     }
     return Py_BuildValue("{slsLsLsLsLsdsisnsL}", "steps", ex->steps,
                          "checkpoint_frames", ex->frames, "rng_states",
-                         ex->rng_states, "recomputes",
-                         ex->recomputes, "training_forwards", ex->forwards,
+                         ex->rng_states, "recomputes", ex->recomputes,
+                         "training_forwards", ex->forwards,
                          "recompute_seconds", (double)ex->recompute_ns / 1e9,
                          "active_frames", ex->active_frames, "hooks", hooks,
                          "tiled_calls", ex->tiled_calls);

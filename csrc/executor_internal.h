@@ -44,15 +44,15 @@ typedef struct {
    segment whose parent draws nothing between its units keeps one state,
    the first unit's (rng_cuda is also None without CUDA). */
 typedef struct {
-    PyObject *units;       /* list, or NULL for a single unit */
-    PyObject *out;         /* the last unit's output tensor while the
-                              segment waits for its next unit */
-    PyObject *out_version; /* out._version when it was stored */
-    PyObject *end_rng;     /* the CPU RNG state the last unit ended with,
-                              while the segment waits; else NULL */
+    PyObject *units;        /* list, or NULL for a single unit */
+    PyObject *out;          /* the last unit's output tensor while the
+                               segment waits for its next unit */
+    PyObject *out_version;  /* out._version when it was stored */
+    PyObject *end_rng;      /* the CPU RNG state the last unit ended with,
+                               while the segment waits; else NULL */
     PyObject *end_rng_cuda; /* the same for CUDA (list), or NULL */
-    int id;                /* the plan's segment (first unit index) */
-    Py_ssize_t next;       /* the unit index expected next */
+    int id;                 /* the plan's segment (first unit index) */
+    Py_ssize_t next;        /* the unit index expected next */
 } FrameSegment;
 
 /* Offload: the inputs whose slot in args / kwargs holds an offload record

@@ -110,9 +110,9 @@ rng_equal_all(ms_state *st, PyObject *a, PyObject *b)
     PyObject *x = PySequence_Fast(a, "CUDA RNG states must be a sequence");
     PyObject *y = x ? PySequence_Fast(b, "CUDA RNG states must be a sequence")
                     : NULL;
-    int same = y != NULL ? PySequence_Fast_GET_SIZE(x)
-                               == PySequence_Fast_GET_SIZE(y)
-                         : -1;
+    int same = y != NULL
+                   ? PySequence_Fast_GET_SIZE(x) == PySequence_Fast_GET_SIZE(y)
+                   : -1;
     for (Py_ssize_t k = 0; same > 0 && k < PySequence_Fast_GET_SIZE(x); k++) {
         same = rng_equal(st, PySequence_Fast_GET_ITEM(x, k),
                          PySequence_Fast_GET_ITEM(y, k));
@@ -159,10 +159,9 @@ joining_rng(ms_state *st, Frame *f, PyObject **cpu, PyObject **cuda)
 {
     *cpu = PyObject_CallNoArgs(st->get_rng_state);
     *cuda = NULL;
-    int same = *cpu == NULL ? -1
-               : f->seg.end_rng != NULL
-                   ? rng_equal(st, *cpu, f->seg.end_rng)
-                   : 0;
+    int same = *cpu == NULL             ? -1
+               : f->seg.end_rng != NULL ? rng_equal(st, *cpu, f->seg.end_rng)
+                                        : 0;
     if (same > 0) {
         Py_SETREF(*cpu, Py_NewRef(Py_None));
     }
