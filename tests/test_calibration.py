@@ -47,8 +47,8 @@ def test_layer_stats_carry_backward_bytes():
         solve(_problem([(*fields, "x")]))
 
 
-def _problem(layers, budget: int = 1 << 40, force: bool = True):
-    hw = memscale._hardware.assumed("cpu", 0, 1 << 40)
+def _problem(layers, budget: int = 1 << 40, force: bool = True, device: str = "cpu"):
+    hw = memscale._hardware.assumed(device, 0, 1 << 40)
     profile = _planning.Profile(
         tuple(
             _core.LayerStats(x[:7], {"backward_bytes": x[7] if len(x) > 7 else None})
@@ -78,6 +78,27 @@ def test_backward_bytes_enter_the_recompute_term():
     assert solve(_problem(layers, budget, force=False)).fits
     terms = [(*x, 500_000) for x in layers]
     assert not solve(_problem(terms, budget, force=False)).fits
+
+
+def test_checkpoint_stores_its_rng_state_on_cpu():
+    """On the CPU a checkpoint keeps its RNG state (5,056 bytes) in the
+    device's memory beside its input, one per segment: the engine counts it
+    in what each checkpoint stores, so a layer that frees less than that is
+    not worth checkpointing; on CUDA the state is a host tensor and counts
+    nothing."""
+    state = torch.get_rng_state().untyped_storage().nbytes()
+    assert _model.checkpoint_frame_bytes("cpu") >= state
+    assert _model.checkpoint_frame_bytes("cuda") == 0
+    small = [(f"l{i}", "Block", 0, 8_000, 4_000, 1.0, 0) for i in range(4)]
+    cpu, cuda = (solve(_problem(small, device=d)) for d in ("cpu", "cuda"))
+    assert [x.rule for x in cpu.layers] == ["ineligible:no-savings"] * 4
+    assert all(x.techniques == ("checkpoint",) for x in cuda.layers)
+    # Every layer checkpointed alone: the end of the forward holds each
+    # layer's input and RNG state, i.e. the stored bytes the plan reports.
+    big = [(f"l{i}", "Block", 0, 1_000_000, 10_000, 1.0, 0) for i in range(4)]
+    plan = solve(_problem(big))
+    assert [x.input_bytes for x in plan.layers] == [10_000 + state] * 4
+    assert [x.bytes_saved for x in plan.layers] == [1_000_000 - 10_000 - state] * 4
 
 
 @pytest.mark.slow
