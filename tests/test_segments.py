@@ -367,7 +367,9 @@ def _segment_head(blocks):
     runs a segment, the other two replaced by pass-throughs."""
     from memscale.benchmarks.sweep import _Passthrough, _SegmentHead
 
-    return nn.ModuleList([_SegmentHead(list(blocks[:3])), _Passthrough(), _Passthrough(), blocks[3]])
+    return nn.ModuleList(
+        [_SegmentHead(list(blocks[:3])), _Passthrough(), _Passthrough(), blocks[3]]
+    )
 
 
 def _forward_bytes(model, x):
