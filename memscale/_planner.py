@@ -63,11 +63,18 @@ def make_plan(
     fixed: int,
     peak_offset: int = 0,
     plan_offset: int | None = None,
+    *,
+    frames: bool = True,
 ) -> _core.Plan:
     """The engine's plan.  ``peak_offset`` and ``plan_offset`` are the OOM
     predictor's corrections of the engine's unoptimized peak and of its
-    plans' peaks (see :meth:`PredictionSession.plan_offsets`)."""
-    return solve(_planning.plan_problem(profile, config, hardware, fixed, peak_offset, plan_offset))
+    plans' peaks (see :meth:`PredictionSession.plan_offsets`); ``frames``:
+    see ``_planning.plan_problem``."""
+    return solve(
+        _planning.plan_problem(
+            profile, config, hardware, fixed, peak_offset, plan_offset, frames=frames
+        )
+    )
 
 
 def least_budget(problem: PlanProblem) -> int:
@@ -284,6 +291,7 @@ class PredictionSession:
             fixed,
             peak_offset=offset,
             plan_offset=plan_offset,
+            frames=not self._fallback.get(config),
         )
 
     def plan_offsets(
@@ -328,7 +336,11 @@ class PredictionSession:
             )
         ):
             return offset, offset
-        forced = make_plan(profile, fallback_config(config, True), hw, fixed, peak_offset=offset)
+        # Every eligible layer checkpointed alone, also those that free less
+        # than their checkpoint keeps: each layer's terms are measured on it.
+        forced = make_plan(
+            profile, fallback_config(config, True), hw, fixed, peak_offset=offset, frames=False
+        )
         if not forced.technique_counts["checkpoint"]:
             return offset, offset
         forced_peak = self._steps.simulated_peak(forced, config)

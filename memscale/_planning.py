@@ -579,15 +579,22 @@ def plan_problem(
     fixed: int,
     peak_offset: int = 0,
     plan_offset: int | None = None,
+    *,
+    frames: bool = True,
 ) -> PlanProblem:
     """The engine's problem for ``profile`` under ``config`` on
     ``hardware``: plain data, so that one rank can send it to the others.
     A layer's ``input_bytes`` there is what checkpointing it keeps: its
     inputs and the RNG state of its checkpoint (one per segment: the engine
-    counts the stored bytes of a segment's first layer only)."""
+    counts the stored bytes of a segment's first layer only), so that a
+    layer freeing less than that is not checkpointed.  ``frames=False``
+    leaves the state out: the plan of every layer checkpointed alone that
+    calibrates the memory model per layer (``_planner``) checkpoints every
+    eligible layer, whether or not it pays."""
     offload_in = _offload.plan_inputs(config, hardware)
+    frame = checkpoint_frame_bytes(hardware.device) if frames else 0
     return PlanProblem(
-        layers=with_frame_bytes(profile.layers, checkpoint_frame_bytes(hardware.device)),
+        layers=with_frame_bytes(profile.layers, frame),
         mode=config.mode.value,
         allowed=allowed_techniques(config),
         force=config.force_optimize,

@@ -9,7 +9,7 @@ Per model it measures the unoptimized training step's exact peak once
 (``start + activations``, as ``memscale.benchmarks.sweep``), then per mode
 (the budget sweep's memscale rows, as ``scripts/calibration_sweep.py``):
 
-* ``wrap`` at ``start + 20%`` of the activations, where no plan fits: the
+* ``wrap`` at ``start`` (no room for any activation), where no plan fits: the
   least budget ``MemoryBudgetError`` reports, the planner's own least
   (``Plan.min_budget_bytes`` with the calibrated per-layer terms) and what
   the one verification made of it (``PredictionSession._verified_least``:
@@ -151,11 +151,11 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models:
-        start, activations = _unoptimized(name)
+        start, _ = _unoptimized(name)
         peer = _peer(name)
         gc.collect()
         for mode in args.modes:
-            least, planner, how = _least(name, mode, start + int(0.2 * activations))
+            least, planner, how = _least(name, mode, start)
             gc.collect()
             plan, predicted, simulated, measured = _at(name, mode, least)
             gc.collect()
