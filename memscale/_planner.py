@@ -63,18 +63,11 @@ def make_plan(
     fixed: int,
     peak_offset: int = 0,
     plan_offset: int | None = None,
-    *,
-    frames: bool = True,
 ) -> _core.Plan:
     """The engine's plan.  ``peak_offset`` and ``plan_offset`` are the OOM
     predictor's corrections of the engine's unoptimized peak and of its
-    plans' peaks (see :meth:`PredictionSession.plan_offsets`); ``frames``:
-    see ``_planning.plan_problem``."""
-    return solve(
-        _planning.plan_problem(
-            profile, config, hardware, fixed, peak_offset, plan_offset, frames=frames
-        )
-    )
+    plans' peaks (see :meth:`PredictionSession.plan_offsets`)."""
+    return solve(_planning.plan_problem(profile, config, hardware, fixed, peak_offset, plan_offset))
 
 
 def least_budget(problem: PlanProblem) -> int:
@@ -167,9 +160,11 @@ def calibrate(
       layers before i hold and layer i's saved bytes).
 
     A layer checkpointed alone also holds its checkpoint's RNG state,
-    ``frame`` bytes (``_model.checkpoint_frame_bytes``; the engine adds
-    them to what each segment stores, ``_planning.plan_problem``), which the
-    simulation's stand-in makes outside the layer's forward.
+    ``frame`` bytes, which the simulation's stand-in makes outside the
+    layer's forward: counted as the engine counts them for the plans made
+    with these terms (``_planning.frame_bytes``: added to what each segment
+    stores; none under ``force_optimize``, whose plans leave them out and
+    get them in the common correction).
 
     Returns the common part of the last (the least excess, the plans'
     correction; it may be negative) and the profile with the terms; a
@@ -291,7 +286,6 @@ class PredictionSession:
             fixed,
             peak_offset=offset,
             plan_offset=plan_offset,
-            frames=not self._fallback.get(config),
         )
 
     def plan_offsets(
@@ -336,11 +330,7 @@ class PredictionSession:
             )
         ):
             return offset, offset
-        # Every eligible layer checkpointed alone, also those that free less
-        # than their checkpoint keeps: each layer's terms are measured on it.
-        forced = make_plan(
-            profile, fallback_config(config, True), hw, fixed, peak_offset=offset, frames=False
-        )
+        forced = make_plan(profile, fallback_config(config, True), hw, fixed, peak_offset=offset)
         if not forced.technique_counts["checkpoint"]:
             return offset, offset
         forced_peak = self._steps.simulated_peak(forced, config)
@@ -352,7 +342,7 @@ class PredictionSession:
             self._steps.forward_holds(forced, config),
             forced,
             self._steps.recompute_peaks(forced, config),
-            _model.checkpoint_frame_bytes(hw.device),
+            _planning.frame_bytes(config, hw),
         )
         self._profiles[config] = profile
         plan = make_plan(profile, config, hw, fixed, peak_offset=offset, plan_offset=plan_offset)

@@ -556,6 +556,13 @@ def solver_inputs(config: Config, hardware: Hardware, offload_in: OffloadInputs)
     )
 
 
+def frame_bytes(config: Config, hardware: Hardware) -> int:
+    """What the engine adds to each checkpoint's stored bytes for its RNG
+    state under ``config`` (:func:`plan_problem`): none under
+    ``force_optimize``."""
+    return 0 if config.force_optimize else checkpoint_frame_bytes(hardware.device)
+
+
 def with_frame_bytes(layers: Any, frame: int) -> tuple[_core.LayerStats, ...]:
     """``layers`` with ``frame`` bytes (what a checkpoint keeps besides its
     inputs: ``_model.checkpoint_frame_bytes``) added to each one's
@@ -579,22 +586,21 @@ def plan_problem(
     fixed: int,
     peak_offset: int = 0,
     plan_offset: int | None = None,
-    *,
-    frames: bool = True,
 ) -> PlanProblem:
     """The engine's problem for ``profile`` under ``config`` on
     ``hardware``: plain data, so that one rank can send it to the others.
     A layer's ``input_bytes`` there is what checkpointing it keeps: its
     inputs and the RNG state of its checkpoint (one per segment: the engine
-    counts the stored bytes of a segment's first layer only), so that a
-    layer freeing less than that is not checkpointed.  ``frames=False``
-    leaves the state out: the plan of every layer checkpointed alone that
-    calibrates the memory model per layer (``_planner``) checkpoints every
-    eligible layer, whether or not it pays."""
+    counts the stored bytes of a segment's first layer only), so that the
+    budget planner does not checkpoint alone a layer that frees less.  Not
+    under ``force_optimize``, which checkpoints every eligible layer whose
+    inputs are less than what it saves, as asked (its projected peak leaves
+    the states out); the plan of every layer checkpointed alone that
+    calibrates the memory model per layer (``_planner.fallback_config``) is
+    such a plan."""
     offload_in = _offload.plan_inputs(config, hardware)
-    frame = checkpoint_frame_bytes(hardware.device) if frames else 0
     return PlanProblem(
-        layers=with_frame_bytes(profile.layers, frame),
+        layers=with_frame_bytes(profile.layers, frame_bytes(config, hardware)),
         mode=config.mode.value,
         allowed=allowed_techniques(config),
         force=config.force_optimize,

@@ -354,7 +354,6 @@ class Wrapping:
                 fixed,
                 peak_offset=offsets[0],
                 plan_offset=offsets[1],
-                frames=not offsets[2],  # the fallback: the plan simulated
             )
         else:
             problem = _planning.plan_problem(profile, plan_config, hardware, fixed)
