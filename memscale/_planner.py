@@ -377,15 +377,14 @@ class PredictionSession:
         """No plan fits ``config``'s budget: the least budget the planner
         reaches with the per-layer terms, checked by simulating its plan
         there once (the one verification).  When that plan needs more than
-        the model says (the memory model leaves out a few bytes per
-        checkpointed layer: the RNG state each one's frame records), its
-        simulated peak is the least budget, if the planner makes the same
-        plan at that budget (then ``wrap`` there makes it, simulates it at
-        that peak and keeps it); else the simulated peak of every layer
-        checkpointed alone.  Never above the unoptimized step's simulated
-        peak (at that budget the model is left alone): on a chain of layers
-        smaller than the RNG state a checkpoint records, checkpointing
-        holds more than it frees."""
+        the model says (the memory model leaves out what every frame keeps
+        alive once per step, such as a position-ids tensor all layers are
+        given, docs/planning.md), its simulated peak is the least budget,
+        if the planner makes the same plan at that budget (then ``wrap``
+        there makes it, simulates it at that peak and keeps it); else the
+        simulated peak of every layer checkpointed alone.  Never above the
+        unoptimized step's simulated peak (at that budget the model is left
+        alone)."""
         assert self.forced_peak is not None
         known = min(self.forced_peak, self.unoptimized_peak())
         if least >= known:

@@ -22,7 +22,8 @@ Per model it measures the unoptimized training step's exact peak once
 
 For a benchmark model with a block list it also measures the sqrt(n)
 segments peer (``memscale.benchmarks.sweep.checkpoint_segments``: one
-``torch.utils.checkpoint`` per segment, as ``checkpoint_sequential``).
+``torch.utils.checkpoint`` per segment, as ``checkpoint_sequential``); for
+chain-1000, ``checkpoint_sequential`` itself with 32 segments.
 Prints a Markdown table.
 """
 
@@ -36,6 +37,7 @@ from typing import Any
 import calibration_sweep  # scripts/, beside this file
 import torch
 import wrap_time
+from torch.utils.checkpoint import checkpoint_sequential
 
 import memscale
 from memscale import _planner
@@ -58,9 +60,29 @@ def _unoptimized(name: str) -> tuple[int, int]:
     return int(base.start_bytes), int(base.peak_delta_bytes)
 
 
+def _chain_peer() -> int:
+    """chain-1000 under ``torch.utils.checkpoint.checkpoint_sequential``
+    with sqrt(n) segments (32 of its 1,000 blocks), measured as the
+    unoptimized step is."""
+    model, sample, _ = wrap_time._build("chain-1000")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    segments = round(len(model.blocks) ** 0.5)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = checkpoint_sequential(model.blocks, segments, sample[0], use_reentrant=False)
+        out.pow(2).mean().backward()
+        opt.step()
+
+    report = measure_peak(step, model=model, inputs=(sample, opt.state), warmup=1)
+    return int(report.peak_bytes)
+
+
 def _peer(name: str) -> int | None:
     """The sqrt(n) segments peer's exact peak, or None (not a benchmark
-    model with a block list)."""
+    model with a block list, nor chain-1000)."""
+    if name == "chain-1000":
+        return _chain_peer()
     try:
         entry = runner.lookup(name)
     except (KeyError, ValueError):
