@@ -89,7 +89,10 @@ typedef struct {
 typedef struct {
     int64_t param_bytes; /* parameters owned by the layer */
     int64_t saved_bytes; /* activations it saves for backward */
-    int64_t input_bytes; /* inputs checkpointing keeps instead */
+    int64_t input_bytes; /* what checkpointing keeps instead: inputs,
+                            and the checkpoint's RNG state where it takes
+                            the device's memory (_planning.plan_problem);
+                            a segment keeps its first layer's */
     double flops;        /* forward cost (counted FLOPs) */
     unsigned flags;      /* MS_LAYER_* */
     /* Recomputing it whole, in FLOPs at the matmul rate (its counted

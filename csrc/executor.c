@@ -658,9 +658,10 @@ ex_get_stats(Executor *ex, void *Py_UNUSED(c))
         hooks = PyList_GET_SIZE(ex->handles)
                 + PyList_GET_SIZE(ex->root_handles);
     }
-    return Py_BuildValue("{slsLsLsLsdsisnsL}", "steps", ex->steps,
-                         "checkpoint_frames", ex->frames, "recomputes",
-                         ex->recomputes, "training_forwards", ex->forwards,
+    return Py_BuildValue("{slsLsLsLsLsdsisnsL}", "steps", ex->steps,
+                         "checkpoint_frames", ex->frames, "rng_states",
+                         ex->rng_states, "recomputes", ex->recomputes,
+                         "training_forwards", ex->forwards,
                          "recompute_seconds", (double)ex->recompute_ns / 1e9,
                          "active_frames", ex->active_frames, "hooks", hooks,
                          "tiled_calls", ex->tiled_calls);
@@ -705,8 +706,10 @@ static PyGetSetDef ex_getset[] = {
      "The wrapped model (weakly referenced), or None.", NULL},
     {"stats", (getter)ex_get_stats, NULL,
      "Counters (a new dict): steps (profiled warm-up passes),\n"
-     "checkpoint_frames, recomputes, training_forwards, recompute_seconds,\n"
-     "active_frames, hooks, tiled_calls.",
+     "checkpoint_frames, rng_states (CPU RNG states the checkpoints\n"
+     "recorded: one per frame, and one per unit that joined a segment\n"
+     "after the generator moved), recomputes, training_forwards,\n"
+     "recompute_seconds, active_frames, hooks, tiled_calls.",
      NULL},
     {"layer_names", (getter)ex_get_names, NULL, "Names of the planning units.",
      NULL},

@@ -37,15 +37,22 @@ typedef struct {
 
 /* A checkpoint segment of several units, recomputed together from the
    first unit's inputs: one (unit, position, args, kwargs, rng_cpu,
-   rng_cuda or None) tuple per later unit, whose args hold None at
-   `position`, where the previous unit's output goes. */
+   rng_cuda) tuple per later unit, whose args hold None at `position`,
+   where the previous unit's output goes.  A unit's RNG state is recorded
+   only when it differs from the one the previous unit ended with (None
+   otherwise: replaying the previous unit leaves the generator there), so a
+   segment whose parent draws nothing between its units keeps one state,
+   the first unit's (rng_cuda is also None without CUDA). */
 typedef struct {
-    PyObject *units;       /* list, or NULL for a single unit */
-    PyObject *out;         /* the last unit's output tensor while the
-                              segment waits for its next unit */
-    PyObject *out_version; /* out._version when it was stored */
-    int id;                /* the plan's segment (first unit index) */
-    Py_ssize_t next;       /* the unit index expected next */
+    PyObject *units;        /* list, or NULL for a single unit */
+    PyObject *out;          /* the last unit's output tensor while the
+                               segment waits for its next unit */
+    PyObject *out_version;  /* out._version when it was stored */
+    PyObject *end_rng;      /* the CPU RNG state the last unit ended with,
+                               while the segment waits; else NULL */
+    PyObject *end_rng_cuda; /* the same for CUDA (list), or NULL */
+    int id;                 /* the plan's segment (first unit index) */
+    Py_ssize_t next;        /* the unit index expected next */
 } FrameSegment;
 
 /* Offload: the inputs whose slot in args / kwargs holds an offload record
@@ -115,6 +122,9 @@ struct Executor {
     long warmup_steps;
     long steps;             /* forward passes seen with grad, training */
     long long frames;       /* checkpoint frames opened */
+    long long rng_states;   /* CPU RNG states checkpoints recorded: one
+                               per frame, one per unit that joined a
+                               segment after the generator moved */
     long long recomputes;   /* layer recomputations run */
     long long forwards;     /* training forwards of the root seen */
     long long recompute_ns; /* wall time spent recomputing */
@@ -165,6 +175,9 @@ PyObject *ms_ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs);
 PyObject *ms_first_tensor(ms_state *st, PyObject *out);
 /* Recompute a segment's later units; steals `out`. */
 PyObject *ms_segment_replay(Frame *self, PyObject *out);
+/* Frame f's unit returned x and its segment goes on: f waits as the open
+   segment (with the RNG state the unit ended with). */
+int ms_segment_wait(Executor *ex, Frame *f, PyObject *x);
 /* The open segment is done (its inputs may be offloaded now). */
 int ms_segment_finish(Executor *ex);
 /* Unit `unit` starts while a segment is open: 1 taken into the segment,

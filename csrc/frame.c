@@ -92,6 +92,8 @@ frame_traverse(Frame *self, visitproc visit, void *arg)
     Py_VISIT(self->seg.units);
     Py_VISIT(self->seg.out);
     Py_VISIT(self->seg.out_version);
+    Py_VISIT(self->seg.end_rng);
+    Py_VISIT(self->seg.end_rng_cuda);
     return 0;
 }
 
@@ -116,6 +118,8 @@ frame_clear(Frame *self)
     Py_CLEAR(self->seg.units);
     Py_CLEAR(self->seg.out);
     Py_CLEAR(self->seg.out_version);
+    Py_CLEAR(self->seg.end_rng);
+    Py_CLEAR(self->seg.end_rng_cuda);
     return 0;
 }
 

@@ -100,6 +100,7 @@ open_frame(Executor *ex, PyObject *unit, PyObject *args, PyObject *kwargs)
     }
     f->ctx = ctx;
     ex->frames++;
+    ex->rng_states++;
     return (PyObject *)f;
 }
 
@@ -201,18 +202,11 @@ ms_ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs)
             /* The segment goes on with the next unit: keep the frame (its
                saved-tensor hooks are left, so whatever runs in between is
                not packed into it). */
-            if (ms_segment_finish(ex) < 0) {
-                Py_DECREF(frame);
+            rc = ms_segment_wait(ex, f, x);
+            Py_DECREF(frame);
+            if (rc < 0) {
                 return NULL;
             }
-            PyObject *v = PyObject_GetAttr(x, ex->st->s_version);
-            if (v == NULL) {
-                Py_DECREF(frame);
-                return NULL;
-            }
-            Py_XSETREF(f->seg.out_version, v);
-            Py_XSETREF(f->seg.out, Py_NewRef(x));
-            ex->open_seg = frame; /* the reference is handed over */
             Py_RETURN_NONE;
         }
         if ((ex->masks != NULL && (ex->masks[f->index] & MS_TECH_OFFLOAD))

@@ -66,8 +66,13 @@ ms_segment_replay(Frame *self, PyObject *out)
                                                 : PyTuple_GET_ITEM(args, k)));
         }
         Py_DECREF(out);
-        PyObject *r = PyObject_CallOneArg(st->set_rng_state,
-                                          PyTuple_GET_ITEM(rec, 4));
+        /* A state is recorded only where the unit did not start from the
+           one the previous unit ended with; else the previous unit's
+           recompute has just left the generator there. */
+        PyObject *r = PyTuple_GET_ITEM(rec, 4) != Py_None
+                          ? PyObject_CallOneArg(st->set_rng_state,
+                                                PyTuple_GET_ITEM(rec, 4))
+                          : Py_NewRef(Py_None);
         if (r != NULL && PyTuple_GET_ITEM(rec, 5) != Py_None) {
             Py_SETREF(r, PyObject_CallOneArg(st->cuda_set_rng_state_all,
                                              PyTuple_GET_ITEM(rec, 5)));
@@ -86,6 +91,102 @@ ms_segment_replay(Frame *self, PyObject *out)
     return out;
 }
 
+/* Whether two RNG states are the same bytes: 1, 0, or -1 with an error. */
+static int
+rng_equal(ms_state *st, PyObject *a, PyObject *b)
+{
+    PyObject *eq = PyObject_CallMethodObjArgs(st->torch, st->s_equal, a, b,
+                                              NULL);
+    int same = eq != NULL ? PyObject_IsTrue(eq) : -1;
+    Py_XDECREF(eq);
+    return same;
+}
+
+/* The same for two lists of CUDA RNG states, one per device (the CUDA
+   path: unverified on this project's CPU-only machines). */
+static int
+rng_equal_all(ms_state *st, PyObject *a, PyObject *b)
+{
+    PyObject *x = PySequence_Fast(a, "CUDA RNG states must be a sequence");
+    PyObject *y = x ? PySequence_Fast(b, "CUDA RNG states must be a sequence")
+                    : NULL;
+    int same = y != NULL
+                   ? PySequence_Fast_GET_SIZE(x) == PySequence_Fast_GET_SIZE(y)
+                   : -1;
+    for (Py_ssize_t k = 0; same > 0 && k < PySequence_Fast_GET_SIZE(x); k++) {
+        same = rng_equal(st, PySequence_Fast_GET_ITEM(x, k),
+                         PySequence_Fast_GET_ITEM(y, k));
+    }
+    Py_XDECREF(x);
+    Py_XDECREF(y);
+    return same;
+}
+
+/* Frame f's unit returned `x` and the segment goes on with the next unit:
+   f waits as the open segment (a new reference), with x, its version and
+   the RNG state the unit ended with, which the next unit's is compared
+   with when it joins.  0, or -1 with an error (f not kept then). */
+int
+ms_segment_wait(Executor *ex, Frame *f, PyObject *x)
+{
+    ms_state *st = ex->st;
+    if (ms_segment_finish(ex) < 0) {
+        return -1;
+    }
+    PyObject *v = PyObject_GetAttr(x, st->s_version);
+    PyObject *end = v ? PyObject_CallNoArgs(st->get_rng_state) : NULL;
+    PyObject *end_cuda = (end != NULL && f->rng_cuda != NULL)
+                             ? PyObject_CallNoArgs(st->cuda_get_rng_state_all)
+                             : NULL;
+    if (end == NULL || (f->rng_cuda != NULL && end_cuda == NULL)) {
+        Py_XDECREF(v);
+        Py_XDECREF(end);
+        return -1;
+    }
+    Py_XSETREF(f->seg.out_version, v);
+    Py_XSETREF(f->seg.out, Py_NewRef(x));
+    Py_XSETREF(f->seg.end_rng, end);
+    Py_XSETREF(f->seg.end_rng_cuda, end_cuda);
+    ex->open_seg = Py_NewRef(f);
+    return 0;
+}
+
+/* The RNG states unit `u` of segment f starts with, for its record: None
+   where the generator is where the previous unit left it (*cpu, *cuda:
+   new references).  0, or -1 with an error. */
+static int
+joining_rng(ms_state *st, Frame *f, PyObject **cpu, PyObject **cuda)
+{
+    *cpu = PyObject_CallNoArgs(st->get_rng_state);
+    *cuda = NULL;
+    int same = *cpu == NULL             ? -1
+               : f->seg.end_rng != NULL ? rng_equal(st, *cpu, f->seg.end_rng)
+                                        : 0;
+    if (same > 0) {
+        Py_SETREF(*cpu, Py_NewRef(Py_None));
+    }
+    if (same >= 0 && f->rng_cuda != NULL) {
+        /* CUDA path: unverified on this project's CPU-only machines. */
+        *cuda = PyObject_CallNoArgs(st->cuda_get_rng_state_all);
+        same = *cuda == NULL ? -1
+               : f->seg.end_rng_cuda != NULL
+                   ? rng_equal_all(st, *cuda, f->seg.end_rng_cuda)
+                   : 0;
+        if (same > 0) {
+            Py_SETREF(*cuda, Py_NewRef(Py_None));
+        }
+    }
+    if (same < 0) {
+        Py_CLEAR(*cpu);
+        Py_CLEAR(*cuda);
+        return -1;
+    }
+    if (*cuda == NULL) {
+        *cuda = Py_NewRef(Py_None);
+    }
+    return 0;
+}
+
 /* The segment waiting for its next unit is done: its stored inputs may
    go to their offload tier now. */
 int
@@ -98,6 +199,8 @@ ms_segment_finish(Executor *ex)
     }
     Py_CLEAR(f->seg.out);
     Py_CLEAR(f->seg.out_version);
+    Py_CLEAR(f->seg.end_rng);
+    Py_CLEAR(f->seg.end_rng_cuda);
     int rc = 0;
     if (ex->masks != NULL && (ex->masks[f->index] & MS_TECH_OFFLOAD)
         && (HAS(ex->store) || HAS(ex->host)))
@@ -154,11 +257,10 @@ ms_segment_continue(Executor *ex, PyObject *unit, PyObject *args,
     PyObject *held = PyTuple_New(PyTuple_GET_SIZE(args));
     PyObject *kw = (kwargs != NULL && kwargs != Py_None) ? PyDict_Copy(kwargs)
                                                          : PyDict_New();
-    PyObject *rng = PyObject_CallNoArgs(st->get_rng_state);
-    PyObject *rng_cuda = NULL, *rec = NULL, *pack = NULL, *unpack = NULL;
-    PyObject *ctx = NULL, *where = PyLong_FromSsize_t(pos);
+    PyObject *rng = NULL, *rng_cuda = NULL, *rec = NULL, *pack = NULL;
+    PyObject *unpack = NULL, *ctx = NULL, *where = PyLong_FromSsize_t(pos);
     int rc = -1;
-    if (held == NULL || kw == NULL || rng == NULL || where == NULL) {
+    if (held == NULL || kw == NULL || where == NULL) {
         goto done;
     }
     for (Py_ssize_t a = 0; a < PyTuple_GET_SIZE(args); a++) {
@@ -166,10 +268,7 @@ ms_segment_continue(Executor *ex, PyObject *unit, PyObject *args,
                          Py_NewRef(a == pos ? Py_None
                                             : PyTuple_GET_ITEM(args, a)));
     }
-    rng_cuda = f->rng_cuda != NULL
-                   ? PyObject_CallNoArgs(st->cuda_get_rng_state_all)
-                   : Py_NewRef(Py_None);
-    if (rng_cuda == NULL) {
+    if (joining_rng(st, f, &rng, &rng_cuda) < 0) {
         goto done;
     }
     rec = PyTuple_Pack(6, unit, where, held, kw, rng, rng_cuda);
@@ -209,8 +308,13 @@ ms_segment_continue(Executor *ex, PyObject *unit, PyObject *args,
     f->ctx = Py_NewRef(ctx);
     f->cur_unit = unit;
     f->seg.next = k + 1;
+    if (rng != Py_None) {
+        ex->rng_states++;
+    }
     Py_CLEAR(f->seg.out);
     Py_CLEAR(f->seg.out_version);
+    Py_CLEAR(f->seg.end_rng);
+    Py_CLEAR(f->seg.end_rng_cuda);
     Py_CLEAR(ex->open_seg); /* the stack holds the frame now */
     rc = 1;
 done:

@@ -82,6 +82,23 @@ def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return total
 
 
+def checkpoint_frame_bytes(device_type: str) -> int:
+    """Bytes a checkpoint keeps in the device's memory besides its inputs,
+    from its forward until backward is done with it: the RNG state its
+    frame records (csrc/frame.c, ms_frame_new; the C executor's frame of a
+    segment records one for all its units when nothing draws from the
+    generator between them, csrc/segment.c; ``torch.utils.checkpoint``,
+    which runs selective layers, records one per call), i.e. the CPU
+    generator's state and every CUDA generator's once CUDA is initialized.
+    They are host tensors: on a CUDA device they take none of its memory."""
+    if device_type != "cpu":
+        return 0
+    total = torch.get_rng_state().untyped_storage().nbytes()
+    if torch.cuda.is_initialized():
+        total += sum(s.untyped_storage().nbytes() for s in torch.cuda.get_rng_state_all())
+    return total
+
+
 def optimizer_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of optimizer state one step will hold.
 

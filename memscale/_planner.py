@@ -138,6 +138,7 @@ def calibrate(
     alone: dict[int, int],
     forced: Any,
     peaks: dict[int, int],
+    frame: int = 0,
 ) -> tuple[int, Profile]:
     """The per-layer terms of the memory model, measured on two simulated
     steps: the unoptimized one and the one with every layer checkpointed
@@ -158,6 +159,13 @@ def calibrate(
       engine's unoptimized peak less the layers' saved bytes, what the
       layers before i hold and layer i's saved bytes).
 
+    A layer checkpointed alone also holds its checkpoint's RNG state,
+    ``frame`` bytes, which the simulation's stand-in makes outside the
+    layer's forward: counted as the engine counts them for the plans made
+    with these terms (``_planning.frame_bytes``: added to what each segment
+    stores; none under ``force_optimize``, whose plans leave them out and
+    get them in the common correction).
+
     Returns the common part of the last (the least excess, the plans'
     correction; it may be negative) and the profile with the terms; a
     layer of a shape never measured keeps the profiler's figures."""
@@ -172,7 +180,7 @@ def calibrate(
         if i in peaks:
             excess[i] = peaks[i] - (engine_base + held + saved[i])
         alone_here = chosen.techniques and chosen.segment == i
-        held += stored[i] if alone_here else saved[i]
+        held += stored[i] + frame if alone_here else saved[i]
     # A layer's own excess where it was measured (it depends on where the
     # layer sits: what is in flight when backward reaches it); else its
     # shape's largest.
@@ -334,6 +342,7 @@ class PredictionSession:
             self._steps.forward_holds(forced, config),
             forced,
             self._steps.recompute_peaks(forced, config),
+            _planning.frame_bytes(config, hw),
         )
         self._profiles[config] = profile
         plan = make_plan(profile, config, hw, fixed, peak_offset=offset, plan_offset=plan_offset)
@@ -368,15 +377,14 @@ class PredictionSession:
         """No plan fits ``config``'s budget: the least budget the planner
         reaches with the per-layer terms, checked by simulating its plan
         there once (the one verification).  When that plan needs more than
-        the model says (the memory model leaves out a few bytes per
-        checkpointed layer: the RNG state each one's frame records), its
-        simulated peak is the least budget, if the planner makes the same
-        plan at that budget (then ``wrap`` there makes it, simulates it at
-        that peak and keeps it); else the simulated peak of every layer
-        checkpointed alone.  Never above the unoptimized step's simulated
-        peak (at that budget the model is left alone): on a chain of layers
-        smaller than the RNG state a checkpoint records, checkpointing
-        holds more than it frees."""
+        the model says (the memory model leaves out what every frame keeps
+        alive once per step, such as a position-ids tensor all layers are
+        given, docs/planning.md), its simulated peak is the least budget,
+        if the planner makes the same plan at that budget (then ``wrap``
+        there makes it, simulates it at that peak and keeps it); else the
+        simulated peak of every layer checkpointed alone.  Never above the
+        unoptimized step's simulated peak (at that budget the model is left
+        alone)."""
         assert self.forced_peak is not None
         known = min(self.forced_peak, self.unoptimized_peak())
         if least >= known:

@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from . import _core, _costs, _distributed, _offload, _selective, _tiling, _torch_compat
 from ._hardware import Hardware
-from ._model import split_input, tensors_of
+from ._model import checkpoint_frame_bytes, split_input, tensors_of
 from ._solve import OffloadInputs, PlanProblem, SolverInputs, layer_stats
 from .config import GIB, Config, OptimizationMode
 
@@ -563,6 +563,29 @@ def solver_inputs(config: Config, hardware: Hardware, offload_in: OffloadInputs)
     )
 
 
+def frame_bytes(config: Config, hardware: Hardware) -> int:
+    """What the engine adds to each checkpoint's stored bytes for its RNG
+    state under ``config`` (:func:`plan_problem`): none under
+    ``force_optimize``."""
+    return 0 if config.force_optimize else checkpoint_frame_bytes(hardware.device)
+
+
+def with_frame_bytes(layers: Any, frame: int) -> tuple[_core.LayerStats, ...]:
+    """``layers`` with ``frame`` bytes (what a checkpoint keeps besides its
+    inputs: ``_model.checkpoint_frame_bytes``) added to each one's
+    ``input_bytes``."""
+    if not frame:
+        return tuple(layers)
+    return tuple(
+        layer_stats(
+            (x.name, x.kind, x.param_bytes, x.saved_bytes, x.input_bytes + frame, x.flops, x.flags),
+            x,
+            backward_bytes=x.backward_bytes,  # as given: the engine checks it
+        )
+        for x in layers
+    )
+
+
 def plan_problem(
     profile: Profile,
     config: Config,
@@ -572,10 +595,19 @@ def plan_problem(
     plan_offset: int | None = None,
 ) -> PlanProblem:
     """The engine's problem for ``profile`` under ``config`` on
-    ``hardware``: plain data, so that one rank can send it to the others."""
+    ``hardware``: plain data, so that one rank can send it to the others.
+    A layer's ``input_bytes`` there is what checkpointing it keeps: its
+    inputs and the RNG state of its checkpoint (one per segment: the engine
+    counts the stored bytes of a segment's first layer only), so that the
+    budget planner does not checkpoint alone a layer that frees less.  Not
+    under ``force_optimize``, which checkpoints every eligible layer whose
+    inputs are less than what it saves, as asked (its projected peak leaves
+    the states out); the plan of every layer checkpointed alone that
+    calibrates the memory model per layer (``_planner.fallback_config``) is
+    such a plan."""
     offload_in = _offload.plan_inputs(config, hardware)
     return PlanProblem(
-        layers=tuple(profile.layers),
+        layers=with_frame_bytes(profile.layers, frame_bytes(config, hardware)),
         mode=config.mode.value,
         allowed=allowed_techniques(config),
         force=config.force_optimize,

@@ -47,8 +47,8 @@ def test_layer_stats_carry_backward_bytes():
         solve(_problem([(*fields, "x")]))
 
 
-def _problem(layers, budget: int = 1 << 40, force: bool = True):
-    hw = memscale._hardware.assumed("cpu", 0, 1 << 40)
+def _problem(layers, budget: int = 1 << 40, force: bool = True, device: str = "cpu"):
+    hw = memscale._hardware.assumed(device, 0, 1 << 40)
     profile = _planning.Profile(
         tuple(
             _core.LayerStats(x[:7], {"backward_bytes": x[7] if len(x) > 7 else None})
@@ -65,16 +65,55 @@ def _problem(layers, budget: int = 1 << 40, force: bool = True):
 def test_backward_bytes_enter_the_recompute_term():
     """Every layer checkpointed: the peak is the worst recompute, which
     now adds the layer's backward term to its saved tensors."""
-    layers = [(f"l{i}", "Block", 0, 1000, 10, 1.0, 0) for i in range(4)]
+    # Sizes well above the RNG state a checkpoint keeps on the CPU (which
+    # the engine adds to what each checkpoint stores: plan_problem).
+    layers = [(f"l{i}", "Block", 0, 1_000_000, 10_000, 1.0, 0) for i in range(4)]
     plain = solve(_problem(layers))
-    more = solve(_problem([(*x, 500 if i == 3 else 0) for i, x in enumerate(layers)]))
-    assert more.peak_projected_bytes == plain.peak_projected_bytes + 500
+    assert all(x.techniques for x in plain.layers)
+    more = solve(_problem([(*x, 500_000 if i == 3 else 0) for i, x in enumerate(layers)]))
+    assert more.peak_projected_bytes == plain.peak_projected_bytes + 500_000
     # The budget planner prices it too: a budget between the two peaks
     # fits all-checkpointed without the term, not with it.
-    budget = plain.peak_projected_bytes + 250
+    budget = plain.peak_projected_bytes + 250_000
     assert solve(_problem(layers, budget, force=False)).fits
-    terms = [(*x, 500) for x in layers]
+    terms = [(*x, 500_000) for x in layers]
     assert not solve(_problem(terms, budget, force=False)).fits
+
+
+def test_checkpoint_stores_its_rng_state_on_cpu():
+    """On the CPU a checkpoint keeps its RNG state (5,056 bytes) in the
+    device's memory beside its input, one per segment: the budget planner
+    counts it in what each checkpoint stores, so it does not checkpoint
+    alone a layer that frees less than that (a segment of such layers still
+    pays).  On CUDA the state is a host tensor and counts nothing;
+    force_optimize checkpoints as asked and leaves it out."""
+    state = torch.get_rng_state().untyped_storage().nbytes()
+    assert _model.checkpoint_frame_bytes("cpu") >= state
+    assert _model.checkpoint_frame_bytes("cuda") == 0
+    small = [(f"l{i}", "Block", 0, 8_000, 4_000, 1.0, 0) for i in range(5)]
+
+    def stored(**kw):
+        return [x.input_bytes for x in _problem(small, **kw).layers]
+
+    assert stored(force=False) == [4_000 + state] * 5
+    assert stored(force=False, device="cuda") == [4_000] * 5
+    assert stored(force=True) == [4_000] * 5
+    # 30,000 bytes: each layer alone would free 4,000 bytes, but
+    # holds 4,000 + 5,056 on the CPU; segments of several layers free more.
+    for device in ("cpu", "cuda"):
+        plan = solve(_problem(small, 30_000, force=False, device=device))
+        assert plan.fits, device
+        runs = [sum(1 for x in plan.layers if x.segment == i) for i in range(5)]
+        if device == "cpu":
+            assert max(runs) > 1 and 1 not in runs, runs
+    # What a checkpointed layer is reported to store and free.
+    big = [(f"l{i}", "Block", 0, 1_000_000, 10_000, 1.0, 0) for i in range(4)]
+    plan = solve(_problem(big, 2_100_000, force=False))
+    assert plan.fits and any(x.techniques for x in plan.layers)
+    assert [x.input_bytes for x in plan.layers] == [10_000 + state] * 4
+    for x in plan.layers:
+        if x.segment == x.index:
+            assert x.bytes_saved == 1_000_000 - 10_000 - state
 
 
 @pytest.mark.slow

@@ -326,3 +326,80 @@ def test_segment_input_offloaded_to_disk(tmp_path, async_io):
     assert store.stats["tensors_read"] == 2 * len(offloaded)
     assert store.stats["bytes_written"] == 2 * len(offloaded) * X.numel() * 4
     memscale.detach(model)
+
+
+def rng_states(ex, before=0):
+    """CPU RNG states the executor's checkpoints recorded since ``before``."""
+    return ex.stats["rng_states"] - before
+
+
+def draw(x):
+    """Glue that draws from the CPU generator and hands the unit's output on
+    unchanged: the segment holds, but the next unit starts from another RNG
+    state than the one the unit before it ended with."""
+    torch.rand(3)
+    return x
+
+
+@pytest.mark.parametrize("glue, states", [(None, 1), (draw, 3)])
+def test_segment_records_rng_state_only_where_generator_moved(glue, states):
+    """Dropout in every unit of one segment (units 0..2).  Nothing drawn
+    between the units: the segment records one RNG state, its first unit's,
+    and the replay of each later unit starts where the previous unit's
+    recompute left the generator.  A draw in the parent's forward between
+    the units: each later unit records the state it started from, and the
+    replay sets it (without, its dropout masks would differ from the
+    forward's and so would the gradients)."""
+    model = Chain(glue=glue).train()
+    ref = copy.deepcopy(model)
+    ex, plan = segment_plan(model, X, frac=0.9, inflate=20)
+    assert segments(plan) == [0, 0, 0, -1]
+    ex.apply(plan)
+    before, kept = counters(ex), rng_states(ex)
+    for seed in (0, 1):
+        assert_same_step(model, ref, X, seed, loss_fn=chain_loss())
+    assert counters(ex, before) == (2, 2)  # one frame, one recompute per step
+    assert rng_states(ex, kept) == 2 * states
+
+
+def _segment_head(blocks):
+    """blocks[0:3] under one torch.utils.checkpoint, as checkpoint_sequential
+    runs a segment, the other two replaced by pass-throughs."""
+    from memscale.benchmarks.sweep import _Passthrough, _SegmentHead
+
+    return nn.ModuleList(
+        [_SegmentHead(list(blocks[:3])), _Passthrough(), _Passthrough(), blocks[3]]
+    )
+
+
+def _forward_bytes(model, x):
+    """Bytes a training forward leaves alive for backward (the loss and its
+    graph kept), measured exactly from the allocator's events."""
+    from memscale.benchmarks.measure import measure_peak
+
+    kept = []
+
+    def forward():
+        torch.manual_seed(0)
+        kept.append(model(x).square().mean())
+
+    report = measure_peak(forward, model=model, inputs=(x,))
+    kept.clear()
+    return report.end_delta_bytes
+
+
+@pytest.mark.parametrize("glue", [None, draw])
+def test_segment_keeps_one_rng_state(glue):
+    """What a segment of three units keeps for backward, measured: what
+    torch's checkpoint of the same three blocks keeps (their first input and
+    one RNG state), and one RNG state more for each unit that starts after
+    a draw from the generator."""
+    model = Chain(glue=glue).train()
+    ref = copy.deepcopy(model)
+    ref.blocks = _segment_head(ref.blocks)
+    ex, plan = segment_plan(model, X, frac=0.9, inflate=20)
+    assert segments(plan) == [0, 0, 0, -1]
+    ex.apply(plan)
+    state = torch.get_rng_state().untyped_storage().nbytes()
+    extra = 2 if glue is draw else 0
+    assert _forward_bytes(model, X) == _forward_bytes(ref, X) + extra * state

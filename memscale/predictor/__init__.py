@@ -25,7 +25,8 @@ How a step is simulated:
 * The step under the plan, tracked, with the real C executor attached to
   the model: checkpointed layers are really recomputed in backward, on
   fake tensors.  The RNG state each checkpoint frame keeps (a real tensor
-  made outside any operator) is stood in for by a fake tensor of its size.
+  made outside any operator; one per segment, none in the device's memory
+  on CUDA) is stood in for by a fake tensor of its size.
 
 Three things a pure fake step would get wrong are handled:
 

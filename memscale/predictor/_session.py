@@ -234,7 +234,12 @@ class _Simulation:
             if plan.technique_counts["checkpoint"] and first:  # as wrap() installs it
                 _recompute_check.install(executor, self.model, plan, None)
             chosen = [m for (_, m), layer in zip(self.units, plan.layers) if layer.techniques]
-            return step.tracked(chosen, [m for _, m in self.units])
+            joining = [
+                m
+                for (_, m), layer in zip(self.units, plan.layers)
+                if "checkpoint" in layer.techniques and layer.segment != layer.index
+            ]
+            return step.tracked(chosen, [m for _, m in self.units], joining)
         finally:
             if undo_cache is not None:
                 undo_cache()

@@ -129,16 +129,6 @@ def estimated_state(
     return [torch.empty_like(p) for _ in range(copies) for p in trainable]
 
 
-def _rng_state_bytes() -> int:
-    """Bytes of the RNG state a checkpoint frame records (csrc/frame.c,
-    ms_frame_new): the CPU generator's, plus every CUDA generator's once CUDA
-    is initialized."""
-    total = torch.get_rng_state().untyped_storage().nbytes()
-    if torch.cuda.is_initialized():
-        total += sum(s.untyped_storage().nbytes() for s in torch.cuda.get_rng_state_all())
-    return total
-
-
 def _leaves_reached(loss: torch.Tensor) -> set[int]:
     """ids of the leaf tensors backward from ``loss`` would accumulate a
     gradient into (the AccumulateGrad nodes of its graph)."""
@@ -285,11 +275,16 @@ class Step:
         return out
 
     def tracked(
-        self, recompute_units: list[nn.Module], marked: list[nn.Module] | None = None
+        self,
+        recompute_units: list[nn.Module],
+        marked: list[nn.Module] | None = None,
+        joining: list[nn.Module] | None = None,
     ) -> Trace:
         """Run one step under a StorageTracker; what it recorded.  The
         forwards of the ``marked`` units (outermost calls, in the forward
-        phase) are marked in its ``forward_marks``."""
+        phase) are marked in its ``forward_marks``.  The ``joining`` units
+        (of ``recompute_units``) join the checkpoint segment of the unit
+        before them, whose frame keeps the one RNG state."""
         tracker = StorageTracker(REAL_VALUE_LIMIT)
         if self.world.device.type == "cpu":
             tracker.kernel_calls = []
@@ -302,8 +297,13 @@ class Step:
         # forward (a real ByteTensor made outside any operator, so the
         # tracker cannot see it) until backward is done with the layer,
         # which is when the next layer is recomputed, or backward ends: a
-        # fake tensor of that size stands in for it over the same span.
-        rng_bytes = _rng_state_bytes()
+        # fake tensor of that size stands in for it over the same span.  A
+        # segment's frame keeps one for all its units (csrc/segment.c: a
+        # joining unit records its state only when the generator moved
+        # since the unit before it ended, which no fake operator makes it
+        # do); none on a CUDA device (they are host tensors).
+        rng_bytes = _model.checkpoint_frame_bytes(self.world.device.type)
+        no_state = {id(m) for m in joining or ()}
         held: dict[int, list[torch.Tensor]] = {}
         done: list[torch.Tensor] = []
         nesting = [0]
@@ -315,7 +315,13 @@ class Step:
                     tracker.recompute_marks.append((len(tracker.events), module))
                 tracker.recompute_depth += 1
             elif tracker.phase == "forward":
-                if nesting[0] == 0 and module.training and torch.is_grad_enabled():
+                if (
+                    nesting[0] == 0
+                    and rng_bytes
+                    and id(module) not in no_state
+                    and module.training
+                    and torch.is_grad_enabled()
+                ):
                     held.setdefault(id(module), []).append(
                         torch.empty(rng_bytes, dtype=torch.uint8, device=self.world.device)
                     )
