@@ -436,6 +436,11 @@ def test_which_calls_a_cuda_step_probes():
         aten.bernoulli_.float,
         aten.rand_like.default,
         aten._local_scalar_dense.default,
+        # values decide the output, or a zero fails on the device
+        aten.nonzero.default,
+        aten.masked_select.default,
+        aten._functional_assert_async.msg,
+        aten.lu_unpack.default,
     ):
         assert not _workspace.probe_on_device(op), op
     assert not _workspace.probe_on_device(len)
@@ -476,6 +481,27 @@ def test_the_probe_reads_the_allocator_events_of_its_device_only():
     cuda = [e for e in _torch_compat.profiler_memory_events(prof, "cuda") if e[0] == "[memory]"]
     every = [e for e in _torch_compat.profiler_memory_events(prof) if e[0] == "[memory]"]
     assert [e[3] for e in cpu] == [4000] and cuda == [] and every == cpu
+
+
+def test_the_cublas_measurement_never_breaks_a_wrap(monkeypatch, caplog):
+    """Where the measurement cannot run (inference mode: no backward) or
+    fails, it is left out with a log line, not raised, and not cached."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_workspace, "_LIBRARIES", {})
+    cuda0 = torch.device("cuda", 0)
+    with torch.inference_mode(), caplog.at_level("INFO", logger=_workspace.__name__):
+        assert _workspace.library_workspace_bytes(cuda0) == 0
+    assert "inference mode" in caplog.text
+
+    def broken(index):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(_workspace, "_measure_libraries", broken)
+    with caplog.at_level("WARNING", logger=_workspace.__name__):
+        assert _workspace.library_workspace_bytes(cuda0) == 0
+    assert "could not be measured" in caplog.text and "out of memory" in caplog.text
+    assert _workspace._LIBRARIES == {}
 
 
 def test_no_library_workspace_off_cuda():

@@ -61,10 +61,30 @@ PROBE_LIMIT = 256 << 20
 # library versions (cuDNN's convolution workspaces, reductions' staging
 # buffers, attention backward, a loss's elementwise buffer: measured on an
 # H100 with torch 2.11, scripts/gpu_scratch.py), so every distinct call of
-# an aten operator is probed there, except views (they allocate nothing)
-# and random operators (running one would advance the device's generator).
+# an aten operator is probed there, except views (they allocate nothing),
+# random operators (running one would advance the device's generator),
+# operators whose output depends on the values (on zeros they measure an
+# empty result, and they synchronize), assertions (a zero condition fails
+# on the device, and a device-side assert ends the process's CUDA context)
+# and operators that read indices a zero cannot stand for (LU pivots are
+# 1-based).
 _NEVER_PROBED = frozenset(
-    ("_local_scalar_dense", "equal", "_assert_async", "record_stream", "set_", "resize_")
+    (
+        "_local_scalar_dense",
+        "equal",
+        "record_stream",
+        "set_",
+        "resize_",
+        "lu_unpack",
+        "lu_solve",
+        "linalg_lu_solve",
+        "linalg_ldl_solve",
+    )
+)
+_VALUE_TAGS = tuple(
+    getattr(torch.Tag, name)
+    for name in ("nondeterministic_seeded", "dynamic_output_shape", "data_dependent_output")
+    if hasattr(torch.Tag, name)
 )
 
 
@@ -73,11 +93,12 @@ def probe_on_device(func: Any) -> bool:
     try:
         if func.namespace != "aten" or func.is_view:
             return False
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if any(tag in func.tags for tag in _VALUE_TAGS):
             return False
-        return func._schema.name.partition("::")[2] not in _NEVER_PROBED
+        name = func._schema.name.partition("::")[2]
     except AttributeError:  # not an OpOverload
         return False
+    return "assert" not in name and name not in _NEVER_PROBED
 
 
 _WORKSPACE_OP_SET: frozenset[Any] | None = None
@@ -319,20 +340,48 @@ def library_workspace_bytes(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _LIBRARIES:
         return _LIBRARIES[index]
+    if torch.is_inference_mode_enabled() or torch.cuda.is_current_stream_capturing():
+        # No backward can run (inference mode), or no host synchronization
+        # may (a CUDA graph is being captured): not measured now.
+        logger.info(
+            "memscale: cuBLAS's workspaces on cuda:%d not measured (inference mode or a "
+            "CUDA graph capture); predicted peaks leave them out",
+            index,
+        )
+        return 0
+    try:
+        kept = _measure_libraries(index)
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+        logger.warning(
+            "memscale: cuBLAS's workspaces on cuda:%d could not be measured (%s: %s); "
+            "predicted peaks leave them out",
+            index,
+            type(exc).__name__,
+            exc,
+        )
+        return 0
+    _LIBRARIES[index] = kept
+    return kept
+
+
+def _measure_libraries(index: int) -> int:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     tools = _torch_compat.fake_tensor_tools()
     real = tools[1]() if tools is not None else contextlib.nullcontext()
     with real, torch.cuda.device(index), torch.enable_grad():
-        torch.cuda.synchronize()
+        # The workspaces of every device and stream are given back: none
+        # may be in use by a kernel still running.
+        for other in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(other)
         if clear is not None:
             clear()
         before = torch.cuda.memory_allocated(index)
         x = torch.zeros(64, 64, device=f"cuda:{index}", requires_grad=True)
         w = torch.zeros(64, 64, device=f"cuda:{index}", requires_grad=True)
         b = torch.zeros(64, device=f"cuda:{index}", requires_grad=True)
-        (torch.nn.functional.linear(x, w, b) @ w).sum().backward()
-        del x, w, b
-        torch.cuda.synchronize()
-        kept = max(0, torch.cuda.memory_allocated(index) - before)
-    _LIBRARIES[index] = kept
-    return kept
+        try:
+            (torch.nn.functional.linear(x, w, b) @ w).sum().backward()
+        finally:
+            del x, w, b
+        torch.cuda.synchronize(index)
+        return max(0, torch.cuda.memory_allocated(index) - before)
