@@ -211,6 +211,52 @@ ms_segment_finish(Executor *ex)
     return rc;
 }
 
+/* Whether autocast on `device` is as the segment's first unit ran it
+   (enabled, and with the same dtype): 1 or 0; -1 on error. */
+static int
+autocast_same(ms_state *st, PyObject *device, int enabled, PyObject *dtype)
+{
+    PyObject *flag = PyObject_CallOneArg(st->is_autocast_enabled, device);
+    int now = flag != NULL ? PyObject_IsTrue(flag) : -1;
+    Py_XDECREF(flag);
+    if (now <= 0 || !enabled) {
+        return now < 0 ? -1 : now == enabled;
+    }
+    PyObject *d = PyObject_CallOneArg(st->get_autocast_dtype, device);
+    if (d == NULL) {
+        return -1;
+    }
+    int eq = PyObject_RichCompareBool(d, dtype, Py_EQ);
+    Py_DECREF(d);
+    return eq;
+}
+
+/* Whether `unit` runs now as the replay will run it: grad enabled and
+   training (as a frame opens), and under the autocast state the segment's
+   first unit recorded, which the replay enters for every unit (1 or 0;
+   -1 on error).  A unit run under torch.no_grad() or another autocast
+   state inside the chain would be replayed differently: its saved tensors
+   would not line up with the forward's. */
+static int
+same_mode(ms_state *st, Frame *f, PyObject *unit)
+{
+    int ok = ms_grad_enabled(st);
+    if (ok <= 0) {
+        return ok;
+    }
+    PyObject *training = PyObject_GetAttr(unit, st->s_training);
+    ok = training != NULL ? PyObject_IsTrue(training) : -1;
+    Py_XDECREF(training);
+    if (ok <= 0) {
+        return ok;
+    }
+    ok = autocast_same(st, st->s_cpu, f->cpu_autocast, f->cpu_dtype);
+    if (ok <= 0 || f->cuda_dtype == NULL) {
+        return ok; /* CUDA not initialized at the first unit: not replayed */
+    }
+    return autocast_same(st, st->s_cuda, f->cuda_autocast, f->cuda_dtype);
+}
+
 /* Unit `unit` starts: if it is the next unit of the open segment and takes
    the previous unit's output, the segment's frame takes it in (1: pushed);
    else the segment is finished (0). */
@@ -245,13 +291,17 @@ ms_segment_continue(Executor *ex, PyObject *unit, PyObject *args,
         PyObject *v = PyObject_GetAttr(f->seg.out, st->s_version);
         same = v ? PyObject_RichCompareBool(v, f->seg.out_version, Py_EQ) : -1;
         Py_XDECREF(v);
+        if (same > 0) {
+            same = same_mode(st, f, unit);
+        }
         if (same < 0) {
             return -1;
         }
     }
     if (!same) {
         /* Something else runs between the two units (or the chain is not
-           output-to-input): the segment ends here. */
+           output-to-input, or the unit runs in another grad or autocast
+           mode): the segment ends here. */
         return ms_segment_finish(ex) < 0 ? -1 : 0;
     }
     PyObject *held = PyTuple_New(PyTuple_GET_SIZE(args));

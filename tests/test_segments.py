@@ -403,3 +403,50 @@ def test_segment_keeps_one_rng_state(glue):
     state = torch.get_rng_state().untyped_storage().nbytes()
     extra = 2 if glue is draw else 0
     assert _forward_bytes(model, X) == _forward_bytes(ref, X) + extra * state
+
+
+class ModeChain(Chain):
+    """A Chain whose second block runs under another grad or autocast mode
+    than the others (a frozen block under no_grad, a block under bf16
+    autocast)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.active = False  # as a Chain while it is profiled and planned
+
+    def forward(self, x, masks=None):
+        x = self.stem(x)
+        for i, block in enumerate(self.blocks):
+            if i != 1 or not self.active:
+                x = block(x)
+            elif self.mode == "no_grad":
+                with torch.no_grad():
+                    x = block(x)
+            else:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    x = block(x).float()
+        return self.head(x)
+
+
+@pytest.mark.parametrize("mode, frames, recomputes", [("no_grad", 2, 1), ("autocast", 3, 3)])
+def test_a_unit_in_another_mode_ends_the_segment(mode, frames, recomputes):
+    """The replay runs every unit of a segment with grad on and under the
+    first unit's autocast; a unit that ran otherwise would be replayed
+    otherwise, and its saved tensors would not line up with the forward's
+    (found by review: before, it joined the segment, and with blocks of one
+    shape the backward of the next block got its activations).  It ends
+    the segment: under no_grad it gets no frame (and backward never reaches
+    block 0's frame: nothing before the no_grad block gets a gradient),
+    under autocast a frame of its own."""
+    model = ModeChain(mode).train()
+    ref = copy.deepcopy(model)
+    ex, plan = segment_plan(model, X, frac=0.9, inflate=20)
+    assert segments(plan) == [0, 0, 0, -1]  # blocks 0 to 2: one segment
+    ex.apply(plan)
+    model.active = ref.active = True
+    before = counters(ex)
+    for seed in (0, 1):
+        assert_same_step(model, ref, X, seed)
+    assert counters(ex, before) == (2 * frames, 2 * recomputes)
+    assert ex.stats["active_frames"] == 0
