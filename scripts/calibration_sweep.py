@@ -117,18 +117,10 @@ def _row(name: str, mode: str, share: float, start: int, activations: int) -> st
 
 
 def sweep(name: str, shares: list[float], modes: list[str]) -> None:
-    model, sample, loss_fn = wrap_time._build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss_fn(wrap_time._call(model, sample)).backward()
-        opt.step()
-
-    base = measure_peak(step, model=model, inputs=(sample, opt.state), warmup=1)
+    start, activations = wrap_time.unoptimized(name)
     for share in shares:
         for mode in modes:
-            print(_row(name, mode, share, base.start_bytes, base.peak_delta_bytes), flush=True)
+            print(_row(name, mode, share, start, activations), flush=True)
             gc.collect()
 
 

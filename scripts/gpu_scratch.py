@@ -42,20 +42,15 @@ with torch.no_grad():
 del y, z
 torch.cuda.synchronize()
 out["after_forward"] = torch.cuda.memory_allocated()
-lin(x).sum().backward()
-torch.cuda.synchronize()
-x.grad = None
-lin.weight.grad = None
-lin.bias.grad = None
-out["after_backward"] = torch.cuda.memory_allocated()
+def backward():
+    lin(x).sum().backward()
+    torch.cuda.synchronize()
+    x.grad = lin.weight.grad = lin.bias.grad = None
+    return torch.cuda.memory_allocated()
+out["after_backward"] = backward()
 torch._C._cuda_clearCublasWorkspaces()
 out["after_clear"] = torch.cuda.memory_allocated()
-lin(x).sum().backward()
-torch.cuda.synchronize()
-x.grad = None
-lin.weight.grad = None
-lin.bias.grad = None
-out["after_second_backward"] = torch.cuda.memory_allocated()
+out["after_second_backward"] = backward()
 print(json.dumps(out))
 """
 

@@ -46,20 +46,6 @@ from memscale.benchmarks.measure import measure_peak
 from memscale.config import GIB
 
 
-def _unoptimized(name: str) -> tuple[int, int]:
-    """(start bytes, activation bytes) of the unoptimized step."""
-    model, sample, loss_fn = wrap_time._build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss_fn(wrap_time._call(model, sample)).backward()
-        opt.step()
-
-    base = measure_peak(step, model=model, inputs=(sample, opt.state), warmup=1)
-    return int(base.start_bytes), int(base.peak_delta_bytes)
-
-
 def _chain_peer() -> int:
     """chain-1000 under ``torch.utils.checkpoint.checkpoint_sequential``
     with sqrt(n) segments (32 of its 1,000 blocks), measured as the
@@ -173,7 +159,7 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models:
-        start, _ = _unoptimized(name)
+        start, _ = wrap_time.unoptimized(name)
         peer = _peer(name)
         gc.collect()
         for mode in args.modes:

@@ -508,24 +508,30 @@ def test_layer_stats_is_a_named_tuple_of_the_seven_figures():
         _core.LayerStats(("h.0", "Block", 8))  # a LayerStats has 7 fields
 
 
-def test_layer_stats_recompute_cost_by_name():
-    row = ("h.0", "Block", 8, 100, 10, 2.5, 0)
-    stats = _core.LayerStats(row, {"recompute_cost": 25.0})
-    assert stats == row and stats.recompute_cost == 25.0
-    assert _core.LayerStats.recompute_cost.__doc__
-    assert pickle.loads(pickle.dumps(stats)).recompute_cost == 25.0
-    kw = {
+def _forced_one_layer(total_flops: float) -> dict:
+    """build_plan's arguments for one 100-byte layer checkpointed by force
+    at a matmul rate of 1 FLOP/s."""
+    return {
         **PLAN_ARGS,
         "allowed": _core.TECH_CHECKPOINT,
         "force": True,
         "budget_bytes": 10**9,
         "fixed_bytes": 0,
         "activation_bytes": 100,
-        "total_flops": 2.5,
+        "total_flops": total_flops,
         "capacity_bytes": 10**9,
         "solver": True,
         "flop_rate": 1.0,
     }
+
+
+def test_layer_stats_recompute_cost_by_name():
+    row = ("h.0", "Block", 8, 100, 10, 2.5, 0)
+    stats = _core.LayerStats(row, {"recompute_cost": 25.0})
+    assert stats == row and stats.recompute_cost == 25.0
+    assert _core.LayerStats.recompute_cost.__doc__
+    assert pickle.loads(pickle.dumps(stats)).recompute_cost == 25.0
+    kw = _forced_one_layer(2.5)
     # The predicted slowdown charges the recompute cost: ten times the
     # FLOPs over a forward of that cost (25 / (3 x 25)), not 2.5 / 7.5.
     plan = _core.build_plan([stats], **kw)
@@ -546,18 +552,7 @@ def test_layer_stats_tail_by_name():
     assert _core.LayerStats.tail_flops.__doc__ and _core.LayerStats.tail_cost.__doc__
     again = pickle.loads(pickle.dumps(stats))
     assert (again.tail_flops, again.tail_cost) == (1.0, 2.0)
-    kw = {
-        **PLAN_ARGS,
-        "allowed": _core.TECH_CHECKPOINT,
-        "force": True,
-        "budget_bytes": 10**9,
-        "fixed_bytes": 0,
-        "activation_bytes": 100,
-        "total_flops": 4.0,
-        "capacity_bytes": 10**9,
-        "solver": True,
-        "flop_rate": 1.0,
-    }
+    kw = _forced_one_layer(4.0)
     plan = _core.build_plan([stats], **kw)
     assert plan.recompute_ratio == 0.75  # (4 - 1) / 4
     assert plan.predicted_slowdown == pytest.approx(1 + 2 / 12)  # (4 - 2) / (3 x 4)
