@@ -22,10 +22,12 @@ The solver picks one level per layer, or none (``LayerPlan.selective_level``
 and ``selective_threshold``).  The rest (norms, activations, softmax,
 dropout, residual adds, reshapes) is recomputed.  FLOPs are
 ``torch.utils.flop_counter``'s formulas (matmuls, convolutions,
-attention); an op without one counts as cheap.  An op that
-draws random numbers (``nondeterministic_seeded``, such as dropout) is
-never kept: it is recomputed with the RNG state the checkpoint restores,
-so its masks are the same, and the gradients are bitwise those of the
+attention; not the CPU's attention kernel, which torch's counter has
+no formula for); an op without one counts as cheap.  An op that draws
+random numbers (``nondeterministic_seeded``, such as dropout; an
+attention kernel only when its ``dropout_p`` is above 0) is never kept:
+it is recomputed with the RNG state the checkpoint restores, so its
+masks are the same, and the gradients are bitwise those of the
 unwrapped layer (the recompute runs the same kernels on the same values).
 A layer whose forward writes its own buffers or parameters in place
 (BatchNorm's running statistics) never runs selective: torch's
@@ -90,10 +92,54 @@ def _outputs(out: Any) -> list[torch.Tensor]:
 _DispatchMode: type = _torch_compat.dispatch_mode_base() or object
 
 
+# Attention kernels tagged ``nondeterministic_seeded`` for their dropout
+# alone: they take the generator only when ``dropout_p`` is above 0, so
+# a call with ``dropout_p == 0`` draws nothing and its output may be kept
+# (a recompute that skips it leaves every later random op's draw as it
+# was).  The cuDNN kernel is not among them: whether it reads the
+# generator at dropout 0 is not known here, so it stays random.
+_DROPOUT_ONLY_RANDOM = frozenset(
+    {
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+    }
+)
+
+
+def _dropout_p(func: Any, args: tuple, kwargs: dict) -> float | None:
+    """The ``dropout_p`` argument of this call (its schema's default when
+    not passed), or None when the op has none or it is not a number."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    for index, argument in enumerate(schema.arguments):
+        if argument.name != "dropout_p":
+            continue
+        if "dropout_p" in kwargs:
+            value = kwargs["dropout_p"]
+        elif index < len(args) and not argument.kwarg_only:
+            value = args[index]
+        else:
+            value = argument.default_value
+        return float(value) if isinstance(value, (int, float)) else None
+    return None
+
+
+def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this call draws random numbers: the op is tagged
+    ``nondeterministic_seeded``, except an attention kernel whose dropout
+    is 0 (``_DROPOUT_ONLY_RANDOM``)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    name = getattr(_torch_compat.op_packet(func), "__name__", "")
+    return name not in _DROPOUT_ONLY_RANDOM or _dropout_p(func, args, kwargs) != 0.0
+
+
 def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, int, int, bool]:
     """One call's (FLOPs, bytes of its new outputs, their elements,
-    whether it draws random numbers)."""
-    random = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    whether it draws random numbers: :func:`draws_random`)."""
+    random = draws_random(func, args, kwargs)
     if not _torch_compat.op_writes_new(func):
         return 0.0, 0, 0, random
     tensors = _outputs(out)

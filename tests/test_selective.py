@@ -137,6 +137,123 @@ def test_levels_keep_more_and_recompute_less_in_turn():
     assert [t for t, _, _ in picked] == [100.0, 10.0, 1.0]
 
 
+class _Attention(torch.nn.Module):
+    """A qkv projection, causal SDPA (dropout ``p`` in training), an output
+    projection and the residual: 64 tokens of width 32, 4 heads of 8."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.qkv = torch.nn.Linear(32, 96)
+        self.proj = torch.nn.Linear(32, 32)
+        self.p = p
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, w // 4).permute(2, 0, 3, 1, 4)
+        p = self.p if self.training else 0.0
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return x + self.proj(a.transpose(1, 2).reshape(b, s, w))
+
+
+class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_attention_at_dropout_0_draws_nothing_and_is_kept(monkeypatch):
+    """The attention kernels are tagged random for their dropout alone: at
+    ``dropout_p == 0`` (passed or by default) they draw nothing, so a level
+    may keep their output; above 0 they are random; cuDNN's stays random.
+    torch's FLOP counter has no formula for the CPU kernel (the CUDA ones
+    have one): given the CUDA flash kernel's here, SDPA at dropout 0
+    writes out + logsumexp (8 x 4 x 64 x (8 + 1) floats) for 4 x 8 x 64 x
+    64 x 8 FLOPs, about 56.9 per byte, above both projections' 16, so the
+    first level keeps exactly its outputs.  Run at that level, the
+    recompute does not run the kernel again and the gradients are bitwise
+    the plain block's."""
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    q = torch.randn(2, 2, 8, 4)
+    cpu = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert not _selective.draws_random(cpu, (q, q, q), {})
+    assert not _selective.draws_random(cpu, (q, q, q, 0.0), {})
+    assert _selective.draws_random(cpu, (q, q, q, 0.1), {})
+    assert _selective.draws_random(cpu, (q, q, q), {"dropout_p": 0.1})
+    efficient = aten._scaled_dot_product_efficient_attention.default
+    assert not _selective.draws_random(efficient, (q, q, q, None, True), {})
+    assert _selective.draws_random(efficient, (q, q, q, None, True, 0.5), {})
+    cudnn = aten._scaled_dot_product_cudnn_attention.default
+    assert _selective.draws_random(cudnn, (q, q, q, None, True), {})
+    assert _selective.draws_random(aten.native_dropout.default, (q, 0.0, True), {})
+    assert not _selective.draws_random(aten.mm.default, (q, q), {})
+
+    assert aten._scaled_dot_product_flash_attention_for_cpu not in flop_registry
+    monkeypatch.setitem(
+        flop_registry,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        flop_registry[aten._scaled_dot_product_flash_attention],
+    )
+    x = torch.randn(8, 64, 32, generator=torch.Generator().manual_seed(4))
+    block = _Attention(p=0.0)
+    block.train()
+    with _selective.OpRecorder([block]) as rec:
+        block(x)
+    rec.close()
+    levels = _selective.layer_profile(rec.ops[0], flops=1e9, saved_bytes=10**9)
+    attention_out = 8 * 4 * 64 * (8 + 1) * 4
+    threshold, kept, _ = levels[0]
+    assert kept == attention_out and 56.0 < threshold < 57.0
+
+    plain = _Attention(p=0.0)
+    plain.train()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = _selective.run(block.forward, threshold, (xa,), {})
+    calls = _Calls()
+    with calls:
+        out.pow(2).mean().backward()
+    assert "_scaled_dot_product_flash_attention_for_cpu.default" not in calls.names
+    assert "_scaled_dot_product_flash_attention_for_cpu_backward.default" in calls.names
+    assert "addmm.default" in calls.names  # the projections are recomputed
+    plain(xb).pow(2).mean().backward()
+    assert torch.equal(xa.grad, xb.grad)
+    for a, b in zip(block.parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_attention_with_dropout_is_never_kept():
+    """With dropout on, SDPA runs its math path on the CPU (a ``bernoulli_``
+    draw): nothing random is kept, and at every level the recompute draws
+    the same mask (the RNG state restored): bitwise gradients."""
+    x = torch.randn(8, 64, 32, generator=torch.Generator().manual_seed(4))
+    block, plain = _Attention(p=0.2), _Attention(p=0.2)
+    for m in (block, plain):
+        m.train()
+    with _selective.OpRecorder([block]) as rec:
+        block(x)
+    rec.close()
+    ops = rec.ops[0]
+    assert any(random for _, _, _, random in ops.calls)
+    levels = _selective.layer_profile(ops, flops=1e9, saved_bytes=10**9)
+    for threshold, _, _ in levels:
+        torch.manual_seed(11)
+        xa = x.clone().requires_grad_()
+        _selective.run(block.forward, threshold, (xa,), {}).pow(2).mean().backward()
+        torch.manual_seed(11)
+        xb = x.clone().requires_grad_()
+        plain(xb).pow(2).mean().backward()
+        assert torch.equal(xa.grad, xb.grad)
+        for a, b in zip(block.parameters(), plain.parameters()):
+            assert torch.equal(a.grad, b.grad)
+            a.grad = b.grad = None
+
+
 def test_a_warmup_profile_has_no_selective_layers():
     """Profiles measured on real warm-up steps record no ops: no layer may
     run selective, and the planner never picks it."""
