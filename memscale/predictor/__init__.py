@@ -26,7 +26,8 @@ How a step is simulated:
   the model: checkpointed layers are really recomputed in backward, on
   fake tensors.  The RNG state each checkpoint frame keeps (a real tensor
   made outside any operator; one per segment, none in the device's memory
-  on CUDA) is stood in for by a fake tensor of its size.
+  on CUDA) is stood in for by a fake tensor of its size, and so is the
+  copy of the caller's RNG state a recompute holds while it runs.
 
 Three things a pure fake step would get wrong are handled:
 

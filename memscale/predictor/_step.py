@@ -302,10 +302,22 @@ class Step:
         # joining unit records its state only when the generator moved
         # since the unit before it ended, which no fake operator makes it
         # do); none on a CUDA device (they are host tensors).
+        # A recompute also holds a copy of the caller's RNG state from its
+        # start to its end (csrc/frame.c recompute_rng, as torch's
+        # checkpoint does for a selective layer), a segment's once for all
+        # its units: ``caller`` stands in for it, from the recompute's
+        # first unit to the leave of the last (``ends``: a unit the next
+        # one does not join).
         rng_bytes = _model.checkpoint_frame_bytes(self.world.device.type)
         no_state = {id(m) for m in joining or ()}
+        ends = {
+            id(unit)
+            for unit, after in zip(recompute_units, [*recompute_units[1:], None])
+            if after is None or id(after) not in no_state
+        }
         held: dict[int, list[torch.Tensor]] = {}
         done: list[torch.Tensor] = []
+        caller: list[torch.Tensor] = []
         nesting = [0]
 
         def enter(module: nn.Module, *_: Any) -> None:
@@ -313,6 +325,10 @@ class Step:
                 if tracker.recompute_depth == 0:
                     done.clear()
                     tracker.recompute_marks.append((len(tracker.events), module))
+                    if rng_bytes and not caller:
+                        caller.append(
+                            torch.empty(rng_bytes, dtype=torch.uint8, device=self.world.device)
+                        )
                 tracker.recompute_depth += 1
             elif tracker.phase == "forward":
                 if (
@@ -332,6 +348,8 @@ class Step:
                 tracker.recompute_depth -= 1
                 if held.get(id(module)):
                     done.append(held[id(module)].pop(0))
+                if tracker.recompute_depth == 0 and id(module) in ends:
+                    caller.clear()
             elif tracker.phase == "forward" and nesting[0] > 0:
                 nesting[0] -= 1
 
@@ -368,6 +386,7 @@ class Step:
                 if phase == "optimizer":  # the graph and its frames are gone
                     held.clear()
                     done.clear()
+                    caller.clear()
                     if self.state_made_in_step:
                         for t in self.optimizer_state():
                             tracker.track(t, "optimizer_state")
@@ -377,6 +396,7 @@ class Step:
                 self.run(tracker)
                 held.clear()
                 done.clear()
+                caller.clear()
             tracker.active = False
             recategorize: dict[int, str] = {}
             for p in self.world.params:
