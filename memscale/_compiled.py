@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import _copying, _selective
+from . import _copying, _planning, _selective
 
 logger = logging.getLogger(__name__)
 
@@ -155,11 +155,13 @@ class _Region:
     each block is compiled on its own, dynamo guards on these values, which
     are the same for blocks planned alike, so they share one graph."""
 
-    __slots__ = ("checkpoint", "selective")
+    __slots__ = ("checkpoint", "selective", "tail")
 
     def __init__(self) -> None:
         self.checkpoint = False
         self.selective: float | None = None
+        # Where the unit's tail starts, for a selective run (eager only).
+        self.tail: tuple[int, str] | None = None
 
 
 class _Regions:
@@ -191,7 +193,7 @@ def _unit_forward(unit: nn.Module, region: _Region, own: Any, regions: _Regions)
             return inner(*args, **kwargs)
         limit = region.selective
         if limit is not None and unit.training and torch.is_grad_enabled():
-            return _selective.run(inner, limit, args, kwargs)
+            return _selective.run(inner, limit, args, kwargs, region.tail)
         return inner(*args, **kwargs)
 
     return forward
@@ -233,7 +235,16 @@ def update(executor: Any, plan: Any) -> None:
         regions.announce = next(_KEYS)
         _PENDING[regions.announce] = tuple(note.message() for note in found)
     layers = plan.layers if plan is not None else ()
+    # The profile the plan was made from says where each unit's tail starts
+    # (its selective levels keep nothing from there on).
+    profile = getattr(executor, "profile", None)
+    details = profile.details if profile is not None else ()
     for i, region in enumerate(regions.units):
         techniques = set(layers[i].techniques) if i < len(layers) else set()
         region.checkpoint = bool({"checkpoint", "selective"} & techniques)
         region.selective = layers[i].selective_threshold if "selective" in techniques else None
+        region.tail = (
+            _planning.tail_from(details[i])
+            if region.selective is not None and i < len(details)
+            else None
+        )

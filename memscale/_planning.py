@@ -343,7 +343,13 @@ def profile_from(
                 if tail_cost != tail_flops:
                     named["tail_cost"] = tail_cost
         layers.append(_core.LayerStats(fields, named) if named else _core.LayerStats(fields))
-        details.append({"name": name, "kind": kind, **r})
+        detail = {"name": name, "kind": kind, **r}
+        tail = _selective.tail_of(ops.ops[i]) if ops is not None else None
+        if tail is not None:
+            # Where its tail starts: a selective run keeps nothing from
+            # there on (_selective.run, given it by _compiled.update).
+            detail["tail_start"], detail["tail_op"] = tail
+        details.append(detail)
     return Profile(
         tuple(layers),
         profiler.total_saved_bytes,
@@ -428,6 +434,16 @@ def new_warmup_profiler(
 LAYER_NOT_CALLED = 1 << 1
 
 
+# A layer's tail by position in its profile details (_selective.tail_of).
+TAIL_KEYS = ("tail_start", "tail_op")
+
+
+def tail_from(detail: dict[str, Any]) -> tuple[int, str] | None:
+    """The tail a layer's profile details give :func:`_selective.run`."""
+    start, op = detail.get("tail_start"), detail.get("tail_op")
+    return (start, op) if isinstance(start, int) and isinstance(op, str) else None
+
+
 def merged(first: Profile, measured: Profile, indices: set[int]) -> Profile:
     """``measured``, with the layers at ``indices`` planned for both: the
     larger of each figure and the flags of either (a layer is "not called"
@@ -463,6 +479,8 @@ def merged(first: Profile, measured: Profile, indices: set[int]) -> Profile:
         for key, value in da.items():
             if key == "flags":  # as the profiler reports them
                 detail[key] = (value | db.get(key, 0)) & ~(LAYER_NOT_CALLED if called else 0)
+            elif key in TAIL_KEYS:  # a position, not a figure: first's
+                detail[key] = value
             elif key not in ("name", "kind") and isinstance(value, (int, float)):
                 detail[key] = max(value, db.get(key, value))
         details.append(detail)
@@ -478,14 +496,18 @@ def merged(first: Profile, measured: Profile, indices: set[int]) -> Profile:
 def with_selective_profiles(measured: Profile, first: Profile) -> Profile:
     """``measured`` (real steps, which record no op profile), with each
     layer's selective profile and tail from ``first`` (the fake pass's)."""
-    layers = tuple(
-        layer_stats(tuple(b), a)
-        if (a.selective_levels is not None and b.selective_levels is None)
-        or (a.tail_flops is not None and b.tail_flops is None)
-        else b
-        for a, b in zip(first.layers, measured.layers)
-    )
-    return dataclasses.replace(measured, layers=layers)
+    layers = []
+    details = []
+    for a, b, da, db in zip(first.layers, measured.layers, first.details, measured.details):
+        if (a.selective_levels is not None and b.selective_levels is None) or (
+            a.tail_flops is not None and b.tail_flops is None
+        ):
+            layers.append(layer_stats(tuple(b), a))
+            db = {**db, **{key: da[key] for key in TAIL_KEYS if key in da}}
+        else:
+            layers.append(b)
+        details.append(db)
+    return dataclasses.replace(measured, layers=tuple(layers), details=tuple(details))
 
 
 def allowed_techniques(config: Config) -> int:

@@ -72,6 +72,7 @@ __all__ = [
     "recompute_cost",
     "recorder",
     "run",
+    "tail_of",
     "threshold",
 ]
 
@@ -213,9 +214,24 @@ class LayerOps:
     # run, those after the last tensor autograd saved in its forward
     # (recorded with the saved-tensor hooks; empty when not recorded).
     tail: set[int] = field(default_factory=set)
+    # Per call, the op's name (``str(func)``: "aten.mm.default"), and how
+    # many times the unit's forward ran while recorded.
+    names: list[str] = field(default_factory=list)
+    entered: int = 0
 
     def op_class(self, index: int) -> int:
         return self.classes[index] if index < len(self.classes) else MATMUL
+
+    def tail_start(self) -> int | None:
+        """The index of the first call of the tail when the forward ran
+        once and its tail is every call from there on (what a selective
+        run can skip by position: :func:`run`), else None."""
+        if self.entered != 1 or not self.tail:
+            return None
+        start = min(self.tail)
+        if start >= len(self.names) or self.tail != set(range(start, len(self.calls))):
+            return None
+        return start
 
 
 SavedHooks = tuple[Any, Any]  # (pack, unpack) of torch's saved-tensor hooks
@@ -253,6 +269,7 @@ class OpRecorder(_DispatchMode):
 
     def _enter(self, index: int, module: nn.Module, args: Any) -> None:
         self._current = index
+        self.ops[index].entered += 1
         self._state = {id(t) for t in (*module.buffers(), *module.parameters())}
         self._producer = {}
         # A call that saves nothing is never recomputed: all of it is tail.
@@ -322,6 +339,7 @@ class OpRecorder(_DispatchMode):
                     self._producer[_torch_compat.storage_key(t)] = len(ops.calls)
             ops.calls.append(op_cost(func, args, kwargs, out))
             ops.classes.append(op_class(func))
+            ops.names.append(str(func))
         return out
 
 
@@ -429,10 +447,13 @@ def layer_profile(
     rate, or its elements at the element rate (``weights``; unweighted,
     one per element); the ops of the layer's tail (``LayerOps.tail``) are
     not recomputed: torch's checkpoint stops a selective recompute early
-    too, once the forward's last saved tensor is saved again.  None when nothing was measured,
-    no level remains, or the forward updates its own state (a recompute
-    would update it again: torch's checkpoint does not put buffers
-    back)."""
+    too, once the forward's last saved tensor is saved again.  Where the
+    tail is known by position (``LayerOps.tail_start``), no level keeps
+    an output of it either (:func:`run` is given the position), and a
+    level that then keeps nothing, or no more than the one before, is left
+    out.  None when nothing was measured, no level remains, or the forward
+    updates its own state (a recompute would update it again: torch's
+    checkpoint does not put buffers back)."""
     if not ops.calls or saved_bytes <= 0 or ops.updates_state:
         return None
     ratios = sorted(
@@ -444,12 +465,17 @@ def layer_profile(
         reverse=True,
     )
     layer_threshold = threshold(flops, saved_bytes)
+    # Where the tail is known by position, run() keeps none of its outputs
+    # (no recompute reads them).
+    end = ops.tail_start()
+    if end is None:
+        end = len(ops.calls)
     ladder: list[Level] = []
     at_threshold = -1
     for limit_ratio in ratios:
         kept = 0
         cost = 0.0
-        for i, (op_flops, nbytes, numel, random) in enumerate(ops.calls):
+        for i, (op_flops, nbytes, numel, random) in enumerate(ops.calls[:end]):
             if keeps(limit_ratio, op_flops, nbytes, random):
                 if i in ops.mutated:
                     kept = -1
@@ -459,6 +485,11 @@ def layer_profile(
                 cost += _weighted(op_flops, numel, ops.op_class(i), weights)
         if kept < 0 or kept >= saved_bytes:
             break
+        if kept == 0 or (ladder and ladder[-1][1:] == (kept, cost)):
+            # It keeps only tail outputs, or no more than the level before.
+            if limit_ratio >= layer_threshold and ladder:
+                at_threshold = len(ladder) - 1
+            continue
         if limit_ratio >= layer_threshold:
             at_threshold = len(ladder)
         ladder.append((limit_ratio, kept, cost))
@@ -467,8 +498,31 @@ def layer_profile(
     return tuple(_pick(ladder, at_threshold, limit))
 
 
-def _policy(threshold: float) -> Any:
+Tail = tuple[int, str]  # (index of the tail's first call, its op's name)
+
+
+def tail_of(ops: LayerOps) -> Tail | None:
+    """What :func:`run` needs to keep nothing of the unit's tail (its
+    ``tail=``), or None where the tail is not known by position."""
+    start = ops.tail_start()
+    return None if start is None else (start, ops.names[start])
+
+
+def _policy(threshold: float, tail: Tail | None = None) -> Any:
+    # The forward's calls are counted as OpRecorder counts them (torch's
+    # caching mode asks the policy of every op but SAC_IGNORED_OPS, once,
+    # in the forward; the recompute follows the forward's answers).
+    count = [0]
+    skip = [tail]
+
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        index = count[0]
+        count[0] += 1
+        at = skip[0]
+        if at is not None and index >= at[0]:
+            if index > at[0] or str(func) == at[1]:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            skip[0] = None  # not the forward profiled: by threshold alone
         flops, nbytes, _, random = op_cost(func, args, kwargs, ctx.op_output)
         if keeps(threshold, flops, nbytes, random):
             return CheckpointPolicy.MUST_SAVE
@@ -477,13 +531,17 @@ def _policy(threshold: float) -> Any:
     return policy
 
 
-def run(forward: Any, threshold: float, args: tuple, kwargs: dict) -> Any:
+def run(forward: Any, threshold: float, args: tuple, kwargs: dict, tail: Tail | None = None) -> Any:
     """``forward(*args, **kwargs)`` checkpointed selectively: the outputs of
     ops ``threshold`` keeps (the plan's level's) are kept, the rest recomputed in
     backward (RNG state restored, so random ops draw the same).  Each
     backward of a ``retain_graph=True`` graph recomputes from the same kept
-    outputs (``_torch_compat.selective_contexts``)."""
-    policy = _policy(threshold)
+    outputs (``_torch_compat.selective_contexts``).  With ``tail``
+    (:func:`tail_of` the unit's profile), nothing from its tail on is kept:
+    the recompute stops before it, so a kept output there would be held
+    for nothing.  The tail is found by position, checked by the op at its
+    start; a forward with another op there keeps by threshold alone."""
+    policy = _policy(threshold, tail)
     return checkpoint(
         forward,
         *args,

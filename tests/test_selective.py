@@ -77,11 +77,13 @@ def test_the_policy_keeps_costly_outputs_and_never_random_ones():
 def test_profile_of_an_mlp_block_is_a_ladder_of_the_matmul_outputs():
     """Block: fc1 (32 -> 128), GELU, dropout, fc2 (128 -> 32), add.  fc2
     costs 64 FLOPs per byte it writes (2 x 128 per 4-byte element), fc1
-    16: two levels, fc2's output kept (fc1 recomputed too), then both
-    (the layer's own threshold is below 16).  GELU and dropout (output
-    and mask) are recomputed at every level, at one per element; fc2 and
-    the add are the layer's tail (fc2's inputs are its last saved
-    tensors), which no recompute runs."""
+    16; but fc2 and the add are the layer's tail (fc2's inputs are its
+    last saved tensors), which no recompute runs, so no level keeps fc2's
+    output (it would be held for nothing) and the level at 64 keeps
+    nothing: one level, fc1's output kept (the layer's own threshold is
+    below 16).  GELU and dropout (output and mask) are recomputed, at one
+    per element.  The profile says where the tail starts (fc2's call), for
+    the selective run to keep nothing from there on."""
     model = _mlp()
     profile = _planning.profile_upfront(model, _units(model), X, memscale.Config())
     gelu, dropout_out, dropout_mask = 128, 128, 128
@@ -90,10 +92,10 @@ def test_profile_of_an_mlp_block_is_a_ladder_of_the_matmul_outputs():
     for layer in profile.layers:
         assert layer.flops == 2 * fc1
         assert _selective.threshold(layer.flops, layer.saved_bytes) < 16.0
-        assert layer.selective_levels == (
-            (64.0, ROWS * 32 * 4, fc1 + cheap),
-            (16.0, ROWS * (128 + 32) * 4, cheap),
-        )
+        assert layer.selective_levels == ((16.0, ROWS * 128 * 4, cheap),)
+    for detail in profile.details:
+        assert detail["tail_op"] == "aten.addmm.default"  # fc2's
+        assert _planning.tail_from(detail) == (detail["tail_start"], "aten.addmm.default")
         # Held run selective: its input and the kept outputs, less than kept.
         assert layer.input_bytes + layer.selective_levels[-1][1] < layer.saved_bytes
 
@@ -293,29 +295,29 @@ def test_balanced_runs_layers_selective_where_it_pays_conservative_does_not():
     memscale.detach(model)
 
 
-def test_a_tighter_budget_runs_a_level_that_keeps_less():
+def test_the_plans_level_runs_with_its_threshold_and_tail():
     """At 70% of the unoptimized peak the planner runs three layers at
-    level 1 (both matmul outputs kept: threshold 16 FLOPs per byte, above
-    the layer's own).  The plan JSON carries the level and its threshold,
-    the executor runs each layer at its plan's threshold, the measured peak
-    is within the budget and the gradients are bitwise, dropout replayed.
-    At 50% it checkpoints the three layers alone instead of running them
-    at level 0: that level keeps only fc2's output, which no recompute
-    reaches (it stops before fc2, whose inputs are the block's last saved
-    tensors), so checkpointing recomputes as much and holds less."""
+    their one level (fc1's output kept: threshold 16 FLOPs per byte, above
+    the layer's own; fc2's not, it is the tail).  The plan JSON carries
+    the level and its threshold, the executor runs each layer at its
+    plan's threshold and the tail's position, the measured peak is within
+    the budget and the gradients are bitwise, dropout replayed.  At 50% it
+    checkpoints two layers alone and runs the third at that level (which
+    now keeps less than it did with fc2's output, then all three were
+    checkpointed), within the budget."""
     model, ref = _wrapped(_mlp, X, 0.7)
     plan = model._memscale_executor.plan
     assert _techniques(model) == [("selective",)] * 3 + [()]
     assert [(lp.selective_level, lp.selective_threshold) for lp in plan.layers] == [
-        (1, 16.0)
+        (0, 16.0)
     ] * 3 + [(-1, 0.0)]
-    assert '"selective_level":1,"selective_threshold":16.0' in plan.to_json()
+    assert '"selective_level":0,"selective_threshold":16.0' in plan.to_json()
     seen = []
     run = _selective.run
 
-    def spy(forward, threshold, args, kwargs):
-        seen.append(threshold)
-        return run(forward, threshold, args, kwargs)
+    def spy(forward, threshold, args, kwargs, tail=None):
+        seen.append((threshold, tail and tail[1]))
+        return run(forward, threshold, args, kwargs, tail)
 
     _selective.run = spy
     try:
@@ -324,14 +326,47 @@ def test_a_tighter_budget_runs_a_level_that_keeps_less():
         report = measure_peak(lambda: _mse(model, X).backward(), model=model, inputs=X, warmup=1)
     finally:
         _selective.run = run
-    assert seen and set(seen) == {16.0}
+    assert seen and set(seen) == {(16.0, "aten.addmm.default")}
     assert report.start_bytes + report.peak_delta_bytes <= plan.budget_bytes
     memscale.detach(model)
     model, _ = _wrapped(_mlp, X, 0.5)
     plan = model._memscale_executor.plan
-    assert _techniques(model) == [("checkpoint",)] * 3 + [()]
-    assert [lp.segment for lp in plan.layers] == [0, 1, 2, -1]
+    assert _techniques(model) == [("checkpoint",)] * 2 + [("selective",), ()]
+    assert [lp.segment for lp in plan.layers] == [0, 1, -1, -1]
+    report = measure_peak(lambda: _mse(model, X).backward(), model=model, inputs=X, warmup=1)
+    assert report.start_bytes + report.peak_delta_bytes <= plan.budget_bytes
     memscale.detach(model)
+
+
+def test_a_selective_run_keeps_nothing_of_the_tail():
+    """One MLP block run at threshold 16 (fc1's and fc2's outputs both
+    reach it): given the tail's position (fc2's call on), the forward
+    leaves fc2's output out of what it keeps, ROWS x 32 x 4 bytes less
+    held into backward; the gradients are the same bits either way.  A
+    tail whose op is not the one at that position (another forward) is
+    not trusted: by threshold alone, as without it."""
+    block = _mlp()[0]
+    profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
+    tail = _planning.tail_from(profile.details[0])
+    assert tail is not None and tail[1] == "aten.addmm.default"
+    held = {}
+    grads = {}
+    for name, given in (("none", None), ("tail", tail), ("other", (tail[0], "aten.mm.default"))):
+        x = X.clone().requires_grad_()
+        box = []
+
+        def forward(given=given, x=x, box=box):
+            torch.manual_seed(7)
+            box.append(_selective.run(block.forward, 16.0, (x,), {}, given))
+
+        held[name] = measure_peak(forward, model=block, inputs=x).end_delta_bytes
+        box.pop().pow(2).mean().backward()
+        grads[name] = [x.grad, *(p.grad for p in block.parameters())]
+        block.zero_grad(set_to_none=True)
+    assert held["none"] - held["tail"] == ROWS * 32 * 4
+    assert held["other"] == held["none"]
+    for a, b in zip(grads["none"], grads["tail"]):
+        assert torch.equal(a, b)
 
 
 def test_build_plan_picks_each_layers_level_by_the_budget():
@@ -585,15 +620,21 @@ def _dropout_inplace():
 def test_an_inplace_op_on_a_kept_output_ends_the_ladder_there():
     """``nn.ReLU(inplace=True)`` writes fc1's output: torch's selective
     checkpoint refuses a mutated cached output in backward, so no level
-    keeps it.  The one level left keeps fc2's output and recomputes fc1
-    (and its in-place ReLU); whatever the plan runs, gradients are
-    bitwise."""
+    keeps it.  The one level left would keep only fc2's output, which is
+    the layer's tail (no recompute reads it): no level, the layer is kept
+    or checkpointed; whatever the plan runs, gradients are bitwise.
+    Without the tail known by position, that level stays."""
     model = _relu_inplace()
     profile = _planning.profile_upfront(model, _units(model), X, memscale.Config())
-    assert all(
-        [(t, b) for t, b, _ in layer.selective_levels] == [(64.0, ROWS * 32 * 4)]
-        for layer in profile.layers
-    )
+    assert all(layer.selective_levels is None for layer in profile.layers)
+    recorder = _selective.OpRecorder([model[0]])
+    with recorder:
+        model[0](X)
+    recorder.close()
+    ops = recorder.ops[0]
+    assert ops.tail_start() is None  # recorded without the saved-tensor hooks
+    levels = _selective.layer_profile(ops, flops=1e9, saved_bytes=10**9)
+    assert [(t, b) for t, b, _ in levels] == [(64.0, ROWS * 32 * 4)]
     model, ref = _wrapped(_relu_inplace, X, 0.8)
     assert {t for ts in _techniques(model) for t in ts} & {"selective", "checkpoint"}
     for seed in range(2):
@@ -606,7 +647,7 @@ def test_an_inplace_op_on_a_recomputed_output_keeps_the_profile():
     layer keeps its selective profile and runs selective, bitwise."""
     model = _dropout_inplace()
     profile = _planning.profile_upfront(model, _units(model), X, memscale.Config())
-    assert all(layer.selective_levels[-1][1] == ROWS * (128 + 32) * 4 for layer in profile.layers)
+    assert all(layer.selective_levels[-1][1] == ROWS * 128 * 4 for layer in profile.layers)
     model, ref = _wrapped(_dropout_inplace, X, 0.8)
     assert ("selective",) in _techniques(model)
     for seed in range(2):

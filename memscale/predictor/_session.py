@@ -215,6 +215,9 @@ class _Simulation:
         executor = Executor(self.model, self.units, warmup_steps=config.warmup_steps)
         try:
             executor.init_python_state(config, hardware, "static")
+            # The profile the plan comes from (a selective run keeps nothing
+            # of a unit's tail: _compiled.update reads where it starts).
+            executor.profile = self.profile
             if plan.technique_counts["selective"]:
                 # Selective layers run through their unit's forward, as
                 # wrap() installs it.
