@@ -468,6 +468,15 @@ def test_layers_run_selective_while_measured_keep_their_figures_and_profile():
     for i in selective:
         assert refined.layers[i].saved_bytes >= first_saved[i]
     assert executor.profile.layers[selective[0]].selective_levels is not None
+    # ... and where its tail starts (the levels keep nothing from there on,
+    # nor does the selective run: memscale._compiled gives it the position).
+    from memscale import _planning
+
+    tail = _planning.tail_from(executor.profile.details[selective[0]])
+    assert tail is not None and tail[1] == "aten.addmm.default"
+    regions = executor.__dict__["_compile_regions"].units
+    for i, layer in enumerate(refined.layers):
+        assert regions[i].tail == (tail if "selective" in layer.techniques else None)
     # The refined plan keeps what the budget needs: its measured peak fits.
     model.zero_grad()
     report = measure_peak(lambda: model(x).pow(2).mean().backward(), model=model, inputs=(x,))
