@@ -161,7 +161,7 @@ class _Region:
         self.checkpoint = False
         self.selective: float | None = None
         # Where the unit's tail starts, for a selective run (eager only).
-        self.tail: tuple[int, str] | None = None
+        self.tail: tuple[str, int] | None = None
 
 
 class _Regions:

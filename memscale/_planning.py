@@ -348,7 +348,7 @@ def profile_from(
         if tail is not None:
             # Where its tail starts: a selective run keeps nothing from
             # there on (_selective.run, given it by _compiled.update).
-            detail["tail_start"], detail["tail_op"] = tail
+            detail["tail_op"], detail["tail_nth"] = tail
         details.append(detail)
     return Profile(
         tuple(layers),
@@ -435,13 +435,13 @@ LAYER_NOT_CALLED = 1 << 1
 
 
 # A layer's tail by position in its profile details (_selective.tail_of).
-TAIL_KEYS = ("tail_start", "tail_op")
+TAIL_KEYS = ("tail_op", "tail_nth")
 
 
-def tail_from(detail: dict[str, Any]) -> tuple[int, str] | None:
+def tail_from(detail: dict[str, Any]) -> tuple[str, int] | None:
     """The tail a layer's profile details give :func:`_selective.run`."""
-    start, op = detail.get("tail_start"), detail.get("tail_op")
-    return (start, op) if isinstance(start, int) and isinstance(op, str) else None
+    op, nth = detail.get("tail_op"), detail.get("tail_nth")
+    return (op, nth) if isinstance(op, str) and isinstance(nth, int) else None
 
 
 def merged(first: Profile, measured: Profile, indices: set[int]) -> Profile:
@@ -479,7 +479,7 @@ def merged(first: Profile, measured: Profile, indices: set[int]) -> Profile:
         for key, value in da.items():
             if key == "flags":  # as the profiler reports them
                 detail[key] = (value | db.get(key, 0)) & ~(LAYER_NOT_CALLED if called else 0)
-            elif key in TAIL_KEYS:  # a position, not a figure: first's
+            elif key in TAIL_KEYS:  # a name and a count, not figures: first's
                 detail[key] = value
             elif key not in ("name", "kind") and isinstance(value, (int, float)):
                 detail[key] = max(value, db.get(key, value))

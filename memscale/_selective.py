@@ -498,31 +498,39 @@ def layer_profile(
     return tuple(_pick(ladder, at_threshold, limit))
 
 
-Tail = tuple[int, str]  # (index of the tail's first call, its op's name)
+Tail = tuple[str, int]  # (the name of the tail's first op, how many calls of it come before)
 
 
 def tail_of(ops: LayerOps) -> Tail | None:
     """What :func:`run` needs to keep nothing of the unit's tail (its
-    ``tail=``), or None where the tail is not known by position."""
+    ``tail=``), or None where the tail is not known by position: the
+    tail's first op by name and occurrence (the forward's n-th call of that
+    op), which a forward run for real finds even where it runs other ops
+    than the profile's fake pass did before it (a Hugging Face attention
+    mask is built, and grouped-query keys expanded, only on fake tensors,
+    whose values cannot show the mask is not needed)."""
     start = ops.tail_start()
-    return None if start is None else (start, ops.names[start])
+    if start is None:
+        return None
+    name = ops.names[start]
+    return name, ops.names[:start].count(name)
 
 
 def _policy(threshold: float, tail: Tail | None = None) -> Any:
-    # The forward's calls are counted as OpRecorder counts them (torch's
-    # caching mode asks the policy of every op but SAC_IGNORED_OPS, once,
-    # in the forward; the recompute follows the forward's answers).
-    count = [0]
-    skip = [tail]
+    # torch's caching mode asks the policy of every op but SAC_IGNORED_OPS,
+    # once, in the forward; the recompute follows the forward's answers.
+    seen = [0]  # calls of the tail's first op so far
+    passed = [tail is None]  # False until the tail starts (None: no tail)
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        index = count[0]
-        count[0] += 1
-        at = skip[0]
-        if at is not None and index >= at[0]:
-            if index > at[0] or str(func) == at[1]:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-            skip[0] = None  # not the forward profiled: by threshold alone
+        if not passed[0]:
+            assert tail is not None
+            if str(func) == tail[0]:
+                if seen[0] == tail[1]:
+                    passed[0] = True
+                seen[0] += 1
+        if tail is not None and passed[0]:
+            return CheckpointPolicy.PREFER_RECOMPUTE
         flops, nbytes, _, random = op_cost(func, args, kwargs, ctx.op_output)
         if keeps(threshold, flops, nbytes, random):
             return CheckpointPolicy.MUST_SAVE
@@ -539,8 +547,8 @@ def run(forward: Any, threshold: float, args: tuple, kwargs: dict, tail: Tail | 
     outputs (``_torch_compat.selective_contexts``).  With ``tail``
     (:func:`tail_of` the unit's profile), nothing from its tail on is kept:
     the recompute stops before it, so a kept output there would be held
-    for nothing.  The tail is found by position, checked by the op at its
-    start; a forward with another op there keeps by threshold alone."""
+    for nothing.  The tail starts at the n-th call of its first op; a
+    forward that never makes that call keeps by threshold alone."""
     policy = _policy(threshold, tail)
     return checkpoint(
         forward,
