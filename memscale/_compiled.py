@@ -193,7 +193,7 @@ def _unit_forward(unit: nn.Module, region: _Region, own: Any, regions: _Regions)
             return inner(*args, **kwargs)
         limit = region.selective
         if limit is not None and unit.training and torch.is_grad_enabled():
-            return _selective.run(inner, limit, args, kwargs, region.tail)
+            return _selective.run(inner, limit, args, kwargs, region.tail, unit)
         return inner(*args, **kwargs)
 
     return forward

@@ -498,7 +498,10 @@ def with_selective_profiles(measured: Profile, first: Profile) -> Profile:
     layer's selective profile and tail from ``first`` (the fake pass's)."""
     layers = []
     details = []
-    for a, b, da, db in zip(first.layers, measured.layers, first.details, measured.details):
+    # (A Profile made by hand may have no details: none to carry, then.)
+    first_details = first.details or tuple({} for _ in first.layers)
+    measured_details = measured.details or tuple({} for _ in measured.layers)
+    for a, b, da, db in zip(first.layers, measured.layers, first_details, measured_details):
         if (a.selective_levels is not None and b.selective_levels is None) or (
             a.tail_flops is not None and b.tail_flops is None
         ):

@@ -48,6 +48,7 @@ the default costs: a level that keeps more recomputes less), and
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,8 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint
 from torch.utils.flop_counter import flop_registry
 
 from . import _torch_compat
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ATTENTION",
@@ -536,10 +539,76 @@ def _policy(threshold: float, tail: Tail | None = None) -> Any:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
+    policy.reached = passed  # type: ignore[attr-defined]
     return policy
 
 
-def run(forward: Any, threshold: float, args: tuple, kwargs: dict, tail: Tail | None = None) -> Any:
+# Called with (unit, True) when a selective unit's recompute starts and
+# (unit, False) when it ends (however it ends): torch's checkpoint calls the
+# forward again in backward, not the unit, so no module hook sees the
+# recompute.  The simulation (memscale.predictor) listens while it runs a
+# step, to count what a recompute holds as the executor's recomputes are
+# counted.
+RECOMPUTE_LISTENERS: list[Any] = []
+
+
+class _Told:
+    """The recompute's context (torch's checkpoint enters it around the
+    recompute, outside the forward it calls), telling the listeners of
+    :data:`RECOMPUTE_LISTENERS` before the cached mode is entered and after
+    it is left, so that what they do runs outside it."""
+
+    def __init__(self, inner: Any, unit: nn.Module) -> None:
+        self.inner = inner
+        self.unit = unit
+        self.listeners = tuple(RECOMPUTE_LISTENERS)
+
+    def __enter__(self) -> Any:
+        for listener in self.listeners:
+            listener(self.unit, True)
+        try:
+            return self.inner.__enter__()
+        except BaseException:
+            self._tell_end()
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            self._tell_end()
+
+    def _tell_end(self) -> None:
+        for listener in reversed(self.listeners):
+            listener(self.unit, False)
+
+
+_TAIL_WARNED: list[bool] = []
+
+
+def _tail_missed(tail: Tail) -> None:
+    if not _TAIL_WARNED:
+        _TAIL_WARNED.append(True)
+        logger.warning(
+            "memscale: a selective layer's forward never made the call its "
+            "profile's tail starts at (call %d of %s): it keeps the outputs of "
+            "its tail too, more than the plan counted.  The forward runs "
+            "differently than when it was profiled (wrap's sample_input, or "
+            "the first steps); wrapping with the inputs training uses gives "
+            "the plan this forward's tail.",
+            tail[1] + 1,
+            tail[0],
+        )
+
+
+def run(
+    forward: Any,
+    threshold: float,
+    args: tuple,
+    kwargs: dict,
+    tail: Tail | None = None,
+    unit: nn.Module | None = None,
+) -> Any:
     """``forward(*args, **kwargs)`` checkpointed selectively: the outputs of
     ops ``threshold`` keeps (the plan's level's) are kept, the rest recomputed in
     backward (RNG state restored, so random ops draw the same).  Each
@@ -548,12 +617,18 @@ def run(forward: Any, threshold: float, args: tuple, kwargs: dict, tail: Tail | 
     (:func:`tail_of` the unit's profile), nothing from its tail on is kept:
     the recompute stops before it, so a kept output there would be held
     for nothing.  The tail starts at the n-th call of its first op; a
-    forward that never makes that call keeps by threshold alone."""
+    forward that never makes that call keeps by threshold alone (and a
+    warning says so, once per process).  ``unit``: the module whose forward
+    this is, for :data:`RECOMPUTE_LISTENERS`."""
     policy = _policy(threshold, tail)
-    return checkpoint(
-        forward,
-        *args,
-        use_reentrant=False,
-        context_fn=functools.partial(_torch_compat.selective_contexts, policy),
-        **kwargs,
-    )
+
+    def contexts() -> tuple[Any, Any]:
+        caching, cached = _torch_compat.selective_contexts(policy)
+        if unit is None or not RECOMPUTE_LISTENERS:
+            return caching, cached
+        return caching, _Told(cached, unit)
+
+    out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    if tail is not None and not policy.reached[0]:
+        _tail_missed(tail)
+    return out

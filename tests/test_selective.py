@@ -315,9 +315,9 @@ def test_the_plans_level_runs_with_its_threshold_and_tail():
     seen = []
     run = _selective.run
 
-    def spy(forward, threshold, args, kwargs, tail=None):
+    def spy(forward, threshold, args, kwargs, tail=None, unit=None):
         seen.append((threshold, tail))
-        return run(forward, threshold, args, kwargs, tail)
+        return run(forward, threshold, args, kwargs, tail, unit)
 
     _selective.run = spy
     try:
@@ -338,13 +338,15 @@ def test_the_plans_level_runs_with_its_threshold_and_tail():
     memscale.detach(model)
 
 
-def test_a_selective_run_keeps_nothing_of_the_tail():
+def test_a_selective_run_keeps_nothing_of_the_tail(monkeypatch, caplog):
     """One MLP block run at threshold 16 (fc1's and fc2's outputs both
     reach it): given the tail (from fc2's call, the second addmm, on), the forward
     leaves fc2's output out of what it keeps, ROWS x 32 x 4 bytes less
     held into backward; the gradients are the same bits either way.  A
     tail whose call never comes (a third addmm: another forward) leaves
-    the run to the threshold alone, as without it."""
+    the run to the threshold alone, as without it, and a warning says so
+    (once per process)."""
+    monkeypatch.setattr(_selective, "_TAIL_WARNED", [])
     block = _mlp()[0]
     profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
     tail = _planning.tail_from(profile.details[0])
@@ -365,6 +367,8 @@ def test_a_selective_run_keeps_nothing_of_the_tail():
         block.zero_grad(set_to_none=True)
     assert held["none"] - held["tail"] == ROWS * 32 * 4
     assert held["other"] == held["none"]
+    warned = [r for r in caplog.records if "never made the call" in r.getMessage()]
+    assert len(warned) == 1 and "call 3 of aten.addmm.default" in warned[0].getMessage()
     for a, b in zip(grads["none"], grads["tail"]):
         assert torch.equal(a, b)
 
@@ -417,6 +421,43 @@ def test_a_llama_block_keeps_nothing_of_its_tail_for_real():
         assert report.peak_bytes <= plan.budget_bytes
     finally:
         memscale.detach(model)
+
+
+def test_a_selective_recompute_is_told_and_simulated():
+    """torch's checkpoint recomputes a selective layer by calling its
+    forward, not the module, so no module hook sees the recompute:
+    ``_selective.run(..., unit=)`` tells ``RECOMPUTE_LISTENERS`` when it
+    starts and ends (outside torch's cached mode, once per backward, not in
+    the forward; the end is told when the early stop ends it).  The
+    simulation listens: a plan's selective layers have recompute marks
+    (their recompute's peak, the RNG-state copy it holds), as checkpointed
+    layers do."""
+    from memscale._planner import PredictionSession
+
+    block = _mlp()[0]
+    told = []
+
+    def listener(unit, starts):
+        told.append((unit is block, starts))
+
+    _selective.RECOMPUTE_LISTENERS.append(listener)
+    try:
+        x = X.clone().requires_grad_()
+        out = _selective.run(block.forward, 16.0, (x,), {}, None, block)
+        assert told == []
+        out.pow(2).mean().backward()
+        assert told == [(True, True), (True, False)]
+    finally:
+        _selective.RECOMPUTE_LISTENERS.remove(listener)
+
+    budget = _budget("_mlp", _mlp, X, 0.7)
+    config = memscale.Config(mode="balanced", memory_budget_gb=budget, enable_logging=False)
+    with PredictionSession(_mlp(), X, config=config) as session:
+        plan = session.plan(config)
+        runs = [i for i, layer in enumerate(plan.layers) if "selective" in layer.techniques]
+        assert runs == [0, 1, 2]
+        assert sorted(session._steps.recompute_peaks(plan, config)) == runs
+    assert _selective.RECOMPUTE_LISTENERS == []
 
 
 def test_build_plan_picks_each_layers_level_by_the_budget():

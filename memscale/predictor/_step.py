@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _model, _torch_compat
+from .. import _model, _selective, _torch_compat
 from ._fake import REAL_VALUE_LIMIT, FakeWorld
 from ._results import PeakBreakdown
 from ._tracker import Recording, StorageTracker
@@ -367,6 +367,14 @@ class Step:
                 if depth[0] == 0:
                     tracker.forward_marks.append((len(tracker.events), module))
 
+        # A selective unit's recompute runs its forward, not the unit (torch's
+        # checkpoint calls it): _selective.run tells instead of its hooks.
+        recomputing = {id(unit) for unit in recompute_units}
+
+        def on_selective(module: nn.Module, starts: bool) -> None:
+            if id(module) in recomputing:
+                (enter if starts else leave)(module)
+
         gc_was_enabled = gc.isenabled()
         # Frees at refcount zero only, the same every run: a collection in
         # the middle of the step would free cyclic garbage at a moment that
@@ -376,6 +384,7 @@ class Step:
             for unit in recompute_units:
                 handles.append(unit.register_forward_pre_hook(enter))
                 handles.append(unit.register_forward_hook(leave, always_call=True))
+            _selective.RECOMPUTE_LISTENERS.append(on_selective)
             for unit in marked or ():
                 handles.append(unit.register_forward_pre_hook(mark_in))
                 handles.append(unit.register_forward_hook(mark_out, always_call=True))
@@ -417,5 +426,7 @@ class Step:
             tracker.on_phase = None  # its closure refers to the tracker: no cycle
             for h in handles:
                 h.remove()
+            if on_selective in _selective.RECOMPUTE_LISTENERS:
+                _selective.RECOMPUTE_LISTENERS.remove(on_selective)
             if gc_was_enabled:
                 gc.enable()
