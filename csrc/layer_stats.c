@@ -276,7 +276,7 @@ static int
 parse_tail(PyObject *item, Py_ssize_t index, ms_layer *out)
 {
     static const int tail_fields[2] = {F_TAIL_FLOPS, F_TAIL_COST};
-    double whole[2] = {out->flops, out->cost > 0.0 ? out->cost : out->flops};
+    double whole[2] = {ms_layer_flops(out), ms_layer_cost(out)};
     double *dest[2] = {&out->tail_flops, &out->tail_cost};
     for (int k = 0; k < 2; k++) {
         int f = tail_fields[k];

@@ -434,7 +434,8 @@ def new_warmup_profiler(
 LAYER_NOT_CALLED = 1 << 1
 
 
-# A layer's tail by position in its profile details (_selective.tail_of).
+# A layer's tail in its profile details: its first op's name and how many
+# calls of that op come before it (_selective.tail_of).
 TAIL_KEYS = ("tail_op", "tail_nth")
 
 

@@ -111,25 +111,6 @@ _DROPOUT_ONLY_RANDOM = frozenset(
 )
 
 
-def _dropout_p(func: Any, args: tuple, kwargs: dict) -> float | None:
-    """The ``dropout_p`` argument of this call (its schema's default when
-    not passed), or None when the op has none or it is not a number."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return None
-    for index, argument in enumerate(schema.arguments):
-        if argument.name != "dropout_p":
-            continue
-        if "dropout_p" in kwargs:
-            value = kwargs["dropout_p"]
-        elif index < len(args) and not argument.kwarg_only:
-            value = args[index]
-        else:
-            value = argument.default_value
-        return float(value) if isinstance(value, (int, float)) else None
-    return None
-
-
 def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether this call draws random numbers: the op is tagged
     ``nondeterministic_seeded``, except an attention kernel whose dropout
@@ -137,7 +118,10 @@ def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
     if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
         return False
     name = getattr(_torch_compat.op_packet(func), "__name__", "")
-    return name not in _DROPOUT_ONLY_RANDOM or _dropout_p(func, args, kwargs) != 0.0
+    if name not in _DROPOUT_ONLY_RANDOM:
+        return True
+    p = _torch_compat.op_argument(func, args, kwargs, "dropout_p")
+    return not isinstance(p, (int, float)) or p != 0
 
 
 def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, int, int, bool]:
@@ -227,8 +211,9 @@ class LayerOps:
 
     def tail_start(self) -> int | None:
         """The index of the first call of the tail when the forward ran
-        once and its tail is every call from there on (what a selective
-        run can skip by position: :func:`run`), else None."""
+        once and its tail is every call from there on (what no level keeps
+        and, named by :func:`tail_of`, what :func:`run` skips), else
+        None."""
         if self.entered != 1 or not self.tail:
             return None
         start = min(self.tail)
@@ -519,28 +504,29 @@ def tail_of(ops: LayerOps) -> Tail | None:
     return name, ops.names[:start].count(name)
 
 
-def _policy(threshold: float, tail: Tail | None = None) -> Any:
-    # torch's caching mode asks the policy of every op but SAC_IGNORED_OPS,
-    # once, in the forward; the recompute follows the forward's answers.
-    seen = [0]  # calls of the tail's first op so far
-    passed = [tail is None]  # False until the tail starts (None: no tail)
+class _Policy:
+    """The selective policy of one forward: keep what ``threshold`` keeps,
+    nothing from ``tail`` on.  torch's caching mode asks it of every op but
+    SAC_IGNORED_OPS, once, in the forward; the recompute follows the
+    forward's answers.  ``reached``: the tail's first call was made."""
 
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if not passed[0]:
-            assert tail is not None
-            if str(func) == tail[0]:
-                if seen[0] == tail[1]:
-                    passed[0] = True
-                seen[0] += 1
-        if tail is not None and passed[0]:
-            return CheckpointPolicy.PREFER_RECOMPUTE
+    def __init__(self, threshold: float, tail: Tail | None) -> None:
+        self.threshold = threshold
+        self.tail = tail
+        self.seen = 0  # calls of the tail's first op so far
+        self.reached = False
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if self.tail is not None:
+            if not self.reached and str(func) == self.tail[0]:
+                self.reached = self.seen == self.tail[1]
+                self.seen += 1
+            if self.reached:
+                return CheckpointPolicy.PREFER_RECOMPUTE
         flops, nbytes, _, random = op_cost(func, args, kwargs, ctx.op_output)
-        if keeps(threshold, flops, nbytes, random):
+        if keeps(self.threshold, flops, nbytes, random):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
-
-    policy.reached = passed  # type: ignore[attr-defined]
-    return policy
 
 
 # Called with (unit, True) when a selective unit's recompute starts and
@@ -620,7 +606,7 @@ def run(
     forward that never makes that call keeps by threshold alone (and a
     warning says so, once per process).  ``unit``: the module whose forward
     this is, for :data:`RECOMPUTE_LISTENERS`."""
-    policy = _policy(threshold, tail)
+    policy = _Policy(threshold, tail)
 
     def contexts() -> tuple[Any, Any]:
         caching, cached = _torch_compat.selective_contexts(policy)
@@ -629,6 +615,6 @@ def run(
         return caching, _Told(cached, unit)
 
     out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
-    if tail is not None and not policy.reached[0]:
+    if tail is not None and not policy.reached:
         _tail_missed(tail)
     return out

@@ -386,6 +386,28 @@ def op_packet(func: Any) -> Any:
     return getattr(func, "_overloadpacket", None)
 
 
+_NO_ARGUMENT = object()
+
+
+def op_argument(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
+    """The value of the aten operator ``func``'s argument ``name`` in this
+    call (from ``args`` or ``kwargs``, else its schema's default), or
+    ``_NO_ARGUMENT`` when it has no such argument or no schema.  Reads its
+    private ``_schema``."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return _NO_ARGUMENT
+    for i, arg in enumerate(schema.arguments):
+        if arg.name != name:
+            continue
+        if name in kwargs:
+            return kwargs[name]
+        if i < len(args) and not arg.kwarg_only:
+            return args[i]
+        return arg.default_value
+    return _NO_ARGUMENT
+
+
 def op_written_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     """The arguments the aten operator ``func`` writes in place (its
     schema marks them ``Tensor(a!)``), from ``args`` and ``kwargs``; none
