@@ -107,9 +107,10 @@ def test_selective_peer_is_bitwise_on_a_hugging_face_model():
 
 
 @pytest.mark.slow
-def test_sweep_rows_carry_the_flops_judge(monkeypatch):
-    monkeypatch.setattr(sweep, "FRACTIONS", (0.5,))
-    result = sweep.run_sweep(BENCHMARK_MODELS["gpt2"], repeats=2)
+def test_sweep_rows_carry_the_flops_judge():
+    result = sweep.run_sweep(BENCHMARK_MODELS["gpt2"], repeats=2, fractions=(0.5,))
+    assert {r["fraction"] for r in result["rows"] if not r["least"]} == {0.5}
+    assert result["device"] == "cpu"
     rows = {r["method"]: r for r in result["rows"] if not r["least"]}
     assert set(rows) == {*sweep.MEMSCALE, *sweep.PEERS, sweep.COMPILE_PEER}
     every = rows["checkpoint every block"]["recompute_overhead"]

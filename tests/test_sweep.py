@@ -214,6 +214,20 @@ def test_sweep_inductor_takes_only_the_sweep_s_budgets(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--sweep", "--sweep-inductor", "0.45", "--models", "gpt2"])
     assert "--sweep-inductor 0.45: not a sweep budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--sweep", "--sweep-fractions", "0.3,0.45", "--models", "gpt2"])
+    assert "--sweep-fractions 0.45: not a sweep budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--sweep", "--sweep-fractions", "half", "--models", "gpt2"])
+    assert "--sweep-fractions 'half': give fractions like 0.5,0.8" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is absent")
+def test_sweep_on_cuda_without_cuda_says_why(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--sweep", "--device", "cuda", "--models", "gpt2"])
+    assert exc.value.code == 2
+    assert "--device cuda: no CUDA device here" in capsys.readouterr().err
 
 
 def test_sweep_check_joins_one_run_per_model(tmp_path, capsys):
@@ -241,3 +255,63 @@ def test_sweep_check_joins_one_run_per_model(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["--sweep-check", str(a), str(a)])
     assert "model(s) m in more than one file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_device_sweep_measures_each_row_with_no_baseline_alive(monkeypatch, device):
+    """On a device the measured peak is the whole process's
+    (``max_memory_allocated``): a baseline model kept alive for the time
+    ratios was counted in every row's peak (seen on an H100: every row 4x
+    the parameters too high).  There the baseline is built again for each
+    ratio, after the row's peak is measured; on the CPU, whose peak counts
+    the measured step's own tensors, it stays.  Stand-ins for the models
+    (no CUDA is needed) count the models alive at each measurement."""
+    import weakref
+
+    from memscale._measure import MemoryReport, TimeReport
+
+    alive: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+    built: list[str] = []
+
+    def prepared(entry, setup, device=sweep.CPU):
+        model = nn.Linear(1, 1)
+        alive.add(model)
+        built.append(str(device))
+        return model, None, (lambda: None), (None, None)
+
+    at_measure: list[int] = []
+
+    def measure(step, model, batch, optimizer, device=sweep.CPU):
+        at_measure.append(len(alive))
+        return MemoryReport(start_bytes=100, peak_delta_bytes=50, end_delta_bytes=0)
+
+    def row(
+        entry, name, settings, fraction, budget, timed, overhead, device=sweep.CPU, least=False
+    ):
+        timed(lambda: None)
+        return sweep.SweepRow(entry.name, name, fraction, budget, None, None, False)
+
+    monkeypatch.setattr(sweep, "_prepared", prepared)
+    monkeypatch.setattr(sweep, "_measure", measure)
+    monkeypatch.setattr(sweep, "_memscale_row", row)
+    monkeypatch.setattr(sweep, "step_flops", lambda step: 1)
+    monkeypatch.setattr(
+        sweep, "time_ratio", lambda a, b, repeats, warmup: TimeReport((1.0,), (1.0,))
+    )
+    result = sweep.run_sweep(
+        BENCHMARK_MODELS["gpt2"],
+        repeats=1,
+        compile_peer=False,
+        least=False,
+        device=device,
+        fractions=(0.5,),
+    )
+    assert result["device"] == device
+    # The baseline, then one model per peer: each measured with the
+    # baseline beside it on the CPU, alone on the device.
+    assert at_measure == [1] + [1 if device == "cuda" else 2] * len(sweep.PEERS)
+    # On the device the baseline is built again for each time ratio (the
+    # peers' and memscale's two rows).
+    rebuilt = len(sweep.PEERS) + len(sweep.MEMSCALE) if device == "cuda" else 0
+    assert len(built) == 1 + len(sweep.PEERS) + rebuilt
+    assert set(built) == {device}

@@ -320,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         "compile takes minutes on a small CPU",
     )
     parser.add_argument(
+        "--sweep-fractions",
+        metavar="FRACTIONS",
+        default="",
+        help="with --sweep: only these budget fractions (comma-separated, of "
+        "0.2..0.8, e.g. 0.3,0.5; default: all seven)",
+    )
+    parser.add_argument(
         "--sweep-no-compile",
         action="store_true",
         help="with --sweep: leave out the compile min-cut peer",
@@ -343,8 +350,6 @@ def main(argv: list[str] | None = None) -> int:
         device = check_device(args.device)
     except ValueError as exc:
         parser.error(str(exc))
-    if device.type != "cpu" and args.sweep:
-        parser.error("--sweep runs on the CPU only; leave out --device")
     if device.type != "cpu":
         args.no_rss = True  # host RSS says nothing of device memory
     if args.no_plot and args.plot:
@@ -502,16 +507,22 @@ def _sweep_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         entries = select(names, False)
     except ValueError as exc:
         parser.error(str(exc))
-    try:
-        inductor = tuple(float(x) for x in args.sweep_inductor.split(",") if x.strip())
-    except ValueError:
-        parser.error(f"--sweep-inductor {args.sweep_inductor!r}: give fractions like 0.5,0.8")
-    for x in inductor:
-        if not any(math.isclose(x, g) for g in sweep.FRACTIONS):
-            parser.error(
-                f"--sweep-inductor {x:g}: not a sweep budget; choose from "
-                + ", ".join(f"{g:g}" for g in sweep.FRACTIONS)
-            )
+
+    def fractions(flag: str, text: str) -> tuple[float, ...]:
+        try:
+            chosen = tuple(float(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            parser.error(f"{flag} {text!r}: give fractions like 0.5,0.8")
+        for x in chosen:
+            if not any(math.isclose(x, g) for g in sweep.FRACTIONS):
+                parser.error(
+                    f"{flag} {x:g}: not a sweep budget; choose from "
+                    + ", ".join(f"{g:g}" for g in sweep.FRACTIONS)
+                )
+        return chosen
+
+    inductor = fractions("--sweep-inductor", args.sweep_inductor)
+    budgets = fractions("--sweep-fractions", args.sweep_fractions) or sweep.FRACTIONS
     if not args.sweep_no_compile or inductor:
         from .runner import compile_budget_unavailable
 
@@ -535,6 +546,8 @@ def _sweep_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             progress=progress,
             compile_peer=not args.sweep_no_compile,
             inductor_fractions=inductor,
+            device=args.device,
+            fractions=budgets,
         )
         for e in bar
     ]
@@ -552,6 +565,8 @@ def _sweep_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                         "repeats": args.repeats,
                         "compile_peer": not args.sweep_no_compile,
                         "inductor_fractions": list(inductor),
+                        "fractions": list(budgets),
+                        "device": args.device,
                     },
                     "notes": sweep.NOTES.format(repeats=args.repeats),
                     "rockmate": sweep.ROCKMATE,

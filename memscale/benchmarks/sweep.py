@@ -65,8 +65,9 @@ from torch.utils.checkpoint import checkpoint
 import memscale
 
 from .._format import format_bytes
-from .._measure import measure_peak, time_ratio
+from .._measure import time_ratio
 from ..config import GIB
+from .device import measure_step_peak, synchronizer
 from .models import Batch, BenchmarkModel
 from .runner import (
     compile_budget_unavailable,
@@ -76,6 +77,7 @@ from .runner import (
     step_flops,
 )
 
+CPU = torch.device("cpu")
 FRACTIONS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 SWEEP_MODELS = ("gpt2-12l", "llama-12l", "bert-12l")
 PEERS = ("checkpoint every block", "selective every block", "sqrt(n) segments")
@@ -204,34 +206,51 @@ Timed = tuple[float, tuple[float, float]]
 
 
 def _step_fn(
-    model: nn.Module, batch: Batch, optimizer: torch.optim.Optimizer
+    model: nn.Module, batch: Batch, optimizer: torch.optim.Optimizer, device: torch.device
 ) -> Callable[[], None]:
+    # On CUDA the step ends with the device's queue drained, so that a
+    # clock read after it times the kernels; on the CPU it is a no-op.
+    sync = synchronizer(device)
+
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss = batch.loss_fn(model(*batch.args, **batch.kwargs))
         loss.backward()
         optimizer.step()
+        sync()
 
     return step
 
 
 def _prepared(
-    entry: BenchmarkModel, setup: Callable[[nn.Module, Batch], Any]
+    entry: BenchmarkModel,
+    setup: Callable[[nn.Module, Batch], Any],
+    device: torch.device = CPU,
 ) -> tuple[nn.Module, Batch, Callable[[], None], Any]:
-    model, batch = entry.build(seed=0)
+    model, batch = entry.build(seed=0, device=device)
     extra = setup(model, batch)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = _step_fn(model, batch, optimizer)
+    step = _step_fn(model, batch, optimizer, device)
     step()  # optimizer state exists from here on
     return model, batch, step, (extra, optimizer)
 
 
 def _measure(
-    step: Callable[[], None], model: nn.Module, batch: Batch, optimizer: torch.optim.Optimizer
+    step: Callable[[], None],
+    model: nn.Module,
+    batch: Batch,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device = CPU,
 ) -> Any:
-    return measure_peak(
-        step, model=model, inputs=(batch.args, batch.kwargs, optimizer.state), warmup=1
+    """The step's peak: exact live tensor bytes on the CPU, the device's
+    own (``max_memory_allocated``) on CUDA (``measure_step_peak``)."""
+    return measure_step_peak(
+        step,
+        device,
+        model=model,
+        inputs=(batch.args, batch.kwargs, optimizer.state),
+        warmup=1,
     )
 
 
@@ -257,6 +276,7 @@ def _memscale_row(
     budget: int,
     timed: Callable[[Callable[[], None]], Timed],
     overhead: Callable[[Callable[[], None]], float],
+    device: torch.device = CPU,
     least: bool = False,
 ) -> SweepRow:
     """memscale planned at ``budget`` with ``settings``, measured."""
@@ -269,7 +289,7 @@ def _memscale_row(
             return exc
         return m._memscale_executor.plan  # type: ignore[union-attr]
 
-    model, batch, step, (plan, opt) = _prepared(entry, setup)
+    model, batch, step, (plan, opt) = _prepared(entry, setup, device)
     if isinstance(plan, memscale.MemoryBudgetError):
         return SweepRow(
             entry.name,
@@ -283,7 +303,7 @@ def _memscale_row(
             plan="no plan fits",
             least=least,
         )
-    report = _measure(step, model, batch, opt)
+    report = _measure(step, model, batch, opt, device)
     ratio, spread = timed(step)
     row = SweepRow(
         entry.name,
@@ -312,6 +332,7 @@ def _compile_row(
     kernels: str,
     timed: Callable[[Callable[[], None]], Timed],
     overhead: Callable[[Callable[[], None]], float],
+    device: torch.device = CPU,
 ) -> SweepRow:
     """torch.compile with activation_memory_budget = ``fraction``: the
     min-cut partition run with eager kernels (``kernels="eager"``) or
@@ -324,15 +345,15 @@ def _compile_row(
             entry.name, method, fraction, budget, None, None, None, plan=f"skipped: {reason}"
         )
     torch._dynamo.reset()  # nothing compiled for an earlier model is reused
-    model, batch = entry.build(seed=0)
+    model, batch = entry.build(seed=0, device=device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     try:
         backend = memory_budget_backend(fraction, kernels)
         compiled = cast(nn.Module, torch.compile(model, backend=backend))
-        step = _step_fn(compiled, batch, optimizer)
+        step = _step_fn(compiled, batch, optimizer, device)
         step()  # compiles forward and backward; optimizer state
-        report = _measure(step, model, batch, optimizer)
+        report = _measure(step, model, batch, optimizer, device)
         ratio, spread = timed(step)
         # Inductor's generated kernels run outside the dispatcher: only the
         # ops it calls as aten kernels would be counted.  No figure.
@@ -372,23 +393,39 @@ def run_sweep(
     compile_peer: bool = True,
     inductor_fractions: tuple[float, ...] = (),
     least: bool = True,
+    device: torch.device | str = "cpu",
+    fractions: Sequence[float] = FRACTIONS,
 ) -> dict[str, Any]:
     """The sweep of one model: the unoptimized step, then memscale's rows
     and every peer's at each of FRACTIONS.  ``compile_peer``: the compile
     min-cut peer (eager kernels) at every fraction; ``inductor_fractions``:
     the same with inductor's kernels, at these fractions only (each compile
     takes minutes on a small CPU); ``least``: memscale also at the least
-    budget it accepts.  The result holds the rows and the summary
-    (``summarize``)."""
+    budget it accepts; ``device``: where the models train (on CUDA every
+    peak is the device's own, ``max_memory_allocated``, and the start
+    bytes hold the libraries' workspaces too); ``fractions``: the budgets
+    (default: all of FRACTIONS).  The result holds the rows and the
+    summary (``summarize``)."""
+    device = torch.device(device)
     progress(f"{entry.name}: unoptimized")
-    base_model, base_batch, base_step, (_, base_opt) = _prepared(entry, lambda m, b: None)
-    base = _measure(base_step, base_model, base_batch, base_opt)
+    base_model, base_batch, base_step, (_, base_opt) = _prepared(entry, lambda m, b: None, device)
+    base = _measure(base_step, base_model, base_batch, base_opt, device)
     base_flops = step_flops(base_step)
     start, activations = base.start_bytes, base.peak_delta_bytes
     rows: list[SweepRow] = []
+    held: Callable[[], None] | None = base_step
+    if device.type != "cpu":
+        # A device's peak is the whole process's (max_memory_allocated): a
+        # baseline kept alive would be counted in every later row's peak.
+        # It is built again for each time ratio instead, after the row's
+        # peak is measured.  (On the CPU the peak counts the measured
+        # step's own tensors, and the baseline stays.)
+        del base_model, base_batch, base_step, base_opt
+        held = None
 
     def timed(step: Callable[[], None]) -> Timed:
-        report = time_ratio(base_step, step, repeats=repeats, warmup=1)
+        baseline = held if held is not None else _prepared(entry, lambda m, b: None, device)[2]
+        report = time_ratio(baseline, step, repeats=repeats, warmup=1)
         return report.ratio, pair_spread(report.baseline_s, report.variant_s)
 
     def overhead(step: Callable[[], None]) -> float:
@@ -407,16 +444,18 @@ def run_sweep(
     peer_rows = {}
     for method, setup in peers.items():
         progress(f"{entry.name}: {method}")
-        model, batch, step, (_, opt) = _prepared(entry, setup)
-        report = _measure(step, model, batch, opt)
+        model, batch, step, (_, opt) = _prepared(entry, setup, device)
+        report = _measure(step, model, batch, opt, device)
         peer_rows[method] = (report.peak_bytes, timed(step), overhead(step))
         del model, batch, step, opt
 
-    for fraction in FRACTIONS:
+    for fraction in fractions:
         budget = start + int(fraction * activations)
         for name, settings in MEMSCALE.items():
             progress(f"{entry.name}: {name} at {fraction:.0%}")
-            rows.append(_memscale_row(entry, name, settings, fraction, budget, timed, overhead))
+            rows.append(
+                _memscale_row(entry, name, settings, fraction, budget, timed, overhead, device)
+            )
         for method, (peak, (ratio, spread), flops) in peer_rows.items():
             rows.append(
                 SweepRow(
@@ -433,16 +472,16 @@ def run_sweep(
             )
         if compile_peer:
             progress(f"{entry.name}: {COMPILE_PEER} at {fraction:.0%}")
-            rows.append(_compile_row(entry, fraction, budget, "eager", timed, overhead))
+            rows.append(_compile_row(entry, fraction, budget, "eager", timed, overhead, device))
         if any(math.isclose(fraction, f) for f in inductor_fractions):
             progress(f"{entry.name}: {INDUCTOR_PEER} at {fraction:.0%}")
-            rows.append(_compile_row(entry, fraction, budget, "inductor", timed, overhead))
+            rows.append(_compile_row(entry, fraction, budget, "inductor", timed, overhead, device))
     if least:
         for name, settings in MEMSCALE.items():
             # A budget of the start bytes alone: refused, with the least
             # budget this mode accepts; then planned and measured there.
             progress(f"{entry.name}: {name} at its least budget")
-            probe = _memscale_row(entry, name, settings, 0.0, start, timed, overhead)
+            probe = _memscale_row(entry, name, settings, 0.0, start, timed, overhead, device)
             if probe.min_budget_bytes is None:  # planned at 0%: that is its least
                 probe.least = True
                 rows.append(probe)
@@ -450,11 +489,14 @@ def run_sweep(
             low = probe.min_budget_bytes
             fraction = (low - start) / activations if activations else 0.0
             rows.append(
-                _memscale_row(entry, name, settings, fraction, low, timed, overhead, least=True)
+                _memscale_row(
+                    entry, name, settings, fraction, low, timed, overhead, device, least=True
+                )
             )
     result = {
         "model": entry.name,
         "description": entry.description,
+        "device": str(device),
         "start_bytes": start,
         "unoptimized_peak_bytes": base.peak_bytes,
         "activation_bytes": activations,
