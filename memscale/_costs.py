@@ -44,8 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.flop_counter import sdpa_flop_count
 
+from . import _torch_compat
 from ._version import __version__
 
 logger = logging.getLogger(__name__)
@@ -318,7 +319,7 @@ _CLASS_REPEATS = 15
 def _counted_flops(fn: Callable[[], object]) -> float:
     """The FLOPs ``torch.utils.flop_counter`` counts for ``fn()`` (what the
     planner's profile counts for the same op)."""
-    with FlopCounterMode(display=False) as counter:
+    with _torch_compat.flop_counter() as counter:
         fn()
     return float(counter.get_total_flops())
 

@@ -77,7 +77,7 @@ def _measure(
     """The C profiler's measurement of ``run()`` and the ops each unit ran
     (``_selective.OpRecorder``, or None)."""
     modules = [m for _, m in units]
-    profiler = _core.Profiler(modules, params, FlopCounterMode(display=False))
+    profiler = _core.Profiler(modules, params, _torch_compat.flop_counter())
     profiler.attach()
     ops = _selective.recorder(modules, profiler)
     try:
@@ -392,7 +392,7 @@ class WarmupFlops(FlopCounterMode):
     runs), which are no part of the training step."""
 
     def __init__(self) -> None:
-        super().__init__(display=False)
+        super().__init__(display=False, custom_mapping=_torch_compat.flop_mapping())
         self.mod_tracker = _GlobalOnly()  # type: ignore[assignment]
         self._excluded = 0
 
@@ -424,7 +424,7 @@ def new_warmup_profiler(
     profiler = _core.Profiler(
         [m for _, m in units],
         list(tensors_of(model)),
-        FlopCounterMode(display=False) if flops is None else flops,
+        _torch_compat.flop_counter() if flops is None else flops,
     )
     profiler.attach()
     return profiler

@@ -55,7 +55,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint
-from torch.utils.flop_counter import flop_registry
 
 from . import _torch_compat
 
@@ -133,8 +132,7 @@ def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, int,
     tensors = _outputs(out)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     numel = sum(t.numel() for t in tensors)
-    packet = _torch_compat.op_packet(func)
-    count = flop_registry.get(packet) if packet is not None else None
+    count = _torch_compat.flop_formula(func)
     flops = float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
     return flops, nbytes, numel, random
 

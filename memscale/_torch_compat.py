@@ -386,6 +386,98 @@ def op_packet(func: Any) -> Any:
     return getattr(func, "_overloadpacket", None)
 
 
+# torch's FLOP formulas of the fused attention kernels assert that query,
+# key and value have as many heads; with grouped-query attention
+# (``enable_gqa=True``, which Hugging Face's SDPA path passes on CUDA when
+# there is no mask) the kernels take fewer key/value heads, and
+# FlopCounterMode raised inside the step.  Each query head attends over its
+# group's keys as it would over its own, so the FLOPs are those of the
+# keys and values expanded to the query's heads.  Per operator: the
+# positions of the query and of the key and value (B, H, S, D).
+_GROUPED_SDPA = {
+    "_scaled_dot_product_flash_attention": (0, (1, 2)),
+    "_scaled_dot_product_efficient_attention": (0, (1, 2)),
+    "_scaled_dot_product_cudnn_attention": (0, (1, 2)),
+    "_scaled_dot_product_flash_attention_backward": (1, (2, 3)),
+    "_scaled_dot_product_efficient_attention_backward": (1, (2, 3)),
+    "_scaled_dot_product_cudnn_attention_backward": (1, (2, 3)),
+}
+
+
+def _shape_of(x: Any) -> Any:
+    return x.shape if isinstance(x, torch.Tensor) else x
+
+
+def _grouped_formula(formula: Any, query: int, kv: tuple[int, ...]) -> Any:
+    """``formula`` (an entry of torch's ``flop_registry``: it takes tensors
+    or shapes, and ``out_val``) counting a grouped-query call as the same
+    call with its keys and values expanded to the query's heads."""
+
+    def count(*args: Any, out_val: Any = None, out_shape: Any = None, **kwargs: Any) -> Any:
+        shapes = [_shape_of(a) for a in args]
+        q = shapes[query] if query < len(shapes) else None
+        if isinstance(q, torch.Size) and len(q) == 4:
+            for i in kv:
+                if i < len(shapes):
+                    k = shapes[i]
+                    if (
+                        isinstance(k, torch.Size)
+                        and len(k) == 4
+                        and k[1] != q[1]
+                        and k[1] > 0
+                        and q[1] % k[1] == 0
+                    ):
+                        shapes[i] = torch.Size((k[0], q[1], k[2], k[3]))
+        out = out_val if out_val is not None else out_shape
+        return formula(*shapes, out_val=out, **kwargs)
+
+    return count
+
+
+def _flop_mapping_uncached() -> dict[Any, Any]:
+    from torch.utils.flop_counter import flop_registry
+
+    mapping = {}
+    for name, (query, kv) in _GROUPED_SDPA.items():
+        packet = getattr(torch.ops.aten, name, None)
+        formula = flop_registry.get(packet) if packet is not None else None
+        if formula is not None:
+            mapping[packet] = _grouped_formula(formula, query, kv)
+    return mapping
+
+
+_FLOP_MAPPING: list[dict[Any, Any]] = []
+
+
+def flop_mapping() -> dict[Any, Any]:
+    """The formulas memscale counts with besides torch's ``flop_registry``:
+    the fused attention kernels' counting grouped-query calls too (see
+    ``_GROUPED_SDPA``).  Pass as ``FlopCounterMode(custom_mapping=...)``
+    (their formulas take shapes, as torch's own do)."""
+    if not _FLOP_MAPPING:
+        _FLOP_MAPPING.append(_flop_mapping_uncached())
+    return _FLOP_MAPPING[0]
+
+
+def flop_counter(**kwargs: Any) -> Any:
+    """A ``torch.utils.flop_counter.FlopCounterMode(display=False)`` that
+    counts with :func:`flop_mapping` too."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=False, custom_mapping=flop_mapping(), **kwargs)
+
+
+def flop_formula(func: Any) -> Any:
+    """The FLOP formula of the aten operator ``func`` (called with the
+    call's arguments and ``out_val``), or None where it has none."""
+    from torch.utils.flop_counter import flop_registry
+
+    packet = op_packet(func)
+    if packet is None:
+        return None
+    return flop_mapping().get(packet) or flop_registry.get(packet)
+
+
 _NO_ARGUMENT = object()
 
 
@@ -433,7 +525,9 @@ def selective_supported() -> bool:
     than torch 2.4), and its selective cache is indexed per call with a
     ``_CONSUMED`` mark (the private ``_CachingTorchDispatchMode`` and
     ``_CachedTorchDispatchMode`` of ``torch.utils.checkpoint``), which
-    :func:`selective_contexts` needs to allow a second backward."""
+    :func:`selective_contexts` needs to allow a second backward.  (torch
+    2.11 has neither: seen on the H100, where a policy run there anyway
+    found no ``op_output``.)"""
     return _selective_check()
 
 

@@ -106,6 +106,25 @@ class CNN(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
+class Attention(nn.Module):
+    """A qkv projection, causal SDPA (dropout ``p`` in training), an output
+    projection and the residual, with 4 heads of ``width / 4``."""
+
+    def __init__(self, p: float, width: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.p = p
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, w // 4).permute(2, 0, 3, 1, 4)
+        p = self.p if self.training else 0.0
+        a = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return x + self.proj(a.transpose(1, 2).reshape(b, s, w))
+
+
 def tiny_gpt2(dropout: float = 0.1, **config):
     """A 3-block GPT-2 (64 wide, 256 tokens); ``config`` overrides any
     GPT2Config field (``n_layer=4``, ``n_positions=128``...)."""

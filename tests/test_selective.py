@@ -9,10 +9,18 @@ import pickle
 
 import pytest
 import torch
-from conftest import Block, assert_same_step, hook_count, mlp, saved_tensor_hooks, tiny_gpt2
+from conftest import (
+    Attention,
+    Block,
+    assert_same_step,
+    hook_count,
+    mlp,
+    saved_tensor_hooks,
+    tiny_gpt2,
+)
 
 import memscale
-from memscale import _core, _planning, _selective
+from memscale import _core, _planning, _selective, _torch_compat
 from memscale._measure import measure_peak
 
 GIB = 2**30
@@ -139,25 +147,6 @@ def test_levels_keep_more_and_recompute_less_in_turn():
     assert [t for t, _, _ in picked] == [100.0, 10.0, 1.0]
 
 
-class _Attention(torch.nn.Module):
-    """A qkv projection, causal SDPA (dropout ``p`` in training), an output
-    projection and the residual: 64 tokens of width 32, 4 heads of 8."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        torch.manual_seed(3)
-        self.qkv = torch.nn.Linear(32, 96)
-        self.proj = torch.nn.Linear(32, 32)
-        self.p = p
-
-    def forward(self, x):
-        b, s, w = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, 4, w // 4).permute(2, 0, 3, 1, 4)
-        p = self.p if self.training else 0.0
-        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return x + self.proj(a.transpose(1, 2).reshape(b, s, w))
-
-
 class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -203,7 +192,7 @@ def test_attention_at_dropout_0_draws_nothing_and_is_kept(monkeypatch):
         flop_registry[aten._scaled_dot_product_flash_attention],
     )
     x = torch.randn(8, 64, 32, generator=torch.Generator().manual_seed(4))
-    block = _Attention(p=0.0)
+    block = Attention(p=0.0)
     block.train()
     with _selective.OpRecorder([block]) as rec:
         block(x)
@@ -213,7 +202,7 @@ def test_attention_at_dropout_0_draws_nothing_and_is_kept(monkeypatch):
     threshold, kept, _ = levels[0]
     assert kept == attention_out and 56.0 < threshold < 57.0
 
-    plain = _Attention(p=0.0)
+    plain = Attention(p=0.0)
     plain.train()
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     out = _selective.run(block.forward, threshold, (xa,), {})
@@ -229,12 +218,56 @@ def test_attention_at_dropout_0_draws_nothing_and_is_kept(monkeypatch):
         assert torch.equal(a.grad, b.grad)
 
 
+def test_grouped_query_attention_is_counted_as_its_expanded_heads():
+    """torch's formulas for the fused attention kernels asserted equal head
+    counts before torch 2.13 (seen on torch 2.11 on an H100: with
+    grouped-query attention, fewer key/value heads, as Hugging Face's SDPA
+    path calls the CUDA kernels, FlopCounterMode raised inside the step).
+    memscale's formulas count such a call as the same call with its keys
+    and values expanded to the query's heads, forward and backward: what
+    torch 2.13 counts, and what an older torch's strict formula (the stand-in
+    below) counts once the shapes are expanded."""
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    q = torch.empty(2, 8, 16, 32, device="meta")
+    kv = torch.empty(2, 2, 16, 32, device="meta")
+    full = torch.empty(2, 8, 16, 32, device="meta")
+    flash = aten._scaled_dot_product_flash_attention
+    count = _torch_compat.flop_formula(flash.default)
+    expected = flop_registry[flash](q, full, full, out_val=None)
+    assert count(q, kv, kv, out_val=None) == expected > 0
+    assert count(q, full, full, out_val=None) == expected
+
+    seen = []
+
+    def strict(query, key, value, *rest, out_val=None, **kwargs):  # torch 2.11's check
+        assert query[1] == key[1] == value[1], "query/key/value shapes are incompatible"
+        seen.append((tuple(key), tuple(value)))
+        return 1
+
+    backward = _torch_compat._grouped_formula(strict, 1, (2, 3))
+    grad = torch.empty(2, 8, 16, 32, device="meta")
+    assert backward(grad, q, kv, kv, out_val=None) == 1  # (grad_out, query, key, value)
+    assert seen == [((2, 8, 16, 32), (2, 8, 16, 32))]
+    with pytest.raises(AssertionError):
+        strict(q.shape, kv.shape, kv.shape)
+    # Every grouped-query kernel of this torch has its formula wrapped, and a
+    # counter counts with them.
+    mapping = _torch_compat.flop_mapping()
+    assert flash in mapping and aten._scaled_dot_product_efficient_attention_backward in mapping
+    with _torch_compat.flop_counter() as counter:
+        assert counter.flop_registry[flash](q, kv, kv, out_val=None) == expected
+    assert _torch_compat.flop_formula(aten.mm.default) is flop_registry[aten.mm]
+    assert _torch_compat.flop_formula(aten.relu.default) is None
+
+
 def test_attention_with_dropout_is_never_kept():
     """With dropout on, SDPA runs its math path on the CPU (a ``bernoulli_``
     draw): nothing random is kept, and at every level the recompute draws
     the same mask (the RNG state restored): bitwise gradients."""
     x = torch.randn(8, 64, 32, generator=torch.Generator().manual_seed(4))
-    block, plain = _Attention(p=0.2), _Attention(p=0.2)
+    block, plain = Attention(p=0.2), Attention(p=0.2)
     for m in (block, plain):
         m.train()
     with _selective.OpRecorder([block]) as rec:

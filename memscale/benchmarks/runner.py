@@ -56,6 +56,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import memscale
 from memscale import _core, _hardware
 
+from .. import _torch_compat
 from .._measure import peak_rss_subprocess
 from .device import measure_step_peak, synchronizer
 from .models import BENCHMARK_MODELS, Batch, BenchmarkModel
@@ -411,7 +412,7 @@ def step_flops(step: Callable[[], Any]) -> int:
     ``FlopCounterMode``: a recompute in backward runs under the same mode
     and is counted with the rest, and so do the graphs of a step compiled
     with eager kernels (not inductor's: they run outside the dispatcher)."""
-    counter = _CompiledFlopCounter(display=False)
+    counter = _CompiledFlopCounter(display=False, custom_mapping=_torch_compat.flop_mapping())
     with counter:
         step()
     return int(counter.get_total_flops())

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from .. import (
     _compiled,
@@ -20,6 +19,7 @@ from .. import (
     _recompute_check,
     _selective,
     _step_in_backward,
+    _torch_compat,
     _verify,
 )
 from .._executor import Executor
@@ -129,7 +129,7 @@ class _Simulation:
         class _Pass:
             def __enter__(self_inner) -> Any:
                 modules = [m for _, m in units]
-                prof = _core.Profiler(modules, params, FlopCounterMode(display=False))
+                prof = _core.Profiler(modules, params, _torch_compat.flop_counter())
                 prof.attach()
                 holder["profiler"] = prof
                 try:
