@@ -367,3 +367,17 @@ def test_gpu_check_reads_outcomes_from_the_log_of_a_killed_run(tmp_path):
     got = _gpu_check_module()._from_log(str(log))
     assert (got["total"], got["passed"], got["failed"], got["skipped"]) == (3, 1, 1, 1)
     assert got["failures"] == ["tests/gpu/test_a.py::test_y[sync]"]
+
+
+def test_the_step_memory_diagnostic_without_cuda_says_so(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "gpu_step_memory.py")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "no CUDA device" in proc.stderr
