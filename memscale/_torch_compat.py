@@ -408,10 +408,12 @@ def _shape_of(x: Any) -> Any:
     return x.shape if isinstance(x, torch.Tensor) else x
 
 
-def _grouped_formula(formula: Any, query: int, kv: tuple[int, ...]) -> Any:
-    """``formula`` (an entry of torch's ``flop_registry``: it takes tensors
-    or shapes, and ``out_val``) counting a grouped-query call as the same
-    call with its keys and values expanded to the query's heads."""
+def _grouped_formula(packet: Any, query: int, kv: tuple[int, ...]) -> Any:
+    """``packet``'s formula in torch's ``flop_registry`` (looked up at each
+    call, so a formula registered later is used; it takes tensors or
+    shapes, and ``out_val``) counting a grouped-query call as the same call
+    with its keys and values expanded to the query's heads."""
+    from torch.utils.flop_counter import flop_registry
 
     def count(*args: Any, out_val: Any = None, out_shape: Any = None, **kwargs: Any) -> Any:
         shapes = [_shape_of(a) for a in args]
@@ -429,7 +431,7 @@ def _grouped_formula(formula: Any, query: int, kv: tuple[int, ...]) -> Any:
                     ):
                         shapes[i] = torch.Size((k[0], q[1], k[2], k[3]))
         out = out_val if out_val is not None else out_shape
-        return formula(*shapes, out_val=out, **kwargs)
+        return flop_registry[packet](*shapes, out_val=out, **kwargs)
 
     return count
 
@@ -440,9 +442,8 @@ def _flop_mapping_uncached() -> dict[Any, Any]:
     mapping = {}
     for name, (query, kv) in _GROUPED_SDPA.items():
         packet = getattr(torch.ops.aten, name, None)
-        formula = flop_registry.get(packet) if packet is not None else None
-        if formula is not None:
-            mapping[packet] = _grouped_formula(formula, query, kv)
+        if packet is not None and packet in flop_registry:
+            mapping[packet] = _grouped_formula(packet, query, kv)
     return mapping
 
 

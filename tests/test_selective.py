@@ -218,46 +218,66 @@ def test_attention_at_dropout_0_draws_nothing_and_is_kept(monkeypatch):
         assert torch.equal(a.grad, b.grad)
 
 
-def test_grouped_query_attention_is_counted_as_its_expanded_heads():
+@pytest.mark.parametrize("name", sorted(_torch_compat._GROUPED_SDPA))
+def test_grouped_query_attention_is_counted_as_its_expanded_heads(monkeypatch, name):
     """torch's formulas for the fused attention kernels asserted equal head
     counts before torch 2.13 (seen on torch 2.11 on an H100: with
     grouped-query attention, fewer key/value heads, as Hugging Face's SDPA
-    path calls the CUDA kernels, FlopCounterMode raised inside the step).
-    memscale's formulas count such a call as the same call with its keys
-    and values expanded to the query's heads, forward and backward: what
-    torch 2.13 counts, and what an older torch's strict formula (the stand-in
-    below) counts once the shapes are expanded."""
+    path calls the CUDA kernels, FlopCounterMode raised inside a real
+    forward).  memscale's formulas count such a call as the same call with
+    its keys and values expanded to the query's heads, forward and
+    backward.  Here each kernel's formula is replaced by a stand-in as
+    strict as torch 2.11's, which finds the query, key and value by their
+    names in the operator's schema: called through memscale's counter with
+    2 key/value heads against 8 query heads, it sees 8 everywhere."""
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(torch.ops.aten, name)
+    names = [a.name for a in packet.default._schema.arguments]
+    at = {role: names.index(role) for role in ("query", "key", "value")}
+    query, kv = _torch_compat._GROUPED_SDPA[name]
+    assert (query, kv) == (at["query"], (at["key"], at["value"]))
+    seen = []
+
+    def strict(*args, out_val=None, **kwargs):  # torch 2.11's check, shapes or tensors
+        heads = [tuple(getattr(args[i], "shape", args[i]))[1] for i in at.values()]
+        assert len(set(heads)) == 1, "query/key/value shapes are incompatible"
+        seen.append(heads)
+        return 7
+
+    monkeypatch.setitem(flop_registry, packet, strict)
+    q = torch.empty(2, 8, 16, 32, device="meta")
+    kv_grouped = torch.empty(2, 2, 16, 32, device="meta")
+    args = [None] * len(names)
+    for role, i in at.items():
+        args[i] = q if role == "query" else kv_grouped
+    if at["query"] == 1:  # a backward: grad_out first
+        args[0] = q
+    with pytest.raises(AssertionError):
+        strict(*args)
+    seen.clear()
+    assert _torch_compat.flop_formula(packet.default)(*args, out_val=None) == 7
+    with _torch_compat.flop_counter() as counter:
+        assert counter.flop_registry[packet](*args, out_val=None) == 7
+    assert seen == [[8, 8, 8], [8, 8, 8]]
+
+
+def test_the_attention_formulas_count_as_torch_s_own_here():
+    """On this torch the wrapped formulas count what torch's own do, with
+    and without grouped-query shapes (torch 2.13 counts grouped calls as
+    their expanded heads itself), and every other operator keeps torch's
+    formula (or none)."""
     from torch.utils.flop_counter import flop_registry
 
     aten = torch.ops.aten
     q = torch.empty(2, 8, 16, 32, device="meta")
     kv = torch.empty(2, 2, 16, 32, device="meta")
-    full = torch.empty(2, 8, 16, 32, device="meta")
     flash = aten._scaled_dot_product_flash_attention
     count = _torch_compat.flop_formula(flash.default)
-    expected = flop_registry[flash](q, full, full, out_val=None)
+    expected = flop_registry[flash](q, q, q, out_val=None)
     assert count(q, kv, kv, out_val=None) == expected > 0
-    assert count(q, full, full, out_val=None) == expected
-
-    seen = []
-
-    def strict(query, key, value, *rest, out_val=None, **kwargs):  # torch 2.11's check
-        assert query[1] == key[1] == value[1], "query/key/value shapes are incompatible"
-        seen.append((tuple(key), tuple(value)))
-        return 1
-
-    backward = _torch_compat._grouped_formula(strict, 1, (2, 3))
-    grad = torch.empty(2, 8, 16, 32, device="meta")
-    assert backward(grad, q, kv, kv, out_val=None) == 1  # (grad_out, query, key, value)
-    assert seen == [((2, 8, 16, 32), (2, 8, 16, 32))]
-    with pytest.raises(AssertionError):
-        strict(q.shape, kv.shape, kv.shape)
-    # Every grouped-query kernel of this torch has its formula wrapped, and a
-    # counter counts with them.
-    mapping = _torch_compat.flop_mapping()
-    assert flash in mapping and aten._scaled_dot_product_efficient_attention_backward in mapping
-    with _torch_compat.flop_counter() as counter:
-        assert counter.flop_registry[flash](q, kv, kv, out_val=None) == expected
+    assert count(q, q, q, out_val=None) == expected
+    assert flop_registry[flash](q, kv, kv, out_val=None) == expected
     assert _torch_compat.flop_formula(aten.mm.default) is flop_registry[aten.mm]
     assert _torch_compat.flop_formula(aten.relu.default) is None
 

@@ -277,7 +277,7 @@ def test_a_device_sweep_measures_each_row_with_no_baseline_alive(monkeypatch, de
         model = nn.Linear(1, 1)
         alive.add(model)
         built.append(str(device))
-        return model, None, (lambda: None), (None, None)
+        return model, None, (lambda: model(torch.ones(1))), (None, None)
 
     at_measure: list[int] = []
 
@@ -288,7 +288,9 @@ def test_a_device_sweep_measures_each_row_with_no_baseline_alive(monkeypatch, de
     def row(
         entry, name, settings, fraction, budget, timed, overhead, device=sweep.CPU, least=False
     ):
-        timed(lambda: None)
+        model, batch, step, (_, opt) = sweep._prepared(entry, lambda m, b: None, device)
+        sweep._measure(step, model, batch, opt, device)
+        timed(step)
         return sweep.SweepRow(entry.name, name, fraction, budget, None, None, False)
 
     monkeypatch.setattr(sweep, "_prepared", prepared)
@@ -307,11 +309,33 @@ def test_a_device_sweep_measures_each_row_with_no_baseline_alive(monkeypatch, de
         fractions=(0.5,),
     )
     assert result["device"] == device
-    # The baseline, then one model per peer: each measured with the
-    # baseline beside it on the CPU, alone on the device.
-    assert at_measure == [1] + [1 if device == "cuda" else 2] * len(sweep.PEERS)
-    # On the device the baseline is built again for each time ratio (the
-    # peers' and memscale's two rows).
-    rebuilt = len(sweep.PEERS) + len(sweep.MEMSCALE) if device == "cuda" else 0
-    assert len(built) == 1 + len(sweep.PEERS) + rebuilt
+    # The baseline, then one model per peer and per memscale row: each
+    # measured with the baseline beside it on the CPU, alone on the device.
+    rows = len(sweep.PEERS) + len(sweep.MEMSCALE)
+    assert at_measure == [1] + [1 if device == "cuda" else 2] * rows
+    # On the device the baseline is built again for each time ratio.
+    rebuilt = rows if device == "cuda" else 0
+    assert len(built) == 1 + rows + rebuilt
     assert set(built) == {device}
+
+
+def test_a_least_budget_refused_again_is_a_violation(capsys):
+    """A refusal names the least budget; the sweep plans there.  Seen on an
+    H100 (llama-12l): refused again, with the least one byte above.  That
+    is a violation, and the summary does not call that budget accepted."""
+    rows = _clean_rows()
+    least = next(r for r in rows if r["method"] == "memscale" and r["least"])
+    least.update(peak_bytes=None, fits=False, min_budget_bytes=least["budget_bytes"] + 1)
+    least.update(recompute_overhead=None, time_ratio=None, plan="no plan fits")
+    summary = sweep.summarize(_result(rows))
+    assert summary["violations"] == [
+        "m memscale: the least budget a refusal named, 119.5 MiB, was refused too "
+        "(least then 119.5 MiB)"
+    ]
+    assert summary["methods"]["memscale"]["least"]["least_budget_bytes"] is None
+    assert summary["methods"]["memscale conservative"]["least"]["least_budget_bytes"] == int(
+        119.5 * MIB
+    )
+    with pytest.raises(SystemExit):
+        cli.main(["--sweep", "--sweep-fractions", "0.3", "--sweep-inductor", "0.5"])
+    assert "--sweep-inductor 0.5: not among --sweep-fractions" in capsys.readouterr().err

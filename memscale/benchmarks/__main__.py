@@ -522,7 +522,12 @@ def _sweep_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         return chosen
 
     inductor = fractions("--sweep-inductor", args.sweep_inductor)
-    budgets = fractions("--sweep-fractions", args.sweep_fractions) or sweep.FRACTIONS
+    budgets = tuple(sorted(set(fractions("--sweep-fractions", args.sweep_fractions)))) or (
+        sweep.FRACTIONS
+    )
+    for x in inductor:
+        if not any(math.isclose(x, b) for b in budgets):
+            parser.error(f"--sweep-inductor {x:g}: not among --sweep-fractions")
     if not args.sweep_no_compile or inductor:
         from .runner import compile_budget_unavailable
 

@@ -626,12 +626,18 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                     f"{100 * PREDICTION_TOLERANCE:g}%)"
                 )
 
-        # A plan at the least budget memscale accepts must fit it too.
+        # A plan at the least budget memscale accepts must fit it too, and
+        # the budget a refusal named as the least must then be accepted.
         for r in ours:
             if r.get("least", False) and r["peak_bytes"] is not None and not r["fits"]:
                 bad(
                     f"at its least budget {_bytes(r['budget_bytes'])} the measured peak "
                     f"{_bytes(r['peak_bytes'])} is over it"
+                )
+            if r.get("least", False) and r["peak_bytes"] is None:
+                bad(
+                    f"the least budget a refusal named, {_bytes(r['budget_bytes'])}, was "
+                    f"refused too (least then {_bytes(r['min_budget_bytes'])})"
                 )
 
         # (b) The least memory memscale reaches: the lowest measured peak
@@ -648,7 +654,9 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         refused = [(r["min_budget_bytes"], "least budget accepted, not measured") for r in ours]
         candidates = measured or [c for c in refused if c[0] is not None]
         ours_least = min(candidates, default=None)
-        accepted = [r["budget_bytes"] for r in ours if r.get("least", False)]
+        accepted = [
+            r["budget_bytes"] for r in ours if r.get("least", False) and r["peak_bytes"] is not None
+        ]
         peer_peaks = [
             (p["peak_bytes"], p["method"], p["fraction"])
             for p in peers

@@ -372,6 +372,11 @@ def library_workspace_bytes(device: torch.device) -> int:
     return kept
 
 
+def _saved_tensor_hooks_enabled() -> bool:
+    check = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return True if check is None else bool(check())
+
+
 def _measure_libraries(index: int) -> int:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     tools = _torch_compat.fake_tensor_tools()
@@ -389,9 +394,12 @@ def _measure_libraries(index: int) -> int:
         b = torch.zeros(64, device=f"cuda:{index}", requires_grad=True)
         try:
             (torch.nn.functional.linear(x, w, b) @ w).sum().backward()
-            recomputed = checkpoint(torch.nn.functional.linear, x, w, b, use_reentrant=False)
-            (recomputed @ w).sum().backward()
-            del recomputed
+            if _saved_tensor_hooks_enabled():
+                # (Where saved-tensor hooks are disabled no checkpoint can
+                # run: the recompute's workspace is not counted.)
+                recomputed = checkpoint(torch.nn.functional.linear, x, w, b, use_reentrant=False)
+                (recomputed @ w).sum().backward()
+                del recomputed
         finally:
             del x, w, b
         torch.cuda.synchronize(index)

@@ -95,7 +95,13 @@ _FP32_DIVERGES = (
 
 @pytest.mark.parametrize(
     "dtype",
-    ["bf16", pytest.param("fp32", marks=pytest.mark.xfail(strict=True, reason=_FP32_DIVERGES))],
+    [
+        "bf16",
+        pytest.param(
+            "fp32",
+            marks=pytest.mark.xfail(torch.__version__ < "2.12", strict=True, reason=_FP32_DIVERGES),
+        ),
+    ],
 )
 def test_the_fake_pass_picks_the_attention_kernel_a_real_forward_runs(dtype):
     """The profile is made on fake tensors; the attention kernel it records
@@ -217,7 +223,8 @@ def test_a_llama_selective_plan_fits_on_cuda(dtype):
     ids = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(1)).to(DEV)
     batch = {"input_ids": ids, "labels": ids}
     base = memscale.predict_peak(build(), batch, config=memscale.Config(memory_budget_gb=100))
-    model, ref = build(), build()
+    fresh_device()
+    model = build()
     config = memscale.Config(
         mode="balanced",
         enable_offloading=False,
@@ -230,9 +237,10 @@ def test_a_llama_selective_plan_fits_on_cuda(dtype):
     try:
         plan = model._memscale_executor.plan
         runs = [layer.name for layer in plan.layers if "selective" in layer.techniques]
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (model, ref)]
 
-        def stepper(m, opt):
+        def stepper(m):
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+
             def step():
                 opt.zero_grad(set_to_none=True)
                 torch.manual_seed(5)
@@ -243,11 +251,17 @@ def test_a_llama_selective_plan_fits_on_cuda(dtype):
 
         from memscale.benchmarks.device import CudaMemory, measure_device_peak
 
-        steps = [stepper(m, o) for m, o in zip((model, ref), opts)]
+        # One model on the device at a time: its peak is the whole
+        # device's.  Each runs two steps (a warm-up and the measured one).
         with _deterministic_where_possible():
-            reports = [measure_device_peak(s, CudaMemory(DEV), warmup=1) for s in steps]
-            same_grads = _max_diff(grads(model), grads(ref))
-        ours, theirs = reports
+            ours = measure_device_peak(stepper(model), CudaMemory(DEV), warmup=1)
+            ours_grads = [None if g is None else g.cpu() for g in grads(model)]
+            memscale.detach(model)
+            model = None
+            fresh_device()
+            ref = build()
+            theirs = measure_device_peak(stepper(ref), CudaMemory(DEV), warmup=1)
+            same_grads = _max_diff(ours_grads, [None if g is None else g.cpu() for g in grads(ref)])
         record(
             f"selective_llama_{dtype}",
             {
@@ -265,4 +279,5 @@ def test_a_llama_selective_plan_fits_on_cuda(dtype):
         assert abs(plan.peak_projected_bytes - ours.peak_bytes) <= 0.02 * ours.peak_bytes
         assert same_grads == 0.0
     finally:
-        memscale.detach(model)
+        if model is not None:
+            memscale.detach(model)
