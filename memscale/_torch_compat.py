@@ -138,6 +138,37 @@ def fake_tensor_tools() -> (
     )
 
 
+def fake_device_reader() -> Callable[[Any], torch.device | None] | None:
+    """A reader of the device a fake tensor reports, for ``prim.device``.
+
+    Torch's C++ code (the autograd engine above all) asks a fake tensor for
+    its device through the ``prim.device`` operator, which reaches every
+    Python dispatch mode on the stack; FakeTensorMode answers it with the
+    tensor's ``fake_device`` (``meta`` inside one of its kernels).  The OOM
+    predictor's storage tracker, a mode above it, answers the same way
+    without dispatching further (a backward asks some 25 times per layer).
+    The reader returns None for anything but a fake tensor outside a fake
+    kernel: then the operator is dispatched as usual.  None when this torch
+    lacks the attributes read."""
+    if torch_version() < TESTED_TORCH[0]:  # pragma: no cover
+        return None
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover - depends on the torch release
+        return None
+
+    def read(t: Any) -> torch.device | None:
+        if not isinstance(t, FakeTensor):
+            return None
+        mode = getattr(t, "fake_mode", None)
+        if mode is None or getattr(mode, "in_kernel_invocation", True):
+            return None
+        device = getattr(t, "fake_device", None)
+        return device if isinstance(device, torch.device) else None
+
+    return read
+
+
 def module_tensor_tables(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The dicts in which ``module`` keeps its own parameters and buffers
     (``_parameters`` and ``_buffers``; ``torch.func.functional_call`` swaps

@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import memscale
-from memscale import _planner
+from memscale import _planner, _torch_compat
 from memscale.benchmarks.models import BENCHMARK_MODELS
 from memscale.benchmarks.runner import prepare
 from memscale.config import GIB
@@ -132,3 +132,49 @@ def test_the_benchmark_reports_the_cpu_time_of_wrap():
     finally:
         wrapped.close()
     assert prepare(entry, "torch-checkpoint").wrap_cpu_seconds is None
+
+
+def _trace_of(session):
+    tracker = session._steps._unoptimized.tracker
+    return (
+        tracker.events,
+        tracker.phase_marks,
+        tracker.sizes_at_birth,
+        tracker.categories,
+        tracker.kernel_calls,
+    )
+
+
+@pytest.mark.parametrize("case", [_mlp, _gpt2])
+def test_the_tracker_answers_prim_device_as_fake_tensors_do(case, monkeypatch):
+    """The storage tracker answers ``prim.device`` (which torch's autograd
+    engine asks a fake tensor many times per layer) with the fake tensor's
+    device, without dispatching it on: every answer is the device the fake
+    tensor reports, and the simulated step is the same, event for event,
+    as with the operator dispatched to FakeTensorMode."""
+    reader = _torch_compat.fake_device_reader()
+    assert reader is not None
+    answers = []
+
+    def counted():
+        def read(t):
+            device = reader(t)
+            if device is not None:
+                answers.append((device, t.device))
+            return device
+
+        return read
+
+    monkeypatch.setattr(_torch_compat, "fake_device_reader", counted)
+    model, x, loss_fn = case()
+    with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+        fast = _trace_of(session)
+        fast_peak = session.unoptimized_peak()
+    assert len(answers) > 100  # the backward asks many times
+    assert all(device == reported for device, reported in answers)
+    assert reader(torch.zeros(1)) is None  # a real tensor: dispatched as usual
+    monkeypatch.setattr(_torch_compat, "fake_device_reader", lambda: None)
+    model, x, loss_fn = case()
+    with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+        assert _trace_of(session) == fast
+        assert session.unoptimized_peak() == fast_peak

@@ -19,6 +19,7 @@ from ._tree import tensor_list, tensors_in
 from ._workspace import Kernel, probe_on_device, signature, workspace_ops
 
 _EQUAL = torch.ops.aten.equal.default
+_DEVICE = torch.ops.prim.device.default
 
 # The base class, looked up once at import: torch's TorchDispatchMode (its
 # module is loaded by ``import torch`` already, so this costs nothing).  A
@@ -51,6 +52,8 @@ class StorageTracker(_DispatchMode):
                 f"torch {torch.__version__} does not provide; install torch >= 2.4"
             )
         super().__init__()
+        # prim.device answered here (it returns no tensor to track).
+        self._fake_device = _torch_compat.fake_device_reader()
         tools = _torch_compat.fake_tensor_tools() if real_limit else None
         self._real_limit = real_limit if tools is not None else 0
         if tools is not None:
@@ -174,6 +177,10 @@ class StorageTracker(_DispatchMode):
             ]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and self._fake_device is not None and len(args) == 1:
+            device = self._fake_device(args[0])
+            if device is not None:
+                return device
         if func is _EQUAL and self.phase == "backward":
             # The executor compares a layer's buffers before and after
             # its recompute (csrc/frame.c, restore_buffers) to put
