@@ -178,3 +178,59 @@ def test_the_tracker_answers_prim_device_as_fake_tensors_do(case, monkeypatch):
     with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
         assert _trace_of(session) == fast
         assert session.unoptimized_peak() == fast_peak
+
+
+def _step_record(trace):
+    tracker = trace.tracker
+    return (
+        tracker.events,
+        tracker.phase_marks,
+        tracker.sizes_at_birth,
+        tracker.categories,
+        tracker.kernel_calls,
+        [(at, type(m).__name__) for at, m in tracker.forward_marks],
+        [(at, type(m).__name__) for at, m in tracker.recompute_marks],
+    )
+
+
+def _llama():
+    from conftest import tiny_llama
+
+    batch = token_batch(batch=4, seq=64)
+    return tiny_llama(), {"input_ids": batch, "labels": batch}, None
+
+
+@pytest.mark.parametrize("case", [_mlp, _gpt2, _llama])
+def test_fake_calls_from_the_memo_are_the_calls_dispatched(case, monkeypatch):
+    """The simulated steps call operators through _torch_compat.fake_calls
+    (FakeTensorMode's cache read through a cheaper key): the profile, the
+    unoptimized step and the step with every layer checkpointed are the
+    same, event for event, as with every call dispatched to FakeTensorMode."""
+    made = []
+
+    def counted(mode):
+        real = original(mode)
+        assert real is not None
+        made.append(real)
+        return real
+
+    original = _torch_compat.fake_calls
+    monkeypatch.setattr(_torch_compat, "fake_calls", counted)
+    results = []
+    for _ in range(2):
+        model, x, loss_fn = case()
+        with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+            plan = session.plan(FORCE)
+            steps = session._steps
+            results.append(
+                (
+                    session.profile,
+                    _step_record(steps._unoptimized),
+                    _step_record(steps._trace(plan, FORCE)[1]),
+                    steps.simulated_peak(plan, FORCE),
+                    plan.hash,
+                )
+            )
+        monkeypatch.setattr(_torch_compat, "fake_calls", lambda mode: None)
+    assert len(made) == 1 and made[0].hits > 100  # the memo answered
+    assert results[0] == results[1]

@@ -42,6 +42,10 @@ class FakeWorld:
                 f"torch {torch.__version__} does not provide; install torch >= 2.4"
             )
         self.mode, self._convert = fake
+        # Operator calls on its fake tensors, answered from FakeTensorMode's
+        # cache through a cheaper key (None: called as usual); the storage
+        # tracker of every simulated step calls through it.
+        self.calls = _torch_compat.fake_calls(self.mode)
         self.model = model
         self.device = device
         self._memo: dict[int, torch.Tensor] = {}
