@@ -234,3 +234,42 @@ def test_fake_calls_from_the_memo_are_the_calls_dispatched(case, monkeypatch):
         monkeypatch.setattr(_torch_compat, "fake_calls", lambda mode: None)
     assert len(made) == 1 and made[0].hits > 100  # the memo answered
     assert results[0] == results[1]
+
+
+def test_a_real_tensor_is_made_fake_once_with_its_storage(monkeypatch):
+    """The fake world converts each real parameter and buffer once (its
+    detached alias made outside the fake mode, where detaching would
+    convert it a first time), to a twin of the same shape, strides, offset
+    and storage bytes; tensors that share a storage share a fake one."""
+    from torch._subclasses.fake_tensor import FakeTensorConverter
+
+    from memscale.predictor._fake import FakeWorld
+
+    converted = []
+    original = FakeTensorConverter.from_real_tensor
+
+    def counted(self, mode, t, *args, **kwargs):
+        converted.append(tuple(t.shape))
+        return original(self, mode, t, *args, **kwargs)
+
+    monkeypatch.setattr(FakeTensorConverter, "from_real_tensor", counted)
+    base = torch.randn(4, 8)
+    model = nn.Linear(8, 4)
+    model.register_buffer("whole", base)
+    model.part = nn.Parameter(base[1:3])  # a view of the buffer's storage
+    real = {"weight": model.weight, "bias": model.bias, "part": model.part, "whole": base}
+    with FakeWorld(model, torch.device("cpu")) as world:
+        fake = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        assert sorted(converted) == sorted(tuple(t.shape) for t in real.values())
+        for name, t in real.items():
+            twin = fake[name]
+            assert _torch_compat.is_fake(twin) and twin is world.fake(t)
+            assert (twin.shape, twin.stride(), twin.storage_offset()) == (
+                t.shape,
+                t.stride(),
+                t.storage_offset(),
+            )
+            assert twin.untyped_storage().nbytes() == t.untyped_storage().nbytes()
+        assert _torch_compat.storage_key(fake["part"]) == _torch_compat.storage_key(fake["whole"])
+        assert isinstance(fake["part"], nn.Parameter) and fake["part"].requires_grad
+    assert model.part is real["part"]
