@@ -196,10 +196,22 @@ class _FakeCalls:
         self._cache = type(mode).cache
         self._memo: dict[tuple[Any, ...], tuple[Any, Any] | None] = {}
         self.hits = 0  # calls answered from the memo
+        self._alone_checked: bool | None = None
         self._fake_key = torch._C._TorchDispatchModeKey.FAKE
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
         self._proxy_mode = get_proxy_mode
+
+    def _alone(self) -> bool:
+        """Whether a stack of one mode, with ``mode`` in the fake slot, is
+        ``mode`` alone (no other mode to pass by): checked once, on the
+        first such call."""
+        if self._alone_checked is None:
+            from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+            stack = _get_current_dispatch_mode_stack()
+            self._alone_checked = len(stack) == 1 and stack[0] is self._mode
+        return self._alone_checked
 
     def _tensor(self, t: Any, out: list[Any]) -> bool:
         if (
@@ -264,6 +276,7 @@ class _FakeCalls:
             or mode.shape_env is not None
             or torch._C._len_torch_dispatch_stack() != 1
             or torch._C._get_dispatch_mode(self._fake_key) is not mode
+            or not self._alone()
         ):
             return func(*args, **kwargs)
         key = self._key(func, args, kwargs)
