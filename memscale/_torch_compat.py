@@ -138,6 +138,215 @@ def fake_tensor_tools() -> (
     )
 
 
+def fake_device_reader() -> Callable[[Any], torch.device | None] | None:
+    """A reader of the device a fake tensor reports, for ``prim.device``.
+
+    Torch's C++ code (the autograd engine above all) asks a fake tensor for
+    its device through the ``prim.device`` operator, which reaches every
+    Python dispatch mode on the stack; FakeTensorMode answers it with the
+    tensor's ``fake_device`` (``meta`` inside one of its kernels).  The OOM
+    predictor's storage tracker, a mode above it, answers the same way
+    without dispatching further (a backward asks some 25 times per layer).
+    The reader returns None for anything but a fake tensor outside a fake
+    kernel: then the operator is dispatched as usual.  None when this torch
+    lacks the attributes read."""
+    if torch_version() < TESTED_TORCH[0]:  # pragma: no cover
+        return None
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover - depends on the torch release
+        return None
+
+    def read(t: Any) -> torch.device | None:
+        if not isinstance(t, FakeTensor):
+            return None
+        mode = getattr(t, "fake_mode", None)
+        if mode is None or getattr(mode, "in_kernel_invocation", True):
+            return None
+        device = getattr(t, "fake_device", None)
+        return device if isinstance(device, torch.device) else None
+
+    return read
+
+
+class _FakeCalls:
+    """Calls of operators on fake tensors, dispatched as ``func(*args,
+    **kwargs)`` would be when FakeTensorMode ``mode`` is the only mode left
+    on the stack, with the key of FakeTensorMode's dispatch cache read from
+    a memo instead of recomputed.
+
+    FakeTensorMode answers a call it has seen before (its cache key: the
+    operator, every fake argument's metadata, the other arguments and some
+    global state) by making the output from its cache entry; computing that
+    key in Python is most of what such a call costs.  Here a cheaper key,
+    made of the same values (each tensor's dtype, shape, strides, device,
+    storage offset and bytes, and flags; the other arguments with their
+    types; the same global state), maps to the key and entry FakeTensorMode
+    made the first time, and the output is made from that entry with
+    FakeTensorMode's own method: the same output as its cache gives.  A call
+    whose arguments it cannot key (a real tensor, a symbolic size, a
+    constant, another mode's fake tensor, an argument of another type), or
+    whose entry is not a valid cached output, is dispatched as usual."""
+
+    def __init__(self, mode: Any, fake_cls: Any, state_cls: Any, valid_cls: Any) -> None:
+        self._mode = mode
+        self._fake_cls = fake_cls
+        self._state_cls = state_cls
+        self._valid_cls = valid_cls
+        self._cache = type(mode).cache
+        self._memo: dict[tuple[Any, ...], tuple[Any, Any] | None] = {}
+        self.hits = 0  # calls answered from the memo
+        self._alone_checked: bool | None = None
+        self._fake_key = torch._C._TorchDispatchModeKey.FAKE
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        self._proxy_mode = get_proxy_mode
+
+    def _alone(self) -> bool:
+        """Whether a stack of one mode, with ``mode`` in the fake slot, is
+        ``mode`` alone (no other mode to pass by): checked once, on the
+        first such call."""
+        if self._alone_checked is None:
+            from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+            stack = _get_current_dispatch_mode_stack()
+            self._alone_checked = len(stack) == 1 and stack[0] is self._mode
+        return self._alone_checked
+
+    def _tensor(self, t: Any, out: list[Any]) -> bool:
+        if (
+            not isinstance(t, self._fake_cls)
+            or t.fake_mode is not self._mode
+            or t.constant is not None
+            or t.layout is not torch.strided
+            or t._has_symbolic_sizes_strides
+        ):
+            return False
+        out += (
+            t.dtype,
+            t.shape,
+            t.stride(),
+            t.fake_device,
+            t.storage_offset(),
+            t.untyped_storage().nbytes(),
+            t.requires_grad,
+            t.is_conj(),
+            t.is_neg(),
+            t.is_inference(),
+        )
+        return True
+
+    def _values(self, values: Any, out: list[Any]) -> bool:
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                if not self._tensor(v, out):
+                    return False
+            elif isinstance(v, (list, tuple)):
+                out += (type(v), len(v))
+                if not self._values(v, out):
+                    return False
+            elif v is None or type(v) in _KEYED_TYPES:
+                out += (type(v), v)
+            else:
+                return False
+        return True
+
+    def _key(self, func: Any, args: Any, kwargs: Any) -> tuple[Any, ...] | None:
+        out: list[Any] = [
+            func,
+            torch.get_default_dtype(),
+            torch._C._get_default_device(),
+            torch.is_inference_mode_enabled(),
+            self._proxy_mode() is not None,
+            len(args),
+        ]
+        if not self._values(args, out):
+            return None
+        if kwargs:
+            out += (len(kwargs), *kwargs)
+            if not self._values(kwargs.values(), out):
+                return None
+        return tuple(out)
+
+    def __call__(self, func: Any, args: Any, kwargs: Any) -> Any:
+        mode = self._mode
+        if (
+            not mode.cache_enabled
+            or mode.cache_crosscheck_enabled
+            or mode.shape_env is not None
+            or torch._C._len_torch_dispatch_stack() != 1
+            or torch._C._get_dispatch_mode(self._fake_key) is not mode
+            or not self._alone()
+        ):
+            return func(*args, **kwargs)
+        key = self._key(func, args, kwargs)
+        if key is None:
+            return func(*args, **kwargs)
+        known = self._memo.get(key, _UNSEEN)
+        if known is None:  # FakeTensorMode does not cache this call
+            return func(*args, **kwargs)
+        if known is not _UNSEEN:
+            self.hits += 1
+            return mode._output_from_cache_entry(
+                self._state_cls(None), known[1], known[0], func, args
+            )
+        try:
+            cache_key = mode._cache_key(self._state_cls(None), func, args, kwargs)
+        except Exception:  # noqa: BLE001 - its cache is bypassed for this call
+            cache_key = None
+        out = func(*args, **kwargs)
+        entry = self._cache.get(cache_key) if cache_key is not None else None
+        self._memo[key] = (cache_key, entry) if isinstance(entry, self._valid_cls) else None
+        return out
+
+
+_UNSEEN: Any = object()
+
+# Non-tensor arguments keyed by (type, value), as FakeTensorMode keys them.
+_KEYED_TYPES = frozenset(
+    {int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format}
+)
+
+
+def fake_calls(mode: Any) -> Callable[[Any, Any, Any], Any] | None:
+    """A caller of operators on the fake tensors of FakeTensorMode ``mode``
+    that answers repeated calls from FakeTensorMode's dispatch cache with a
+    cheaper key (:class:`_FakeCalls`; the OOM predictor's storage tracker
+    dispatches through it).  None when this torch lacks what it reads:
+    then operators are called as usual."""
+    if not TESTED_TORCH[0] <= torch_version() <= TESTED_TORCH[1]:
+        return None  # its cache key may hold other values
+    try:
+        from torch._subclasses.fake_tensor import (
+            FakeTensor,
+            FakeTensorMode,
+            _CacheKeyState,
+            _DispatchCacheValidEntry,
+        )
+    except ImportError:  # pragma: no cover - depends on the torch release
+        return None
+    if not isinstance(mode, FakeTensorMode) or not _signatures_match(mode):
+        return None  # pragma: no cover
+    return _FakeCalls(mode, FakeTensor, _CacheKeyState, _DispatchCacheValidEntry)
+
+
+def _signatures_match(mode: Any) -> bool:
+    """Whether FakeTensorMode's cache methods take what _FakeCalls passes."""
+    import inspect
+
+    want = {
+        "_cache_key": ["state", "func", "args", "kwargs"],
+        "_output_from_cache_entry": ["state", "entry", "key", "func", "args"],
+    }
+    try:
+        return all(
+            list(inspect.signature(getattr(mode, name)).parameters) == params
+            for name, params in want.items()
+        ) and isinstance(getattr(type(mode), "cache", None), dict)
+    except (AttributeError, TypeError, ValueError):  # pragma: no cover
+        return False
+
+
 def module_tensor_tables(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The dicts in which ``module`` keeps its own parameters and buffers
     (``_parameters`` and ``_buffers``; ``torch.func.functional_call`` swaps

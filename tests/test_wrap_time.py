@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import memscale
-from memscale import _planner
+from memscale import _planner, _torch_compat
 from memscale.benchmarks.models import BENCHMARK_MODELS
 from memscale.benchmarks.runner import prepare
 from memscale.config import GIB
@@ -132,3 +132,144 @@ def test_the_benchmark_reports_the_cpu_time_of_wrap():
     finally:
         wrapped.close()
     assert prepare(entry, "torch-checkpoint").wrap_cpu_seconds is None
+
+
+def _trace_of(session):
+    tracker = session._steps._unoptimized.tracker
+    return (
+        tracker.events,
+        tracker.phase_marks,
+        tracker.sizes_at_birth,
+        tracker.categories,
+        tracker.kernel_calls,
+    )
+
+
+@pytest.mark.parametrize("case", [_mlp, _gpt2])
+def test_the_tracker_answers_prim_device_as_fake_tensors_do(case, monkeypatch):
+    """The storage tracker answers ``prim.device`` (which torch's autograd
+    engine asks a fake tensor many times per layer) with the fake tensor's
+    device, without dispatching it on: every answer is the device the fake
+    tensor reports, and the simulated step is the same, event for event,
+    as with the operator dispatched to FakeTensorMode."""
+    reader = _torch_compat.fake_device_reader()
+    assert reader is not None
+    answers = []
+
+    def counted():
+        def read(t):
+            device = reader(t)
+            if device is not None:
+                answers.append((device, t.device))
+            return device
+
+        return read
+
+    monkeypatch.setattr(_torch_compat, "fake_device_reader", counted)
+    model, x, loss_fn = case()
+    with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+        fast = _trace_of(session)
+        fast_peak = session.unoptimized_peak()
+    assert len(answers) > 100  # the backward asks many times
+    assert all(device == reported for device, reported in answers)
+    assert reader(torch.zeros(1)) is None  # a real tensor: dispatched as usual
+    monkeypatch.setattr(_torch_compat, "fake_device_reader", lambda: None)
+    model, x, loss_fn = case()
+    with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+        assert _trace_of(session) == fast
+        assert session.unoptimized_peak() == fast_peak
+
+
+def _step_record(trace):
+    tracker = trace.tracker
+    return (
+        tracker.events,
+        tracker.phase_marks,
+        tracker.sizes_at_birth,
+        tracker.categories,
+        tracker.kernel_calls,
+        [(at, type(m).__name__) for at, m in tracker.forward_marks],
+        [(at, type(m).__name__) for at, m in tracker.recompute_marks],
+    )
+
+
+def _llama():
+    from conftest import tiny_llama
+
+    batch = token_batch(batch=4, seq=64)
+    return tiny_llama(), {"input_ids": batch, "labels": batch}, None
+
+
+@pytest.mark.parametrize("case", [_mlp, _gpt2, _llama])
+def test_fake_calls_from_the_memo_are_the_calls_dispatched(case, monkeypatch):
+    """The simulated steps call operators through _torch_compat.fake_calls
+    (FakeTensorMode's cache read through a cheaper key): the profile, the
+    unoptimized step and the step with every layer checkpointed are the
+    same, event for event, as with every call dispatched to FakeTensorMode."""
+    made = []
+
+    def counted(mode):
+        real = original(mode)
+        assert real is not None
+        made.append(real)
+        return real
+
+    original = _torch_compat.fake_calls
+    monkeypatch.setattr(_torch_compat, "fake_calls", counted)
+    results = []
+    for _ in range(2):
+        model, x, loss_fn = case()
+        with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+            plan = session.plan(FORCE)
+            steps = session._steps
+            results.append(
+                (
+                    session.profile,
+                    _step_record(steps._unoptimized),
+                    _step_record(steps._trace(plan, FORCE)[1]),
+                    steps.simulated_peak(plan, FORCE),
+                    plan.hash,
+                )
+            )
+        monkeypatch.setattr(_torch_compat, "fake_calls", lambda mode: None)
+    assert len(made) == 1 and made[0].hits > 100  # the memo answered
+    assert results[0] == results[1]
+
+
+def test_a_real_tensor_is_made_fake_once_with_its_storage(monkeypatch):
+    """The fake world converts each real parameter and buffer once (its
+    detached alias made outside the fake mode, where detaching would
+    convert it a first time), to a twin of the same shape, strides, offset
+    and storage bytes; tensors that share a storage share a fake one."""
+    from torch._subclasses.fake_tensor import FakeTensorConverter
+
+    from memscale.predictor._fake import FakeWorld
+
+    converted = []
+    original = FakeTensorConverter.from_real_tensor
+
+    def counted(self, mode, t, *args, **kwargs):
+        converted.append(tuple(t.shape))
+        return original(self, mode, t, *args, **kwargs)
+
+    monkeypatch.setattr(FakeTensorConverter, "from_real_tensor", counted)
+    base = torch.randn(4, 8)
+    model = nn.Linear(8, 4)
+    model.register_buffer("whole", base)
+    model.part = nn.Parameter(base[1:3])  # a view of the buffer's storage
+    real = {"weight": model.weight, "bias": model.bias, "part": model.part, "whole": base}
+    with FakeWorld(model, torch.device("cpu")) as world:
+        fake = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        assert sorted(converted) == sorted(tuple(t.shape) for t in real.values())
+        for name, t in real.items():
+            twin = fake[name]
+            assert _torch_compat.is_fake(twin) and twin is world.fake(t)
+            assert (twin.shape, twin.stride(), twin.storage_offset()) == (
+                t.shape,
+                t.stride(),
+                t.storage_offset(),
+            )
+            assert twin.untyped_storage().nbytes() == t.untyped_storage().nbytes()
+        assert _torch_compat.storage_key(fake["part"]) == _torch_compat.storage_key(fake["whole"])
+        assert isinstance(fake["part"], nn.Parameter) and fake["part"].requires_grad
+    assert model.part is real["part"]

@@ -49,6 +49,18 @@ Three things a pure fake step would get wrong are handled:
 * Python's garbage collector is off during a tracked step, so frees happen
   at refcount zero only and the figure is the same every run.
 
+What keeps it cheap, without changing one event: most of a simulated
+step's time is FakeTensorMode's Python dispatch.  The storage tracker
+answers ``prim.device`` (which torch's autograd engine asks a fake tensor
+some 25 times per layer of backward) with the fake tensor's device itself,
+and calls every other operator through ``_torch_compat.fake_calls``, which
+reads FakeTensorMode's own dispatch cache through a cheaper key (the same
+values: each tensor's metadata, the other arguments, the same global
+state) and makes the output with FakeTensorMode's own method; the
+warm-up's operators go the same way (``_tracker.FakeCaller``, below the
+profiler's modes).  The steady-state optimizer step is simulated once and
+replayed in later steps (``StorageTracker.recorded``).
+
 What the prediction counts is what ``memscale._measure``
 measures: the bytes of live tensor storages, and on CUDA the libraries'
 workspaces.  Not counted: other memory that is not a tensor, scratch

@@ -42,6 +42,10 @@ class FakeWorld:
                 f"torch {torch.__version__} does not provide; install torch >= 2.4"
             )
         self.mode, self._convert = fake
+        # Operator calls on its fake tensors, answered from FakeTensorMode's
+        # cache through a cheaper key (None: called as usual); the storage
+        # tracker of every simulated step calls through it.
+        self.calls = _torch_compat.fake_calls(self.mode)
         self.model = model
         self.device = device
         self._memo: dict[int, torch.Tensor] = {}
@@ -49,6 +53,7 @@ class FakeWorld:
         self._keep: list[torch.Tensor] = []
         tools = _torch_compat.fake_tensor_tools()
         self._real = tools[1] if tools is not None else contextlib.nullcontext
+        self._is_fake = tools[0] if tools is not None else _torch_compat.is_fake
         self._swapped: list[tuple[dict[str, Any], str, Any]] = []
         self._training: list[tuple[nn.Module, bool]] = []
         self._attrs: list[tuple[nn.Module, dict[str, Any]]] = []
@@ -62,7 +67,14 @@ class FakeWorld:
         if got is not None:
             return got
         if t.device.type == self.device.type and not t.is_meta:
-            out = self._convert(t.detach())
+            if self._is_fake(t):
+                plain = t.detach()
+            else:
+                # Detached outside the mode: inside it, detach would convert
+                # the real tensor to a fake one first, and the alias again.
+                with self._real():
+                    plain = t.detach()
+            out = self._convert(plain)
         else:
             out = torch.empty_strided(
                 tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=self.device

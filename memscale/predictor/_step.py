@@ -4,6 +4,7 @@ forward, loss, backward, optimizer step) with its events."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import inspect
@@ -17,7 +18,7 @@ from torch import nn
 from .. import _model, _selective, _torch_compat
 from ._fake import REAL_VALUE_LIMIT, FakeWorld
 from ._results import PeakBreakdown
-from ._tracker import Recording, StorageTracker
+from ._tracker import FakeCaller, Recording, StorageTracker
 from ._tree import tensors_in
 from ._workspace import Kernel
 
@@ -239,21 +240,25 @@ class Step:
         returned) on all-fake inputs, as wrap()'s static profiling does.
         Backward is not run: the parameters it would give a gradient are
         the ones the loss's graph reaches, and a zero gradient of each is
-        enough for the optimizer to build its state."""
-        self._zero_grad()
-        with torch.enable_grad():
-            with on_forward() as result:
-                output = self.world.model(*self.strict_args, **self.strict_kwargs)
-            loss = self._loss(output)
-            del output
-            reached = _leaves_reached(loss)
-            del loss
-        for p in self.world.params:
-            if p.requires_grad and id(p) in reached:
-                p.grad = torch.zeros_like(p)
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer_steps += 1
+        enough for the optimizer to build its state.  Its operators are
+        called as the tracked steps call them (:class:`FakeCaller`, below
+        the profiler's modes)."""
+        calls = self.world.calls
+        with FakeCaller(calls) if calls is not None else contextlib.nullcontext():
+            self._zero_grad()
+            with torch.enable_grad():
+                with on_forward() as result:
+                    output = self.world.model(*self.strict_args, **self.strict_kwargs)
+                loss = self._loss(output)
+                del output
+                reached = _leaves_reached(loss)
+                del loss
+            for p in self.world.params:
+                if p.requires_grad and id(p) in reached:
+                    p.grad = torch.zeros_like(p)
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer_steps += 1
         return result
 
     def optimizer_state(self) -> list[torch.Tensor]:
@@ -285,7 +290,7 @@ class Step:
         phase) are marked in its ``forward_marks``.  The ``joining`` units
         (of ``recompute_units``) join the checkpoint segment of the unit
         before them, whose frame keeps the one RNG state."""
-        tracker = StorageTracker(REAL_VALUE_LIMIT)
+        tracker = StorageTracker(REAL_VALUE_LIMIT, self.world.calls)
         if self.world.device.type == "cpu":
             tracker.kernel_calls = []
         elif self.world.device.type == "cuda" and torch.cuda.is_available():

@@ -19,6 +19,7 @@ from ._tree import tensor_list, tensors_in
 from ._workspace import Kernel, probe_on_device, signature, workspace_ops
 
 _EQUAL = torch.ops.aten.equal.default
+_DEVICE = torch.ops.prim.device.default
 
 # The base class, looked up once at import: torch's TorchDispatchMode (its
 # module is loaded by ``import torch`` already, so this costs nothing).  A
@@ -40,17 +41,44 @@ class Recording:
     kernel_calls: tuple[tuple[int, Any, tuple[int | None, ...]], ...]
 
 
+class FakeCaller(_DispatchMode):
+    """A dispatch mode that calls every operator as the storage tracker
+    does (``calls``: FakeTensorMode's cache through a cheaper key; the
+    fake tensors' ``prim.device`` answered directly), tracking nothing:
+    the untracked warm-up runs under it, below the profiler's modes."""
+
+    def __init__(self, calls: Callable[[Any, Any, Any], Any]) -> None:
+        super().__init__()
+        self._calls = calls
+        self._fake_device = _torch_compat.fake_device_reader()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and self._fake_device is not None and len(args) == 1:
+            device = self._fake_device(args[0])
+            if device is not None:
+                return device
+        return self._calls(func, args, kwargs or {})
+
+
 class StorageTracker(_DispatchMode):
     """Registers the storage of every tensor an operator returns and
     records an event when it is allocated and when it is freed."""
 
-    def __init__(self, real_limit: int = 0) -> None:
+    def __init__(
+        self, real_limit: int = 0, calls: Callable[[Any, Any, Any], Any] | None = None
+    ) -> None:
         if _torch_compat.dispatch_mode_base() is None:
             raise RuntimeError(
                 f"memscale's OOM predictor needs torch's TorchDispatchMode, which "
                 f"torch {torch.__version__} does not provide; install torch >= 2.4"
             )
         super().__init__()
+        # How an operator is called (func, args, kwargs): FakeTensorMode's
+        # cache read through a cheaper key (_torch_compat.fake_calls), or
+        # None: func(*args, **kwargs).
+        self._calls = calls
+        # prim.device answered here (it returns no tensor to track).
+        self._fake_device = _torch_compat.fake_device_reader()
         tools = _torch_compat.fake_tensor_tools() if real_limit else None
         self._real_limit = real_limit if tools is not None else 0
         if tools is not None:
@@ -174,6 +202,10 @@ class StorageTracker(_DispatchMode):
             ]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and self._fake_device is not None and len(args) == 1:
+            device = self._fake_device(args[0])
+            if device is not None:
+                return device
         if func is _EQUAL and self.phase == "backward":
             # The executor compares a layer's buffers before and after
             # its recompute (csrc/frame.c, restore_buffers) to put
@@ -185,6 +217,8 @@ class StorageTracker(_DispatchMode):
         kwargs = kwargs or {}
         if self._real_limit and self._all_real(args, kwargs):
             out = self._run_real(func, args, kwargs)
+        elif self._calls is not None:
+            out = self._calls(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
         if self.active:
