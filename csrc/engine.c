@@ -248,6 +248,7 @@ solver_problem(const ms_problem *p, unsigned base, int64_t avail)
     sp.min_offload_bytes = p->min_offload_bytes;
     sp.tile_overhead = p->tile_overhead;
     sp.max_segment = p->max_segment > 0 ? p->max_segment : 1;
+    sp.nested = 1;
     sp.resolution = p->resolution > 0 ? p->resolution : 512;
     return sp;
 }
