@@ -15,7 +15,7 @@ from conftest import assert_same_step, hook_count
 from test_segments import Chain, X, chain_loss, counters, draw, rng_states, segments
 
 import memscale
-from memscale import _core, _planner, _planning
+from memscale import _core, _format, _planner, _planning
 from memscale._measure import measure_peak
 from memscale._solve import solve
 
@@ -69,6 +69,7 @@ def test_least_budget_falls_below_two_levels():
     nested = [x.index for x in plan.layers if x.nested]
     assert nested and all("checkpoint" in plan.layers[i].techniques for i in nested)
     assert '"nested":1' in plan.to_json()
+    assert "blocks.0 (nested)" in _format.plan_table(plan)
     # At the least budget of two levels, the plan is two levels' (none
     # nested, and the JSON has no "nested" key).
     two = solve(problem.replace(budget_bytes=saved + 5 * inputs))
