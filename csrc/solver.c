@@ -25,7 +25,7 @@
  * segment may also be nested (memory.h): its recompute runs its layers
  * but the last keeping only their inputs, then recomputes each layer
  * alone, so it costs its layers but the last once more, and each layer's
- * tail is saved (each is the last of its own recompute).  The DP then runs
+ * tail is not run (each is the last of its own recompute).  The DP then runs
  * again with nested segments as one more move (a second tree forest, as
  * below); a plan that fits on two levels is never nested.
  *
@@ -159,7 +159,7 @@ ms_solver_check(const ms_solver_problem *p, const ms_layer *L, size_t n,
     for (size_t i = 0; i < n; i++) {
         int s = c[i].seg_start;
         if (s < 0) {
-            if (c[i].offload || c[i].tiles != 1
+            if (c[i].offload || c[i].tiles != 1 || c[i].nested
                 || (c[i].selective
                     && (!can_select(p, &L[i])
                         || ms_sel_at(&L[i], c[i].level) == NULL)))

@@ -548,6 +548,11 @@ test_nested(void)
     c[1].nested = 1; /* only on the first layer */
     CHECK(ms_solver_check(&p, L, 3, c) == -1);
     c[1].nested = 0;
+    c[2].seg_start = -1; /* nor on a kept layer */
+    CHECK(ms_solver_check(&p, L, 3, c) == 0);
+    c[2].nested = 1;
+    CHECK(ms_solver_check(&p, L, 3, c) == -1);
+    c[2] = (ms_solver_choice){.seg_start = 0, .tiles = 1};
     c[0].nested = 1;
     c[0].offload = 1;
     CHECK(ms_solver_check(&p, L, 3, c) == -1);
