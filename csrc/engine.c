@@ -248,6 +248,7 @@ solver_problem(const ms_problem *p, unsigned base, int64_t avail)
     sp.min_offload_bytes = p->min_offload_bytes;
     sp.tile_overhead = p->tile_overhead;
     sp.max_segment = p->max_segment > 0 ? p->max_segment : 1;
+    sp.nested = 1;
     sp.resolution = p->resolution > 0 ? p->resolution : 512;
     return sp;
 }
@@ -290,7 +291,11 @@ slowdown(const ms_problem *p, const ms_layer *layers, size_t n,
             continue;
         }
         extra += ms_layer_cost(&layers[i]) / sp.flop_rate;
-        if (ends_segment(out, n, i)) {
+        if (out[i].nested && !ends_segment(out, n, i)) {
+            /* The nested recompute's first pass runs it once more. */
+            extra += ms_layer_cost(&layers[i]) / sp.flop_rate;
+        }
+        if (ends_segment(out, n, i) || out[i].nested) {
             extra -= ms_layer_tail_cost(&layers[i]) / sp.flop_rate;
         }
         if (out[i].segment == (int)i) {
@@ -356,6 +361,7 @@ solve(const ms_problem *p, const ms_layer *layers, size_t n, ms_choice *out,
         out[i].techniques = MS_TECH_CHECKPOINT;
         out[i].rule = MS_RULE_SOLVER;
         out[i].segment = c[i].seg_start;
+        out[i].nested = c[c[i].seg_start].nested;
         out[i].bytes_saved = layers[i].saved_bytes;
         if (c[i].seg_start != (int)i) {
             continue;
@@ -408,6 +414,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
         c[i].tiles = 1;
         c[i].selective = 0;
         c[i].level = 0;
+        c[i].nested = 0;
     }
 
     int64_t in_layers = 0;
@@ -440,6 +447,7 @@ ms_engine_plan(const ms_problem *p, const ms_layer *layers, size_t n,
         out[i].tiles = 1;
         out[i].segment = -1;
         out[i].sel_level = -1;
+        out[i].nested = 0;
         ms_rule why = ineligible_reason(&layers[i]);
         if (res->skipped) {
             out[i].rule = MS_RULE_SMART_SKIP;

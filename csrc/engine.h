@@ -201,6 +201,9 @@ typedef struct {
                             (itself when alone); -1 otherwise */
     int sel_level;       /* run selective: its level (ms_layer.sel); -1
                             otherwise */
+    int nested;          /* checkpointed in a nested segment (its
+                            recompute recomputes each layer alone again:
+                            memory.h); 0 otherwise */
 } ms_choice;
 
 typedef struct {

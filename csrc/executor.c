@@ -160,8 +160,14 @@ ms_ex_apply_plan(Executor *ex, PyObject *plan)
         goto done;
     }
     for (Py_ssize_t i = 0; i < ex->n; i++) {
-        if (ms_plan_layer(plan, i, &masks[i], &tiles[i], &segments[i]) < 0) {
+        int nested = 0;
+        if (ms_plan_layer(plan, i, &masks[i], &tiles[i], &segments[i], &nested)
+            < 0)
+        {
             goto done;
+        }
+        if (nested && masks[i] != 0) {
+            masks[i] |= MS_EX_NESTED;
         }
         if (segments[i] < -1 || segments[i] > i) {
             PyErr_Format(PyExc_ValueError, "plan layer %zd has segment %d", i,

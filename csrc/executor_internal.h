@@ -55,6 +55,19 @@ typedef struct {
     Py_ssize_t next;        /* the unit index expected next */
 } FrameSegment;
 
+/* A nested segment (the plan's LayerPlan.nested): each unit is recomputed
+   alone, from its own input, when backward reaches it; a first pass over
+   the units before it (their saved tensors dropped) recomputes those
+   inputs.  `inputs` holds them between the first pass and each unit's own
+   recompute. */
+typedef struct {
+    int on;
+    PyObject *starts; /* list of int: the first saved tensor of each later
+                         unit (one per seg.units entry), or NULL */
+    PyObject *inputs; /* list: None, or per unit (x, rng_cpu, rng_cuda or
+                         None), unit 0's never set; NULL before backward */
+} FrameNest;
+
 /* Offload: the inputs whose slot in args / kwargs holds an offload record
    instead of the tensor. */
 typedef struct {
@@ -88,6 +101,7 @@ typedef struct {
     int recomputing;
     FrameTiles tile;
     FrameSegment seg;
+    FrameNest nest;
     FrameOffload off;
 } Frame;
 
@@ -144,6 +158,10 @@ enum { BUF_UNKNOWN = 0, BUF_MUTATED = 1, BUF_STATIC = 2 };
 /* An offload tier is set (NULL once the garbage collector cleared us). */
 #define HAS(obj) ((obj) != NULL && (obj) != Py_None)
 
+/* In Executor.masks beside the MS_TECH_* bits: the unit's checkpoint
+   segment is nested (FrameNest). */
+#define MS_EX_NESTED (1u << 16)
+
 /* ---- executor.c ---------------------------------------------------- */
 
 /* The name of unit `index` (borrowed), or None. */
@@ -173,6 +191,8 @@ PyObject *ms_ex_post(Executor *ex, PyObject *const *args, Py_ssize_t nargs);
 
 /* The first tensor of a unit's output (borrowed), or NULL. */
 PyObject *ms_first_tensor(ms_state *st, PyObject *out);
+/* Set the RNG state a unit's record holds, if any (0, or -1). */
+int ms_segment_unit_rng(ms_state *st, PyObject *rec);
 /* Recompute a segment's later units; steals `out`. */
 PyObject *ms_segment_replay(Frame *self, PyObject *out);
 /* Frame f's unit returned x and its segment goes on: f waits as the open

@@ -94,6 +94,8 @@ frame_traverse(Frame *self, visitproc visit, void *arg)
     Py_VISIT(self->seg.out_version);
     Py_VISIT(self->seg.end_rng);
     Py_VISIT(self->seg.end_rng_cuda);
+    Py_VISIT(self->nest.starts);
+    Py_VISIT(self->nest.inputs);
     return 0;
 }
 
@@ -120,6 +122,8 @@ frame_clear(Frame *self)
     Py_CLEAR(self->seg.out_version);
     Py_CLEAR(self->seg.end_rng);
     Py_CLEAR(self->seg.end_rng_cuda);
+    Py_CLEAR(self->nest.starts);
+    Py_CLEAR(self->nest.inputs);
     return 0;
 }
 
@@ -161,6 +165,7 @@ ms_frame_new(Executor *ex, Py_ssize_t index, PyObject *unit, PyObject *args,
     f->recomputing = 0;
     f->tile = (FrameTiles){.n = 1, .dim = -1};
     f->seg = (FrameSegment){.id = -1, .next = -1};
+    f->nest = (FrameNest){.on = 0};
     f->off = (FrameOffload){.slots = NULL};
     PyObject_GC_Track(f);
     if (f->kwargs == NULL || f->versions == NULL || f->shapes == NULL) {
@@ -296,6 +301,15 @@ frame_rpack(Frame *self, PyObject *tensor)
     Py_RETURN_NONE;
 }
 
+/* The first pass of a nested segment's recompute keeps nothing: the
+   tensors its units save are dropped (each unit's own recompute saves them
+   again). */
+static PyObject *
+frame_dpack(Frame *Py_UNUSED(self), PyObject *Py_UNUSED(tensor))
+{
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 frame_runpack(Frame *self, PyObject *Py_UNUSED(obj))
 {
@@ -402,6 +416,11 @@ restore_buffers(ms_state *st, PyObject *snap)
 /* One recompute of a frame: what it runs and what it must undo. */
 typedef struct {
     Py_ssize_t tile;          /* -1: the whole layer (or segment) */
+    Py_ssize_t unit;          /* a nested segment's unit recomputed alone;
+                                 -1: the whole segment */
+    Py_ssize_t pass_to;       /* >= 0: the nested first pass, from `unit`
+                                 up to this unit (its input kept) */
+    PyObject *callee;         /* the module called (borrowed) */
     Py_ssize_t start, end;    /* the saved tensors it fills */
     PyObject *rng, *rng_cuda; /* the forward's RNG state (borrowed) */
     PyObject *lead_shape;     /* a tile: its lead tensor's shape */
@@ -412,6 +431,200 @@ typedef struct {
     PyObject *snap;               /* buffers to put back, or NULL */
     PyObject *entered;            /* contexts to leave, or NULL */
 } Recompute;
+
+/* ---- nested segments (FrameNest) ---------------------------------- */
+
+/* Where unit u (> 0) of nested frame `self` starts: the index of its
+   first saved tensor, or -1 with an error. */
+static Py_ssize_t
+nest_start(Frame *self, Py_ssize_t u)
+{
+    return PyLong_AsSsize_t(PyList_GET_ITEM(self->nest.starts, u - 1));
+}
+
+/* The unit of nested frame `self` that saved tensor k: 0 for the first,
+   u for seg.units[u - 1]; -1 with an error. */
+static Py_ssize_t
+nest_unit_of(Frame *self, Py_ssize_t k)
+{
+    Py_ssize_t u = 0;
+    for (Py_ssize_t j = 1; j <= PyList_GET_SIZE(self->nest.starts); j++) {
+        Py_ssize_t start = nest_start(self, j);
+        if (start < 0) {
+            return -1;
+        }
+        if (k >= start) {
+            u = j;
+        }
+    }
+    return u;
+}
+
+/* The kept input of unit u (x, rng_cpu, rng_cuda or None), borrowed, or
+   NULL when there is none (no error set). */
+static PyObject *
+nest_input_of(Frame *self, Py_ssize_t u)
+{
+    if (u <= 0 || self->nest.inputs == NULL
+        || u >= PyList_GET_SIZE(self->nest.inputs))
+    {
+        return NULL;
+    }
+    PyObject *in = PyList_GET_ITEM(self->nest.inputs, u);
+    return in != Py_None ? in : NULL;
+}
+
+/* The same, or NULL with an error when there is none. */
+static PyObject *
+nest_kept(Frame *self, Py_ssize_t u)
+{
+    PyObject *in = nest_input_of(self, u);
+    if (in == NULL) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "memscale: internal error: no input kept for unit %zd "
+                     "of nested checkpoint segment %R",
+                     u, ms_ex_unit_name(self->ex, self->index));
+    }
+    return in;
+}
+
+/* The arguments of unit u (u > 0) called on x: its record's, with x where
+   the previous unit's output went (a new tuple); *unit and *kwargs are
+   borrowed from the record. */
+static PyObject *
+nest_args(Frame *self, Py_ssize_t u, PyObject *x, PyObject **unit,
+          PyObject **kwargs)
+{
+    PyObject *rec = PyList_GET_ITEM(self->seg.units, u - 1);
+    PyObject *held = PyTuple_GET_ITEM(rec, 2);
+    Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(rec, 1));
+    if (pos < 0 || pos >= PyTuple_GET_SIZE(held)) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "memscale: internal error: cannot chain the "
+                         "recompute of checkpoint segment %R",
+                         ms_ex_unit_name(self->ex, self->index));
+        }
+        return NULL;
+    }
+    PyObject *call = PyTuple_New(PyTuple_GET_SIZE(held));
+    if (call == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(held); k++) {
+        PyTuple_SET_ITEM(call, k,
+                         Py_NewRef(k == pos ? x : PyTuple_GET_ITEM(held, k)));
+    }
+    *unit = PyTuple_GET_ITEM(rec, 0);
+    *kwargs = PyTuple_GET_ITEM(rec, 3);
+    return call;
+}
+
+/* What unit u's own recompute covers: its saved tensors, from its kept
+   input and RNG state (unit 0: the frame's). */
+static int
+nest_range(Frame *self, Recompute *r)
+{
+    Py_ssize_t u = r->unit, m = PyList_GET_SIZE(self->nest.starts);
+    r->start = u > 0 ? nest_start(self, u) : 0;
+    r->end = u < m ? nest_start(self, u + 1) : PyList_GET_SIZE(self->shapes);
+    if (r->start < 0 || r->end < 0) {
+        return -1;
+    }
+    if (u == 0) {
+        r->call_args = Py_NewRef(self->args);
+        r->call_kwargs = Py_NewRef(self->kwargs);
+        return 0;
+    }
+    PyObject *in = nest_kept(self, u);
+    if (in == NULL) {
+        return -1;
+    }
+    r->rng = PyTuple_GET_ITEM(in, 1);
+    r->rng_cuda = PyTuple_GET_ITEM(in, 2) != Py_None ? PyTuple_GET_ITEM(in, 2)
+                                                     : NULL;
+    PyObject *kwargs = NULL;
+    r->call_args = nest_args(self, u, PyTuple_GET_ITEM(in, 0), &r->callee,
+                             &kwargs);
+    if (r->call_args == NULL) {
+        return -1;
+    }
+    r->call_kwargs = Py_NewRef(kwargs);
+    return 0;
+}
+
+/* Keep the input of unit u (> 0) of the first pass: the previous unit's
+   output `out` detached (requiring grad as it did), with the RNG state
+   the unit starts from: its record's where the forward recorded one, else
+   where the previous unit left the generator.  0, or -1 with an error. */
+static int
+nest_keep(Frame *self, Py_ssize_t u, PyObject *out)
+{
+    ms_state *st = self->ex->st;
+    PyObject *x = ms_first_tensor(st, out);
+    if (x == NULL) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "memscale: internal error: cannot chain the recompute "
+                     "of checkpoint segment %R",
+                     ms_ex_unit_name(self->ex, self->index));
+        return -1;
+    }
+    if (ms_segment_unit_rng(st, PyList_GET_ITEM(self->seg.units, u - 1)) < 0) {
+        return -1;
+    }
+    PyObject *d = PyObject_CallMethodNoArgs(x, st->s_detach);
+    PyObject *grad = d ? PyObject_GetAttr(x, st->s_requires_grad) : NULL;
+    int g = grad ? PyObject_IsTrue(grad) : -1;
+    Py_XDECREF(grad);
+    if (g > 0) {
+        PyObject *res = PyObject_CallMethodOneArg(d, st->s_requires_grad_,
+                                                  Py_True);
+        g = res != NULL ? 0 : -1;
+        Py_XDECREF(res);
+    }
+    PyObject *rng = g >= 0 ? PyObject_CallNoArgs(st->get_rng_state) : NULL;
+    PyObject *cuda = (rng != NULL && self->rng_cuda != NULL)
+                         ? PyObject_CallNoArgs(st->cuda_get_rng_state_all)
+                         : (rng != NULL ? Py_NewRef(Py_None) : NULL);
+    PyObject *in = cuda ? PyTuple_Pack(3, d, rng, cuda) : NULL;
+    int rc = in != NULL ? PyList_SetItem(self->nest.inputs, u, in) : -1;
+    Py_XDECREF(d);
+    Py_XDECREF(rng);
+    Py_XDECREF(cuda);
+    return rc;
+}
+
+/* The first pass, inside the recompute's state: run units from..to-1 on
+   each other's outputs, keeping the input of each unit after `from` up to
+   `to`.  A new reference to None, or NULL with an error. */
+static PyObject *
+nest_pass(Frame *self, Py_ssize_t from, Py_ssize_t to)
+{
+    for (Py_ssize_t w = from; w < to; w++) {
+        PyObject *unit = self->unit, *kwargs = self->kwargs, *args;
+        if (w == 0) {
+            args = Py_NewRef(self->args);
+        }
+        else {
+            PyObject *in = nest_kept(self, w);
+            if (in == NULL) {
+                return NULL;
+            }
+            args = nest_args(self, w, PyTuple_GET_ITEM(in, 0), &unit, &kwargs);
+        }
+        if (args == NULL) {
+            return NULL;
+        }
+        PyObject *out = PyObject_Call(unit, args, kwargs);
+        Py_DECREF(args);
+        int rc = out != NULL ? nest_keep(self, w + 1, out) : -1;
+        Py_XDECREF(out);
+        if (rc < 0) {
+            return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
 
 /* Whether the frame can be recomputed at all: 0, or -1 with an error. */
 static int
@@ -451,6 +664,10 @@ recompute_range(Frame *self, Recompute *r)
     r->end = PyList_GET_SIZE(self->shapes);
     r->rng = self->rng_cpu;
     r->rng_cuda = self->rng_cuda;
+    r->callee = self->unit;
+    if (r->unit >= 0) {
+        return nest_range(self, r);
+    }
     if (r->tile < 0) {
         r->call_args = Py_NewRef(self->args);
         r->call_kwargs = Py_NewRef(self->kwargs);
@@ -487,7 +704,7 @@ static int
 recompute_results(Frame *self, Recompute *r)
 {
     Py_ssize_t n = PyList_GET_SIZE(self->shapes);
-    if (r->tile < 0 || self->recomputed == NULL) {
+    if ((r->tile < 0 && r->unit < 0) || self->recomputed == NULL) {
         Py_XSETREF(self->recomputed, PyList_New(n));
         if (self->recomputed == NULL) {
             return -1;
@@ -571,7 +788,9 @@ recompute_enter(Frame *self, Recompute *r)
     if (r->entered == NULL) {
         return -1;
     }
-    PyObject *rpack = PyObject_GetAttr((PyObject *)self, st->s_rpack);
+    PyObject *rpack = PyObject_GetAttr((PyObject *)self, r->pass_to >= 0
+                                                             ? st->s_dpack
+                                                             : st->s_rpack);
     PyObject *runpack = PyObject_GetAttr((PyObject *)self, st->s_runpack);
     int rc = -1;
     if (rpack != NULL && runpack != NULL
@@ -621,8 +840,15 @@ recompute_call(Frame *self, Recompute *r)
     ex->recompute_depth++;
     Py_ssize_t depth = PyList_GET_SIZE(ex->stack);
     long long t0 = ms_monotonic_ns();
-    r->out = PyObject_Call(self->unit, r->call_args, r->call_kwargs);
-    if (r->out != NULL && r->tile < 0 && self->seg.units != NULL) {
+    if (r->pass_to >= 0) {
+        r->out = nest_pass(self, r->unit, r->pass_to);
+    }
+    else {
+        r->out = PyObject_Call(r->callee, r->call_args, r->call_kwargs);
+    }
+    if (r->out != NULL && r->tile < 0 && r->unit < 0
+        && self->seg.units != NULL)
+    {
         r->out = ms_segment_replay(self, r->out);
     }
     ex->recompute_ns += ms_monotonic_ns() - t0;
@@ -724,10 +950,10 @@ recompute_clear(Recompute *r)
    recompute: reload the offloaded inputs, take the slice to run, enter
    the forward's state, call, and restore the caller's. */
 static int
-frame_recompute(Frame *self, Py_ssize_t tile)
+frame_recompute(Frame *self, Py_ssize_t tile, Py_ssize_t unit)
 {
     Executor *ex = self->ex;
-    Recompute r = {.tile = tile};
+    Recompute r = {.tile = tile, .unit = unit, .pass_to = -1};
     if (recompute_check(self) < 0
         || (self->off.slots != NULL && ms_reload_inputs(self) < 0))
     {
@@ -758,10 +984,62 @@ frame_recompute(Frame *self, Py_ssize_t tile)
     }
     if (rc == 0) {
         ex->recomputes++;
+        if (unit > 0) {
+            /* Its saved tensors hold what backward needs of its input. */
+            rc = PyList_SetItem(self->nest.inputs, unit, Py_NewRef(Py_None));
+        }
     }
     else {
         /* Never leave a half-filled (or NULL-filled) list behind. */
         Py_CLEAR(self->recomputed);
+    }
+    recompute_clear(&r);
+    return rc;
+}
+
+/* A nested segment's first pass, for unit u (> 0) whose input is not
+   kept: from the nearest unit before it whose input is (or the first),
+   under that unit's RNG state, as a recompute of its own.  0, or -1 with
+   an error. */
+static int
+nest_first_pass(Frame *self, Py_ssize_t u)
+{
+    Executor *ex = self->ex;
+    ms_state *st = ex->st;
+    Py_ssize_t m = PyList_GET_SIZE(self->nest.starts);
+    if (self->nest.inputs == NULL) {
+        self->nest.inputs = PyList_New(m + 1);
+        if (self->nest.inputs == NULL) {
+            return -1;
+        }
+        for (Py_ssize_t k = 0; k <= m; k++) {
+            PyList_SET_ITEM(self->nest.inputs, k, Py_NewRef(Py_None));
+        }
+    }
+    Py_ssize_t v = u - 1;
+    while (v > 0 && nest_input_of(self, v) == NULL) {
+        v--;
+    }
+    Recompute r = {.tile = -1, .unit = v, .pass_to = u};
+    PyObject *in = nest_input_of(self, v);
+    r.rng = in != NULL ? PyTuple_GET_ITEM(in, 1) : self->rng_cpu;
+    r.rng_cuda = in == NULL                           ? self->rng_cuda
+                 : PyTuple_GET_ITEM(in, 2) != Py_None ? PyTuple_GET_ITEM(in, 2)
+                                                      : NULL;
+    if (recompute_check(self) < 0
+        || (self->off.slots != NULL && ms_reload_inputs(self) < 0))
+    {
+        return -1;
+    }
+    int rc = -1;
+    if (recompute_rng(st, &r) == 0 && recompute_snapshot(self, &r) == 0
+        && recompute_enter(self, &r) == 0)
+    {
+        rc = recompute_call(self, &r);
+    }
+    rc = recompute_leave(self, &r, rc);
+    if (rc < 0) {
+        Py_CLEAR(self->nest.inputs);
     }
     recompute_clear(&r);
     return rc;
@@ -799,7 +1077,17 @@ frame_unpack(Frame *self, PyObject *obj)
                 return NULL;
             }
         }
-        if (frame_recompute(self, tile) < 0) {
+        Py_ssize_t unit = -1;
+        if (self->nest.on && self->nest.starts != NULL) {
+            unit = nest_unit_of(self, k);
+            if (unit < 0
+                || (unit > 0 && nest_input_of(self, unit) == NULL
+                    && nest_first_pass(self, unit) < 0))
+            {
+                return NULL;
+            }
+        }
+        if (frame_recompute(self, tile, unit) < 0) {
             return NULL;
         }
     }
@@ -817,6 +1105,7 @@ static PyMethodDef frame_methods[] = {
     {"_unpack", (PyCFunction)frame_unpack, METH_O, NULL},
     {"_rpack", (PyCFunction)frame_rpack, METH_O, NULL},
     {"_runpack", (PyCFunction)frame_runpack, METH_O, NULL},
+    {"_dpack", (PyCFunction)frame_dpack, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -85,6 +85,7 @@ open_frame(Executor *ex, PyObject *unit, PyObject *args, PyObject *kwargs)
     }
     f->seg.id = ex->segments != NULL ? ex->segments[i] : (int)i;
     f->seg.next = i + 1;
+    f->nest.on = (ex->masks[i] & MS_EX_NESTED) != 0;
     PyObject *pack = PyObject_GetAttr((PyObject *)f, st->s_pack);
     PyObject *unpack = PyObject_GetAttr((PyObject *)f, st->s_unpack);
     PyObject *ctx = (pack && unpack)

@@ -27,10 +27,16 @@ ms_mem_terms_of(const ms_layer *L, size_t n, const ms_solver_choice *c,
             continue;
         }
         size_t j = i;
-        int64_t saved = 0, transient = 0;
+        int64_t saved = 0, transient = 0, inputs = 0;
         while (j < n && c[j].seg_start == (int)i) {
-            saved = ms_add_sat(saved, ms_mem_saved(&L[j]));
-            transient = ms_mem_seg_step(transient, saved, &L[j]);
+            if (c[i].nested) {
+                transient = ms_mem_nest_step(transient, inputs, &L[j]);
+                inputs = ms_add_sat(inputs, ms_mem_stored(&L[j], 0));
+            }
+            else {
+                saved = ms_add_sat(saved, ms_mem_saved(&L[j]));
+                transient = ms_mem_seg_step(transient, saved, &L[j]);
+            }
             j++;
         }
         if (c[i].tiles > 1) {

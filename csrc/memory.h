@@ -22,6 +22,14 @@
  *     end       = sum over units of what they hold
  *     recompute = max over segments (held before it + its transient)
  *
+ * A nested segment (ms_solver_choice.nested, solver.c) recomputes on one
+ * more level: its recompute first runs its layers but the last keeping
+ * only the input of each (with its RNG state: input_bytes), then each
+ * layer alone from its input, last first, as backward reaches it; while
+ * layer k is recomputed and run backward, the inputs of the segment's
+ * layers before k are held besides its own saved tensors and backward
+ * term (ms_mem_nest_step).
+ *
  * The step's peak adds what is alive throughout (parameters, gradients,
  * optimizer state, activations outside the planned layers) and the OOM
  * predictor's corrections: ms_mem_peak().
@@ -102,6 +110,17 @@ static inline int64_t
 ms_mem_seg_step(int64_t worst, int64_t saved, const ms_layer *layer)
 {
     int64_t at = ms_add_sat(saved, ms_mem_backward(layer));
+    return at > worst ? at : worst;
+}
+
+/* A nested segment's recompute term, one layer further: `worst` over its
+   layers so far, `inputs` the stored inputs of its layers before `layer`
+   (held while `layer` is recomputed alone and run backward). */
+static inline int64_t
+ms_mem_nest_step(int64_t worst, int64_t inputs, const ms_layer *layer)
+{
+    int64_t at = ms_add_sat(inputs, ms_add_sat(ms_mem_saved(layer),
+                                               ms_mem_backward(layer)));
     return at > worst ? at : worst;
 }
 

@@ -36,6 +36,7 @@ typedef struct {
     unsigned mask;
     int tiles;
     int segment;
+    int nested;
     int selective_level;
     double selective_threshold;
 } LayerPlan;
@@ -145,6 +146,10 @@ static PyMemberDef layer_members[] = {
      "Checkpointed: the index of the first layer of its checkpoint\n"
      "segment (its own index when recomputed alone); -1 otherwise.  A\n"
      "segment's layers are recomputed together from its first input."},
+    {"nested", Py_T_INT, offsetof(LayerPlan, nested), Py_READONLY,
+     "1 when its checkpoint segment is nested: the segment's recompute\n"
+     "keeps only its layers' inputs, then recomputes each layer alone\n"
+     "as backward reaches it (docs/planning.md); 0 otherwise."},
     {"selective_level", Py_T_INT, offsetof(LayerPlan, selective_level),
      Py_READONLY,
      "Run selective: which of its LayerStats.selective_levels (0: the\n"
@@ -350,6 +355,8 @@ plan_to_json_str(Plan *p)
             || sb_key(&b, "tiles", 0) < 0 || sb_ll(&b, (long long)l->tiles) < 0
             || sb_key(&b, "segment", 0) < 0
             || sb_ll(&b, (long long)l->segment) < 0
+            /* Only where set: plans without nesting keep their bytes. */
+            || (l->nested && (sb_key(&b, "nested", 0) < 0 || sb_ll(&b, 1) < 0))
             || sb_key(&b, "selective_level", 0) < 0
             || sb_ll(&b, (long long)l->selective_level) < 0
             || sb_key(&b, "selective_threshold", 0) < 0
@@ -569,7 +576,7 @@ static PyType_Spec plan_spec = {
 
 int
 ms_plan_layer(PyObject *plan, Py_ssize_t i, unsigned *mask, int *tiles,
-              int *segment)
+              int *segment, int *nested)
 {
     Plan *p = (Plan *)plan;
     if (i < 0 || i >= PyTuple_GET_SIZE(p->layers)) {
@@ -580,6 +587,7 @@ ms_plan_layer(PyObject *plan, Py_ssize_t i, unsigned *mask, int *tiles,
     *mask = l->mask;
     *tiles = l->tiles;
     *segment = l->segment;
+    *nested = l->nested;
     return 0;
 }
 
@@ -630,6 +638,7 @@ make_layer(ms_state *st, Py_ssize_t index, PyObject *name, PyObject *kind,
     l->mask = c->techniques;
     l->tiles = c->tiles;
     l->segment = c->segment;
+    l->nested = c->nested != 0;
     const ms_sel_level *sel = (c->techniques & MS_TECH_SELECTIVE)
                                   ? ms_sel_at(in, c->sel_level)
                                   : NULL;

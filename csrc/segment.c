@@ -33,6 +33,28 @@ ms_first_tensor(ms_state *st, PyObject *out)
     return NULL;
 }
 
+/* Put the generators where the unit of record `rec` started, if it
+   recorded that: a state is recorded only where the unit did not start
+   from the one the previous unit ended with; else the previous unit's
+   recompute has just left the generator there.  0, or -1 with an error. */
+int
+ms_segment_unit_rng(ms_state *st, PyObject *rec)
+{
+    PyObject *r = PyTuple_GET_ITEM(rec, 4) != Py_None
+                      ? PyObject_CallOneArg(st->set_rng_state,
+                                            PyTuple_GET_ITEM(rec, 4))
+                      : Py_NewRef(Py_None);
+    if (r != NULL && PyTuple_GET_ITEM(rec, 5) != Py_None) {
+        Py_SETREF(r, PyObject_CallOneArg(st->cuda_set_rng_state_all,
+                                         PyTuple_GET_ITEM(rec, 5)));
+    }
+    if (r == NULL) {
+        return -1;
+    }
+    Py_DECREF(r);
+    return 0;
+}
+
 /* Recompute a segment's later units, each on the previous one's output,
    under the RNG state it ran with; steals `out` (the first unit's output)
    and returns the last output, or NULL (the stop exception included). */
@@ -66,22 +88,10 @@ ms_segment_replay(Frame *self, PyObject *out)
                                                 : PyTuple_GET_ITEM(args, k)));
         }
         Py_DECREF(out);
-        /* A state is recorded only where the unit did not start from the
-           one the previous unit ended with; else the previous unit's
-           recompute has just left the generator there. */
-        PyObject *r = PyTuple_GET_ITEM(rec, 4) != Py_None
-                          ? PyObject_CallOneArg(st->set_rng_state,
-                                                PyTuple_GET_ITEM(rec, 4))
-                          : Py_NewRef(Py_None);
-        if (r != NULL && PyTuple_GET_ITEM(rec, 5) != Py_None) {
-            Py_SETREF(r, PyObject_CallOneArg(st->cuda_set_rng_state_all,
-                                             PyTuple_GET_ITEM(rec, 5)));
-        }
-        if (r == NULL) {
+        if (ms_segment_unit_rng(st, rec) < 0) {
             Py_DECREF(call);
             return NULL;
         }
-        Py_DECREF(r);
         out = PyObject_Call(unit, call, kwargs);
         Py_DECREF(call);
         if (out == NULL) {
@@ -309,6 +319,7 @@ ms_segment_continue(Executor *ex, PyObject *unit, PyObject *args,
                                                          : PyDict_New();
     PyObject *rng = NULL, *rng_cuda = NULL, *rec = NULL, *pack = NULL;
     PyObject *unpack = NULL, *ctx = NULL, *where = PyLong_FromSsize_t(pos);
+    PyObject *start = NULL;
     int rc = -1;
     if (held == NULL || kw == NULL || where == NULL) {
         goto done;
@@ -328,12 +339,28 @@ ms_segment_continue(Executor *ex, PyObject *unit, PyObject *args,
     if (f->seg.units == NULL && (f->seg.units = PyList_New(0)) == NULL) {
         goto done;
     }
+    if (f->nest.on && f->nest.starts == NULL
+        && (f->nest.starts = PyList_New(0)) == NULL)
+    {
+        goto done;
+    }
+    start = f->nest.on ? PyLong_FromSsize_t(PyList_GET_SIZE(f->shapes)) : NULL;
+    if (f->nest.on && start == NULL) {
+        goto done;
+    }
     Py_ssize_t nv = PyList_GET_SIZE(f->versions);
     if (ms_collect_versions(st, held, f->versions) < 0
         || ms_collect_versions(st, kw, f->versions) < 0
         || PyList_Append(f->seg.units, rec) < 0)
     {
         /* Leave the frame as it was. */
+        (void)PyList_SetSlice(f->versions, nv, PyList_GET_SIZE(f->versions),
+                              NULL);
+        goto done;
+    }
+    if (start != NULL && PyList_Append(f->nest.starts, start) < 0) {
+        Py_ssize_t n = PyList_GET_SIZE(f->seg.units);
+        (void)PyList_SetSlice(f->seg.units, n - 1, n, NULL);
         (void)PyList_SetSlice(f->versions, nv, PyList_GET_SIZE(f->versions),
                               NULL);
         goto done;
@@ -347,6 +374,10 @@ ms_segment_continue(Executor *ex, PyObject *unit, PyObject *args,
     if (ctx == NULL || ms_call_enter(st, ctx) < 0) {
         Py_ssize_t n = PyList_GET_SIZE(f->seg.units);
         (void)PyList_SetSlice(f->seg.units, n - 1, n, NULL);
+        if (start != NULL) {
+            n = PyList_GET_SIZE(f->nest.starts);
+            (void)PyList_SetSlice(f->nest.starts, n - 1, n, NULL);
+        }
         (void)PyList_SetSlice(f->versions, nv, PyList_GET_SIZE(f->versions),
                               NULL);
         goto done;
@@ -377,6 +408,7 @@ done:
     Py_XDECREF(unpack);
     Py_XDECREF(ctx);
     Py_XDECREF(where);
+    Py_XDECREF(start);
     if (rc < 0) {
         /* Keep going without the segment rather than half in it. */
         ms_exc_state saved;

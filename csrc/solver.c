@@ -21,6 +21,14 @@
  * ms_mem_selective_backward (memory.h), a recompute term checked against
  * the budget like a segment's.
  *
+ * Nested (when p->nested is set and no plan of two levels fits): a
+ * segment may also be nested (memory.h): its recompute runs its layers
+ * but the last keeping only their inputs, then recomputes each layer
+ * alone, so it costs its layers but the last once more, and each layer's
+ * tail is not run (each is the last of its own recompute).  The DP then runs
+ * again with nested segments as one more move (a second tree forest, as
+ * below); a plan that fits on two levels is never nested.
+ *
  * Overhead, in seconds: each checkpointed layer is recomputed once (its
  * cost / flop_rate: its forward FLOPs, convolutions and attention weighted
  * by their measured rates, ms_layer_cost), less, in the last layer of
@@ -59,10 +67,11 @@
 
 /* Back-pointer of a state: prev_h (16 bits) | length (8; 0 = kept) |
    code (8: bit 0 offloaded, bits 1-3 log2 of the tiles, bit 4 a kept
-   layer run selective, bits 5-7 its level). */
+   layer run selective, or a segment nested, bits 5-7 the level). */
 typedef uint32_t back_t;
 #define BACK_NONE UINT32_MAX
 #define BACK_SELECTIVE 16
+#define BACK_NESTED 16
 #define BACK_LEVEL_SHIFT 5
 _Static_assert(MS_SEL_LEVELS <= 8,
                "a level must fit the back-pointer's 3 bits");
@@ -150,7 +159,7 @@ ms_solver_check(const ms_solver_problem *p, const ms_layer *L, size_t n,
     for (size_t i = 0; i < n; i++) {
         int s = c[i].seg_start;
         if (s < 0) {
-            if (c[i].offload || c[i].tiles != 1
+            if (c[i].offload || c[i].tiles != 1 || c[i].nested
                 || (c[i].selective
                     && (!can_select(p, &L[i])
                         || ms_sel_at(&L[i], c[i].level) == NULL)))
@@ -165,7 +174,13 @@ ms_solver_check(const ms_solver_problem *p, const ms_layer *L, size_t n,
             return -1;
         }
         if ((size_t)s < i
-            && (c[i - 1].seg_start != s || c[i].offload || c[i].tiles != 1))
+            && (c[i - 1].seg_start != s || c[i].offload || c[i].tiles != 1
+                || c[i].nested))
+        {
+            return -1;
+        }
+        if ((size_t)s == i && c[i].nested
+            && (!p->nested || c[i].offload || c[i].tiles != 1))
         {
             return -1;
         }
@@ -222,7 +237,12 @@ ms_solver_overhead(const ms_solver_problem *p, const ms_layer *L, size_t n,
         }
         total += seconds(p, &L[i]);
         flops += ms_layer_flops(&L[i]);
-        if (ends_segment(c, n, i)) {
+        if (c[c[i].seg_start].nested && !ends_segment(c, n, i)) {
+            /* Run once more, by the first pass, for the next input. */
+            total += seconds(p, &L[i]);
+            flops += ms_layer_flops(&L[i]);
+        }
+        if (ends_segment(c, n, i) || c[c[i].seg_start].nested) {
             /* The recompute stops early in its last layer. */
             total -= tail_seconds(p, &L[i]);
             flops -= ms_layer_tail_flops(&L[i]);
@@ -252,6 +272,7 @@ keep_all(ms_solver_choice *out, size_t n)
         out[i].tiles = 1;
         out[i].selective = 0;
         out[i].level = 0;
+        out[i].nested = 0;
     }
 }
 
@@ -342,15 +363,31 @@ tree_best(const forest *t, size_t col)
     return &t->leaf[col * t->leaves + (t->leaves > 1 ? node[1] : 0)];
 }
 
-int
-ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
-         ms_solver_choice *out, ms_solver_result *res)
+/* The largest end e in [lo, hi] (exclusive ends of segments starting at
+   i) whose term term[e - i] fits `room`, given term[lo - i] does: a binary
+   search, as the term only grows with the segment. */
+static size_t
+longest_fit(const int64_t *term, size_t i, size_t lo, size_t hi, int64_t room)
+{
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo + 1) / 2;
+        if (term[mid - i] <= room) {
+            lo = mid;
+        }
+        else {
+            hi = mid - 1;
+        }
+    }
+    return lo;
+}
+
+/* One run of the DP; with `nested`, nested segments are a move too. */
+static int
+solve_pass(const ms_solver_problem *p, const ms_layer *L, size_t n,
+           ms_solver_choice *out, ms_solver_result *res, int nested)
 {
     memset(res, 0, sizeof(*res));
     keep_all(out, n);
-    if (!problem_ok(p)) {
-        return -2;
-    }
     int64_t B = p->budget_bytes;
     /* What everything held at the end of the forward may reach. */
     int64_t BE = p->end_extra >= 0 ? ms_add_sat(B, p->end_extra)
@@ -371,6 +408,10 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
     while (t.leaves < W + 1) {
         t.leaves *= 2;
     }
+    /* Nested segments: candidates g = cost - (P[i] + Q[i]), arriving at
+       row r with g + P[r - 1] + Q[r] (the first pass runs i .. r - 2,
+       and each layer is recomputed alone, less its tail). */
+    forest tn = {t.leaves, NULL, NULL};
 
     double *cur = malloc(width * sizeof(double));
     double *next = malloc(width * sizeof(double));
@@ -384,26 +425,40 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
        ms_mem_seg_step): the largest over its layers m of saved(i .. m) +
        backward(m).  Non-decreasing in k. */
     int64_t *rt = malloc((W + 1) * sizeof(int64_t));
+    /* nt[k]: the recompute term of the nested segment i .. i + k - 1
+       (ms_mem_nest_step); non-decreasing in k. */
+    int64_t *nt = malloc((W + 1) * sizeof(int64_t));
+    double *Q = malloc((n + 1) * sizeof(double)); /* cost less tail prefix */
     t.leaf = malloc(width * t.leaves * sizeof(cand));
     t.node = calloc(width * t.leaves, sizeof(uint32_t));
+    if (nested) {
+        tn.leaf = malloc(width * tn.leaves * sizeof(cand));
+        tn.node = calloc(width * tn.leaves, sizeof(uint32_t));
+    }
     int rc = -1;
     if (cur == NULL || next == NULL || back == NULL || SP == NULL || P == NULL
         || run_end == NULL || t.leaf == NULL || t.node == NULL
-        || cur_held == NULL || next_held == NULL || rt == NULL)
+        || cur_held == NULL || next_held == NULL || rt == NULL || nt == NULL
+        || Q == NULL || (nested && (tn.leaf == NULL || tn.node == NULL)))
     {
         goto done;
     }
     for (size_t k = 0; k < width * t.leaves; k++) {
         t.leaf[k].g = INFINITY;
+        if (nested) {
+            tn.leaf[k].g = INFINITY;
+        }
     }
     for (size_t k = 0; k < (n + 1) * width; k++) {
         back[k] = BACK_NONE;
     }
     SP[0] = 0;
     P[0] = 0.0;
+    Q[0] = 0.0;
     for (size_t i = 0; i < n; i++) {
         SP[i + 1] = ms_add_sat(SP[i], ms_mem_saved(&L[i]));
         P[i + 1] = P[i] + seconds(p, &L[i]);
+        Q[i + 1] = Q[i] + seconds(p, &L[i]) - tail_seconds(p, &L[i]);
     }
     /* run_end[i]: one past the last layer a segment starting at i may
        reach (eligible layers only). */
@@ -436,6 +491,23 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                     back[i * width + h] = back_pack(c->src_h,
                                                     (int)(i - c->src_i),
                                                     c->offload, 0);
+                }
+            }
+        }
+        if (ckpt && nested && i > 0) {
+            size_t slot = (i - 1) % tn.leaves;
+            for (size_t h = 0; h < width; h++) {
+                tree_expire(&tn, h, slot);
+                const cand *c = tree_best(&tn, h);
+                double v = c->g + P[i - 1] + Q[i];
+                if (c->g < INFINITY
+                    && (v < cur[h] || (v == cur[h] && c->held < cur_held[h])))
+                {
+                    cur[h] = v;
+                    cur_held[h] = c->held;
+                    back[i * width + h] = back_pack(c->src_h,
+                                                    (int)(i - c->src_i), 0, 0)
+                                          | BACK_NESTED;
                 }
             }
         }
@@ -478,9 +550,15 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
         double off_cost = ok_off ? ms_solver_offload_seconds(p, &L[i]) : 0.0;
         size_t last = run_end[i] < i + W ? run_end[i] : i + W; /* exclusive */
         rt[0] = 0;
+        nt[0] = 0;
+        int64_t inputs = 0;
         for (size_t k = i; k < last; k++) {
             rt[k - i + 1] = ms_mem_seg_step(rt[k - i], SP[k + 1] - SP[i],
                                             &L[k]);
+            if (nested) {
+                nt[k - i + 1] = ms_mem_nest_step(nt[k - i], inputs, &L[k]);
+                inputs = ms_add_sat(inputs, ms_mem_stored(&L[k], 0));
+            }
         }
         for (size_t h = 0; h < width; h++) {
             double v = cur[h];
@@ -535,18 +613,8 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
             int in_fits = in_bytes <= BE;
             size_t hin = in_fits ? (size_t)(in_bytes / bucket) : 0;
             if (rt[1] <= room) {
-                /* The longest segment whose recompute fits: binary search
-                   on its recompute term (it only grows). */
-                size_t lo = i + 1, hi = last;
-                while (lo < hi) {
-                    size_t mid = lo + (hi - lo + 1) / 2;
-                    if (rt[mid - i] <= room) {
-                        lo = mid;
-                    }
-                    else {
-                        hi = mid - 1;
-                    }
-                }
+                /* The longest segment whose recompute fits. */
+                size_t lo = longest_fit(rt, i, i + 1, last, room);
                 size_t slot = lo % t.leaves; /* expires after row lo */
                 double g = v - P[i];
                 if (in_fits) {
@@ -555,6 +623,12 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                 if (ok_off) {
                     tree_offer(&t, h, slot, g + off_cost, held, i, h, 1);
                 }
+            }
+            if (nested && in_fits && last > i + 1 && nt[2] <= room) {
+                /* The longest nested segment whose recompute fits. */
+                size_t lo = longest_fit(nt, i, i + 2, last, room);
+                tree_offer(&tn, hin, lo % tn.leaves, v - P[i] - Q[i], in_bytes,
+                           i, h, 0);
             }
             /* One layer in tiles, when it does not fit whole: the fewest
                tiles whose share fits. */
@@ -627,6 +701,7 @@ ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
                 }
                 out[start].offload = code & 1;
                 out[start].tiles = 1 << (code >> 1 & 7);
+                out[start].nested = (code & BACK_NESTED) != 0 && len > 1;
                 i = start;
             }
             h = prev_h;
@@ -648,8 +723,30 @@ done:
     free(P);
     free(run_end);
     free(rt);
+    free(nt);
+    free(Q);
     free(t.leaf);
     free(t.node);
+    free(tn.leaf);
+    free(tn.node);
+    return rc;
+}
+
+int
+ms_solve(const ms_solver_problem *p, const ms_layer *L, size_t n,
+         ms_solver_choice *out, ms_solver_result *res)
+{
+    memset(res, 0, sizeof(*res));
+    keep_all(out, n);
+    if (!problem_ok(p)) {
+        return -2;
+    }
+    int rc = solve_pass(p, L, n, out, res, 0);
+    if (rc == 0 && !res->feasible && p->nested
+        && (p->allowed & MS_TECH_CHECKPOINT))
+    {
+        rc = solve_pass(p, L, n, out, res, 1);
+    }
     return rc;
 }
 

@@ -22,6 +22,8 @@ typedef struct {
     double tile_overhead;      /* seconds per extra call of a tiled layer */
     int max_segment; /* longest checkpoint segment, in layers (>= 1) */
     int resolution;  /* memory buckets of the DP (>= 1) */
+    int nested;      /* when no plan of two levels fits, nested segments
+                        (ms_solver_choice.nested) may be used */
 } ms_solver_problem;
 
 typedef struct {
@@ -31,6 +33,9 @@ typedef struct {
                       segment) */
     int selective; /* kept (seg_start -1) as a selective layer */
     int level;     /* selective: which of the layer's levels (ms_layer.sel) */
+    int nested;    /* the segment (first layer) is nested: its recompute
+                      keeps only its layers' inputs, then recomputes each
+                      layer alone as backward reaches it (memory.h) */
 } ms_solver_choice;
 
 typedef struct {

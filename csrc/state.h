@@ -93,6 +93,7 @@
     NAME(s_unpack, "_unpack")                                                \
     NAME(s_rpack, "_rpack")                                                  \
     NAME(s_runpack, "_runpack")                                              \
+    NAME(s_dpack, "_dpack")                                                  \
     NAME(s_count, "_count")                                                  \
     NAME(s_ident, "_ident")                                                  \
     NAME(s_pre, "_pre")                                                      \

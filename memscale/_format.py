@@ -56,8 +56,9 @@ def _size(n: float) -> str:
 def plan_table(plan: Any) -> str:
     """The plan as the log shows it at DEBUG: a header, then one row per
     layer.  ``segment`` names the first layer of the checkpoint segment a
-    layer is recomputed with (itself when recomputed alone), "-" when it is
-    not recomputed."""
+    layer is recomputed with (itself when recomputed alone, "(nested)"
+    after it when that segment is nested), "-" when it is not
+    recomputed."""
     names = [layer.name for layer in plan.layers]
     rows = [("layer", "kind", "technique", "segment", "tier", "bytes saved", "rule")]
     for layer in plan.layers:
@@ -65,6 +66,8 @@ def plan_table(plan: Any) -> str:
         if layer.tiles > 1:
             technique += f" x{layer.tiles}"
         segment = names[layer.segment] if 0 <= layer.segment < len(names) else "-"
+        if layer.nested:
+            segment += " (nested)"
         rows.append(
             (
                 layer.name,

@@ -111,8 +111,8 @@ def _verifiable(plan: Any, forced: Any) -> bool:
 
 
 def _same_choices(a: Any, b: Any) -> bool:
-    return [(x.techniques, x.segment, x.tiles) for x in a.layers] == [
-        (y.techniques, y.segment, y.tiles) for y in b.layers
+    return [(x.techniques, x.segment, x.nested, x.tiles) for x in a.layers] == [
+        (y.techniques, y.segment, y.nested, y.tiles) for y in b.layers
     ]
 
 

@@ -47,12 +47,12 @@ def _measured(model: Any, sample: Any, loss_fn: Any) -> int:
 
 
 def _choices(plan: Any) -> tuple[Any, ...]:
-    return tuple((x.techniques, x.segment, x.tiles) for x in plan.layers)
+    return tuple((x.techniques, x.segment, x.nested, x.tiles) for x in plan.layers)
 
 
 def _segments(plan: Any) -> str:
     seg: list[int] = []
-    kept = selective = 0
+    kept = selective = nested = 0
     for layer in plan.layers:
         if "selective" in layer.techniques:
             selective += 1
@@ -60,9 +60,11 @@ def _segments(plan: Any) -> str:
             kept += 1
         elif layer.segment == layer.index:
             seg.append(1)
+            nested += layer.nested
         else:
             seg[-1] += 1
     out = f"{len(seg)} segments {seg}, {kept} kept"
+    out += f", {nested} nested" if nested else ""
     return out + (f", {selective} selective" if selective else "")
 
 

@@ -242,7 +242,11 @@ class _Simulation:
                 for (_, m), layer in zip(self.units, plan.layers)
                 if "checkpoint" in layer.techniques and layer.segment != layer.index
             ]
-            return step.tracked(chosen, [m for _, m in self.units], joining)
+            nested: dict[int, list[nn.Module]] = {}
+            for (_, m), layer in zip(self.units, plan.layers):
+                if "checkpoint" in layer.techniques and layer.nested:
+                    nested.setdefault(layer.segment, []).append(m)
+            return step.tracked(chosen, [m for _, m in self.units], joining, list(nested.values()))
         finally:
             if undo_cache is not None:
                 undo_cache()

@@ -284,12 +284,14 @@ class Step:
         recompute_units: list[nn.Module],
         marked: list[nn.Module] | None = None,
         joining: list[nn.Module] | None = None,
+        nested: list[list[nn.Module]] | None = None,
     ) -> Trace:
         """Run one step under a StorageTracker; what it recorded.  The
         forwards of the ``marked`` units (outermost calls, in the forward
         phase) are marked in its ``forward_marks``.  The ``joining`` units
         (of ``recompute_units``) join the checkpoint segment of the unit
-        before them, whose frame keeps the one RNG state."""
+        before them, whose frame keeps the one RNG state.  Each of the
+        ``nested`` lists is the units of a nested checkpoint segment."""
         tracker = StorageTracker(REAL_VALUE_LIMIT, self.world.calls)
         if self.world.device.type == "cpu":
             tracker.kernel_calls = []
@@ -320,6 +322,19 @@ class Step:
             for unit, after in zip(recompute_units, [*recompute_units[1:], None])
             if after is None or id(after) not in no_state
         }
+        # A nested segment's backward (csrc/frame.c, FrameNest) is a first
+        # pass over its units but the last, then each unit's own recompute,
+        # last first: each is a recompute holding the caller's state; the
+        # first pass keeps, after each unit, the next one's RNG state until
+        # that unit's own recompute ends; the frame's own state stays until
+        # the first unit's own recompute.
+        nest_of: dict[int, tuple[list[int], int]] = {}
+        for group in nested or ():
+            for k, unit in enumerate(group):
+                nest_of[id(unit)] = ([id(m) for m in group], k)
+        nest_seen: dict[int, int] = {}
+        nest_kept: dict[int, torch.Tensor] = {}
+        nest_entry: list[tuple[list[int], int, bool]] = []
         held: dict[int, list[torch.Tensor]] = {}
         done: list[torch.Tensor] = []
         caller: list[torch.Tensor] = []
@@ -330,6 +345,12 @@ class Step:
                 if tracker.recompute_depth == 0:
                     done.clear()
                     tracker.recompute_marks.append((len(tracker.events), module))
+                    nest_entry.clear()
+                    if id(module) in nest_of:
+                        ids, k = nest_of[id(module)]
+                        seen = nest_seen.get(ids[0], 0)
+                        nest_seen[ids[0]] = seen + 1
+                        nest_entry.append((ids, k, seen < len(ids) - 1))
                     if rng_bytes and not caller:
                         caller.append(
                             torch.empty(rng_bytes, dtype=torch.uint8, device=self.world.device)
@@ -351,6 +372,20 @@ class Step:
         def leave(module: nn.Module, *_: Any) -> None:
             if tracker.phase == "backward" and tracker.recompute_depth > 0:
                 tracker.recompute_depth -= 1
+                if tracker.recompute_depth == 0 and nest_entry:
+                    ids, k, first_pass = nest_entry.pop()
+                    if first_pass:
+                        if rng_bytes:
+                            nest_kept[ids[k + 1]] = torch.empty(
+                                rng_bytes, dtype=torch.uint8, device=self.world.device
+                            )
+                        if k == len(ids) - 2:
+                            caller.clear()
+                        return
+                    nest_kept.pop(ids[k], None)
+                    caller.clear()
+                    if k > 0:
+                        return
                 if held.get(id(module)):
                     done.append(held[id(module)].pop(0))
                 if tracker.recompute_depth == 0 and id(module) in ends:
@@ -398,6 +433,7 @@ class Step:
 
             def on_phase(phase: str) -> None:
                 if phase == "optimizer":  # the graph and its frames are gone
+                    nest_kept.clear()
                     held.clear()
                     done.clear()
                     caller.clear()
@@ -408,6 +444,7 @@ class Step:
             tracker.on_phase = on_phase
             with tracker:
                 self.run(tracker)
+                nest_kept.clear()
                 held.clear()
                 done.clear()
                 caller.clear()

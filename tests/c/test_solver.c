@@ -9,8 +9,14 @@
  *               solver choosing it where it pays
  *   tail        the early stop: a recompute ending in a layer skips its
  *               tail, so singles beat a segment where that is cheaper
+ *   nested      a nested segment: its memory terms and cost by hand, and
+ *               the least budget falling below two levels' with it
  *   exhaustive  every plan of random chains of up to 7 layers enumerated:
- *               the solver's overhead equals the best plan's that fits
+ *               the solver's overhead equals the best plan's that fits;
+ *               with nesting allowed, the best two-level plan's where one
+ *               fits (never nested), else the best nested plan's
+ *   exhaustive nested  the same below the least budget of two levels,
+ *               against every plan with nested segments
  *   fuzz        random large chains: no crash, a plan it returns is valid
  *               and fits, overheads agree with the model
  *   min-budget  the smallest feasible budget is feasible and one byte less
@@ -136,7 +142,7 @@ test_model(void)
 {
     group_begin();
     ms_layer L[3] = {layer(10, 2, 1, 0), layer(20, 3, 2, 0), layer(30, 4, 4, 0)};
-    ms_solver_choice c[3] = {{-1, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}};
+    ms_solver_choice c[3] = {{-1, 0, 1, 0, 0, 0}, {-1, 0, 1, 0, 0, 0}, {-1, 0, 1, 0, 0, 0}};
     ms_solver_problem p = problem(1000, ALL);
     CHECK(model_peak(L, 3, c) == 60);
     CHECK(ms_solver_overhead(&p, L, 3, c, NULL) == 0.0);
@@ -195,7 +201,7 @@ test_model(void)
     double flops = 0;
     CHECK(ms_solver_overhead(&p, L, 3, c, &flops) == 7.0 && flops == 7.0);
     /* Singles, layer 2 in 4 tiles: 5 held + ceil(30 / 4) = 13 at its recompute. */
-    ms_solver_choice d[3] = {{0, 0, 1, 0, 0}, {1, 0, 1, 0, 0}, {2, 0, 4, 0, 0}};
+    ms_solver_choice d[3] = {{0, 0, 1, 0, 0, 0}, {1, 0, 1, 0, 0, 0}, {2, 0, 4, 0, 0, 0}};
     CHECK(ms_solver_check(&p, L, 3, d) == -1); /* not tileable */
     L[2].flags = MS_LAYER_TILEABLE;
     CHECK(ms_solver_check(&p, L, 3, d) == 0);
@@ -210,9 +216,9 @@ test_model(void)
     p.async_offload = 1; /* write 3 - 2 hidden, read 3 - 4: hidden */
     CHECK(ms_solver_offload_seconds(&p, &L[1]) == 1.0);
     /* Invalid shapes. */
-    ms_solver_choice e[3] = {{-1, 0, 1, 0, 0}, {0, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}};
+    ms_solver_choice e[3] = {{-1, 0, 1, 0, 0, 0}, {0, 0, 1, 0, 0, 0}, {-1, 0, 1, 0, 0, 0}};
     CHECK(ms_solver_check(&p, L, 3, e) == -1); /* segment not a run */
-    ms_solver_choice g[3] = {{0, 0, 2, 0, 0}, {0, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}};
+    ms_solver_choice g[3] = {{0, 0, 2, 0, 0, 0}, {0, 0, 1, 0, 0, 0}, {-1, 0, 1, 0, 0, 0}};
     CHECK(ms_solver_check(&p, L, 3, g) == -1); /* tiles on a 2-layer segment */
     {
         /* A segment's backward terms: when backward reaches a layer, the
@@ -223,7 +229,7 @@ test_model(void)
            layer 1: 30 + 55 = 85. */
         ms_layer B[3] = {layer(10, 2, 1, 0), layer(20, 3, 2, 0),
                          layer(30, 4, 4, 0)};
-        ms_solver_choice s[3] = {{0, 0, 1, 0, 0}, {0, 0, 1, 0, 0}, {0, 0, 1, 0, 0}};
+        ms_solver_choice s[3] = {{0, 0, 1, 0, 0, 0}, {0, 0, 1, 0, 0, 0}, {0, 0, 1, 0, 0, 0}};
         B[0].backward_bytes = 25;
         B[1].backward_bytes = 5;
         CHECK(model_peak(B, 3, s) == 60);
@@ -347,9 +353,9 @@ test_tail(void)
     /* A segment skips its last layer's tail only: [0..1] costs 4 + 3;
        [0] and [1] alone 3 + 3. */
     ms_solver_choice seg[4] = {
-        {0, 0, 1, 0, 0}, {0, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}};
+        {0, 0, 1, 0, 0, 0}, {0, 0, 1, 0, 0, 0}, {-1, 0, 1, 0, 0, 0}, {-1, 0, 1, 0, 0, 0}};
     ms_solver_choice one[4] = {
-        {0, 0, 1, 0, 0}, {1, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}};
+        {0, 0, 1, 0, 0, 0}, {1, 0, 1, 0, 0, 0}, {-1, 0, 1, 0, 0, 0}, {-1, 0, 1, 0, 0, 0}};
     double fl = -1.0;
     CHECK(ms_solver_overhead(&p, L, 4, seg, &fl) == 7.0 && fl == 7.0);
     CHECK(ms_solver_overhead(&p, L, 4, one, &fl) == 6.0 && fl == 6.0);
@@ -407,7 +413,7 @@ test_selective(void)
     L[1].flags |= MS_LAYER_SELECTIVE;
     L[1].sel_levels = 1;
     L[1].sel[0] = (ms_sel_level){4.0, 30, 2.0};
-    ms_solver_choice c[3] = {{-1, 0, 1, 0, 0}, {-1, 0, 1, 1, 0}, {-1, 0, 1, 0, 0}};
+    ms_solver_choice c[3] = {{-1, 0, 1, 0, 0, 0}, {-1, 0, 1, 1, 0, 0}, {-1, 0, 1, 0, 0, 0}};
     ms_mem_terms t;
     ms_mem_terms_of(L, 3, c, &t);
     /* end: 50 + (10 + 30) + 50; its backward: 50 before + max(40, 100). */
@@ -464,7 +470,7 @@ test_selective_levels(void)
     L[0].sel[1] = (ms_sel_level){16.0, 30, 2.0};
     L[0].sel[2] = (ms_sel_level){4.0, 60, 0.5};
     ms_solver_choice c[3] = {
-        {-1, 0, 1, 1, 2}, {-1, 0, 1, 0, 0}, {-1, 0, 1, 0, 0}};
+        {-1, 0, 1, 1, 2, 0}, {-1, 0, 1, 0, 0, 0}, {-1, 0, 1, 0, 0, 0}};
     ms_mem_terms t;
     ms_mem_terms_of(L, 3, c, &t);
     /* Level 2: end (10 + 60) + 50 + 50; its backward max(70, 100). */
@@ -504,10 +510,90 @@ test_selective_levels(void)
     group_end("selective levels");
 }
 
+/* ---- nested ------------------------------------------------------------- */
+
+static void
+test_nested(void)
+{
+    group_begin();
+    /* Three layers, one nested segment [0..2]: while layer k is recomputed
+       alone and run backward, the inputs of the layers before it are held
+       (layer 0's is the segment's stored input). */
+    ms_layer L[6];
+    L[0] = layer(10, 1, 1.0, 0);
+    L[1] = layer(20, 2, 2.0, 0);
+    L[2] = layer(30, 3, 4.0, 0);
+    L[1].backward_bytes = 5;
+    L[2].tail_flops = 1.0;
+    ms_solver_problem p = problem(100, MS_TECH_CHECKPOINT);
+    ms_solver_choice c[6];
+    for (size_t i = 0; i < 3; i++) {
+        c[i] = (ms_solver_choice){.seg_start = 0, .tiles = 1};
+    }
+    c[0].nested = 1;
+    CHECK(ms_solver_check(&p, L, 3, c) == -1); /* nesting not allowed */
+    p.nested = 1;
+    CHECK(ms_solver_check(&p, L, 3, c) == 0);
+    ms_mem_terms t;
+    ms_mem_terms_of(L, 3, c, &t);
+    /* max(10, 1 + 20 + 5, 1 + 2 + 30) */
+    CHECK(t.end == 1 && t.recompute == 33 && t.recompute_at == 0);
+    /* Each layer recomputed alone (less its tail) and layers 0, 1 once
+       more by the first pass: 7 - 1 + 3. */
+    double fl = 0.0;
+    CHECK(ms_solver_overhead(&p, L, 3, c, &fl) == 9.0 && fl == 9.0);
+    c[0].nested = 0; /* two levels: all saved tensors at once */
+    ms_mem_terms_of(L, 3, c, &t);
+    CHECK(t.recompute == 60 && ms_solver_overhead(&p, L, 3, c, NULL) == 6.0);
+    c[1].nested = 1; /* only on the first layer */
+    CHECK(ms_solver_check(&p, L, 3, c) == -1);
+    c[1].nested = 0;
+    c[2].seg_start = -1; /* nor on a kept layer */
+    CHECK(ms_solver_check(&p, L, 3, c) == 0);
+    c[2].nested = 1;
+    CHECK(ms_solver_check(&p, L, 3, c) == -1);
+    c[2] = (ms_solver_choice){.seg_start = 0, .tiles = 1};
+    c[0].nested = 1;
+    c[0].offload = 1;
+    CHECK(ms_solver_check(&p, L, 3, c) == -1);
+
+    /* Six layers saving 100 bytes from 10-byte inputs: two levels need
+       five inputs held beside a layer's saved tensors (150); nested
+       segments of 3, 2 and 1 layers need two (120). */
+    for (size_t i = 0; i < 6; i++) {
+        L[i] = layer(100, 10, 1.0, 0);
+    }
+    p = problem(0, MS_TECH_CHECKPOINT);
+    int64_t two = -1, nest = -1;
+    CHECK(ms_solver_min_budget(&p, L, 6, &two) == 0 && two == 150);
+    p.nested = 1;
+    CHECK(ms_solver_min_budget(&p, L, 6, &nest) == 0 && nest == 120);
+    ms_solver_result r;
+    p.budget_bytes = nest;
+    CHECK(ms_solve(&p, L, 6, c, &r) == 0 && r.feasible
+          && r.peak_bytes == 120);
+    int nested = 0;
+    for (size_t i = 0; i < 6; i++) {
+        nested += c[i].seg_start == (int)i && c[i].nested;
+    }
+    CHECK(nested >= 2 && ms_solver_check(&p, L, 6, c) == 0);
+    /* Where two levels fit, the plan is theirs, nested allowed or not. */
+    p.budget_bytes = two;
+    ms_solver_choice d[6];
+    CHECK(ms_solve(&p, L, 6, c, &r) == 0 && r.feasible);
+    p.nested = 0;
+    ms_solver_result r2;
+    CHECK(ms_solve(&p, L, 6, d, &r2) == 0 && r2.feasible);
+    CHECK(memcmp(c, d, sizeof(c)) == 0
+          && r.overhead_seconds == r2.overhead_seconds);
+    group_end("nested");
+}
+
 /* ---- exhaustive --------------------------------------------------------- */
 
 static double best_cost;
 static int64_t best_peak;
+static int enum_nested; /* enumerate nested segments too */
 
 static void
 enumerate(const ms_solver_problem *p, const ms_layer *L, size_t n, size_t i,
@@ -532,6 +618,7 @@ enumerate(const ms_solver_problem *p, const ms_layer *L, size_t n, size_t i,
     c[i].tiles = 1;
     c[i].selective = 0;
     c[i].level = 0;
+    c[i].nested = 0;
     enumerate(p, L, n, i + 1, c);
     for (int lv = 0; lv < L[i].sel_levels; lv++) {
         c[i].selective = 1;
@@ -547,6 +634,7 @@ enumerate(const ms_solver_problem *p, const ms_layer *L, size_t n, size_t i,
             c[k].tiles = 1;
             c[k].selective = 0;
             c[k].level = 0;
+            c[k].nested = 0;
         }
         for (int off = 0; off < 2; off++) {
             for (int t = 1; t <= MS_MAX_TILES; t *= 2) {
@@ -557,6 +645,13 @@ enumerate(const ms_solver_problem *p, const ms_layer *L, size_t n, size_t i,
                 c[i].tiles = t;
                 enumerate(p, L, n, j + 1, c);
             }
+        }
+        if (enum_nested && j > i) {
+            c[i].offload = 0;
+            c[i].tiles = 1;
+            c[i].nested = 1;
+            enumerate(p, L, n, j + 1, c);
+            c[i].nested = 0;
         }
     }
 }
@@ -607,6 +702,23 @@ random_chain(ms_layer *L, size_t n, int64_t scale)
     }
 }
 
+/* The solver's plan c (result r) against the enumerated best: feasible
+   alike, and where it is, valid, within the budget and as cheap.  1 when
+   feasible. */
+static int
+check_best(const ms_solver_problem *p, const ms_layer *L, size_t n,
+           const ms_solver_choice *c, const ms_solver_result *r)
+{
+    CHECK(r->feasible == (best_cost < INFINITY));
+    if (r->feasible) {
+        CHECK(ms_solver_check(p, L, n, c) == 0);
+        CHECK(r->peak_bytes == bpeak(p, L, n, c));
+        CHECK(r->peak_bytes <= p->budget_bytes);
+        CHECK(fabs(r->overhead_seconds - best_cost) <= 1e-9);
+    }
+    return r->feasible;
+}
+
 static void
 test_exhaustive(void)
 {
@@ -614,7 +726,7 @@ test_exhaustive(void)
     ms_layer L[MAXN];
     ms_solver_choice c[MAXN], e[MAXN];
     ms_solver_result r;
-    long feasible = 0;
+    long feasible = 0, nested_plans = 0;
     lcg = 0x501feULL;
     group_begin();
     for (int k = 0; k < CASES; k++) {
@@ -635,24 +747,66 @@ test_exhaustive(void)
             p.async_offload = (int)(rnd() % 2);
             p.min_offload_bytes = rnd_range(0, 20);
         }
+        p.nested = k % 2;
+        snprintf(ctx, sizeof(ctx),
+                 "case %d (n=%zu, budget %lld, allowed %u, nested %d)", k, n,
+                 (long long)p.budget_bytes, p.allowed, p.nested);
+        best_cost = INFINITY;
+        best_peak = -1;
+        enum_nested = 0;
+        enumerate(&p, L, n, 0, e);
+        int two_levels = best_cost < INFINITY;
+        if (!two_levels && p.nested) {
+            enum_nested = 1;
+            enumerate(&p, L, n, 0, e);
+        }
+        CHECK(ms_solve(&p, L, n, c, &r) == 0);
+        for (size_t i = 0; two_levels && i < n; i++) {
+            CHECK(!c[i].nested);
+        }
+        nested_plans += !two_levels && r.feasible;
+        feasible += check_best(&p, L, n, c, &r);
+    }
+    printf("exhaustive: %ld of %d cases feasible (%ld nested only)\n",
+           feasible, (int)CASES, nested_plans);
+    CHECK(feasible > CASES / 5 && feasible < CASES && nested_plans > 0);
+    group_end("exhaustive");
+}
+
+/* Below the least budget of two levels, where only nesting may fit: the
+   solver's overhead is the best nested plan's. */
+static void
+test_exhaustive_nested(void)
+{
+    enum { CASES = 600, MAXN = 6 };
+    ms_layer L[MAXN];
+    ms_solver_choice c[MAXN], e[MAXN];
+    ms_solver_result r;
+    long feasible = 0;
+    lcg = 0x4e57ULL;
+    group_begin();
+    for (int k = 0; k < CASES; k++) {
+        size_t n = (size_t)rnd_range(2, MAXN);
+        random_chain(L, n, 60);
+        ms_solver_problem p = problem(0, (unsigned)rnd_range(0, 15)
+                                             | MS_TECH_CHECKPOINT);
+        int64_t two = 0;
+        CHECK(ms_solver_min_budget(&p, L, n, &two) == 0);
+        p.budget_bytes = two - rnd_range(1, 10);
+        p.nested = 1;
         snprintf(ctx, sizeof(ctx), "case %d (n=%zu, budget %lld, allowed %u)",
                  k, n, (long long)p.budget_bytes, p.allowed);
         best_cost = INFINITY;
-        best_peak = -1;
+        enum_nested = 1;
         enumerate(&p, L, n, 0, e);
+        enum_nested = 0;
         CHECK(ms_solve(&p, L, n, c, &r) == 0);
-        CHECK(r.feasible == (best_cost < INFINITY));
-        if (r.feasible) {
-            feasible++;
-            CHECK(ms_solver_check(&p, L, n, c) == 0);
-            CHECK(r.peak_bytes == bpeak(&p, L, n, c));
-            CHECK(r.peak_bytes <= p.budget_bytes);
-            CHECK(fabs(r.overhead_seconds - best_cost) <= 1e-9);
-        }
+        feasible += check_best(&p, L, n, c, &r);
     }
-    printf("exhaustive: %ld of %d cases feasible\n", feasible, (int)CASES);
-    CHECK(feasible > CASES / 5 && feasible < CASES);
-    group_end("exhaustive");
+    printf("exhaustive nested: %ld of %d cases below two levels feasible\n",
+           feasible, (int)CASES);
+    CHECK(feasible > CASES / 20);
+    group_end("exhaustive nested");
 }
 
 /* ---- fuzz ---------------------------------------------------------------- */
@@ -699,6 +853,7 @@ test_fuzz(void)
         if (rnd() % 3 == 0) {
             p.end_extra = rnd_range(-(1 << 30), 1 << 30);
         }
+        p.nested = k % 2;
         snprintf(ctx, sizeof(ctx), "round %d (n=%zu)", k, n);
         CHECK(ms_solve(&p, L, n, c, &r) == 0);
         if (r.feasible) {
@@ -729,6 +884,7 @@ test_min_budget(void)
         random_chain(L, n, 60);
         ms_solver_problem p = problem(0, (unsigned)rnd_range(0, 15));
         p.offload_bw = rnd() % 2 ? 5.0 : 0.0;
+        p.nested = k % 2;
         int64_t mb = -1;
         snprintf(ctx, sizeof(ctx), "case %d", k);
         CHECK(ms_solver_min_budget(&p, L, n, &mb) == 0);
@@ -804,7 +960,9 @@ main(void)
     test_tail();
     test_selective();
     test_selective_levels();
+    test_nested();
     test_exhaustive();
+    test_exhaustive_nested();
     test_fuzz();
     test_min_budget();
     test_timing();

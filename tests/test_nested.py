@@ -1,0 +1,199 @@
+"""Nested checkpoint segments: below the least budget of two levels, a
+segment whose recompute keeps only its units' inputs (a first pass), then
+recomputes each unit alone from its input as backward reaches it
+(csrc/solver.c, csrc/frame.c FrameNest, docs/planning.md)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from conftest import assert_same_step, hook_count
+from test_segments import Chain, X, chain_loss, counters, draw, rng_states, segments
+
+import memscale
+from memscale import _core, _format, _planner, _planning
+from memscale._measure import measure_peak
+from memscale._solve import solve
+
+QUIET = memscale.Config(mode="conservative", enable_logging=False)
+
+
+def nested_problem(model, sample, share=20):
+    """Wrap ``model``; its executor and a problem whose layers save
+    ``share`` times their input (no backward term, no fixed bytes), at a
+    budget of 1 byte."""
+    memscale.wrap(model, memscale.Config(enable_logging=False), sample_input=sample)
+    ex = model.__dict__["_memscale_executor"]
+    problem = _planning.plan_problem(ex.profile, ex.config, ex.hardware, 0)
+    rows = [(n, k, pb, sb, sb // share, fl, fg) for (n, k, pb, sb, _, fl, fg) in problem.layers]
+    problem = problem.replace(
+        layers=tuple(_core.LayerStats(row) for row in rows),
+        fixed_bytes=0,
+        activation_bytes=sum(row[3] for row in rows),
+        peak_offset_bytes=0,
+        plan_offset_bytes=0,
+        budget_bytes=1,
+    )
+    return ex, problem
+
+
+def nested_plan(model, sample):
+    """The executor and the plan at the least budget of ``model``'s
+    nested problem."""
+    ex, problem = nested_problem(model, sample)
+    least = solve(problem).min_budget_bytes
+    plan = solve(problem.replace(budget_bytes=least))
+    assert plan.fits
+    return ex, plan
+
+
+def test_least_budget_falls_below_two_levels():
+    """Six equal units, each saving S from an input of I = S // 20: two
+    levels need five inputs held beside a unit's saved tensors (every unit
+    checkpointed alone, the last one's recompute); nested segments of 3, 2
+    and 1 units need two: the least budget falls by 3 I, and the plan
+    there nests."""
+    _, problem = nested_problem(Chain(depth=6).train(), X)
+    saved, inputs = problem.layers[0].saved_bytes, problem.layers[0].input_bytes
+    assert all(x.saved_bytes == saved and x.input_bytes == inputs for x in problem.layers)
+    rest = problem.activation_bytes - 6 * saved  # outside the units: none
+    assert rest == 0
+    least = solve(problem).min_budget_bytes
+    assert least == saved + 2 * inputs  # two levels: saved + 5 * inputs
+    plan = solve(problem.replace(budget_bytes=least))
+    assert plan.fits and plan.peak_projected_bytes <= least
+    nested = [x.index for x in plan.layers if x.nested]
+    assert nested and all("checkpoint" in plan.layers[i].techniques for i in nested)
+    assert '"nested":1' in plan.to_json()
+    assert "blocks.0 (nested)" in _format.plan_table(plan)
+    # At the least budget of two levels, the plan is two levels' (none
+    # nested, and the JSON has no "nested" key).
+    two = solve(problem.replace(budget_bytes=saved + 5 * inputs))
+    assert two.fits and not any(x.nested for x in two.layers)
+    assert '"nested"' not in two.to_json()
+
+
+@pytest.mark.parametrize("glue, states", [(None, 2), (draw, 5)])
+@pytest.mark.parametrize("retain", [False, True])
+def test_gradients_bitwise_with_dropout(glue, states, retain):
+    """Dropout in every unit: the first pass replays the forward's RNG
+    from the segment's start (and each later unit's recorded state where
+    the parent drew between units), keeps each unit's state with its
+    input, and each unit's own recompute starts from it: loss and
+    gradients are the unwrapped model's, bit for bit.  retain: a second
+    backward runs the first pass again."""
+    model = Chain(depth=6, glue=glue).train()
+    ref = copy.deepcopy(model)
+    ex, plan = nested_plan(model, X)
+    assert segments(plan) == [0, 0, 0, 3, 3, -1]
+    assert [x.nested for x in plan.layers] == [1, 1, 1, 1, 1, 0]
+    ex.apply(plan)
+    before, kept = counters(ex), rng_states(ex)
+    for seed in (0, 1):
+        assert_same_step(model, ref, X, seed, loss_fn=chain_loss(), retain_graph=retain)
+    # Two frames per step; each unit recomputed alone (per backward).
+    assert counters(ex, before) == (4, (20 if retain else 10))
+    assert rng_states(ex, kept) == 2 * states  # per step
+    assert ex.stats["active_frames"] == 0
+
+
+def test_detach_leaves_nothing():
+    model = Chain(depth=6).train()
+    ref = copy.deepcopy(model)
+    ex, plan = nested_plan(model, X)
+    ex.apply(plan)
+    assert_same_step(model, ref, X, loss_fn=chain_loss())
+    memscale.detach(model)
+    assert "_memscale_executor" not in model.__dict__
+    assert hook_count(model) == 0
+    assert_same_step(model, ref, X, seed=3, loss_fn=chain_loss())
+    dead = weakref.ref(model)
+    del model, ex
+    gc.collect()
+    assert dead() is None
+
+
+def test_error_in_the_first_pass():
+    """A unit that raises in the first pass: the error reaches backward,
+    and the caller's RNG state, the executor's frames and the kept inputs
+    are as before; the next step is exact."""
+    model = Chain(depth=6).train()
+    ref = copy.deepcopy(model)
+    ex, plan = nested_plan(model, X)
+    ex.apply(plan)
+    torch.manual_seed(0)
+    loss = chain_loss()(model, X)
+    model.blocks[1].boom = True
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match="boom"):
+        loss.backward()
+    assert torch.equal(torch.get_rng_state(), state)
+    del loss
+    model.blocks[1].boom = False
+    model.zero_grad(set_to_none=True)
+    assert_same_step(model, ref, X, seed=5, loss_fn=chain_loss())
+    assert ex.stats["active_frames"] == 0
+
+
+class _Wide(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(64, 256)
+        self.down = torch.nn.Linear(256, 64)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+class _WideChain(torch.nn.Module):
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[_Wide() for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x).pow(2).mean()
+
+
+def test_least_plan_nests_and_its_peak_is_simulated_exactly():
+    """12 blocks saving 12 times their input: wrap's least budget is a
+    nested plan's (below two levels': 18,517,768 bytes on this chain
+    before nesting); the simulated step under it (the kept RNG states
+    counted, csrc/frame.c nest_keep) is the real step's exact peak, and
+    within the least budget."""
+    torch.manual_seed(0)
+    model, x = _WideChain(12).train(), torch.randn(2048, 64)
+    with pytest.raises(memscale.MemoryBudgetError) as info:
+        memscale.wrap(model, QUIET.replace(memory_budget_gb=1 / (1 << 30)), sample_input=(x,))
+    least = info.value.min_budget_bytes
+    simulated: dict[str, int] = {}
+    peak_of = _planner.predictor.SimulationSession.simulated_peak
+
+    def record(session, plan, config):
+        simulated[plan.hash] = peak = int(peak_of(session, plan, config))
+        return peak
+
+    _planner.predictor.SimulationSession.simulated_peak = record
+    try:
+        memscale.wrap(model, QUIET.replace(memory_budget_gb=least / (1 << 30)), sample_input=(x,))
+    finally:
+        _planner.predictor.SimulationSession.simulated_peak = peak_of
+    try:
+        plan = model._memscale_executor.plan
+        assert sum(x.nested for x in plan.layers) >= 6
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            model(x).backward()
+            opt.step()
+
+        report = measure_peak(step, model=model, inputs=(x, opt.state), warmup=1)
+        assert report.peak_bytes == simulated[plan.hash]
+        assert report.peak_bytes <= least < 18_517_768
+    finally:
+        memscale.detach(model)
