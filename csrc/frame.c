@@ -984,14 +984,29 @@ frame_recompute(Frame *self, Py_ssize_t tile, Py_ssize_t unit)
     }
     if (rc == 0) {
         ex->recomputes++;
-        if (unit > 0) {
-            /* Its saved tensors hold what backward needs of its input. */
-            rc = PyList_SetItem(self->nest.inputs, unit, Py_NewRef(Py_None));
+        if (unit == 0) {
+            /* The segment's first unit: nothing kept is needed any more. */
+            Py_CLEAR(self->nest.inputs);
+        }
+        else if (unit > 0 && self->nest.inputs != NULL) {
+            /* Its saved tensors hold what backward needs of its input, and
+               backward is done with every unit after it (their gradients
+               came first; a unit that saved nothing is never recomputed,
+               and its kept input would otherwise stay while the graph
+               lives). */
+            Py_ssize_t n = PyList_GET_SIZE(self->nest.inputs);
+            for (Py_ssize_t w = unit; w < n && rc == 0; w++) {
+                rc = PyList_SetItem(self->nest.inputs, w, Py_NewRef(Py_None));
+            }
         }
     }
     else {
-        /* Never leave a half-filled (or NULL-filled) list behind. */
+        /* Never leave a half-filled (or NULL-filled) list behind, nor
+           inputs kept for a recompute that failed. */
         Py_CLEAR(self->recomputed);
+        if (unit >= 0) {
+            Py_CLEAR(self->nest.inputs);
+        }
     }
     recompute_clear(&r);
     return rc;

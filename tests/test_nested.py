@@ -117,10 +117,48 @@ def test_detach_leaves_nothing():
     assert dead() is None
 
 
+def _kept_inputs() -> list[list[tuple[int, ...] | None]]:
+    """Per live frame holding kept inputs (a list of (input, rng, cuda)
+    tuples), the shapes of those it holds."""
+    out = []
+    for o in gc.get_objects():
+        if type(o).__name__ != "_Frame":
+            continue
+        for r in gc.get_referents(o):
+            if isinstance(r, list) and any(
+                isinstance(t, tuple) and len(t) == 3 and isinstance(t[0], torch.Tensor) for t in r
+            ):
+                out.append([None if t is None else tuple(t[0].shape) for t in r])
+    return out
+
+
+def test_a_unit_that_saves_nothing_leaves_no_kept_input():
+    """The first pass keeps the inputs of the units before the one backward
+    needs; each is dropped when backward is done with it.  A unit that
+    saves no tensor is never recomputed alone: its kept input was held as
+    long as the graph lived (retain_graph) until the unit before it was
+    recomputed drops every kept input from there on.  Gradients stay the
+    unwrapped model's."""
+    model = Chain(depth=6).train()
+    ref = copy.deepcopy(model)
+    ex, plan = nested_plan(model, X)
+    assert segments(plan) == [0, 0, 0, 3, 3, -1]
+    ex.apply(plan)
+    for m in (model, ref):
+        m.blocks[1].forward = lambda x, mask=None: x * 2.0  # saves no tensor
+    assert_same_step(model, ref, X, loss_fn=chain_loss(), retain_graph=True)
+    torch.manual_seed(0)
+    loss = chain_loss()(model, X)
+    loss.backward(retain_graph=True)
+    assert _kept_inputs() == []
+    del loss
+    assert ex.stats["active_frames"] == 0
+
+
 def test_error_in_the_first_pass():
     """A unit that raises in the first pass: the error reaches backward,
     and the caller's RNG state, the executor's frames and the kept inputs
-    are as before; the next step is exact."""
+    are as before (none is left held); the next step is exact."""
     model = Chain(depth=6).train()
     ref = copy.deepcopy(model)
     ex, plan = nested_plan(model, X)
@@ -130,8 +168,9 @@ def test_error_in_the_first_pass():
     model.blocks[1].boom = True
     state = torch.get_rng_state()
     with pytest.raises(ValueError, match="boom"):
-        loss.backward()
+        loss.backward(retain_graph=True)
     assert torch.equal(torch.get_rng_state(), state)
+    assert _kept_inputs() == []
     del loss
     model.blocks[1].boom = False
     model.zero_grad(set_to_none=True)
