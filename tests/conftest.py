@@ -106,6 +106,18 @@ class CNN(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
+class LossChain(nn.Module):
+    """``depth`` blocks made by ``block()`` in a row, returning the mean
+    square of their output (a scalar loss)."""
+
+    def __init__(self, block, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[block() for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x).pow(2).mean()
+
+
 class Attention(nn.Module):
     """A qkv projection, causal SDPA (dropout ``p`` in training), an output
     projection and the residual, with 4 heads of ``width / 4``."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import conftest
 import pytest
 import torch
-from conftest import tiny_gpt2, token_batch
+from conftest import LossChain, tiny_gpt2, token_batch
 
 import memscale
 from memscale import _core, _model, _planner, _planning, predictor
@@ -293,15 +293,6 @@ class _Tiny(torch.nn.Module):
         return torch.relu(self.fc(x)) + x
 
 
-class _TinyChain(torch.nn.Module):
-    def __init__(self, depth: int) -> None:
-        super().__init__()
-        self.blocks = torch.nn.Sequential(*[_Tiny() for _ in range(depth)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(x).pow(2).mean()
-
-
 def test_least_budget_counts_the_rng_state_a_recompute_holds():
     """On a chain of 30 tiny blocks (a block's output, 4,096 bytes, is less
     than the 5,056-byte RNG state) the least plan's peak falls inside a
@@ -310,7 +301,7 @@ def test_least_budget_counts_the_rng_state_a_recompute_holds():
     so a real step under the least budget wrap reports measures within it
     (without it, 3,968 bytes over)."""
     torch.manual_seed(0)
-    model, x = _TinyChain(30), torch.randn(64, 16)
+    model, x = LossChain(_Tiny, 30), torch.randn(64, 16)
     with pytest.raises(memscale.MemoryBudgetError) as info:
         memscale.wrap(model, QUIET.replace(memory_budget_gb=1 / (1 << 30)), sample_input=(x,))
     least = info.value.min_budget_bytes

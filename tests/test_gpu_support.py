@@ -237,21 +237,20 @@ def test_gpu_check_without_cuda_stops_at_once_and_says_why(tmp_path):
     print(f"gpu-check without CUDA answered in {took:.1f} s")
 
 
-def test_the_scratch_diagnostic_without_cuda_says_so(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "scripts", "gpu_scratch.py"),
-            "--json",
-            str(tmp_path / "s.json"),
-        ],
+def _run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", name), *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=120,
     )
+
+
+def test_the_scratch_diagnostic_without_cuda_says_so(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = _run_script("gpu_scratch.py", "--json", str(tmp_path / "s.json"))
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "no CUDA device" in proc.stdout
     assert not (tmp_path / "s.json").exists()
@@ -372,12 +371,6 @@ def test_gpu_check_reads_outcomes_from_the_log_of_a_killed_run(tmp_path):
 def test_the_step_memory_diagnostic_without_cuda_says_so(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "gpu_step_memory.py")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    proc = _run_script("gpu_step_memory.py")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "no CUDA device" in proc.stderr

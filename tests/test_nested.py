@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import assert_same_step, hook_count
+from conftest import LossChain, assert_same_step, hook_count
 from test_segments import Chain, X, chain_loss, counters, draw, rng_states, segments
 
 import memscale
@@ -189,15 +189,6 @@ class _Wide(torch.nn.Module):
         return x + self.drop(self.down(torch.nn.functional.gelu(self.up(x))))
 
 
-class _WideChain(torch.nn.Module):
-    def __init__(self, depth: int) -> None:
-        super().__init__()
-        self.blocks = torch.nn.Sequential(*[_Wide() for _ in range(depth)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(x).pow(2).mean()
-
-
 def test_least_plan_nests_and_its_peak_is_simulated_exactly():
     """12 blocks saving 12 times their input: wrap's least budget is a
     nested plan's (below two levels': 18,517,768 bytes on this chain
@@ -205,7 +196,7 @@ def test_least_plan_nests_and_its_peak_is_simulated_exactly():
     counted, csrc/frame.c nest_keep) is the real step's exact peak, and
     within the least budget."""
     torch.manual_seed(0)
-    model, x = _WideChain(12).train(), torch.randn(2048, 64)
+    model, x = LossChain(_Wide, 12).train(), torch.randn(2048, 64)
     with pytest.raises(memscale.MemoryBudgetError) as info:
         memscale.wrap(model, QUIET.replace(memory_budget_gb=1 / (1 << 30)), sample_input=(x,))
     least = info.value.min_budget_bytes

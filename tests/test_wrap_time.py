@@ -135,14 +135,7 @@ def test_the_benchmark_reports_the_cpu_time_of_wrap():
 
 
 def _trace_of(session):
-    tracker = session._steps._unoptimized.tracker
-    return (
-        tracker.events,
-        tracker.phase_marks,
-        tracker.sizes_at_birth,
-        tracker.categories,
-        tracker.kernel_calls,
-    )
+    return _step_record(session._steps._unoptimized)[:5]
 
 
 @pytest.mark.parametrize("case", [_mlp, _gpt2])
