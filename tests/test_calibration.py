@@ -320,3 +320,33 @@ def test_least_budget_counts_the_rng_state_a_recompute_holds():
         assert report.peak_bytes <= least
     finally:
         memscale.detach(model)
+
+
+def test_least_budget_counts_the_python_numbers_autograd_keeps():
+    """GPT-2's activation (``0.5 * x * (1 + tanh(...))``) multiplies by
+    Python numbers; each reaches ``mul`` as an 8-byte CPU tensor of its
+    own, which autograd keeps for backward past any checkpoint (three per
+    block).  The simulation counts them, so on a 6-block GPT-2 a real step
+    under the least budget wrap reports peaks exactly there (without them,
+    24 bytes over: the kept block's three)."""
+    model = tiny_gpt2(dropout=0.0, n_layer=6)
+    ids = token_batch(256, 4, 64)
+    batch = {"input_ids": ids, "labels": ids}
+    with pytest.raises(memscale.MemoryBudgetError) as info:
+        memscale.wrap(model, QUIET.replace(memory_budget_gb=1 / (1 << 30)), sample_input=batch)
+    least = info.value.min_budget_bytes
+    memscale.wrap(model, QUIET.replace(memory_budget_gb=least / (1 << 30)), sample_input=batch)
+    try:
+        plan = model._memscale_executor.plan
+        assert plan.technique_counts["checkpoint"]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            model(**batch).loss.backward()
+            opt.step()
+
+        report = measure_peak(step, model=model, inputs=(batch, opt.state), warmup=1)
+        assert report.peak_bytes == least == plan.peak_projected_bytes
+    finally:
+        memscale.detach(model)

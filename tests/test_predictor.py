@@ -563,3 +563,44 @@ def test_wrap_falls_back_to_the_engine_estimate(monkeypatch, caplog):
     assert model._memscale_executor.plan.peak_offset_bytes == 0
     assert "could not simulate" in caplog.text
     memscale.detach(model)
+
+
+@pytest.mark.parametrize("count", [True, False])
+def test_the_tracker_counts_the_python_numbers_operators_are_given(count):
+    """``x * 0.5`` hands ``mul`` the number as an 8-byte CPU tensor made for
+    the call, which autograd keeps until the multiplication's backward has
+    run; ``x + 1.0``'s is freed when the call returns; a backward formula's
+    own numbers are the kept ones (nothing new).  A step on an accelerator
+    (``count_numbers`` off) counts none: they are host tensors there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memscale.predictor._tracker import StorageTracker
+
+    with FakeTensorMode():
+        x = torch.empty(4, requires_grad=True)
+        tracker = StorageTracker()
+        tracker.count_numbers = count
+        with tracker:
+            tracker.set_phase("forward")
+            y = x * 0.5  # kept
+            z = y + 1.0  # freed at once
+            del y
+            loss = z.sum()
+            del z
+            after_forward = len(tracker.events)
+            tracker.set_phase("backward")
+            loss.backward()
+            tracker.set_phase("end")
+    numbers = [
+        (i, serial, delta) for i, (serial, delta) in enumerate(tracker.events) if abs(delta) == 8
+    ]
+    if not count:
+        assert numbers == []
+        return
+    births = [(i, serial) for i, serial, delta in numbers if delta > 0]
+    frees = {serial: i for i, serial, delta in numbers if delta < 0}
+    assert len(births) == 2 and len(frees) == 2  # none made in backward
+    (kept_at, kept), (added_at, added) = births
+    assert kept_at < added_at < after_forward
+    assert frees[added] < after_forward  # the addition's, freed in forward
+    assert frees[kept] >= after_forward  # the multiplication's, in backward

@@ -295,6 +295,8 @@ class Step:
         tracker = StorageTracker(REAL_VALUE_LIMIT, self.world.calls)
         if self.world.device.type == "cpu":
             tracker.kernel_calls = []
+            # The Python numbers autograd keeps are CPU tensors of their own.
+            tracker.count_numbers = True
         elif self.world.device.type == "cuda" and torch.cuda.is_available():
             tracker.kernel_calls = []
             tracker.probe_all = True

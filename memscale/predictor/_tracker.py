@@ -6,6 +6,7 @@ and what made it up."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import weakref
 from collections.abc import Callable, Mapping
@@ -20,6 +21,66 @@ from ._workspace import Kernel, probe_on_device, signature, workspace_ops
 
 _EQUAL = torch.ops.aten.equal.default
 _DEVICE = torch.ops.prim.device.default
+
+# A Python number given for a tensor argument (``x * 0.5``, ``x + 1``)
+# reaches an operator as a real 0-dim CPU tensor of its own, made by
+# torch's argument parser (a "wrapped number": 8 bytes for a float or an
+# int) and freed when the call returns, unless autograd keeps it for
+# backward: a wrapped number is saved as it is, past any saved-tensor hook
+# (so a checkpointed layer keeps it too), when the tensor beside it needs a
+# gradient and the operator's backward reads it (``MulBackward0`` keeps
+# ``other``).  A dispatch mode is handed the number, not the tensor: the
+# storage tracker counts a stand-in for it.  These operators keep it.
+_KEEPS_NUMBER = frozenset(
+    (
+        torch.ops.aten.mul.Tensor,
+        torch.ops.aten.mul_.Tensor,
+        torch.ops.aten.div.Tensor,
+        torch.ops.aten.div_.Tensor,
+        torch.ops.aten.div.Tensor_mode,
+        torch.ops.aten.div_.Tensor_mode,
+    )
+)
+
+
+def _tensor_slots(func: Any) -> tuple[int, ...]:
+    """The positions of ``func``'s arguments typed ``Tensor`` (where a
+    Python number is wrapped), among the first two."""
+    try:
+        arguments = func._schema.arguments
+    except AttributeError:
+        return ()
+    return tuple(
+        i
+        for i, arg in enumerate(arguments[:2])
+        if not arg.kwarg_only and isinstance(arg.type, torch.TensorType)
+    )
+
+
+def _number_bytes(value: Any) -> int:
+    """The bytes of the tensor torch wraps a Python number in (0: not a
+    number)."""
+    kind = type(value)
+    if kind is float or kind is int:
+        return 8
+    if kind is bool:
+        return 1
+    if kind is complex:
+        return 16
+    return 0
+
+
+class _KeptNumber:
+    """Stands in for a wrapped number autograd keeps: its bytes are counted
+    while the object lives (:meth:`StorageTracker.track_number`)."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _release(cell: list[Any], *_: Any) -> None:
+    """A node's post hook: its backward ran and released what it kept."""
+    cell.clear()
+
 
 # The base class, looked up once at import: torch's TorchDispatchMode (its
 # module is loaded by ``import torch`` already, so this costs nothing).  A
@@ -110,8 +171,22 @@ class StorageTracker(_DispatchMode):
         # Called with each new phase before it is marked (the step's own
         # bookkeeping of what the executor holds).
         self.on_phase: Callable[[str], None] | None = None
+        # Count the Python numbers operators are given for tensors (see
+        # _KEEPS_NUMBER): a step on the CPU, where they are allocated; on
+        # an accelerator they are host tensors.
+        self.count_numbers = False
+        self._slots: dict[Any, tuple[int, ...]] = {}  # func -> _tensor_slots
+        # (weak reference to an operator's output, the stand-in for the
+        # number it kept): tied to the output's autograd node once the
+        # operator has returned through autograd (_settle).
+        self._kept: list[tuple[weakref.ref, _KeptNumber]] = []
+        # serial -> the weak reference whose callback records a stand-in's
+        # free (kept here so that it outlives what it refers to).
+        self._number_refs: dict[int, weakref.ref] = {}
 
     def set_phase(self, phase: str) -> None:
+        if self._kept:
+            self._settle()
         if self.on_phase is not None:
             self.on_phase(phase)
         self.phase = phase
@@ -161,6 +236,73 @@ class StorageTracker(_DispatchMode):
         if nbytes:
             self.events.append((serial, nbytes))
         return serial
+
+    def _numbers(self, func: Any, args: Any) -> list[tuple[int, _KeptNumber]] | None:
+        """Stand-ins for the Python numbers ``func`` is given for tensor
+        arguments, counted from now: (position, stand-in)."""
+        slots = self._slots.get(func)
+        if slots is None:
+            slots = self._slots[func] = _tensor_slots(func)
+        held = None
+        for i in slots:
+            if i < len(args):
+                nbytes = _number_bytes(args[i])
+                if nbytes:
+                    if held is None:
+                        held = []
+                    held.append((i, self.track_number(nbytes)))
+        return held
+
+    def _keep_numbers(self, func: Any, args: Any, out: Any, held: list[tuple[int, Any]]) -> None:
+        """After the call: the numbers autograd keeps stay counted until its
+        node has run (tied to it by :meth:`_settle`); the others are freed
+        (``held`` is emptied)."""
+        if func in _KEEPS_NUMBER and isinstance(out, torch.Tensor) and torch.is_grad_enabled():
+            ref = None
+            for i, number in held:
+                other = args[1 - i] if len(args) == 2 else None
+                if isinstance(other, torch.Tensor) and other.requires_grad:
+                    ref = ref or weakref.ref(out)
+                    self._kept.append((ref, number))
+        held.clear()
+
+    def track_number(self, nbytes: int) -> _KeptNumber:
+        """A new stand-in of ``nbytes``, counted from now until it is
+        freed."""
+        held = _KeptNumber()
+        serial = len(self.sizes)
+        self.sizes.append(nbytes)
+        self.sizes_at_birth.append(nbytes)
+        self.categories.append(self._category())
+        events, sizes, refs = self.events, self.sizes, self._number_refs
+
+        def freed(_: weakref.ref, serial: int = serial) -> None:
+            del refs[serial]
+            if self.active and sizes[serial]:
+                events.append((serial, -sizes[serial]))
+                sizes[serial] = 0
+
+        refs[serial] = weakref.ref(held, freed)
+        events.append((serial, nbytes))
+        return held
+
+    def _settle(self) -> None:
+        """Tie each kept number to the autograd node of the operator that
+        kept it, once autograd has given the operator's output its node
+        (an operator called by autograd before that, such as
+        ``prim.device``, leaves it for later): freed when that node's
+        backward has run, or with the node.  An output freed before then
+        takes its number with it."""
+        kept, self._kept = self._kept, []
+        for ref, held in kept:
+            out = ref()
+            if out is None:
+                continue
+            node = out.grad_fn
+            if node is None:
+                self._kept.append((ref, held))
+            else:
+                node.register_hook(functools.partial(_release, [held]))
 
     def mark(self) -> tuple[int, int, int]:
         """Where the step is now: (events, serials, kernel calls) so far;
@@ -215,6 +357,17 @@ class StorageTracker(_DispatchMode):
             # snapshot back, as it does in a real step.
             return False
         kwargs = kwargs or {}
+        if self._kept:
+            self._settle()
+        held = None
+        if (
+            self.count_numbers
+            and self.active
+            and (self.phase != "backward" or self.recompute_depth)
+        ):
+            # (Not in backward's own formulas: a number they are given is a
+            # wrapped number autograd kept, which exists already.)
+            held = self._numbers(func, args)
         if self._real_limit and self._all_real(args, kwargs):
             out = self._run_real(func, args, kwargs)
         elif self._calls is not None:
@@ -230,6 +383,8 @@ class StorageTracker(_DispatchMode):
                 sig = signature(func, args, kwargs)
                 if sig is not None:
                     self.kernel_calls.append((len(self.events), sig, serials))
+        if held:
+            self._keep_numbers(func, args, out, held)
         return out
 
     def _all_real(self, args: Any, kwargs: Any) -> bool:
