@@ -227,3 +227,45 @@ def test_least_plan_nests_and_its_peak_is_simulated_exactly():
         assert report.peak_bytes <= least < 18_517_768
     finally:
         memscale.detach(model)
+
+
+@pytest.mark.parametrize("unit", [2, 1])
+def test_error_in_a_units_own_recompute(unit):
+    """A unit that raises in its own recompute (after the first pass kept
+    the inputs of the units before the segment's last): unit 2, the last
+    of the nested segment [0, 1, 2], which the first pass does not run;
+    unit 1, which runs in the first pass and raises on its call after it.
+    The error reaches backward; the caller's RNG state is as before, no
+    kept input stays held, no frame stays open, and the next step is
+    exact."""
+    model = Chain(depth=6).train()
+    ref = copy.deepcopy(model)
+    ex, plan = nested_plan(model, X)
+    assert segments(plan) == [0, 0, 0, 3, 3, -1]
+    ex.apply(plan)
+    block = model.blocks[unit]
+    forward = block.forward
+    calls = []
+
+    def failing(x, mask=None):
+        calls.append(unit)
+        # Unit 2: its call after the forward (its own recompute); unit 1:
+        # after the forward and the first pass.
+        if len(calls) == (2 if unit == 2 else 3):
+            raise ValueError("boom")
+        return forward(x, mask)
+
+    block.forward = failing
+    torch.manual_seed(0)
+    loss = chain_loss()(model, X)
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match="boom"):
+        loss.backward(retain_graph=True)
+    assert len(calls) == (2 if unit == 2 else 3)  # it failed where meant to
+    assert torch.equal(torch.get_rng_state(), state)
+    assert _kept_inputs() == []
+    del loss
+    block.forward = forward
+    model.zero_grad(set_to_none=True)
+    assert_same_step(model, ref, X, seed=5, loss_fn=chain_loss())
+    assert ex.stats["active_frames"] == 0
