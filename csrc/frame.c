@@ -429,6 +429,7 @@ typedef struct {
     PyObject *cur_rng, *cur_cuda; /* the caller's RNG state, to put back */
     PyObject *out;                /* what the layer returned */
     PyObject *snap;               /* buffers to put back, or NULL */
+    int snap_first;               /* whether snap has the first unit's */
     PyObject *entered;            /* contexts to leave, or NULL */
 } Recompute;
 
@@ -748,7 +749,9 @@ recompute_rng(ms_state *st, Recompute *r)
 }
 
 /* Snapshot the buffers the recompute may update (BatchNorm statistics):
-   the unit's, unless it is known not to, and a segment's later units'. */
+   those of the units it runs (unless the frame's one unit is known not to
+   update any).  A nested segment's recompute runs one unit, or its first
+   pass a few: only theirs, not every unit of the segment each time. */
 static int
 recompute_snapshot(Frame *self, Recompute *r)
 {
@@ -758,15 +761,22 @@ recompute_snapshot(Frame *self, Recompute *r)
     {
         return 0;
     }
-    r->snap = snapshot_buffers(ex->st, self->unit);
+    Py_ssize_t n = 1
+                   + (self->seg.units ? PyList_GET_SIZE(self->seg.units) : 0);
+    Py_ssize_t lo = r->unit < 0 ? 0 : r->unit;
+    Py_ssize_t hi = r->unit < 0 ? n
+                                : (r->pass_to >= 0 ? r->pass_to : r->unit + 1);
+    r->snap = PyList_New(0);
     if (r->snap == NULL) {
         return -1;
     }
-    for (Py_ssize_t u = 0;
-         self->seg.units != NULL && u < PyList_GET_SIZE(self->seg.units); u++)
-    {
-        PyObject *more = snapshot_buffers(
-            ex->st, PyTuple_GET_ITEM(PyList_GET_ITEM(self->seg.units, u), 0));
+    r->snap_first = lo == 0;
+    for (Py_ssize_t u = lo; u < hi && u < n; u++) {
+        PyObject *unit =
+            u == 0
+                ? self->unit
+                : PyTuple_GET_ITEM(PyList_GET_ITEM(self->seg.units, u - 1), 0);
+        PyObject *more = snapshot_buffers(ex->st, unit);
         int rc = more ? PyList_SetSlice(r->snap, PyList_GET_SIZE(r->snap),
                                         PyList_GET_SIZE(r->snap), more)
                       : -1;
@@ -900,7 +910,7 @@ recompute_leave(Frame *self, Recompute *r, int rc)
                 rc = -1;
             }
         }
-        else if (ex->buffers != NULL && rc == 0) {
+        else if (ex->buffers != NULL && rc == 0 && r->snap_first) {
             ex->buffers[self->index] = changed ? BUF_MUTATED : BUF_STATIC;
         }
         if (had) {

@@ -12,7 +12,18 @@ import weakref
 import pytest
 import torch
 from conftest import LossChain, assert_same_step, hook_count
-from test_segments import Chain, X, chain_loss, counters, draw, rng_states, segments
+from test_segments import (
+    Chain,
+    W,
+    X,
+    chain_loss,
+    counters,
+    draw,
+    rng_states,
+    same_buffers,
+    segments,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memscale
 from memscale import _core, _format, _planner, _planning
@@ -269,3 +280,70 @@ def test_error_in_a_units_own_recompute(unit):
     model.zero_grad(set_to_none=True)
     assert_same_step(model, ref, X, seed=5, loss_fn=chain_loss())
     assert ex.stats["active_frames"] == 0
+
+
+class _NormChain(torch.nn.Module):
+    """Six blocks of Linear, BatchNorm and ReLU (buffers each recompute
+    updates) between a stem and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = torch.nn.Linear(W, W)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(W, W), torch.nn.BatchNorm1d(W), torch.nn.ReLU())
+            for _ in range(6)
+        )
+        self.head = torch.nn.Linear(W, W)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _Clones(TorchDispatchMode):
+    """Counts the clones of the given tensors (the executor's snapshots of
+    buffers before a recompute)."""
+
+    def __init__(self, tensors) -> None:
+        super().__init__()
+        self.ids = {id(t) for t in tensors}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.clone.default and id(args[0]) in self.ids:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_nested_recompute_snapshots_only_the_units_it_runs():
+    """BatchNorm in every unit: a recompute snapshots the buffers of the
+    units it runs, to put back the statistics it updates (a nested
+    segment's recompute runs one unit, its first pass a few), not every
+    unit of the segment each time; gradients and statistics stay the
+    unwrapped model's."""
+    model = _NormChain().train()
+    ref = copy.deepcopy(model)
+    ex, plan = nested_plan(model, X)
+    assert any(x.nested for x in plan.layers)
+    ex.apply(plan)
+    runs = []
+    handles = [
+        block.register_forward_pre_hook(lambda m, a, i=i: runs.append(i))
+        for i, block in enumerate(model.blocks)
+    ]
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    assert_same_step(model, ref, X, loss_fn=loss_fn)
+    same_buffers(model, ref)
+    torch.manual_seed(1)
+    loss = loss_fn(model, X)
+    runs.clear()
+    clones = _Clones(list(model.buffers()))
+    with clones:
+        loss.backward()
+    for h in handles:
+        h.remove()
+    per_block = len(list(model.blocks[0].buffers()))  # mean, var, count
+    assert runs and clones.count == per_block * len(runs)
