@@ -252,6 +252,19 @@ def test_segment_plans_predicted_within_half_a_percent():
 
 
 @pytest.mark.slow
+def _step_peak(model, inputs, loss) -> int:
+    """The exact peak of a real AdamW training step of ``model`` (``loss()``
+    its loss), after a warm-up step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss().backward()
+        opt.step()
+
+    return measure_peak(step, model=model, inputs=(inputs, opt.state), warmup=1).peak_bytes
+
+
 def test_least_budget_is_a_segment_plan_below_every_block():
     """Where segments reach below every block checkpointed (the logits at
     the loss dominate, and a segment holds one input for several layers),
@@ -271,15 +284,7 @@ def test_least_budget_is_a_segment_plan_below_every_block():
         plan = model._memscale_executor.plan
         starts = [x.segment for x in plan.layers if x.segment >= 0]
         assert len(starts) > len(set(starts))  # a segment of several layers
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            model(**batch).loss.backward()
-            opt.step()
-
-        report = measure_peak(step, model=model, inputs=(batch, opt.state), warmup=1)
-        assert report.peak_bytes <= least
+        assert _step_peak(model, batch, lambda: model(**batch).loss) <= least
     finally:
         memscale.detach(model)
 
@@ -309,15 +314,7 @@ def test_least_budget_counts_the_rng_state_a_recompute_holds():
     try:
         plan = model._memscale_executor.plan
         assert len({x.segment for x in plan.layers if x.segment >= 0}) > 1
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            model(x).backward()
-            opt.step()
-
-        report = measure_peak(step, model=model, inputs=(x, opt.state), warmup=1)
-        assert report.peak_bytes <= least
+        assert _step_peak(model, x, lambda: model(x)) <= least
     finally:
         memscale.detach(model)
 
@@ -339,14 +336,7 @@ def test_least_budget_counts_the_python_numbers_autograd_keeps():
     try:
         plan = model._memscale_executor.plan
         assert plan.technique_counts["checkpoint"]
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            model(**batch).loss.backward()
-            opt.step()
-
-        report = measure_peak(step, model=model, inputs=(batch, opt.state), warmup=1)
-        assert report.peak_bytes == least == plan.peak_projected_bytes
+        peak = _step_peak(model, batch, lambda: model(**batch).loss)
+        assert peak == least == plan.peak_projected_bytes
     finally:
         memscale.detach(model)
