@@ -57,17 +57,8 @@ def _tensor_slots(func: Any) -> tuple[int, ...]:
     )
 
 
-def _number_bytes(value: Any) -> int:
-    """The bytes of the tensor torch wraps a Python number in (0: not a
-    number)."""
-    kind = type(value)
-    if kind is float or kind is int:
-        return 8
-    if kind is bool:
-        return 1
-    if kind is complex:
-        return 16
-    return 0
+# The bytes of the tensor torch wraps a Python number in, by its type.
+_NUMBER_BYTES: dict[type, int] = {float: 8, int: 8, bool: 1, complex: 16}
 
 
 class _KeptNumber:
@@ -246,8 +237,8 @@ class StorageTracker(_DispatchMode):
         held = None
         for i in slots:
             if i < len(args):
-                nbytes = _number_bytes(args[i])
-                if nbytes:
+                nbytes = _NUMBER_BYTES.get(type(args[i]))
+                if nbytes is not None:
                     if held is None:
                         held = []
                     held.append((i, self.track_number(nbytes)))
