@@ -188,14 +188,26 @@ class _FakeCalls:
     constant, another mode's fake tensor, an argument of another type), or
     whose entry is not a valid cached output, is dispatched as usual."""
 
-    def __init__(self, mode: Any, fake_cls: Any, state_cls: Any, valid_cls: Any) -> None:
+    def __init__(
+        self,
+        mode: Any,
+        fake_cls: Any,
+        state_cls: Any,
+        valid_cls: Any,
+        lean: _LeanOutputs | None = None,
+    ) -> None:
         self._mode = mode
         self._fake_cls = fake_cls
         self._state_cls = state_cls
         self._valid_cls = valid_cls
         self._cache = type(mode).cache
-        self._memo: dict[tuple[Any, ...], tuple[Any, Any] | None] = {}
+        # key -> (FakeTensorMode's key, its entry, the entry's recipe for
+        # _LeanOutputs or None), or None: not cached.
+        self._memo: dict[tuple[Any, ...], tuple[Any, Any, Any] | None] = {}
         self.hits = 0  # calls answered from the memo
+        # Outputs made from a recipe (the rest by FakeTensorMode's method).
+        self._lean = lean
+        self.lean_hits = 0
         self._alone_checked: bool | None = None
         self._fake_key = torch._C._TorchDispatchModeKey.FAKE
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -287,6 +299,12 @@ class _FakeCalls:
             return func(*args, **kwargs)
         if known is not _UNSEEN:
             self.hits += 1
+            recipe = known[2]
+            if recipe is not None:
+                out = self._lean.build(recipe, args)  # type: ignore[union-attr]
+                if out is not _UNSEEN:
+                    self.lean_hits += 1
+                    return out
             return mode._output_from_cache_entry(
                 self._state_cls(None), known[1], known[0], func, args
             )
@@ -296,8 +314,150 @@ class _FakeCalls:
             cache_key = None
         out = func(*args, **kwargs)
         entry = self._cache.get(cache_key) if cache_key is not None else None
-        self._memo[key] = (cache_key, entry) if isinstance(entry, self._valid_cls) else None
+        if isinstance(entry, self._valid_cls):
+            recipe = self._lean.recipe(entry, func) if self._lean is not None else None
+            self._memo[key] = (cache_key, entry, recipe)
+        else:
+            self._memo[key] = None
         return out
+
+
+class _LeanOutputs:
+    """Makes the output of a cached call from a recipe read once off
+    FakeTensorMode's cache entry, doing what its
+    ``_get_output_tensor_from_cache_entry`` does (torch 2.13) with fewer
+    Python calls: a meta tensor ``empty_strided`` with the entry's shape,
+    strides, dtype and ``requires_grad`` (inside the mode's kernel state:
+    no dispatch mode, the meta key included), its conjugate and negative
+    bits, a view's storage set to its base's, then the FakeTensor made
+    around it with the attributes a FakeTensor made by the mode has, the
+    same values in the same order (``template``, checked against a
+    FakeTensor the mode makes, :func:`fake_calls`).
+
+    A recipe exists only for outputs without symbolic sizes, strided, on a
+    device that needs no resolving; a call whose recipe does not fit its
+    arguments (a view's base or an in-place argument not a FakeTensor),
+    or made while the mode is in an unexpected state, gets ``_UNSEEN``
+    back and is answered by FakeTensorMode's own method."""
+
+    def __init__(self, mode: Any, fake_cls: Any, template: dict[str, Any]) -> None:
+        self._mode = mode
+        self._fake_cls = fake_cls
+        self._template = template
+        self._make = torch.Tensor._make_subclass
+        self._empty = torch.empty_strided
+        self._guard = (
+            torch._C._set_warn_deprecated_on_mutable_data_ptr
+            if mode._allow_unsafe_data_ptr_access
+            else torch._C._set_throw_on_mutable_data_ptr
+        )
+        self._exporting = torch.compiler.is_exporting
+
+    def recipe(self, entry: Any, func: Any) -> tuple[bool, tuple[Any, ...]] | None:
+        """``(is a tuple, one recipe per output)``, or None (not fit)."""
+        is_view = isinstance(func, torch._ops.OpOverload) and func.is_view
+        outs = []
+        for info in entry.output_infos:
+            if info.inplace_idx is None and info.metadata is None and info.view_idx is None:
+                outs.append((_CONSTANT, info.constant_value))
+            elif info.inplace_idx is not None:
+                outs.append((_INPLACE, info.inplace_idx))
+            elif info.metadata is None:
+                outs.append((_CONSTANT, None))
+            else:
+                made = self._tensor_recipe(info, is_view)
+                if made is None:
+                    return None
+                outs.append(made)
+        return bool(entry.is_output_tuple), tuple(outs)
+
+    def _tensor_recipe(self, info: Any, is_view: bool) -> tuple[Any, ...] | None:
+        m = info.metadata
+        ints = (*m.shape, *m.stride, m.storage_offset)
+        if (
+            not all(type(v) is int for v in ints)
+            or (m.storage_bytes is not None and type(m.storage_bytes) is not int)
+            or m.layout is not torch.strided
+            or m.device.type == "meta"
+            or self._fake_cls._normalize_fake_device(m.device) != m.device
+            or (is_view and info.view_idx is None)
+        ):
+            return None
+        return (
+            _NEW,
+            tuple(m.shape),
+            tuple(m.stride),
+            m.dtype,
+            bool(m.requires_grad),
+            bool(m.is_conj),
+            bool(m.is_neg),
+            info.view_idx if is_view else None,
+            m.storage_offset,
+            m.device,
+        )
+
+    def build(self, recipe: tuple[bool, tuple[Any, ...]], args: Any) -> Any:
+        mode = self._mode
+        if mode.in_kernel_invocation or mode.shape_env is not None or self._exporting():
+            return _UNSEEN
+        is_tuple, outs = recipe
+        made = []
+        for out in outs:
+            kind = out[0]
+            if kind is _CONSTANT:
+                made.append(out[1])
+            elif kind is _INPLACE:
+                arg = args[out[1]]
+                if not isinstance(arg, self._fake_cls):
+                    return _UNSEEN
+                made.append(arg)
+            else:
+                t = self._new(out, args)
+                if t is None:
+                    return _UNSEEN
+                made.append(t)
+        return tuple(made) if is_tuple else made[0]
+
+    def _new(self, out: tuple[Any, ...], args: Any) -> Any:
+        _, shape, stride, dtype, requires_grad, conj, neg, view_idx, offset, device = out
+        base = None
+        if view_idx is not None:
+            base = args[view_idx]
+            if not isinstance(base, self._fake_cls):
+                return None
+        mode = self._mode
+        with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            mode.in_kernel_invocation = True
+            try:
+                empty = self._empty(
+                    shape, stride, dtype=dtype, device="meta", requires_grad=requires_grad
+                )
+                if conj:
+                    torch._C._set_conj(empty, True)
+                if neg:
+                    torch._C._set_neg(empty, True)
+                if base is not None:
+                    empty.set_(base.untyped_storage(), offset, shape, stride)
+            finally:
+                mode.in_kernel_invocation = False
+        t = self._make(
+            self._fake_cls,
+            empty,
+            requires_grad,
+            dispatch_device=True,
+            device_for_backend_keys=device,
+        )
+        self._guard(t)
+        d = t.__dict__
+        d.update(self._template)
+        d["_fake_device"] = device
+        return t
+
+
+_CONSTANT: Any = object()
+_INPLACE: Any = object()
+_NEW: Any = object()
 
 
 _UNSEEN: Any = object()
@@ -327,7 +487,68 @@ def fake_calls(mode: Any) -> Callable[[Any, Any, Any], Any] | None:
         return None
     if not isinstance(mode, FakeTensorMode) or not _signatures_match(mode):
         return None  # pragma: no cover
-    return _FakeCalls(mode, FakeTensor, _CacheKeyState, _DispatchCacheValidEntry)
+    return _FakeCalls(
+        mode, FakeTensor, _CacheKeyState, _DispatchCacheValidEntry, _lean_outputs(mode, FakeTensor)
+    )
+
+
+# The releases whose FakeTensor construction _LeanOutputs was checked
+# against (FakeTensor.__new__ and FakeTensorMode's
+# _get_output_tensor_from_cache_entry).
+LEAN_TORCH = ((2, 13),)
+
+
+def _lean_outputs(mode: Any, fake_cls: Any) -> _LeanOutputs | None:
+    """A :class:`_LeanOutputs` for ``mode``, or None (outputs are then made
+    by FakeTensorMode's own method): this torch is not one checked, or a
+    FakeTensor the mode makes holds other attributes than those the lean
+    build gives it, or another one of them has a value other than None."""
+    if torch_version() not in LEAN_TORCH:
+        return None
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorConfig
+
+        if FakeTensorConfig.debug or not isinstance(
+            getattr(mode, "_allow_unsafe_data_ptr_access", None), bool
+        ):
+            return None
+        probe = fake_cls(mode, torch.empty(1, device="meta"), torch.device("cpu"))
+        attrs = dict(probe.__dict__)
+    except Exception:  # noqa: BLE001 - the lean build is left out
+        logger.debug("FakeTensor's layout could not be read", exc_info=True)
+        return None
+    names = list(attrs)
+    if names[:2] != ["_fake_device", "fake_mode"] or attrs["fake_mode"] is not mode:
+        return None
+    template = {"_fake_device": None, "fake_mode": mode}
+    for name in names[2:]:
+        if attrs[name] is not None:
+            return None
+        template[name] = None
+    if list(template) != _FAKE_ATTRS:
+        return None
+    return _LeanOutputs(mode, fake_cls, template)
+
+
+_FAKE_ATTRS = [
+    "_fake_device",
+    "fake_mode",
+    "constant",
+    "pytype",
+    "dispatch_keys",
+    "real_tensor",
+    *(
+        f"_{memo}{suffix}"
+        for memo in (
+            "nonzero_memo",
+            "item_memo",
+            "unique_memo",
+            "unique_consecutive_memo",
+            "nested_int_memo",
+        )
+        for suffix in ("", "_vc", "_epoch")
+    ),
+]
 
 
 def _signatures_match(mode: Any) -> bool:

@@ -266,3 +266,166 @@ def test_a_real_tensor_is_made_fake_once_with_its_storage(monkeypatch):
         assert _torch_compat.storage_key(fake["part"]) == _torch_compat.storage_key(fake["whole"])
         assert isinstance(fake["part"], nn.Parameter) and fake["part"].requires_grad
     assert model.part is real["part"]
+
+
+def _made(t):
+    """What a fake output is: every property the simulated steps read, and
+    the attributes FakeTensor keeps, in their order."""
+    if not isinstance(t, torch.Tensor):
+        return ("value", t)
+    return (
+        type(t),
+        t.shape,
+        t.stride(),
+        t.storage_offset(),
+        t.dtype,
+        t.device,
+        t.fake_device,
+        t.layout,
+        t.requires_grad,
+        t.is_leaf,
+        t.is_conj(),
+        t.is_neg(),
+        t.untyped_storage().nbytes(),
+        str(torch._C._dispatch_keys(t)),
+        [(k, v) for k, v in t.__dict__.items()],
+    )
+
+
+@pytest.mark.parametrize("case", [_mlp, _gpt2, _llama])
+def test_a_lean_output_is_the_output_fake_tensor_mode_makes(case, monkeypatch):
+    """Every output _LeanOutputs makes from a cache entry's recipe is the
+    tensor FakeTensorMode's own method makes from the entry: the same
+    shape, strides, offset, dtype, device, flags, storage bytes, dispatch
+    keys and attributes; a view shares its base's storage as that one
+    does, and an in-place call returns the same argument."""
+    original = _torch_compat._FakeCalls.__call__
+    compared = []
+
+    def checked(self, func, args, kwargs):
+        key = self._key(func, args, kwargs) if self._alone_checked else None
+        known = self._memo.get(key) if key is not None else None
+        lean = self.lean_hits
+        out = original(self, func, args, kwargs)
+        if self.lean_hits == lean:
+            return out
+        assert known is not None and known[2] is not None
+        state = self._state_cls(None)
+        ref = self._mode._output_from_cache_entry(state, known[1], known[0], func, args)
+        outs, refs = (out, ref) if isinstance(ref, tuple) else ((out,), (ref,))
+        assert isinstance(out, tuple) == isinstance(ref, tuple)
+        assert len(outs) == len(refs)
+        for o, r in zip(outs, refs):
+            assert _made(o) == _made(r), func
+            if not isinstance(r, torch.Tensor):
+                continue
+            if any(r is a for a in args):  # in place: the argument itself
+                assert o is r
+            elif func.is_view:
+                assert _torch_compat.storage_key(o) == _torch_compat.storage_key(r)
+            else:
+                assert _torch_compat.storage_key(o) != _torch_compat.storage_key(r)
+        compared.append(func)
+        return out
+
+    monkeypatch.setattr(_torch_compat._FakeCalls, "__call__", checked)
+    model, x, loss_fn = case()
+    with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+        plan = session.plan(FORCE)
+        session._steps.simulated_peak(plan, FORCE)
+        calls = session._steps._sim.world.calls
+        assert calls.lean_hits == len(compared)
+    assert len(compared) > 100  # the lean build answered
+    assert any(f.is_view for f in compared)
+
+
+def test_a_lean_build_that_does_not_fit_is_answered_by_fake_tensor_mode():
+    """A recipe whose view base or in-place argument is not a FakeTensor,
+    or a mode inside a kernel, gets no lean output: FakeTensorMode's own
+    method answers."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode()
+    lean = _torch_compat._lean_outputs(mode, FakeTensor)
+    assert lean is not None
+    with mode:
+        a = torch.empty(4, 4)
+        a.t()
+        a.add_(1)
+    entries = {}
+    for key, entry in type(mode).cache.items():
+        func = key.key[0] if isinstance(key.key, tuple) else None
+        if func in (torch.ops.aten.t.default, torch.ops.aten.add_.Tensor):
+            entries[func] = entry
+    real = torch.empty(4, 4)
+    view = lean.recipe(entries[torch.ops.aten.t.default], torch.ops.aten.t.default)
+    inplace = lean.recipe(entries[torch.ops.aten.add_.Tensor], torch.ops.aten.add_.Tensor)
+    assert view is not None and inplace is not None
+    made = lean.build(view, (a,))
+    assert (made.shape, made.stride()) == ((4, 4), (1, 4))
+    assert _torch_compat.storage_key(made) == _torch_compat.storage_key(a)
+    assert lean.build(inplace, (a, 1)) is a
+    assert lean.build(view, (real,)) is _torch_compat._UNSEEN
+    assert lean.build(inplace, (real, 1)) is _torch_compat._UNSEEN
+    mode.in_kernel_invocation = True
+    try:
+        assert lean.build(view, (a,)) is _torch_compat._UNSEEN
+    finally:
+        mode.in_kernel_invocation = False
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"requires_grad": True},
+        {"is_conj": True, "dtype": torch.complex64},
+        {"is_neg": True},
+        {"dtype": torch.float16},
+        {"shape": (2, 8), "stride": (1, 2)},
+    ],
+)
+@pytest.mark.parametrize("op", ["t", "mul"])
+def test_a_lean_output_keeps_every_field_of_the_entry(op, change):
+    """Entries whose outputs require grad, are conjugate or negative, of
+    another dtype or other strides (made by hand from a cached view and a
+    cached new tensor): the lean output is the one FakeTensorMode's own
+    method makes from the same entry."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _CacheKeyState
+
+    func = {"t": torch.ops.aten.t.default, "mul": torch.ops.aten.mul.Tensor}[op]
+    mode = FakeTensorMode()
+    lean = _torch_compat._lean_outputs(mode, FakeTensor)
+    assert lean is not None
+    with mode:
+        a = torch.empty(4, 4)
+        args = (a,) if op == "t" else (a, a)
+        func(*args)
+    key, entry = next(
+        (k, e) for k, e in type(mode).cache.items() if isinstance(k.key, tuple) and k.key[0] is func
+    )
+    info = entry.output_infos[0]
+    info = dataclasses.replace(info, metadata=dataclasses.replace(info.metadata, **change))
+    entry = dataclasses.replace(entry, output_infos=(info,))
+    recipe = lean.recipe(entry, func)
+    assert recipe is not None
+    try:
+        ref = mode._output_from_cache_entry(_CacheKeyState(None), entry, key, func, args)
+    except RuntimeError as exc:  # a view that requires grad: set_ refuses it
+        assert op == "t" and "requires_grad" in change, exc
+        with pytest.raises(type(exc)):
+            lean.build(recipe, args)
+        return
+    made = lean.build(recipe, args)
+    assert _made(made) == _made(ref)
+    for field, value in change.items():
+        got = {
+            "requires_grad": made.requires_grad,
+            "is_conj": made.is_conj(),
+            "is_neg": made.is_neg(),
+            "dtype": made.dtype,
+            "shape": tuple(made.shape),
+            "stride": made.stride(),
+        }[field]
+        assert got == value
