@@ -138,6 +138,16 @@ def fake_tensor_tools() -> (
     )
 
 
+def fake_tensor_class() -> type | None:
+    """torch's FakeTensor class (``is_fake`` is True for its instances),
+    or None when this torch lacks it."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover - depends on the torch release
+        return None
+    return FakeTensor
+
+
 def fake_device_reader() -> Callable[[Any], torch.device | None] | None:
     """A reader of the device a fake tensor reports, for ``prim.device``.
 
@@ -226,11 +236,13 @@ class _FakeCalls:
         return self._alone_checked
 
     def _tensor(self, t: Any, out: list[Any]) -> bool:
+        # A FakeTensor of the mode (not of a subclass: its attributes are
+        # read off the instance), without a constant or symbolic sizes.
         if (
-            not isinstance(t, self._fake_cls)
+            type(t) is not self._fake_cls
             or t.fake_mode is not self._mode
             or t.constant is not None
-            or t.layout is not torch.strided
+            or t.layout is not _STRIDED
             or t._has_symbolic_sizes_strides
         ):
             return False
@@ -238,7 +250,7 @@ class _FakeCalls:
             t.dtype,
             t.shape,
             t.stride(),
-            t.fake_device,
+            t._fake_device,  # what its fake_device property returns
             t.storage_offset(),
             t.untyped_storage().nbytes(),
             t.requires_grad,
@@ -272,12 +284,16 @@ class _FakeCalls:
             self._proxy_mode() is not None,
             len(args),
         ]
-        if not self._values(args, out):
-            return None
-        if kwargs:
-            out += (len(kwargs), *kwargs)
-            if not self._values(kwargs.values(), out):
+        # The tensors' metadata is read without the check for a subclass's
+        # __torch_function__ (FakeTensor's is torch's disabled one; torch
+        # function modes are still asked): half the cost of each read.
+        with _NO_SUBCLASS_FUNCTION():
+            if not self._values(args, out):
                 return None
+            if kwargs:
+                out += (len(kwargs), *kwargs)
+                if not self._values(kwargs.values(), out):
+                    return None
         return tuple(out)
 
     def __call__(self, func: Any, args: Any, kwargs: Any) -> Any:
@@ -327,8 +343,8 @@ class _LeanOutputs:
     FakeTensorMode's cache entry, doing what its
     ``_get_output_tensor_from_cache_entry`` does (torch 2.13) with fewer
     Python calls: a meta tensor ``empty_strided`` with the entry's shape,
-    strides, dtype and ``requires_grad`` (inside the mode's kernel state:
-    no dispatch mode, the meta key included), its conjugate and negative
+    strides, dtype and ``requires_grad`` (no dispatch mode sees it), its
+    conjugate and negative
     bits, a view's storage set to its base's, then the FakeTensor made
     around it with the attributes a FakeTensor made by the mode has, the
     same values in the same order (``template``, checked against a
@@ -426,8 +442,10 @@ class _LeanOutputs:
             if not isinstance(base, self._fake_cls):
                 return None
         mode = self._mode
-        with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
-            torch._C._set_meta_in_tls_dispatch_include(True)
+        # No dispatch mode sees these calls, as in the mode's kernel state;
+        # the meta key it also includes changes nothing for a meta factory
+        # call and a meta tensor's set_ (the tests compare the results).
+        with _NO_DISPATCH():
             mode.in_kernel_invocation = True
             try:
                 empty = self._empty(
@@ -461,6 +479,9 @@ _NEW: Any = object()
 
 
 _UNSEEN: Any = object()
+_STRIDED = torch.strided
+_NO_SUBCLASS_FUNCTION = torch._C.DisableTorchFunctionSubclass
+_NO_DISPATCH = torch._C._DisableTorchDispatch
 
 # Non-tensor arguments keyed by (type, value), as FakeTensorMode keys them.
 _KEYED_TYPES = frozenset(
