@@ -83,6 +83,8 @@ class StorageTracker(_DispatchMode):
         self._real_limit = real_limit if tools is not None else 0
         if tools is not None:
             self._is_fake, self._unset_fake, self._value_errors = tools
+            # The class is_fake answers True for at once.
+            self._fake_cls = _torch_compat.fake_tensor_class()
         # id(storage) -> (weakref, serial); the weakref's callback
         # records the free.
         self._known: dict[int, tuple[weakref.ref, int]] = {}
@@ -222,8 +224,10 @@ class StorageTracker(_DispatchMode):
         else:
             out = func(*args, **kwargs)
         if self.active:
+            # Most operators return one tensor: no walk through a tree.
+            outs = [out] if isinstance(out, torch.Tensor) else tensor_list(out)
             track = self.track
-            serials = tuple([track(t) for t in tensor_list(out)])
+            serials = tuple([track(t) for t in outs])
             if self.kernel_calls is not None and (
                 probe_on_device(func) if self.probe_all else func in workspace_ops()
             ):
@@ -233,6 +237,11 @@ class StorageTracker(_DispatchMode):
         return out
 
     def _all_real(self, args: Any, kwargs: Any) -> bool:
+        for a in args:  # most calls: a fake tensor is the first tensor
+            if type(a) is self._fake_cls:
+                return False
+            if isinstance(a, (torch.Tensor, tuple, list, Mapping)):
+                break
         is_fake = self._is_fake
         for t in tensor_list(args):
             if is_fake(t):
