@@ -138,6 +138,34 @@ def fake_tensor_tools() -> (
     )
 
 
+def guard_dispatch(cls: type) -> type:
+    """Class decorator of memscale's dispatch modes: their
+    ``__torch_dispatch__`` skips torch's dynamo-disabling wrapper while no
+    frame can be traced.
+
+    torch wraps the ``__torch_dispatch__`` of every TorchDispatchMode
+    (``torch._disable_dynamo``), so that dynamo, while a compiled function
+    runs, never traces it; the wrapper costs a dozen Python calls per
+    operator.  Dynamo sees frames only through the frame evaluator it
+    installs while a compiled function runs (PEP 523); the extension's
+    ``DispatchGuard`` calls the raw method while the interpreter's own
+    evaluator is in place and torch's wrapped one under any other.  Left
+    as torch made it where the wrapper is not one that names the raw
+    method (``__wrapped__``) or the extension lacks the guard."""
+    wrapped = cls.__dict__.get("__torch_dispatch__")
+    raw = getattr(wrapped, "__wrapped__", None)
+    try:
+        from . import _core
+
+        guard = _core.DispatchGuard
+    except (ImportError, AttributeError):  # pragma: no cover - an old build
+        return cls
+    if not isinstance(raw, types.FunctionType) or not callable(wrapped):
+        return cls
+    cls.__torch_dispatch__ = guard(raw, wrapped)  # type: ignore[attr-defined]
+    return cls
+
+
 def fake_tensor_class() -> type | None:
     """torch's FakeTensor class (``is_fake`` is True for its instances),
     or None when this torch lacks it."""

@@ -186,6 +186,21 @@ def _step_record(trace):
     )
 
 
+def _session_record(model, x, loss_fn):
+    """What a session simulates: the profile, the unoptimized step and the
+    step with every layer checkpointed (event for event), and the plan."""
+    with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+        plan = session.plan(FORCE)
+        steps = session._steps
+        return (
+            session.profile,
+            _step_record(steps._unoptimized),
+            _step_record(steps._trace(plan, FORCE)[1]),
+            steps.simulated_peak(plan, FORCE),
+            plan.hash,
+        )
+
+
 def _llama():
     from conftest import tiny_llama
 
@@ -211,19 +226,7 @@ def test_fake_calls_from_the_memo_are_the_calls_dispatched(case, monkeypatch):
     monkeypatch.setattr(_torch_compat, "fake_calls", counted)
     results = []
     for _ in range(2):
-        model, x, loss_fn = case()
-        with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
-            plan = session.plan(FORCE)
-            steps = session._steps
-            results.append(
-                (
-                    session.profile,
-                    _step_record(steps._unoptimized),
-                    _step_record(steps._trace(plan, FORCE)[1]),
-                    steps.simulated_peak(plan, FORCE),
-                    plan.hash,
-                )
-            )
+        results.append(_session_record(*case()))
         monkeypatch.setattr(_torch_compat, "fake_calls", lambda mode: None)
     assert len(made) == 1 and made[0].hits > 100  # the memo answered
     assert results[0] == results[1]
@@ -429,3 +432,128 @@ def test_a_lean_output_keeps_every_field_of_the_entry(op, change):
             "stride": made.stride(),
         }[field]
         assert got == value
+
+
+def test_memscale_modes_skip_the_dynamo_wrapper_outside_compiled_code():
+    """memscale's dispatch modes call their raw __torch_dispatch__ while no
+    compiled function runs, and torch's dynamo-disabling wrapper of it
+    otherwise (_torch_compat.guard_dispatch)."""
+    from memscale import _core, _selective
+    from memscale.predictor._tracker import FakeCaller, StorageTracker
+
+    for cls in (FakeCaller, StorageTracker, _selective.OpRecorder):
+        guard = cls.__dict__["__torch_dispatch__"]
+        assert isinstance(guard, _core.DispatchGuard), cls
+        assert guard.safe.__wrapped__ is guard.fast
+        assert guard.is_fast()
+
+
+def _graph_broken(x):
+    y = x + 1
+    torch._dynamo.graph_break()
+    return torch.sin(y * 2)
+
+
+def test_a_guarded_mode_is_never_traced_by_dynamo():
+    """Under a compiled function (its eager part after a graph break, where
+    dynamo's frame evaluator is in place) a guarded mode's operators go
+    through torch's wrapper, and dynamo compiles none of its frames; the
+    same mode without a wrapper is compiled (what the guard prevents)."""
+    import sys
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    callers = []
+
+    @_torch_compat.guard_dispatch
+    class Guarded(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            callers.append(sys._getframe(1).f_code)
+            return func(*args, **(kwargs or {}))
+
+    class Unwrapped(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls):
+            return False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    guard = Guarded.__dict__["__torch_dispatch__"]
+    wrapper_code = {guard.safe.__code__, guard.safe.__wrapped__.__code__}
+    torch._dynamo.reset()
+    try:
+        with Guarded():
+            torch.ones(2) + 1
+        assert callers and not any(c in wrapper_code for c in callers)
+        assert all(c.co_name != "_fn" for c in callers)  # the raw method
+        callers.clear()
+        with Guarded():
+            torch.compile(_graph_broken, backend="eager")(torch.ones(3))
+        assert any(c.co_name == "_fn" for c in callers)  # torch's wrapper
+        assert _debug_get_cache_entry_list(guard.fast.__code__) == []
+        torch._dynamo.reset()
+        with Unwrapped():
+            torch.compile(_graph_broken, backend="eager")(torch.ones(3))
+        raw = Unwrapped.__dict__["__torch_dispatch__"]
+        assert _debug_get_cache_entry_list(raw.__code__) != []
+    finally:
+        torch._dynamo.reset()
+
+
+class _CompiledInside(nn.Module):
+    """An MLP whose activation is a compiled function with a graph break."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.act = act
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.act(layer(x))
+        return x
+
+
+def _act(x):
+    x = torch.relu(x)
+    torch._dynamo.graph_break()
+    return x * 2
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_guarded_modes_simulate_as_torch_wrapped_ones(compiled, monkeypatch):
+    """With memscale's modes guarded (raw __torch_dispatch__ while no
+    compiled function runs) the simulated steps are the same, event for
+    event, as with torch's dynamo-disabling wrapper on every call, for a
+    model that calls a compiled function (with a graph break) and one that
+    does not; dynamo compiles none of the storage tracker's frames."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from memscale import _selective
+    from memscale.predictor._tracker import FakeCaller, StorageTracker
+
+    target = torch.randn(16, 32, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(2))
+    modes = (FakeCaller, StorageTracker, _selective.OpRecorder)
+    results = []
+    torch._dynamo.reset()
+    try:
+        for guarded in (True, False):
+            if not guarded:
+                for cls in modes:
+                    safe = cls.__dict__["__torch_dispatch__"].safe
+                    monkeypatch.setattr(cls, "__torch_dispatch__", safe)
+            torch.manual_seed(0)
+            act = torch.compile(_act, backend="eager") if compiled else _act
+            model = _CompiledInside(act)
+            loss_fn = lambda out: nn.functional.mse_loss(out, target)  # noqa: E731
+            results.append(_session_record(model, x, loss_fn))
+        monkeypatch.undo()
+        for cls in modes:
+            raw = cls.__dict__["__torch_dispatch__"].fast
+            assert _debug_get_cache_entry_list(raw.__code__) == []
+    finally:
+        torch._dynamo.reset()
+    assert results[0] == results[1]

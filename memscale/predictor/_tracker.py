@@ -41,6 +41,7 @@ class Recording:
     kernel_calls: tuple[tuple[int, Any, tuple[int | None, ...]], ...]
 
 
+@_torch_compat.guard_dispatch
 class FakeCaller(_DispatchMode):
     """A dispatch mode that calls every operator as the storage tracker
     does (``calls``: FakeTensorMode's cache through a cheaper key; the
@@ -60,6 +61,7 @@ class FakeCaller(_DispatchMode):
         return self._calls(func, args, kwargs or {})
 
 
+@_torch_compat.guard_dispatch
 class StorageTracker(_DispatchMode):
     """Registers the storage of every tensor an operator returns and
     records an event when it is allocated and when it is freed."""
