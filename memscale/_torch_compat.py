@@ -263,36 +263,34 @@ class _FakeCalls:
             self._alone_checked = len(stack) == 1 and stack[0] is self._mode
         return self._alone_checked
 
-    def _tensor(self, t: Any, out: list[Any]) -> bool:
-        # A FakeTensor of the mode (not of a subclass: its attributes are
-        # read off the instance), without a constant or symbolic sizes.
-        if (
-            type(t) is not self._fake_cls
-            or t.fake_mode is not self._mode
-            or t.constant is not None
-            or t.layout is not _STRIDED
-            or t._has_symbolic_sizes_strides
-        ):
-            return False
-        out += (
-            t.dtype,
-            t.shape,
-            t.stride(),
-            t._fake_device,  # what its fake_device property returns
-            t.storage_offset(),
-            t.untyped_storage().nbytes(),
-            t.requires_grad,
-            t.is_conj(),
-            t.is_neg(),
-            t.is_inference(),
-        )
-        return True
-
     def _values(self, values: Any, out: list[Any]) -> bool:
+        fake_cls, mode = self._fake_cls, self._mode
         for v in values:
-            if isinstance(v, torch.Tensor):
-                if not self._tensor(v, out):
+            if type(v) is fake_cls:
+                # A FakeTensor of the mode (not of a subclass: its
+                # attributes are read off the instance), without a constant
+                # or symbolic sizes.
+                if (
+                    v.fake_mode is not mode
+                    or v.constant is not None
+                    or v.layout is not _STRIDED
+                    or v._has_symbolic_sizes_strides
+                ):
                     return False
+                out += (
+                    v.dtype,
+                    v.shape,
+                    v.stride(),
+                    v._fake_device,  # what its fake_device property returns
+                    v.storage_offset(),
+                    v.untyped_storage().nbytes(),
+                    v.requires_grad,
+                    v.is_conj(),
+                    v.is_neg(),
+                    v.is_inference(),
+                )
+            elif isinstance(v, torch.Tensor):
+                return False  # a real tensor, a subclass's
             elif isinstance(v, (list, tuple)):
                 out += (type(v), len(v))
                 if not self._values(v, out):
