@@ -370,11 +370,10 @@ class _LeanOutputs:
     ``_get_output_tensor_from_cache_entry`` does (torch 2.13) with fewer
     Python calls: a meta tensor ``empty_strided`` with the entry's shape,
     strides, dtype and ``requires_grad`` (no dispatch mode sees it), its
-    conjugate and negative
-    bits, a view's storage set to its base's, then the FakeTensor made
-    around it with the attributes a FakeTensor made by the mode has, the
-    same values in the same order (``template``, checked against a
-    FakeTensor the mode makes, :func:`fake_calls`).
+    conjugate and negative bits, a view's storage set to its base's, then
+    the FakeTensor made around it with the attributes a FakeTensor made by
+    the mode has, the same values in the same order (``template``, checked
+    against a FakeTensor the mode makes, :func:`_lean_outputs`).
 
     A recipe exists only for outputs without symbolic sizes, strided, on a
     device that needs no resolving; a call whose recipe does not fit its
@@ -382,10 +381,15 @@ class _LeanOutputs:
     or made while the mode is in an unexpected state, gets ``_UNSEEN``
     back and is answered by FakeTensorMode's own method."""
 
-    def __init__(self, mode: Any, fake_cls: Any, template: dict[str, Any]) -> None:
+    def __init__(
+        self, mode: Any, fake_cls: Any, template: dict[str, Any], no_constant: Any
+    ) -> None:
         self._mode = mode
         self._fake_cls = fake_cls
         self._template = template
+        # An entry's constant_value when it has none (the mode's method
+        # refuses to return it).
+        self._no_constant = no_constant
         self._make = torch.Tensor._make_subclass
         self._empty = torch.empty_strided
         self._guard = (
@@ -401,6 +405,8 @@ class _LeanOutputs:
         outs = []
         for info in entry.output_infos:
             if info.inplace_idx is None and info.metadata is None and info.view_idx is None:
+                if info.constant_value is self._no_constant:
+                    return None
                 outs.append((_CONSTANT, info.constant_value))
             elif info.inplace_idx is not None:
                 outs.append((_INPLACE, info.inplace_idx))
@@ -553,7 +559,7 @@ def _lean_outputs(mode: Any, fake_cls: Any) -> _LeanOutputs | None:
     if torch_version() not in LEAN_TORCH:
         return None
     try:
-        from torch._subclasses.fake_tensor import FakeTensorConfig
+        from torch._subclasses.fake_tensor import FakeTensorConfig, SingletonConstant
 
         if FakeTensorConfig.debug or not isinstance(
             getattr(mode, "_allow_unsafe_data_ptr_access", None), bool
@@ -574,7 +580,7 @@ def _lean_outputs(mode: Any, fake_cls: Any) -> _LeanOutputs | None:
         template[name] = None
     if list(template) != _FAKE_ATTRS:
         return None
-    return _LeanOutputs(mode, fake_cls, template)
+    return _LeanOutputs(mode, fake_cls, template, SingletonConstant)
 
 
 _FAKE_ATTRS = [
