@@ -43,6 +43,7 @@ SOURCES = [
     "csrc/adam8bit.c",
     "csrc/tiling.c",
     "csrc/solver.c",
+    "csrc/dispatch_guard.c",
 ]
 
 # Every header: a change to one rebuilds the extension.

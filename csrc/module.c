@@ -9,6 +9,7 @@
 #include "state.h"
 
 #include "adam8bit.h"
+#include "dispatch_guard.h"
 #include "engine.h"
 #include "executor.h"
 #include "hardware.h"
@@ -307,7 +308,8 @@ module_exec(PyObject *module)
         || ms_plan_init_types(module, st) < 0
         || ms_executor_init_types(module, st) < 0
         || ms_profiler_init_types(module, st) < 0
-        || ms_spill_init_types(module, st) < 0)
+        || ms_spill_init_types(module, st) < 0
+        || ms_dispatch_guard_init_type(module, st) < 0)
     {
         return -1;
     }

@@ -40,6 +40,7 @@
     TYPE(profiler_type)                                                      \
     TYPE(spilled_type)                                                       \
     TYPE(spill_store_type)                                                   \
+    TYPE(dispatch_guard_type)                                                \
     /* Torch callables and types, looked up once. */                         \
     IMPORT(torch, "torch", "")                                               \
     IMPORT(tensor_type, "torch", "Tensor")                                   \

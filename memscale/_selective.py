@@ -223,6 +223,7 @@ class LayerOps:
 SavedHooks = tuple[Any, Any]  # (pack, unpack) of torch's saved-tensor hooks
 
 
+@_torch_compat.guard_dispatch
 class OpRecorder(_DispatchMode):
     """Records, per planning unit, the cost of every op its forward runs
     (while entered; the unit is known from forward hooks on the units,

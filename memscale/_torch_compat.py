@@ -138,6 +138,44 @@ def fake_tensor_tools() -> (
     )
 
 
+def guard_dispatch(cls: type) -> type:
+    """Class decorator of memscale's dispatch modes: their
+    ``__torch_dispatch__`` skips torch's dynamo-disabling wrapper while no
+    frame can be traced.
+
+    torch wraps the ``__torch_dispatch__`` of every TorchDispatchMode
+    (``torch._disable_dynamo``), so that dynamo, while a compiled function
+    runs, never traces it; the wrapper costs a dozen Python calls per
+    operator.  Dynamo sees frames only through the frame evaluator it
+    installs while a compiled function runs (PEP 523); the extension's
+    ``DispatchGuard`` calls the raw method while the interpreter's own
+    evaluator is in place and torch's wrapped one under any other.  Left
+    as torch made it where the wrapper is not one that names the raw
+    method (``__wrapped__``) or the extension lacks the guard."""
+    wrapped = cls.__dict__.get("__torch_dispatch__")
+    raw = getattr(wrapped, "__wrapped__", None)
+    try:
+        from . import _core
+
+        guard = _core.DispatchGuard
+    except (ImportError, AttributeError):  # pragma: no cover - an old build
+        return cls
+    if not isinstance(raw, types.FunctionType) or not callable(wrapped):
+        return cls
+    cls.__torch_dispatch__ = guard(raw, wrapped)  # type: ignore[attr-defined]
+    return cls
+
+
+def fake_tensor_class() -> type | None:
+    """torch's FakeTensor class (``is_fake`` is True for its instances),
+    or None when this torch lacks it."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover - depends on the torch release
+        return None
+    return FakeTensor
+
+
 def fake_device_reader() -> Callable[[Any], torch.device | None] | None:
     """A reader of the device a fake tensor reports, for ``prim.device``.
 
@@ -188,14 +226,26 @@ class _FakeCalls:
     constant, another mode's fake tensor, an argument of another type), or
     whose entry is not a valid cached output, is dispatched as usual."""
 
-    def __init__(self, mode: Any, fake_cls: Any, state_cls: Any, valid_cls: Any) -> None:
+    def __init__(
+        self,
+        mode: Any,
+        fake_cls: Any,
+        state_cls: Any,
+        valid_cls: Any,
+        lean: _LeanOutputs | None = None,
+    ) -> None:
         self._mode = mode
         self._fake_cls = fake_cls
         self._state_cls = state_cls
         self._valid_cls = valid_cls
         self._cache = type(mode).cache
-        self._memo: dict[tuple[Any, ...], tuple[Any, Any] | None] = {}
+        # key -> (FakeTensorMode's key, its entry, the entry's recipe for
+        # _LeanOutputs or None), or None: not cached.
+        self._memo: dict[tuple[Any, ...], tuple[Any, Any, Any] | None] = {}
         self.hits = 0  # calls answered from the memo
+        # Outputs made from a recipe (the rest by FakeTensorMode's method).
+        self._lean = lean
+        self.lean_hits = 0
         self._alone_checked: bool | None = None
         self._fake_key = torch._C._TorchDispatchModeKey.FAKE
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -213,34 +263,34 @@ class _FakeCalls:
             self._alone_checked = len(stack) == 1 and stack[0] is self._mode
         return self._alone_checked
 
-    def _tensor(self, t: Any, out: list[Any]) -> bool:
-        if (
-            not isinstance(t, self._fake_cls)
-            or t.fake_mode is not self._mode
-            or t.constant is not None
-            or t.layout is not torch.strided
-            or t._has_symbolic_sizes_strides
-        ):
-            return False
-        out += (
-            t.dtype,
-            t.shape,
-            t.stride(),
-            t.fake_device,
-            t.storage_offset(),
-            t.untyped_storage().nbytes(),
-            t.requires_grad,
-            t.is_conj(),
-            t.is_neg(),
-            t.is_inference(),
-        )
-        return True
-
     def _values(self, values: Any, out: list[Any]) -> bool:
+        fake_cls, mode = self._fake_cls, self._mode
         for v in values:
-            if isinstance(v, torch.Tensor):
-                if not self._tensor(v, out):
+            if type(v) is fake_cls:
+                # A FakeTensor of the mode (not of a subclass: its
+                # attributes are read off the instance), without a constant
+                # or symbolic sizes.
+                if (
+                    v.fake_mode is not mode
+                    or v.constant is not None
+                    or v.layout is not _STRIDED
+                    or v._has_symbolic_sizes_strides
+                ):
                     return False
+                out += (
+                    v.dtype,
+                    v.shape,
+                    v.stride(),
+                    v._fake_device,  # what its fake_device property returns
+                    v.storage_offset(),
+                    v.untyped_storage().nbytes(),
+                    v.requires_grad,
+                    v.is_conj(),
+                    v.is_neg(),
+                    v.is_inference(),
+                )
+            elif isinstance(v, torch.Tensor):
+                return False  # a real tensor, a subclass's
             elif isinstance(v, (list, tuple)):
                 out += (type(v), len(v))
                 if not self._values(v, out):
@@ -260,12 +310,16 @@ class _FakeCalls:
             self._proxy_mode() is not None,
             len(args),
         ]
-        if not self._values(args, out):
-            return None
-        if kwargs:
-            out += (len(kwargs), *kwargs)
-            if not self._values(kwargs.values(), out):
+        # The tensors' metadata is read without the check for a subclass's
+        # __torch_function__ (FakeTensor's is torch's disabled one; torch
+        # function modes are still asked): half the cost of each read.
+        with _NO_SUBCLASS_FUNCTION():
+            if not self._values(args, out):
                 return None
+            if kwargs:
+                out += (len(kwargs), *kwargs)
+                if not self._values(kwargs.values(), out):
+                    return None
         return tuple(out)
 
     def __call__(self, func: Any, args: Any, kwargs: Any) -> Any:
@@ -287,6 +341,12 @@ class _FakeCalls:
             return func(*args, **kwargs)
         if known is not _UNSEEN:
             self.hits += 1
+            recipe = known[2]
+            if recipe is not None:
+                out = self._lean.build(recipe, args)  # type: ignore[union-attr]
+                if out is not _UNSEEN:
+                    self.lean_hits += 1
+                    return out
             return mode._output_from_cache_entry(
                 self._state_cls(None), known[1], known[0], func, args
             )
@@ -296,11 +356,164 @@ class _FakeCalls:
             cache_key = None
         out = func(*args, **kwargs)
         entry = self._cache.get(cache_key) if cache_key is not None else None
-        self._memo[key] = (cache_key, entry) if isinstance(entry, self._valid_cls) else None
+        if isinstance(entry, self._valid_cls):
+            recipe = self._lean.recipe(entry, func) if self._lean is not None else None
+            self._memo[key] = (cache_key, entry, recipe)
+        else:
+            self._memo[key] = None
         return out
 
 
+class _LeanOutputs:
+    """Makes the output of a cached call from a recipe read once off
+    FakeTensorMode's cache entry, doing what its
+    ``_get_output_tensor_from_cache_entry`` does (torch 2.13) with fewer
+    Python calls: a meta tensor ``empty_strided`` with the entry's shape,
+    strides, dtype and ``requires_grad`` (no dispatch mode sees it), its
+    conjugate and negative bits, a view's storage set to its base's, then
+    the FakeTensor made around it with the attributes a FakeTensor made by
+    the mode has, the same values in the same order (``template``, checked
+    against a FakeTensor the mode makes, :func:`_lean_outputs`).
+
+    A recipe exists only for outputs without symbolic sizes, strided, on a
+    device that needs no resolving; a call whose recipe does not fit its
+    arguments (a view's base or an in-place argument not a FakeTensor),
+    or made while the mode is in an unexpected state, gets ``_UNSEEN``
+    back and is answered by FakeTensorMode's own method."""
+
+    def __init__(
+        self, mode: Any, fake_cls: Any, template: dict[str, Any], no_constant: Any
+    ) -> None:
+        self._mode = mode
+        self._fake_cls = fake_cls
+        self._template = template
+        # An entry's constant_value when it has none (the mode's method
+        # refuses to return it).
+        self._no_constant = no_constant
+        self._make = torch.Tensor._make_subclass
+        self._empty = torch.empty_strided
+        self._guard = (
+            torch._C._set_warn_deprecated_on_mutable_data_ptr
+            if mode._allow_unsafe_data_ptr_access
+            else torch._C._set_throw_on_mutable_data_ptr
+        )
+        self._exporting = torch.compiler.is_exporting
+
+    def recipe(self, entry: Any, func: Any) -> tuple[bool, tuple[Any, ...]] | None:
+        """``(is a tuple, one recipe per output)``, or None (not fit)."""
+        is_view = isinstance(func, torch._ops.OpOverload) and func.is_view
+        outs = []
+        for info in entry.output_infos:
+            if info.inplace_idx is None and info.metadata is None and info.view_idx is None:
+                if info.constant_value is self._no_constant:
+                    return None
+                outs.append((_CONSTANT, info.constant_value))
+            elif info.inplace_idx is not None:
+                outs.append((_INPLACE, info.inplace_idx))
+            elif info.metadata is None:
+                outs.append((_CONSTANT, None))
+            else:
+                made = self._tensor_recipe(info, is_view)
+                if made is None:
+                    return None
+                outs.append(made)
+        return bool(entry.is_output_tuple), tuple(outs)
+
+    def _tensor_recipe(self, info: Any, is_view: bool) -> tuple[Any, ...] | None:
+        m = info.metadata
+        ints = (*m.shape, *m.stride, m.storage_offset)
+        if (
+            not all(type(v) is int for v in ints)
+            or (m.storage_bytes is not None and type(m.storage_bytes) is not int)
+            or m.layout is not torch.strided
+            or m.device.type == "meta"
+            or self._fake_cls._normalize_fake_device(m.device) != m.device
+            or (is_view and info.view_idx is None)
+        ):
+            return None
+        return (
+            _NEW,
+            tuple(m.shape),
+            tuple(m.stride),
+            m.dtype,
+            bool(m.requires_grad),
+            bool(m.is_conj),
+            bool(m.is_neg),
+            info.view_idx if is_view else None,
+            m.storage_offset,
+            m.device,
+        )
+
+    def build(self, recipe: tuple[bool, tuple[Any, ...]], args: Any) -> Any:
+        mode = self._mode
+        if mode.in_kernel_invocation or mode.shape_env is not None or self._exporting():
+            return _UNSEEN
+        is_tuple, outs = recipe
+        made = []
+        for out in outs:
+            kind = out[0]
+            if kind is _CONSTANT:
+                made.append(out[1])
+            elif kind is _INPLACE:
+                arg = args[out[1]]
+                if not isinstance(arg, self._fake_cls):
+                    return _UNSEEN
+                made.append(arg)
+            else:
+                t = self._new(out, args)
+                if t is None:
+                    return _UNSEEN
+                made.append(t)
+        return tuple(made) if is_tuple else made[0]
+
+    def _new(self, out: tuple[Any, ...], args: Any) -> Any:
+        _, shape, stride, dtype, requires_grad, conj, neg, view_idx, offset, device = out
+        base = None
+        if view_idx is not None:
+            base = args[view_idx]
+            if not isinstance(base, self._fake_cls):
+                return None
+        mode = self._mode
+        # No dispatch mode sees these calls, as in the mode's kernel state;
+        # the meta key it also includes changes nothing for a meta factory
+        # call and a meta tensor's set_ (the tests compare the results).
+        with _NO_DISPATCH():
+            mode.in_kernel_invocation = True
+            try:
+                empty = self._empty(
+                    shape, stride, dtype=dtype, device="meta", requires_grad=requires_grad
+                )
+                if conj:
+                    torch._C._set_conj(empty, True)
+                if neg:
+                    torch._C._set_neg(empty, True)
+                if base is not None:
+                    empty.set_(base.untyped_storage(), offset, shape, stride)
+            finally:
+                mode.in_kernel_invocation = False
+        t = self._make(
+            self._fake_cls,
+            empty,
+            requires_grad,
+            dispatch_device=True,
+            device_for_backend_keys=device,
+        )
+        self._guard(t)
+        d = t.__dict__
+        d.update(self._template)
+        d["_fake_device"] = device
+        return t
+
+
+_CONSTANT: Any = object()
+_INPLACE: Any = object()
+_NEW: Any = object()
+
+
 _UNSEEN: Any = object()
+_STRIDED = torch.strided
+_NO_SUBCLASS_FUNCTION = torch._C.DisableTorchFunctionSubclass
+_NO_DISPATCH = torch._C._DisableTorchDispatch
 
 # Non-tensor arguments keyed by (type, value), as FakeTensorMode keys them.
 _KEYED_TYPES = frozenset(
@@ -327,7 +540,68 @@ def fake_calls(mode: Any) -> Callable[[Any, Any, Any], Any] | None:
         return None
     if not isinstance(mode, FakeTensorMode) or not _signatures_match(mode):
         return None  # pragma: no cover
-    return _FakeCalls(mode, FakeTensor, _CacheKeyState, _DispatchCacheValidEntry)
+    return _FakeCalls(
+        mode, FakeTensor, _CacheKeyState, _DispatchCacheValidEntry, _lean_outputs(mode, FakeTensor)
+    )
+
+
+# The releases whose FakeTensor construction _LeanOutputs was checked
+# against (FakeTensor.__new__ and FakeTensorMode's
+# _get_output_tensor_from_cache_entry).
+LEAN_TORCH = ((2, 13),)
+
+
+def _lean_outputs(mode: Any, fake_cls: Any) -> _LeanOutputs | None:
+    """A :class:`_LeanOutputs` for ``mode``, or None (outputs are then made
+    by FakeTensorMode's own method): this torch is not one checked, or a
+    FakeTensor the mode makes holds other attributes than those the lean
+    build gives it, or another one of them has a value other than None."""
+    if torch_version() not in LEAN_TORCH:
+        return None
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorConfig, SingletonConstant
+
+        if FakeTensorConfig.debug or not isinstance(
+            getattr(mode, "_allow_unsafe_data_ptr_access", None), bool
+        ):
+            return None
+        probe = fake_cls(mode, torch.empty(1, device="meta"), torch.device("cpu"))
+        attrs = dict(probe.__dict__)
+    except Exception:  # noqa: BLE001 - the lean build is left out
+        logger.debug("FakeTensor's layout could not be read", exc_info=True)
+        return None
+    names = list(attrs)
+    if names[:2] != ["_fake_device", "fake_mode"] or attrs["fake_mode"] is not mode:
+        return None
+    template = {"_fake_device": None, "fake_mode": mode}
+    for name in names[2:]:
+        if attrs[name] is not None:
+            return None
+        template[name] = None
+    if list(template) != _FAKE_ATTRS:
+        return None
+    return _LeanOutputs(mode, fake_cls, template, SingletonConstant)
+
+
+_FAKE_ATTRS = [
+    "_fake_device",
+    "fake_mode",
+    "constant",
+    "pytype",
+    "dispatch_keys",
+    "real_tensor",
+    *(
+        f"_{memo}{suffix}"
+        for memo in (
+            "nonzero_memo",
+            "item_memo",
+            "unique_memo",
+            "unique_consecutive_memo",
+            "nested_int_memo",
+        )
+        for suffix in ("", "_vc", "_epoch")
+    ),
+]
 
 
 def _signatures_match(mode: Any) -> bool:

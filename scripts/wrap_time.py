@@ -1,7 +1,7 @@
 """How long ``memscale.wrap`` takes with a budget that makes the planner run.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/wrap_time.py [--share 0.5]
-        [--models gpt2-12l llama-12l] [--profile llama-12l]
+        [--models gpt2-12l llama-12l] [--profile llama-12l [--sort tottime]]
 
 For every quick benchmark model, gpt2-12l, llama-12l, bert-12l and a chain
 of 1,000 tiny blocks (``chain-1000``), it builds the model, measures the
@@ -11,7 +11,8 @@ fresh copy with ``Config(mode="conservative", memory_budget_gb=...)`` and
 ``sample_input`` and prints wrap's CPU seconds (``time.process_time``),
 its wall seconds, the simulated steps the planner ran, the plan hash and
 whether the plan is every layer checkpointed alone (the fallback).
-``--profile NAME`` prints the top of a cProfile of that model's wrap.
+``--profile NAME`` prints the top of a cProfile of that model's wrap,
+sorted by ``--sort`` (cumulative time unless told).
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ class _Counter:
         _planner.predictor.SimulationSession.simulated_peak = self._orig  # type: ignore[method-assign]
 
 
-def time_wrap(name: str, share: float, profile: bool = False) -> dict[str, Any]:
+def time_wrap(
+    name: str, share: float, profile: bool = False, sort: str = "cumulative"
+) -> dict[str, Any]:
     budget = _budget(name, share)
     gc.collect()
     model, sample, _ = _build(name)
@@ -143,7 +146,7 @@ def time_wrap(name: str, share: float, profile: bool = False) -> dict[str, Any]:
                 prof.disable()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     if prof is not None:
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(prof).sort_stats(sort).print_stats(30)
     return {
         "model": name,
         "budget": budget,
@@ -166,13 +169,16 @@ def main() -> None:
     )
     parser.add_argument("--share", type=float, default=0.5, help="budget: share of activations")
     parser.add_argument("--profile", default=None, help="cProfile this model's wrap")
+    parser.add_argument(
+        "--sort", default="cumulative", help="the profile's order (pstats: cumulative, tottime)"
+    )
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
     print("| model | budget | wrap CPU s | wrap wall s | simulations | plan | ckpt | every block |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models:
-        r = time_wrap(name, args.share, profile=name == args.profile)
+        r = time_wrap(name, args.share, profile=name == args.profile, sort=args.sort)
         print(
             f"| {r['model']} | {r['budget']} | {r['cpu_s']:.2f} | {r['wall_s']:.2f} | "
             f"{r['simulations']} | {r['plan']} | {r['checkpoint']} | {r['every_block']} |",

@@ -186,6 +186,21 @@ def _step_record(trace):
     )
 
 
+def _session_record(model, x, loss_fn):
+    """What a session simulates: the profile, the unoptimized step and the
+    step with every layer checkpointed (event for event), and the plan."""
+    with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+        plan = session.plan(FORCE)
+        steps = session._steps
+        return (
+            session.profile,
+            _step_record(steps._unoptimized),
+            _step_record(steps._trace(plan, FORCE)[1]),
+            steps.simulated_peak(plan, FORCE),
+            plan.hash,
+        )
+
+
 def _llama():
     from conftest import tiny_llama
 
@@ -211,19 +226,7 @@ def test_fake_calls_from_the_memo_are_the_calls_dispatched(case, monkeypatch):
     monkeypatch.setattr(_torch_compat, "fake_calls", counted)
     results = []
     for _ in range(2):
-        model, x, loss_fn = case()
-        with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
-            plan = session.plan(FORCE)
-            steps = session._steps
-            results.append(
-                (
-                    session.profile,
-                    _step_record(steps._unoptimized),
-                    _step_record(steps._trace(plan, FORCE)[1]),
-                    steps.simulated_peak(plan, FORCE),
-                    plan.hash,
-                )
-            )
+        results.append(_session_record(*case()))
         monkeypatch.setattr(_torch_compat, "fake_calls", lambda mode: None)
     assert len(made) == 1 and made[0].hits > 100  # the memo answered
     assert results[0] == results[1]
@@ -266,3 +269,291 @@ def test_a_real_tensor_is_made_fake_once_with_its_storage(monkeypatch):
         assert _torch_compat.storage_key(fake["part"]) == _torch_compat.storage_key(fake["whole"])
         assert isinstance(fake["part"], nn.Parameter) and fake["part"].requires_grad
     assert model.part is real["part"]
+
+
+def _made(t):
+    """What a fake output is: every property the simulated steps read, and
+    the attributes FakeTensor keeps, in their order."""
+    if not isinstance(t, torch.Tensor):
+        return ("value", t)
+    return (
+        type(t),
+        t.shape,
+        t.stride(),
+        t.storage_offset(),
+        t.dtype,
+        t.device,
+        t.fake_device,
+        t.layout,
+        t.requires_grad,
+        t.is_leaf,
+        t.is_conj(),
+        t.is_neg(),
+        t.untyped_storage().nbytes(),
+        str(torch._C._dispatch_keys(t)),
+        [(k, v) for k, v in t.__dict__.items()],
+    )
+
+
+@pytest.mark.parametrize("case", [_mlp, _gpt2, _llama])
+def test_a_lean_output_is_the_output_fake_tensor_mode_makes(case, monkeypatch):
+    """Every output _LeanOutputs makes from a cache entry's recipe is the
+    tensor FakeTensorMode's own method makes from the entry: the same
+    shape, strides, offset, dtype, device, flags, storage bytes, dispatch
+    keys and attributes; a view shares its base's storage as that one
+    does, and an in-place call returns the same argument."""
+    original = _torch_compat._FakeCalls.__call__
+    compared = []
+
+    def checked(self, func, args, kwargs):
+        key = self._key(func, args, kwargs) if self._alone_checked else None
+        known = self._memo.get(key) if key is not None else None
+        lean = self.lean_hits
+        out = original(self, func, args, kwargs)
+        if self.lean_hits == lean:
+            return out
+        assert known is not None and known[2] is not None
+        state = self._state_cls(None)
+        ref = self._mode._output_from_cache_entry(state, known[1], known[0], func, args)
+        outs, refs = (out, ref) if isinstance(ref, tuple) else ((out,), (ref,))
+        assert isinstance(out, tuple) == isinstance(ref, tuple)
+        assert len(outs) == len(refs)
+        for o, r in zip(outs, refs):
+            assert _made(o) == _made(r), func
+            if not isinstance(r, torch.Tensor):
+                continue
+            if any(r is a for a in args):  # in place: the argument itself
+                assert o is r
+            elif func.is_view:
+                assert _torch_compat.storage_key(o) == _torch_compat.storage_key(r)
+            else:
+                assert _torch_compat.storage_key(o) != _torch_compat.storage_key(r)
+        compared.append(func)
+        return out
+
+    monkeypatch.setattr(_torch_compat._FakeCalls, "__call__", checked)
+    model, x, loss_fn = case()
+    with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+        plan = session.plan(FORCE)
+        session._steps.simulated_peak(plan, FORCE)
+        calls = session._steps._sim.world.calls
+        assert calls.lean_hits == len(compared)
+    assert len(compared) > 100  # the lean build answered
+    assert any(f.is_view for f in compared)
+
+
+def test_a_lean_build_that_does_not_fit_is_answered_by_fake_tensor_mode():
+    """A recipe whose view base or in-place argument is not a FakeTensor,
+    or a mode inside a kernel, gets no lean output: FakeTensorMode's own
+    method answers."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode()
+    lean = _torch_compat._lean_outputs(mode, FakeTensor)
+    assert lean is not None
+    with mode:
+        a = torch.empty(4, 4)
+        a.t()
+        a.add_(1)
+    entries = {}
+    for key, entry in type(mode).cache.items():
+        func = key.key[0] if isinstance(key.key, tuple) else None
+        if func in (torch.ops.aten.t.default, torch.ops.aten.add_.Tensor):
+            entries[func] = entry
+    real = torch.empty(4, 4)
+    view = lean.recipe(entries[torch.ops.aten.t.default], torch.ops.aten.t.default)
+    inplace = lean.recipe(entries[torch.ops.aten.add_.Tensor], torch.ops.aten.add_.Tensor)
+    assert view is not None and inplace is not None
+    made = lean.build(view, (a,))
+    assert (made.shape, made.stride()) == ((4, 4), (1, 4))
+    assert _torch_compat.storage_key(made) == _torch_compat.storage_key(a)
+    assert lean.build(inplace, (a, 1)) is a
+    assert lean.build(view, (real,)) is _torch_compat._UNSEEN
+    assert lean.build(inplace, (real, 1)) is _torch_compat._UNSEEN
+    mode.in_kernel_invocation = True
+    try:
+        assert lean.build(view, (a,)) is _torch_compat._UNSEEN
+    finally:
+        mode.in_kernel_invocation = False
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"requires_grad": True},
+        {"is_conj": True, "dtype": torch.complex64},
+        {"is_neg": True},
+        {"dtype": torch.float16},
+        {"shape": (2, 8), "stride": (1, 2)},
+    ],
+)
+@pytest.mark.parametrize("op", ["t", "mul"])
+def test_a_lean_output_keeps_every_field_of_the_entry(op, change):
+    """Entries whose outputs require grad, are conjugate or negative, of
+    another dtype or other strides (made by hand from a cached view and a
+    cached new tensor): the lean output is the one FakeTensorMode's own
+    method makes from the same entry."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _CacheKeyState
+
+    func = {"t": torch.ops.aten.t.default, "mul": torch.ops.aten.mul.Tensor}[op]
+    mode = FakeTensorMode()
+    lean = _torch_compat._lean_outputs(mode, FakeTensor)
+    assert lean is not None
+    with mode:
+        a = torch.empty(4, 4)
+        args = (a,) if op == "t" else (a, a)
+        func(*args)
+    key, entry = next(
+        (k, e) for k, e in type(mode).cache.items() if isinstance(k.key, tuple) and k.key[0] is func
+    )
+    info = entry.output_infos[0]
+    info = dataclasses.replace(info, metadata=dataclasses.replace(info.metadata, **change))
+    entry = dataclasses.replace(entry, output_infos=(info,))
+    recipe = lean.recipe(entry, func)
+    assert recipe is not None
+    try:
+        ref = mode._output_from_cache_entry(_CacheKeyState(None), entry, key, func, args)
+    except RuntimeError as exc:  # a view that requires grad: set_ refuses it
+        assert op == "t" and "requires_grad" in change, exc
+        with pytest.raises(type(exc)):
+            lean.build(recipe, args)
+        return
+    made = lean.build(recipe, args)
+    assert _made(made) == _made(ref)
+    for field, value in change.items():
+        got = {
+            "requires_grad": made.requires_grad,
+            "is_conj": made.is_conj(),
+            "is_neg": made.is_neg(),
+            "dtype": made.dtype,
+            "shape": tuple(made.shape),
+            "stride": made.stride(),
+        }[field]
+        assert got == value
+
+
+def test_memscale_modes_skip_the_dynamo_wrapper_outside_compiled_code():
+    """memscale's dispatch modes call their raw __torch_dispatch__ while no
+    compiled function runs, and torch's dynamo-disabling wrapper of it
+    otherwise (_torch_compat.guard_dispatch)."""
+    from memscale import _core, _selective
+    from memscale.predictor._tracker import FakeCaller, StorageTracker
+
+    for cls in (FakeCaller, StorageTracker, _selective.OpRecorder):
+        guard = cls.__dict__["__torch_dispatch__"]
+        assert isinstance(guard, _core.DispatchGuard), cls
+        assert guard.safe.__wrapped__ is guard.fast
+        assert guard.is_fast()
+
+
+def _graph_broken(x):
+    y = x + 1
+    torch._dynamo.graph_break()
+    return torch.sin(y * 2)
+
+
+def test_a_guarded_mode_is_never_traced_by_dynamo():
+    """Under a compiled function (its eager part after a graph break, where
+    dynamo's frame evaluator is in place) a guarded mode's operators go
+    through torch's wrapper, and dynamo compiles none of its frames; the
+    same mode without a wrapper is compiled (what the guard prevents)."""
+    import sys
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    callers = []
+
+    @_torch_compat.guard_dispatch
+    class Guarded(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            callers.append(sys._getframe(1).f_code)
+            return func(*args, **(kwargs or {}))
+
+    class Unwrapped(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls):
+            return False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    guard = Guarded.__dict__["__torch_dispatch__"]
+    wrapper_code = {guard.safe.__code__, guard.safe.__wrapped__.__code__}
+    torch._dynamo.reset()
+    try:
+        with Guarded():
+            torch.ones(2) + 1
+        assert callers and not any(c in wrapper_code for c in callers)
+        assert all(c.co_name != "_fn" for c in callers)  # the raw method
+        callers.clear()
+        with Guarded():
+            torch.compile(_graph_broken, backend="eager")(torch.ones(3))
+        assert any(c.co_name == "_fn" for c in callers)  # torch's wrapper
+        assert _debug_get_cache_entry_list(guard.fast.__code__) == []
+        torch._dynamo.reset()
+        with Unwrapped():
+            torch.compile(_graph_broken, backend="eager")(torch.ones(3))
+        raw = Unwrapped.__dict__["__torch_dispatch__"]
+        assert _debug_get_cache_entry_list(raw.__code__) != []
+    finally:
+        torch._dynamo.reset()
+
+
+class _CompiledInside(nn.Module):
+    """An MLP whose activation is a compiled function with a graph break."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.act = act
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.act(layer(x))
+        return x
+
+
+def _act(x):
+    x = torch.relu(x)
+    torch._dynamo.graph_break()
+    return x * 2
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_guarded_modes_simulate_as_torch_wrapped_ones(compiled, monkeypatch):
+    """With memscale's modes guarded (raw __torch_dispatch__ while no
+    compiled function runs) the simulated steps are the same, event for
+    event, as with torch's dynamo-disabling wrapper on every call, for a
+    model that calls a compiled function (with a graph break) and one that
+    does not; dynamo compiles none of the storage tracker's frames."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from memscale import _selective
+    from memscale.predictor._tracker import FakeCaller, StorageTracker
+
+    target = torch.randn(16, 32, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(2))
+    modes = (FakeCaller, StorageTracker, _selective.OpRecorder)
+    results = []
+    torch._dynamo.reset()
+    try:
+        for guarded in (True, False):
+            if not guarded:
+                for cls in modes:
+                    safe = cls.__dict__["__torch_dispatch__"].safe
+                    monkeypatch.setattr(cls, "__torch_dispatch__", safe)
+            torch.manual_seed(0)
+            act = torch.compile(_act, backend="eager") if compiled else _act
+            model = _CompiledInside(act)
+            loss_fn = lambda out: nn.functional.mse_loss(out, target)  # noqa: E731
+            results.append(_session_record(model, x, loss_fn))
+        monkeypatch.undo()
+        for cls in modes:
+            raw = cls.__dict__["__torch_dispatch__"].fast
+            assert _debug_get_cache_entry_list(raw.__code__) == []
+    finally:
+        torch._dynamo.reset()
+    assert results[0] == results[1]

@@ -93,6 +93,7 @@ class Recording:
     kernel_calls: tuple[tuple[int, Any, tuple[int | None, ...]], ...]
 
 
+@_torch_compat.guard_dispatch
 class FakeCaller(_DispatchMode):
     """A dispatch mode that calls every operator as the storage tracker
     does (``calls``: FakeTensorMode's cache through a cheaper key; the
@@ -112,6 +113,7 @@ class FakeCaller(_DispatchMode):
         return self._calls(func, args, kwargs or {})
 
 
+@_torch_compat.guard_dispatch
 class StorageTracker(_DispatchMode):
     """Registers the storage of every tensor an operator returns and
     records an event when it is allocated and when it is freed."""
@@ -135,6 +137,8 @@ class StorageTracker(_DispatchMode):
         self._real_limit = real_limit if tools is not None else 0
         if tools is not None:
             self._is_fake, self._unset_fake, self._value_errors = tools
+            # The class is_fake answers True for at once.
+            self._fake_cls = _torch_compat.fake_tensor_class()
         # id(storage) -> (weakref, serial); the weakref's callback
         # records the free.
         self._known: dict[int, tuple[weakref.ref, int]] = {}
@@ -366,8 +370,10 @@ class StorageTracker(_DispatchMode):
         else:
             out = func(*args, **kwargs)
         if self.active:
+            # Most operators return one tensor: no walk through a tree.
+            outs = [out] if isinstance(out, torch.Tensor) else tensor_list(out)
             track = self.track
-            serials = tuple([track(t) for t in tensor_list(out)])
+            serials = tuple([track(t) for t in outs])
             if self.kernel_calls is not None and (
                 probe_on_device(func) if self.probe_all else func in workspace_ops()
             ):
@@ -379,6 +385,11 @@ class StorageTracker(_DispatchMode):
         return out
 
     def _all_real(self, args: Any, kwargs: Any) -> bool:
+        for a in args:  # most calls: a fake tensor is the first tensor
+            if type(a) is self._fake_cls:
+                return False
+            if isinstance(a, (torch.Tensor, tuple, list, Mapping)):
+                break
         is_fake = self._is_fake
         for t in tensor_list(args):
             if is_fake(t):
