@@ -604,3 +604,54 @@ def test_the_tracker_counts_the_python_numbers_operators_are_given(count):
     assert kept_at < added_at < after_forward
     assert frees[added] < after_forward  # the addition's, freed in forward
     assert frees[kept] >= after_forward  # the multiplication's, in backward
+
+
+_VIEW_NUMBERS = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from memscale.predictor._tracker import StorageTracker
+
+with FakeTensorMode():
+    x = torch.empty(1000, requires_grad=True)
+    tracker = StorageTracker()
+    tracker.count_numbers = True
+    with tracker:
+        tracker.set_phase("forward")
+        y = x * 1.0
+        for view in (y[:500], y.view(10, 100)):
+            view.mul_(0.5)
+            view.div_(2)
+        loss = y.sum()
+        del y, view
+        tracker.set_phase("backward")
+        loss.backward()
+        tracker.set_phase("end")
+backward_at = next(i for i, phase in tracker.phase_marks if phase == "backward")
+kept = {s for s, d in tracker.events if d == 8}
+freed = {s for s, d in tracker.events[backward_at:] if d == -8}
+print(len(kept), freed == kept)
+"""
+
+
+def test_a_number_kept_by_an_in_place_operator_on_a_view():
+    """``y[:500].mul_(0.5)`` with ``y`` needing a gradient: the number is
+    kept by the multiplication, whose node is in the base's history
+    (CopySlices); the tracker ties it there without reading the view's
+    ``grad_fn``, which autograd rebuilds under a lock while it calls an
+    operator (reading it there hung the simulation: run in a process of
+    its own, with a time limit).  All five numbers (``x * 1.0``'s and
+    the four in-place operators') are freed in backward."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run(
+        [sys.executable, "-c", _VIEW_NUMBERS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["5", "True"]

@@ -43,22 +43,48 @@ _KEEPS_NUMBER = frozenset(
 )
 
 
-def _tensor_slots(func: Any) -> tuple[int, ...]:
-    """The positions of ``func``'s arguments typed ``Tensor`` (where a
-    Python number is wrapped), among the first two."""
+# Overloads taking a Scalar whose CPU kernels wrap it themselves (they call
+# the Tensor overload on a wrapped number): the Scalar's position.  A
+# backward formula calls these (``PowBackward0``: ``exponent * ...``), and
+# so does Python's ``1 - x`` (``rsub``) or ``2 ** x``.
+_WRAPS_SCALAR: dict[Any, int] = {
+    torch.ops.aten.mul.Scalar: 1,
+    torch.ops.aten.div.Scalar: 1,
+    torch.ops.aten.add.Scalar: 1,
+    torch.ops.aten.sub.Scalar: 1,
+    torch.ops.aten.rsub.Scalar: 1,
+    torch.ops.aten.remainder.Scalar: 1,
+    torch.ops.aten.pow.Scalar: 0,
+}
+
+
+def _number_slots(func: Any) -> tuple[tuple[int, bool], ...]:
+    """Where ``func`` wraps a Python number it is given, among its first
+    two arguments: (position, whether the slot is typed Tensor: the
+    number was wrapped by torch's argument parser, before the call;
+    otherwise by the kernel, a Scalar of :data:`_WRAPS_SCALAR`)."""
+    scalar = _WRAPS_SCALAR.get(func)
+    if scalar is not None:
+        return ((scalar, False),)
     try:
         arguments = func._schema.arguments
     except AttributeError:
         return ()
     return tuple(
-        i
+        (i, True)
         for i, arg in enumerate(arguments[:2])
         if not arg.kwarg_only and isinstance(arg.type, torch.TensorType)
     )
 
 
-# The bytes of the tensor torch wraps a Python number in, by its type.
-_NUMBER_BYTES: dict[type, int] = {float: 8, int: 8, bool: 1, complex: 16}
+# The wrapped tensor of a Python number, by the number's type: its dtype
+# and bytes.
+_NUMBER_DTYPES: dict[type, torch.dtype] = {
+    float: torch.float64,
+    int: torch.int64,
+    bool: torch.bool,
+    complex: torch.complex128,
+}
 
 
 class _KeptNumber:
@@ -170,7 +196,7 @@ class StorageTracker(_DispatchMode):
         # _KEEPS_NUMBER): a step on the CPU, where they are allocated; on
         # an accelerator they are host tensors.
         self.count_numbers = False
-        self._slots: dict[Any, tuple[int, ...]] = {}  # func -> _tensor_slots
+        self._slots: dict[Any, tuple[tuple[int, bool], ...]] = {}  # func -> _number_slots
         # (weak reference to an operator's output, the stand-in for the
         # number it kept): tied to the output's autograd node once the
         # operator has returned through autograd (_settle).
@@ -233,19 +259,32 @@ class StorageTracker(_DispatchMode):
         return serial
 
     def _numbers(self, func: Any, args: Any) -> list[tuple[int, _KeptNumber]] | None:
-        """Stand-ins for the Python numbers ``func`` is given for tensor
-        arguments, counted from now: (position, stand-in)."""
+        """Stand-ins for the Python numbers ``func`` wraps, counted from
+        now: (position, stand-in).  A CPU kernel also casts a wrapped
+        number to the dtype it computes in, when that is another (a float
+        times a float32 tensor: 4 more bytes while it runs).  In
+        backward's own formulas a number given for a tensor is one autograd
+        kept (``grad * other``): only its cast is new."""
         slots = self._slots.get(func)
         if slots is None:
-            slots = self._slots[func] = _tensor_slots(func)
+            slots = self._slots[func] = _number_slots(func)
+        formula = self.phase == "backward" and not self.recompute_depth
         held = None
-        for i in slots:
-            if i < len(args):
-                nbytes = _NUMBER_BYTES.get(type(args[i]))
-                if nbytes is not None:
-                    if held is None:
-                        held = []
-                    held.append((i, self.track_number(nbytes)))
+        for i, parsed in slots:
+            if i >= len(args):
+                continue
+            dtype = _NUMBER_DTYPES.get(type(args[i]))
+            if dtype is None:
+                continue
+            if held is None:
+                held = []
+            if not (formula and parsed):
+                held.append((i, self.track_number(dtype.itemsize)))
+            other = args[1 - i] if len(args) >= 2 else None
+            if isinstance(other, torch.Tensor):
+                cast = torch.result_type(other, args[i])
+                if cast != dtype:
+                    held.append((-1, self.track_number(cast.itemsize)))
         return held
 
     def _keep_numbers(self, func: Any, args: Any, out: Any, held: list[tuple[int, Any]]) -> None:
@@ -255,7 +294,7 @@ class StorageTracker(_DispatchMode):
         if func in _KEEPS_NUMBER and isinstance(out, torch.Tensor) and torch.is_grad_enabled():
             ref = None
             for i, number in held:
-                other = args[1 - i] if len(args) == 2 else None
+                other = args[1 - i] if i >= 0 and len(args) == 2 else None
                 if isinstance(other, torch.Tensor) and other.requires_grad:
                     ref = ref or weakref.ref(out)
                     self._kept.append((ref, number))
@@ -293,6 +332,12 @@ class StorageTracker(_DispatchMode):
             out = ref()
             if out is None:
                 continue
+            if out._is_view():
+                # An in-place operator on a view: its node is in the base's
+                # history (CopySlices).  A view's grad_fn is never read
+                # here: autograd may be rebuilding it, under a lock that
+                # reading it takes, while it calls an operator.
+                out = out._base
             node = out.grad_fn
             if node is None:
                 self._kept.append((ref, held))
@@ -354,15 +399,7 @@ class StorageTracker(_DispatchMode):
         kwargs = kwargs or {}
         if self._kept:
             self._settle()
-        held = None
-        if (
-            self.count_numbers
-            and self.active
-            and (self.phase != "backward" or self.recompute_depth)
-        ):
-            # (Not in backward's own formulas: a number they are given is a
-            # wrapped number autograd kept, which exists already.)
-            held = self._numbers(func, args)
+        held = self._numbers(func, args) if self.count_numbers and self.active else None
         if self._real_limit and self._all_real(args, kwargs):
             out = self._run_real(func, args, kwargs)
         elif self._calls is not None:
