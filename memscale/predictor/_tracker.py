@@ -88,8 +88,9 @@ _NUMBER_DTYPES: dict[type, torch.dtype] = {
 
 
 class _KeptNumber:
-    """Stands in for a wrapped number autograd keeps: its bytes are counted
-    while the object lives (:meth:`StorageTracker.track_number`)."""
+    """Stands in for a wrapped number (or a kernel's cast of one): its bytes
+    are counted while the object lives (:meth:`StorageTracker.track_number`);
+    freed when the call returns, or kept with an autograd node."""
 
     __slots__ = ("__weakref__",)
 
