@@ -16,6 +16,7 @@ hook tables, and falls back to re-applying the plan.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import types
@@ -46,6 +47,16 @@ def storage_key(t: torch.Tensor) -> int:
     profiler uses the same attribute (csrc/module.c).
     """
     return t.untyped_storage()._cdata
+
+
+def _fake_tensor_names(*names: str) -> tuple[Any, ...] | None:
+    """``names`` from torch's private ``torch._subclasses.fake_tensor``, in
+    order; None when this torch lacks the module or any of them."""
+    try:
+        module = importlib.import_module("torch._subclasses.fake_tensor")
+        return tuple(getattr(module, name) for name in names)
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the torch release
+        return None
 
 
 def is_fake(t: torch.Tensor) -> bool:
@@ -122,20 +133,16 @@ def fake_tensor_tools() -> (
     every operator on fake tensors."""
     if torch_version() < TESTED_TORCH[0]:  # pragma: no cover
         return None
-    try:
-        from torch._subclasses.fake_tensor import (
-            DataDependentOutputException,
-            DynamicOutputShapeException,
-            is_fake,
-            unset_fake_temporarily,
-        )
-    except ImportError:  # pragma: no cover - depends on the torch release
-        return None
-    return (
-        is_fake,
-        unset_fake_temporarily,
-        (DataDependentOutputException, DynamicOutputShapeException),
+    got = _fake_tensor_names(
+        "is_fake",
+        "unset_fake_temporarily",
+        "DataDependentOutputException",
+        "DynamicOutputShapeException",
     )
+    if got is None:
+        return None
+    is_fake_, unset, *errors = got
+    return is_fake_, unset, tuple(errors)
 
 
 def guard_dispatch(cls: type) -> type:
@@ -169,11 +176,8 @@ def guard_dispatch(cls: type) -> type:
 def fake_tensor_class() -> type | None:
     """torch's FakeTensor class (``is_fake`` is True for its instances),
     or None when this torch lacks it."""
-    try:
-        from torch._subclasses.fake_tensor import FakeTensor
-    except ImportError:  # pragma: no cover - depends on the torch release
-        return None
-    return FakeTensor
+    got = _fake_tensor_names("FakeTensor")
+    return got[0] if got is not None else None
 
 
 def fake_device_reader() -> Callable[[Any], torch.device | None] | None:
@@ -190,13 +194,12 @@ def fake_device_reader() -> Callable[[Any], torch.device | None] | None:
     lacks the attributes read."""
     if torch_version() < TESTED_TORCH[0]:  # pragma: no cover
         return None
-    try:
-        from torch._subclasses.fake_tensor import FakeTensor
-    except ImportError:  # pragma: no cover - depends on the torch release
+    fake_cls = fake_tensor_class()
+    if fake_cls is None:  # pragma: no cover - depends on the torch release
         return None
 
     def read(t: Any) -> torch.device | None:
-        if not isinstance(t, FakeTensor):
+        if not isinstance(t, fake_cls):
             return None
         mode = getattr(t, "fake_mode", None)
         if mode is None or getattr(mode, "in_kernel_invocation", True):
@@ -529,20 +532,15 @@ def fake_calls(mode: Any) -> Callable[[Any, Any, Any], Any] | None:
     then operators are called as usual."""
     if not TESTED_TORCH[0] <= torch_version() <= TESTED_TORCH[1]:
         return None  # its cache key may hold other values
-    try:
-        from torch._subclasses.fake_tensor import (
-            FakeTensor,
-            FakeTensorMode,
-            _CacheKeyState,
-            _DispatchCacheValidEntry,
-        )
-    except ImportError:  # pragma: no cover - depends on the torch release
-        return None
-    if not isinstance(mode, FakeTensorMode) or not _signatures_match(mode):
-        return None  # pragma: no cover
-    return _FakeCalls(
-        mode, FakeTensor, _CacheKeyState, _DispatchCacheValidEntry, _lean_outputs(mode, FakeTensor)
+    got = _fake_tensor_names(
+        "FakeTensor", "FakeTensorMode", "_CacheKeyState", "_DispatchCacheValidEntry"
     )
+    if got is None:  # pragma: no cover - depends on the torch release
+        return None
+    fake_cls, mode_cls, key_state, valid_entry = got
+    if not isinstance(mode, mode_cls) or not _signatures_match(mode):
+        return None  # pragma: no cover
+    return _FakeCalls(mode, fake_cls, key_state, valid_entry, _lean_outputs(mode, fake_cls))
 
 
 # The releases whose FakeTensor construction _LeanOutputs was checked

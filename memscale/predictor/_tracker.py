@@ -239,29 +239,36 @@ class StorageTracker(_DispatchMode):
                 self.sizes[serial] = nbytes
             return None
         nbytes = st.nbytes()
-        serial = len(self.sizes)
-        self.sizes.append(nbytes)
-        self.sizes_at_birth.append(nbytes)
-        self.categories.append(category or self._category())
+        serial = self._born(nbytes, category)
         known = self._known
-        events = self.events
-        sizes = self.sizes
 
         def freed(ref: weakref.ref, key: int = key, serial: int = serial) -> None:
             if known.get(key, (None,))[0] is ref:
                 del known[key]
-            if self.active and sizes[serial]:
-                events.append((serial, -sizes[serial]))
-                sizes[serial] = 0
+            self._died(serial)
 
-        self._known[key] = (weakref.ref(st, freed), serial)
+        known[key] = (weakref.ref(st, freed), serial)
+        return serial
+
+    def _born(self, nbytes: int, category: str | None = None) -> int:
+        """A new serial of ``nbytes``, allocated now."""
+        serial = len(self.sizes)
+        self.sizes.append(nbytes)
+        self.sizes_at_birth.append(nbytes)
+        self.categories.append(category or self._category())
         if nbytes:
             self.events.append((serial, nbytes))
         return serial
 
+    def _died(self, serial: int) -> None:
+        """``serial`` is freed now (recorded while the tracker is active)."""
+        if self.active and self.sizes[serial]:
+            self.events.append((serial, -self.sizes[serial]))
+            self.sizes[serial] = 0
+
     def _numbers(self, func: Any, args: Any) -> list[tuple[int, _KeptNumber]] | None:
         """Stand-ins for the Python numbers ``func`` wraps, counted from
-        now: (position, stand-in).  A CPU kernel also casts a wrapped
+        now: (position, stand-in), position -1 for a cast.  A CPU kernel also casts a wrapped
         number to the dtype it computes in, when that is another (a float
         times a float32 tensor: 4 more bytes while it runs).  In
         backward's own formulas a number given for a tensor is one autograd
@@ -295,7 +302,7 @@ class StorageTracker(_DispatchMode):
         if func in _KEEPS_NUMBER and isinstance(out, torch.Tensor) and torch.is_grad_enabled():
             ref = None
             for i, number in held:
-                other = args[1 - i] if i >= 0 and len(args) == 2 else None
+                other = args[1 - i] if i >= 0 and len(args) >= 2 else None
                 if isinstance(other, torch.Tensor) and other.requires_grad:
                     ref = ref or weakref.ref(out)
                     self._kept.append((ref, number))
@@ -305,20 +312,14 @@ class StorageTracker(_DispatchMode):
         """A new stand-in of ``nbytes``, counted from now until it is
         freed."""
         held = _KeptNumber()
-        serial = len(self.sizes)
-        self.sizes.append(nbytes)
-        self.sizes_at_birth.append(nbytes)
-        self.categories.append(self._category())
-        events, sizes, refs = self.events, self.sizes, self._number_refs
+        serial = self._born(nbytes)
+        refs = self._number_refs
 
         def freed(_: weakref.ref, serial: int = serial) -> None:
             del refs[serial]
-            if self.active and sizes[serial]:
-                events.append((serial, -sizes[serial]))
-                sizes[serial] = 0
+            self._died(serial)
 
         refs[serial] = weakref.ref(held, freed)
-        events.append((serial, nbytes))
         return held
 
     def _settle(self) -> None:
