@@ -606,6 +606,46 @@ def test_the_tracker_counts_the_python_numbers_operators_are_given(count):
     assert frees[kept] >= after_forward  # the multiplication's, in backward
 
 
+def test_a_numbers_cast_follows_the_tensors_dtype_and_the_default_dtype():
+    """The CPU kernel casts a wrapped float to the dtype it computes in: 4
+    bytes for a float32 tensor or an integer one under the float32 default,
+    none for an integer tensor under the float64 default (the number is
+    already a float64).  The tracker remembers the cast per tensor dtype,
+    number type and default dtype; a change of default is not served from
+    the earlier answer."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memscale.predictor._tracker import StorageTracker
+
+    def casts(tracker: StorageTracker, start: int) -> int:
+        return sum(1 for _, delta in tracker.events[start:] if delta == 4)
+
+    before = torch.get_default_dtype()
+    try:
+        with FakeTensorMode():
+            ints = torch.empty(4, dtype=torch.int64)
+            floats = torch.empty(4)
+            tracker = StorageTracker()
+            tracker.count_numbers = True
+            with tracker:
+                tracker.set_phase("forward")
+                seen = []
+                for tensor, default in (
+                    (floats, torch.float32),
+                    (ints, torch.float32),
+                    (ints, torch.float64),
+                    (ints, torch.float32),
+                ):
+                    torch.set_default_dtype(default)
+                    start = len(tracker.events)
+                    _ = tensor * 0.5
+                    seen.append(casts(tracker, start))
+                tracker.set_phase("end")
+    finally:
+        torch.set_default_dtype(before)
+    assert seen == [1, 1, 0, 1]
+
+
 _VIEW_NUMBERS = """
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode

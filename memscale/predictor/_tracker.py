@@ -198,6 +198,9 @@ class StorageTracker(_DispatchMode):
         # an accelerator they are host tensors.
         self.count_numbers = False
         self._slots: dict[Any, tuple[tuple[int, bool], ...]] = {}  # func -> _number_slots
+        # (tensor dtype, number type, default dtype) -> the dtype a kernel
+        # computes a tensor and a Python number in (_cast_dtype).
+        self._casts: dict[tuple[torch.dtype, type, torch.dtype], torch.dtype] = {}
         # (weak reference to an operator's output, the stand-in for the
         # number it kept): tied to the output's autograd node once the
         # operator has returned through autograd (_settle).
@@ -290,10 +293,23 @@ class StorageTracker(_DispatchMode):
                 held.append((i, self.track_number(dtype.itemsize)))
             other = args[1 - i] if len(args) >= 2 else None
             if isinstance(other, torch.Tensor):
-                cast = torch.result_type(other, args[i])
+                cast = self._cast_dtype(other, args[i])
                 if cast != dtype:
                     held.append((-1, self.track_number(cast.itemsize)))
         return held
+
+    def _cast_dtype(self, tensor: torch.Tensor, number: Any) -> torch.dtype:
+        """``torch.result_type(tensor, number)``, remembered per tensor dtype,
+        number type and default dtype: a wrapped number's value never moves
+        the result (it only does as a tensor of its own), and on a fake
+        tensor each call of ``result_type`` is an uncached fake-tensor
+        dispatch (about 0.1 ms; 10,000 of them in a 1,000-layer AdamW
+        step)."""
+        key = (tensor.dtype, type(number), torch.get_default_dtype())
+        cast = self._casts.get(key)
+        if cast is None:
+            cast = self._casts[key] = torch.result_type(tensor, number)
+        return cast
 
     def _keep_numbers(self, func: Any, args: Any, out: Any, held: list[tuple[int, Any]]) -> None:
         """After the call: the numbers autograd keeps stay counted until its
