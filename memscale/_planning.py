@@ -528,13 +528,14 @@ def allowed_techniques(config: Config) -> int:
         # Selective checkpointing inside a layer (memscale._selective): in
         # BALANCED and AGGRESSIVE; CONSERVATIVE checkpoints whole layers,
         # as the frameworks' own gradient checkpointing does.  It needs
-        # torch's selective checkpoint as of the releases that pass the
-        # policy the op's output (not torch 2.4).
+        # dispatch modes and a checkpoint that takes a context_fn
+        # (_torch_compat.selective_supported).
         if _torch_compat.selective_supported():
             wanted |= _core.TECH_SELECTIVE
         else:
             logger.info(
-                "memscale: selective checkpointing needs a newer torch than %s; "
+                "memscale: selective checkpointing needs dispatch modes and "
+                "torch.utils.checkpoint's context_fn, which torch %s lacks; "
                 "the plan checkpoints whole layers instead",
                 torch.__version__,
             )

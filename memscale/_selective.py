@@ -3,9 +3,13 @@ recompute the cheap ones in backward.
 
 A layer the plan runs ``selective`` (``_core.TECH_SELECTIVE``) runs its
 forward through ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
-with ``create_selective_checkpoint_contexts``: its inputs are held, the
-outputs of the ops the policy saves are kept, and every other op is run
-again in backward from them.  The C executor treats the layer as kept (no
+with memscale's own two dispatch modes as its ``context_fn``
+(:func:`contexts`: the forward's keeps the outputs the policy keeps, the
+recompute's hands them back by operator and call index, as torch's
+``create_selective_checkpoint_contexts`` does, without its private cache,
+so any torch from 2.4 runs it): its inputs are held, the outputs of the
+ops the policy keeps are kept, and every other op is run again in
+backward from them.  The C executor treats the layer as kept (no
 frame of its own); the forward is installed per unit by
 ``memscale._compiled`` (``_unit_forward``), from ``wrap`` to ``detach``.
 
@@ -54,7 +58,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint
+from torch.utils import checkpoint as _checkpoint_module
+from torch.utils._pytree import tree_map_only
+from torch.utils.checkpoint import checkpoint
 
 from . import _torch_compat
 
@@ -93,6 +99,16 @@ def _outputs(out: Any) -> list[torch.Tensor]:
 # torch's TorchDispatchMode, looked up once (None in a torch without it:
 # no selective profile is recorded, and no layer runs selective).
 _DispatchMode: type = _torch_compat.dispatch_mode_base() or object
+
+# Ops a selective checkpoint passes through without counting them: torch's
+# checkpoint runs a different number of ``detach`` calls in forward and
+# recompute, and its determinism check asks ``prim.device`` (torch's own
+# SAC_IGNORED_OPS, where this torch has it, adds the metadata ops of
+# functional tensors).
+IGNORED_OPS = frozenset(
+    {torch.ops.aten.detach.default, torch.ops.prim.device.default}
+    | set(getattr(_checkpoint_module, "SAC_IGNORED_OPS", ()))
+)
 
 
 # Attention kernels tagged ``nondeterministic_seeded`` for their dropout
@@ -306,7 +322,7 @@ class OpRecorder(_DispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         index = self._current
-        if index is not None and func not in SAC_IGNORED_OPS:
+        if index is not None and func not in IGNORED_OPS:
             ops = self.ops[index]
             written = [
                 t
@@ -505,8 +521,8 @@ def tail_of(ops: LayerOps) -> Tail | None:
 
 class _Policy:
     """The selective policy of one forward: keep what ``threshold`` keeps,
-    nothing from ``tail`` on.  torch's caching mode asks it of every op but
-    SAC_IGNORED_OPS, once, in the forward; the recompute follows the
+    nothing from ``tail`` on.  :class:`_KeepMode` asks it of every op but
+    :data:`IGNORED_OPS`, once, in the forward; the recompute follows the
     forward's answers.  ``reached``: the tail's first call was made."""
 
     def __init__(self, threshold: float, tail: Tail | None) -> None:
@@ -515,17 +531,135 @@ class _Policy:
         self.seen = 0  # calls of the tail's first op so far
         self.reached = False
 
-    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    def keep(self, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
         if self.tail is not None:
             if not self.reached and str(func) == self.tail[0]:
                 self.reached = self.seen == self.tail[1]
                 self.seen += 1
             if self.reached:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-        flops, nbytes, _, random = op_cost(func, args, kwargs, ctx.op_output)
-        if keeps(self.threshold, flops, nbytes, random):
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+                return False
+        flops, nbytes, _, random = op_cost(func, args, kwargs, out)
+        return keeps(self.threshold, flops, nbytes, random)
+
+
+_MISMATCH = (
+    "The recompute of a selective layer ran other operators than its "
+    "forward did (%s). The layer's forward must run the same operators "
+    "again in backward: control flow that reads global state, or an input "
+    "changed in place between forward and backward, changes them."
+)
+
+
+class _Cached:
+    """One kept output of a selective forward: detached (no autograd
+    history, no reference cycle), with the version it had when kept."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        # Detached below autograd, with the view-tracking key back on so
+        # that the detached tensor shares the version counter of the
+        # output it stands for (an in-place write of either shows).
+        guard = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
+        if guard is None:  # pragma: no cover - depends on the torch release
+            self.tensor = tensor.detach()
+        else:
+            with guard(torch._C.DispatchKey.ADInplaceOrView, False):
+                self.tensor = tensor.detach()
+        self.version = tensor._version
+
+    def read(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "memscale: an output a selective layer kept for its recompute "
+                "was written in place after its forward, so the recompute "
+                "would read the written value. The layer's profile keeps no "
+                "output a later op of the layer writes; an op outside the layer "
+                "wrote it. Write a copy instead (out = out.clone() before the "
+                "in-place op), or plan with selective off "
+                "(Config(mode='conservative'))."
+            )
+        return self.tensor
+
+
+class _Kept:
+    """What one selective forward kept: per op, how many times the forward
+    called it, and the kept outputs by (op, call index).  Every recompute
+    reads the same outputs (a second backward of a ``retain_graph=True``
+    graph recomputes from them too)."""
+
+    __slots__ = ("calls", "outputs")
+
+    def __init__(self) -> None:
+        self.calls: dict[Any, int] = {}
+        self.outputs: dict[tuple[Any, int], Any] = {}
+
+
+@_torch_compat.guard_dispatch
+class _KeepMode(_DispatchMode):
+    """The forward's mode: runs every op and keeps the outputs the policy
+    keeps."""
+
+    def __init__(self, policy: _Policy, kept: _Kept) -> None:
+        super().__init__()
+        self.policy = policy
+        self.kept = kept
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = {} if kwargs is None else kwargs
+        out = func(*args, **kwargs)
+        if func in IGNORED_OPS:
+            return out
+        calls = self.kept.calls
+        index = calls.get(func, 0)
+        calls[func] = index + 1
+        if self.policy.keep(func, args, kwargs, out):
+            self.kept.outputs[(func, index)] = tree_map_only(torch.Tensor, _Cached, out)
+        return out
+
+
+@_torch_compat.guard_dispatch
+class _RecomputeMode(_DispatchMode):
+    """The recompute's mode: an op whose output the forward kept returns it
+    without running; every other op runs again.  The call counts start
+    over each time the recompute is entered."""
+
+    def __init__(self, kept: _Kept) -> None:
+        super().__init__()
+        self.kept = kept
+        self.counts: dict[Any, int] = {}
+
+    def __enter__(self) -> Any:
+        self.counts.clear()
+        return super().__enter__()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = {} if kwargs is None else kwargs
+        if func in IGNORED_OPS:
+            return func(*args, **kwargs)
+        index = self.counts.get(func, 0)
+        self.counts[func] = index + 1
+        if index >= self.kept.calls.get(func, 0):
+            raise RuntimeError(
+                _MISMATCH
+                % f"call {index + 1} of {func}, which the forward made {self.kept.calls.get(func, 0)} times"
+            )
+        entry = self.kept.outputs.get((func, index))
+        if entry is None:
+            return func(*args, **kwargs)
+        return tree_map_only(_Cached, _Cached.read, entry)
+
+
+def contexts(policy: _Policy) -> tuple[Any, Any]:
+    """The forward's and the recompute's contexts of one selective
+    checkpoint (``checkpoint(context_fn=...)``), sharing what the forward
+    keeps."""
+    kept = _Kept()
+    return _KeepMode(policy, kept), _RecomputeMode(kept)
 
 
 # Called with (unit, True) when a selective unit's recompute starts and
@@ -598,7 +732,7 @@ def run(
     ops ``threshold`` keeps (the plan's level's) are kept, the rest recomputed in
     backward (RNG state restored, so random ops draw the same).  Each
     backward of a ``retain_graph=True`` graph recomputes from the same kept
-    outputs (``_torch_compat.selective_contexts``).  With ``tail``
+    outputs (:func:`contexts`).  With ``tail``
     (:func:`tail_of` the unit's profile), nothing from its tail on is kept:
     the recompute stops before it, so a kept output there would be held
     for nothing.  The tail starts at the n-th call of its first op; a
@@ -607,13 +741,13 @@ def run(
     this is, for :data:`RECOMPUTE_LISTENERS`."""
     policy = _Policy(threshold, tail)
 
-    def contexts() -> tuple[Any, Any]:
-        caching, cached = _torch_compat.selective_contexts(policy)
+    def context_fn() -> tuple[Any, Any]:
+        keep, recompute = contexts(policy)
         if unit is None or not RECOMPUTE_LISTENERS:
-            return caching, cached
-        return caching, _Told(cached, unit)
+            return keep, recompute
+        return keep, _Told(recompute, unit)
 
-    out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    out = checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
     if tail is not None and not policy.reached:
         _tail_missed(tail)
     return out

@@ -1002,15 +1002,14 @@ def op_written_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:
 
 
 def selective_supported() -> bool:
-    """Whether this torch can run memscale's selective checkpointing: its
-    ``SelectiveCheckpointContext`` passes the policy ``op_output`` (newer
-    than torch 2.4), and its selective cache is indexed per call with a
-    ``_CONSUMED`` mark (the private ``_CachingTorchDispatchMode`` and
-    ``_CachedTorchDispatchMode`` of ``torch.utils.checkpoint``), which
-    :func:`selective_contexts` needs to allow a second backward.  (torch
-    2.11 has neither: seen on the H100, where a policy run there anyway
-    found no ``op_output``.)"""
-    return _selective_check()
+    """Whether this torch can run memscale's selective checkpointing: it
+    has dispatch modes, and its non-reentrant checkpoint takes a
+    ``context_fn`` (memscale's own forward and recompute modes,
+    ``memscale._selective.contexts``; nothing private of torch's
+    selective checkpoint is used, so torch 2.4 and later run it)."""
+    if not _SELECTIVE_OK:
+        _SELECTIVE_OK.append(_selective_check_uncached())
+    return _SELECTIVE_OK[0]
 
 
 def _selective_check_uncached() -> bool:
@@ -1018,77 +1017,12 @@ def _selective_check_uncached() -> bool:
 
     from torch.utils import checkpoint as ckpt
 
-    context = getattr(ckpt, "SelectiveCheckpointContext", None)
-    if context is None:
+    if dispatch_mode_base() is None:
         return False
     try:
-        if "op_output" not in inspect.signature(context).parameters:
-            return False
+        return "context_fn" in inspect.signature(ckpt.checkpoint).parameters
     except (TypeError, ValueError):  # pragma: no cover - depends on the torch release
         return False
-    return all(
-        hasattr(ckpt, name)
-        for name in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode", "_CONSUMED")
-    )
 
 
 _SELECTIVE_OK: list[bool] = []
-
-
-def _selective_check() -> bool:
-    if not _SELECTIVE_OK:
-        _SELECTIVE_OK.append(_selective_check_uncached())
-    return _SELECTIVE_OK[0]
-
-
-class _KeptEntries(dict):
-    """One operator's cached outputs in a selective checkpoint, by call
-    index, that a recompute reads without taking: torch's cached mode
-    marks an entry ``_CONSUMED`` once read (so that a second backward,
-    ``retain_graph=True``, fails); this dict ignores that mark, so every
-    recompute reads the same outputs (torch's mutation check still runs
-    on each read)."""
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        from torch.utils import checkpoint as ckpt
-
-        if value is getattr(ckpt, "_CONSUMED", None) and key in self:
-            return
-        super().__setitem__(key, value)
-
-
-def selective_contexts(policy: Callable[..., Any]) -> tuple[Any, Any]:
-    """The two dispatch modes of a selective checkpoint, as torch's
-    ``create_selective_checkpoint_contexts(policy)`` makes them, except
-    that a recompute reads the cached outputs without taking them: each
-    backward of a ``retain_graph=True`` graph recomputes from the same
-    kept outputs.  The cached mode's call counter is reset when a
-    recompute enters it (torch 2.13 does so itself).  Needs
-    :func:`selective_supported`."""
-    from collections import defaultdict
-
-    from torch.utils import checkpoint as ckpt
-
-    storage: defaultdict[Any, _KeptEntries] = defaultdict(_KeptEntries)
-    caching = ckpt._CachingTorchDispatchMode(policy, storage)
-    cached = _reread_mode()(None, storage, False)
-    return caching, cached
-
-
-_REREAD: list[type] = []
-
-
-def _reread_mode() -> type:
-    """torch's ``_CachedTorchDispatchMode`` with its call counter reset
-    whenever a recompute enters it (torch 2.13 does so itself; earlier
-    releases with ``_CONSUMED`` may not), made on first use."""
-    if not _REREAD:
-        from torch.utils import checkpoint as ckpt
-
-        class RereadMode(ckpt._CachedTorchDispatchMode):
-            def __enter__(self) -> Any:
-                self.func_counter.clear()
-                return super().__enter__()
-
-        _REREAD.append(RereadMode)
-    return _REREAD[0]

@@ -825,13 +825,86 @@ def test_selective_layers_backward_twice_with_retain_graph_bitwise():
     memscale.detach(model)
 
 
+# ------------------------------------------------ memscale's own modes
+
+
+def test_selective_runs_without_torchs_private_selective_cache(monkeypatch):
+    """The forward and recompute modes are memscale's: with torch's own
+    selective-checkpoint pieces gone (its policy context, its caching and
+    cached modes and their marks, as torch 2.11 lacks some of them),
+    selective layers still plan, run and give the unwrapped model's loss
+    and gradients bit for bit."""
+    from torch.utils import checkpoint as ckpt
+
+    for name in (
+        "SelectiveCheckpointContext",
+        "_CachingTorchDispatchMode",
+        "_CachedTorchDispatchMode",
+        "_CONSUMED",
+        "create_selective_checkpoint_contexts",
+    ):
+        monkeypatch.delattr(ckpt, name)
+    model, ref = _wrapped(_mlp, X, 0.7)
+    assert ("selective",) in _techniques(model)
+    for seed in range(2):
+        assert_same_step(model, ref, X, seed=seed, loss_fn=_mse)
+    memscale.detach(model)
+
+
+def _kept_matmul(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = x @ w  # kept: it has a FLOP formula
+    return y, y.sin()  # sin saves its input for backward: recomputed
+
+
+def test_a_kept_output_written_in_place_after_the_forward_is_refused():
+    """An output the forward kept, written in place outside the layer
+    before backward, would be read written by the recompute: backward
+    raises, naming the cause and the way out, and nothing is read."""
+    x = torch.randn(16, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    y, out = _selective.run(_kept_matmul, 0.0, (x, w), {})
+    y.detach().add_(1.0)  # the user's in-place write of the kept output
+    with pytest.raises(RuntimeError, match="written in place after its forward"):
+        out.sum().backward()
+    # Unwritten, the same layer's backward runs, and matches plain autograd.
+    y, out = _selective.run(_kept_matmul, 0.0, (x, w), {})
+    out.sum().backward()
+    got = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    _, plain = _kept_matmul(x, w)
+    plain.sum().backward()
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], w.grad)
+
+
+def test_a_recompute_that_runs_other_operators_is_refused():
+    """A forward whose recompute takes another branch (global state read in
+    the forward) runs an operator the forward never called: backward
+    raises with what differed, instead of handing back a wrong kept
+    output."""
+    flag = [True]
+
+    def branchy(x: torch.Tensor) -> torch.Tensor:
+        h = x.sin() if flag[0] else x.cos()
+        return (h @ x).tanh()
+
+    x = torch.randn(8, 8, requires_grad=True)
+    out = _selective.run(branchy, 0.0, (x,), {})
+    flag[0] = False
+    with pytest.raises(RuntimeError, match="ran other operators than its forward"):
+        out.sum().backward()
+
+
 # ------------------------------------------------------------ torch gate
 
 
-def test_selective_needs_a_torch_whose_policy_sees_the_op_output(monkeypatch):
-    """Torch's SelectiveCheckpointContext gained ``op_output`` after 2.4:
-    without it (or without the indexed cache) no op is recorded, no layer
-    gets a selective profile, and selective is not an allowed technique."""
+def test_selective_needs_dispatch_modes_and_a_checkpoint_context_fn(monkeypatch):
+    """memscale's selective checkpoint is its own two dispatch modes given
+    to ``checkpoint(context_fn=...)``: a torch without dispatch modes, or
+    whose checkpoint takes no ``context_fn``, cannot run it; then no op is
+    recorded, no layer gets a selective profile, and selective is not an
+    allowed technique.  Nothing private of torch's selective checkpoint
+    is needed (its ``op_output`` and indexed cache came after torch
+    2.4)."""
     from torch.utils import checkpoint as ckpt
 
     from memscale import _torch_compat
@@ -840,17 +913,19 @@ def test_selective_needs_a_torch_whose_policy_sees_the_op_output(monkeypatch):
     assert _torch_compat.selective_supported()
     assert _planning.allowed_techniques(config) & _core.TECH_SELECTIVE
 
-    class OldContext:  # torch 2.4's signature
-        def __init__(self, *, is_recompute):
-            self.is_recompute = is_recompute
+    def old_checkpoint(function, *args, use_reentrant=None, **kwargs):  # no context_fn
+        raise AssertionError("not called")
 
-    monkeypatch.setattr(ckpt, "SelectiveCheckpointContext", OldContext)
+    monkeypatch.setattr(ckpt, "checkpoint", old_checkpoint)
     assert not _torch_compat._selective_check_uncached()
     monkeypatch.undo()
-    monkeypatch.delattr(ckpt, "_CONSUMED")
+    monkeypatch.setattr(_torch_compat, "dispatch_mode_base", lambda: None)
     assert not _torch_compat._selective_check_uncached()
     monkeypatch.undo()
+    for name in ("SelectiveCheckpointContext", "_CachingTorchDispatchMode", "_CONSUMED"):
+        monkeypatch.delattr(ckpt, name)
     assert _torch_compat._selective_check_uncached()
+    monkeypatch.undo()
 
     monkeypatch.setattr(_torch_compat, "selective_supported", lambda: False)
     assert not _planning.allowed_techniques(config) & _core.TECH_SELECTIVE
