@@ -284,7 +284,7 @@ class _FakeCalls:
                     v.dtype,
                     v.shape,
                     v.stride(),
-                    v._fake_device,  # what its fake_device property returns
+                    v.fake_device,  # an attribute in torch 2.11, a property after
                     v.storage_offset(),
                     v.untyped_storage().nbytes(),
                     v.requires_grad,

@@ -277,7 +277,10 @@ def test_the_attention_formulas_count_as_torch_s_own_here():
     expected = flop_registry[flash](q, q, q, out_val=None)
     assert count(q, kv, kv, out_val=None) == expected > 0
     assert count(q, q, q, out_val=None) == expected
-    assert flop_registry[flash](q, kv, kv, out_val=None) == expected
+    if _torch_compat.torch_version() >= (2, 13):
+        # torch 2.11's own formula asserts on grouped shapes (the wrapped
+        # one above counts them all the same).
+        assert flop_registry[flash](q, kv, kv, out_val=None) == expected
     assert _torch_compat.flop_formula(aten.mm.default) is flop_registry[aten.mm]
     assert _torch_compat.flop_formula(aten.relu.default) is None
 
@@ -843,7 +846,7 @@ def test_selective_runs_without_torchs_private_selective_cache(monkeypatch):
         "_CONSUMED",
         "create_selective_checkpoint_contexts",
     ):
-        monkeypatch.delattr(ckpt, name)
+        monkeypatch.delattr(ckpt, name, raising=False)
     model, ref = _wrapped(_mlp, X, 0.7)
     assert ("selective",) in _techniques(model)
     for seed in range(2):
@@ -923,7 +926,7 @@ def test_selective_needs_dispatch_modes_and_a_checkpoint_context_fn(monkeypatch)
     assert not _torch_compat._selective_check_uncached()
     monkeypatch.undo()
     for name in ("SelectiveCheckpointContext", "_CachingTorchDispatchMode", "_CONSUMED"):
-        monkeypatch.delattr(ckpt, name)
+        monkeypatch.delattr(ckpt, name, raising=False)
     assert _torch_compat._selective_check_uncached()
     monkeypatch.undo()
 
