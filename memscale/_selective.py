@@ -545,30 +545,42 @@ class _Policy:
 _MISMATCH = (
     "The recompute of a selective layer ran other operators than its "
     "forward did (%s). The layer's forward must run the same operators "
-    "again in backward: control flow that reads global state, or an input "
-    "changed in place between forward and backward, changes them."
+    "again in backward: control flow that reads global state, an input "
+    "changed in place between forward and backward, or autocast's cast "
+    "cache (a weight cast earlier in the same autocast region, as by a "
+    "module called twice or tied weights, is cast again in the recompute) "
+    "changes them. Plan with selective off (Config(mode='conservative')) "
+    "for such a model."
 )
 
 
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached alias of ``tensor`` made below autograd, with the
+    view-tracking key back on so that it shares ``tensor``'s version
+    counter (an in-place write of either shows in both)."""
+    guard = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
+    if guard is None:  # pragma: no cover - depends on the torch release
+        return tensor.detach()
+    with guard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return tensor.detach()
+
+
 class _Cached:
-    """One kept output of a selective forward: detached (no autograd
-    history, no reference cycle), with the version it had when kept."""
+    """One kept output of a selective forward: a detached alias (no
+    autograd history, no reference cycle), with the version it had when
+    kept."""
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        # Detached below autograd, with the view-tracking key back on so
-        # that the detached tensor shares the version counter of the
-        # output it stands for (an in-place write of either shows).
-        guard = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
-        if guard is None:  # pragma: no cover - depends on the torch release
-            self.tensor = tensor.detach()
-        else:
-            with guard(torch._C.DispatchKey.ADInplaceOrView, False):
-                self.tensor = tensor.detach()
+        self.tensor = _alias(tensor)
         self.version = tensor._version
 
     def read(self) -> torch.Tensor:
+        """A new alias for each recompute: autograd gives what the recompute
+        returns a history of its own, which this entry must not hold (it
+        would keep the recompute's saved tensors alive as long as the
+        forward's kept outputs)."""
         if self.tensor._version != self.version:
             raise RuntimeError(
                 "memscale: an output a selective layer kept for its recompute "
@@ -579,7 +591,7 @@ class _Cached:
                 "in-place op), or plan with selective off "
                 "(Config(mode='conservative'))."
             )
-        return self.tensor
+        return _alias(self.tensor)
 
 
 class _Kept:
@@ -605,6 +617,13 @@ class _KeepMode(_DispatchMode):
         self.policy = policy
         self.kept = kept
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # As torch's own selective modes: a function compiled with
+        # torch.compile and called inside the layer is compiled (dynamo
+        # skips compiling under a mode that does not say this).
+        return True
+
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
@@ -615,7 +634,9 @@ class _KeepMode(_DispatchMode):
         calls = self.kept.calls
         index = calls.get(func, 0)
         calls[func] = index + 1
-        if self.policy.keep(func, args, kwargs, out):
+        # Only an aten operator's output is kept: a higher-order operator
+        # (the compiled code of a torch.compile'd function) runs again.
+        if isinstance(func, torch._ops.OpOverload) and self.policy.keep(func, args, kwargs, out):
             self.kept.outputs[(func, index)] = tree_map_only(torch.Tensor, _Cached, out)
         return out
 
@@ -630,6 +651,10 @@ class _RecomputeMode(_DispatchMode):
         super().__init__()
         self.kept = kept
         self.counts: dict[Any, int] = {}
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # as _KeepMode's
 
     def __enter__(self) -> Any:
         self.counts.clear()

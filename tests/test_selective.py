@@ -849,8 +849,24 @@ def test_selective_runs_without_torchs_private_selective_cache(monkeypatch):
         monkeypatch.delattr(ckpt, name, raising=False)
     model, ref = _wrapped(_mlp, X, 0.7)
     assert ("selective",) in _techniques(model)
+    counted = {"kept": 0, "read": 0}
+
+    class Counted(_selective._Cached):
+        __slots__ = ()
+
+        def __init__(self, tensor):
+            counted["kept"] += 1
+            super().__init__(tensor)
+
+        def read(self):
+            counted["read"] += 1
+            return super().read()
+
+    monkeypatch.setattr(_selective, "_Cached", Counted)
     for seed in range(2):
         assert_same_step(model, ref, X, seed=seed, loss_fn=_mse)
+    # Outputs were kept in forward and handed back in the recompute.
+    assert counted["kept"] > 0 and counted["read"] > 0
     memscale.detach(model)
 
 
@@ -877,6 +893,64 @@ def test_a_kept_output_written_in_place_after_the_forward_is_refused():
     _, plain = _kept_matmul(x, w)
     plain.sum().backward()
     assert torch.equal(got[0], x.grad) and torch.equal(got[1], w.grad)
+
+
+def test_a_recompute_does_not_hold_what_it_recomputed():
+    """A kept output handed back in a recompute gets a history of its own
+    there (autograd's), whose saved tensors are the recompute's: the entry
+    hands out a new alias each time and holds none of it, so a recomputed
+    input of a kept matmul is freed once its node has run, with or without
+    ``retain_graph``."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    refs: list = []
+    freed: list[bool] = []
+
+    def layer(x, w1, w2):
+        a = x @ w1  # kept
+        a.register_hook(lambda g: freed.append(refs[-1].expired()))
+        b = a.sin()  # recomputed; saved by the kept matmul below
+        refs.append(StorageWeakRef(b.untyped_storage()))
+        return (b @ w2).sin()
+
+    for retain in (False, True):
+        refs.clear()
+        freed.clear()
+        x, w1, w2 = (torch.randn(32, 32, requires_grad=True) for _ in range(3))
+        out = _selective.run(layer, 0.0, (x, w1, w2), {})
+        out.sum().backward(retain_graph=retain)
+        assert freed == [True], retain  # b of the recompute, by a's gradient
+        assert refs[-1].expired()
+        del out
+
+
+def test_a_compiled_function_inside_a_selective_layer_is_compiled():
+    """A function compiled with ``torch.compile`` and called inside a
+    selective layer compiles (the modes say ``ignore_compile_internals``,
+    as torch's own do), and the layer's gradients are the plain ones."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter)
+    def inner(h):
+        return (h @ h.T).relu()
+
+    def layer(x):
+        return inner(x.sin()).sum(-1)
+
+    x = torch.randn(8, 8, requires_grad=True)
+    try:
+        _selective.run(layer, 0.0, (x,), {}).sum().backward()
+        got = x.grad.clone()
+        assert counter.frame_count == 1
+        x.grad = None
+        layer(x).sum().backward()
+        assert torch.equal(got, x.grad)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_a_recompute_that_runs_other_operators_is_refused():
