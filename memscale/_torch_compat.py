@@ -722,15 +722,19 @@ def install_call_guard(model: torch.nn.Module, on_abort: Callable[[], None]) -> 
     depth = [0]
 
     def guard(*args: Any, **kwargs: Any) -> Any:
-        inner = prev
-        if inner is None:
+        m = None
+        if prev is None:
             m = model_ref()
             if m is None:  # pragma: no cover - called through a dead model
                 raise ReferenceError("memscale: the model is gone")
-            inner = type(m)._call_impl.__get__(m)
         depth[0] += 1
         try:
-            return inner(*args, **kwargs)
+            if m is None:
+                return prev(*args, **kwargs)
+            # The class's _call_impl called with the model, not bound with
+            # __get__: torch 2.11's dynamo cannot trace function.__get__,
+            # broke the graph there and then failed its own guard check.
+            return type(m)._call_impl(m, *args, **kwargs)
         except BaseException:
             if depth[0] == 1:
                 try:
