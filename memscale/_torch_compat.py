@@ -722,19 +722,19 @@ def install_call_guard(model: torch.nn.Module, on_abort: Callable[[], None]) -> 
     depth = [0]
 
     def guard(*args: Any, **kwargs: Any) -> Any:
-        m = None
-        if prev is None:
+        # The class's _call_impl is called with the model, not bound with
+        # __get__: torch 2.11's dynamo cannot trace function.__get__ (it
+        # broke the graph there and then failed its own guard check).
+        call: Callable[..., Any] | None = prev
+        first: tuple[Any, ...] = ()
+        if call is None:
             m = model_ref()
             if m is None:  # pragma: no cover - called through a dead model
                 raise ReferenceError("memscale: the model is gone")
+            call, first = type(m)._call_impl, (m,)
         depth[0] += 1
         try:
-            if m is None:
-                return prev(*args, **kwargs)
-            # The class's _call_impl called with the model, not bound with
-            # __get__: torch 2.11's dynamo cannot trace function.__get__,
-            # broke the graph there and then failed its own guard check.
-            return type(m)._call_impl(m, *args, **kwargs)
+            return call(*first, *args, **kwargs)
         except BaseException:
             if depth[0] == 1:
                 try:
