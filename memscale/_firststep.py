@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from . import _torch_compat
+
 
 def chain(model: torch.nn.Module, unit_names: list[str]) -> list[torch.nn.Module]:
     """``model`` and its descendants down to the units' closest common
@@ -70,7 +72,7 @@ class FirstForward:
         try:
             for module in modules:
                 self._handles.append(
-                    module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+                    _torch_compat.register_first_pre_hook(module, hook, with_kwargs=True)
                 )
         except BaseException:
             self.remove()

@@ -189,7 +189,7 @@ class RecomputeCheck:
         # Under torch.distributed: whether this rank checked a layer since
         # the ranks last agreed on the failures.
         self._exchange_due = False
-        self._root = model.register_forward_pre_hook(self._replan, prepend=True)
+        self._root = _torch_compat.register_first_pre_hook(model, self._replan)
         self._arm(plan)
 
     # ---- which layers, and their forward ---------------------------------

@@ -700,6 +700,24 @@ def autograd_nodes(tensor: torch.Tensor) -> list[Any]:
     return nodes
 
 
+def register_first_pre_hook(module: torch.nn.Module, hook: Any, **kwargs: Any) -> Any:
+    """``module.register_forward_pre_hook(hook, prepend=True, **kwargs)``
+    with the hook first in the dict's own order too: ``prepend`` moves it
+    to the front of the OrderedDict's order only, while a plain ``dict``
+    view of it (``dict.keys``, as torch 2.11's dynamo reads the hooks into
+    its guards) still has it last, so that dynamo guarded on another hook
+    than the one it traced and failed the guard on the frame it made it
+    for.  The other hooks keep their ids and order."""
+    handle = module.register_forward_pre_hook(hook, **kwargs)
+    hooks = module._forward_pre_hooks
+    rest = [(key, value) for key, value in hooks.items() if key != handle.id]
+    mine = hooks[handle.id]
+    hooks.clear()
+    hooks[handle.id] = mine
+    hooks.update(rest)
+    return handle
+
+
 def install_call_guard(model: torch.nn.Module, on_abort: Callable[[], None]) -> Callable[[], None]:
     """Make every call of ``model`` run ``on_abort()`` when it is left by an
     exception, then re-raise it; return the function that removes the

@@ -114,6 +114,32 @@ def test_wrap_then_compile_runs_the_plan_as_checkpoint_regions():
     memscale.detach(model)
 
 
+def test_memscales_first_pre_hooks_are_first_in_the_dicts_own_order_too():
+    """memscale's root pre-hooks that must run first (the recompute check's,
+    first-step planning's) are first both in the OrderedDict's order, which
+    ``Module.__call__`` runs, and in the plain dict's (``dict.keys``), which
+    torch 2.11's dynamo read into a guard: with ``prepend=True`` alone the
+    two disagreed, and compiling a wrapped model failed dynamo's own guard
+    check there.  The other hooks keep their order and ids."""
+    from memscale import _torch_compat
+
+    model = mlp(depth=2, p=0.0)
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append("user"))
+    handle = _torch_compat.register_first_pre_hook(model, lambda m, a: seen.append("first"))
+    hooks = model._forward_pre_hooks
+    assert next(iter(hooks)) == next(iter(dict.keys(hooks))) == handle.id
+    model(torch.randn(2, 32))
+    assert seen == ["first", "user"]
+    handle.remove()
+    assert len(hooks) == 1
+    x = torch.randn(4, 32)
+    memscale.wrap(model, FORCE, sample_input=x)  # the recompute check's hook
+    hooks = model._forward_pre_hooks
+    assert len(hooks) >= 2 and list(hooks) == list(dict.keys(hooks))
+    memscale.detach(model)
+
+
 def test_the_regions_save_only_their_inputs():
     """What the compiled graph keeps for backward: each checkpointed block
     its input, none of its intermediates (the forward graph's outputs)."""
