@@ -110,6 +110,14 @@ IGNORED_OPS = frozenset(
     | set(getattr(_checkpoint_module, "SAC_IGNORED_OPS", ()))
 )
 
+# A dtype or device cast, never kept (it has no FLOP formula).  The
+# selective modes do not count its calls either: autocast casts a weight
+# once per autocast region and reuses the cast, and the recompute runs in
+# a region of its own, so a weight the forward found cast already (used
+# earlier in the same region: tied weights, a module called twice) is cast
+# again there; counted, that extra call was a mismatch.
+_CAST = torch.ops.aten._to_copy.default
+
 
 # Attention kernels tagged ``nondeterministic_seeded`` for their dropout
 # alone: they take the generator only when ``dropout_p`` is above 0, so
@@ -545,12 +553,9 @@ class _Policy:
 _MISMATCH = (
     "The recompute of a selective layer ran other operators than its "
     "forward did (%s). The layer's forward must run the same operators "
-    "again in backward: control flow that reads global state, an input "
-    "changed in place between forward and backward, or autocast's cast "
-    "cache (a weight cast earlier in the same autocast region, as by a "
-    "module called twice or tied weights, is cast again in the recompute) "
-    "changes them. Plan with selective off (Config(mode='conservative')) "
-    "for such a model."
+    "again in backward: control flow that reads global state, or an input "
+    "changed in place between forward and backward, changes them. Plan "
+    "with selective off (Config(mode='conservative')) for such a model."
 )
 
 
@@ -631,6 +636,9 @@ class _KeepMode(_DispatchMode):
         out = func(*args, **kwargs)
         if func in IGNORED_OPS:
             return out
+        if func is _CAST:
+            self.policy.keep(func, args, kwargs, out)  # where the tail starts
+            return out
         calls = self.kept.calls
         index = calls.get(func, 0)
         calls[func] = index + 1
@@ -664,7 +672,7 @@ class _RecomputeMode(_DispatchMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
         kwargs = {} if kwargs is None else kwargs
-        if func in IGNORED_OPS:
+        if func in IGNORED_OPS or func is _CAST:
             return func(*args, **kwargs)
         index = self.counts.get(func, 0)
         self.counts[func] = index + 1

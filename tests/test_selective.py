@@ -953,6 +953,29 @@ def test_a_compiled_function_inside_a_selective_layer_is_compiled():
         torch._dynamo.reset()
 
 
+def test_a_weight_autocast_cast_before_the_layer_is_cast_again_in_the_recompute():
+    """Autocast casts a weight once per autocast region: a selective layer
+    whose weight was used earlier in the same region (tied weights, a
+    module called twice) finds it cast in its forward, and its recompute,
+    in a region of its own, casts it again.  That cast is neither kept nor
+    counted, so the recompute runs, and the gradients are the plain ones."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def run(selective: bool) -> list[torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = lin(x)
+            out = _selective.run(lin.forward, 0.0, (y,), {}) if selective else lin(y)
+        out.float().sum().backward()
+        grads = [x.grad.clone(), lin.weight.grad.clone()]
+        x.grad = lin.weight.grad = lin.bias.grad = None
+        return grads
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got, want)
+
+
 def test_a_recompute_that_runs_other_operators_is_refused():
     """A forward whose recompute takes another branch (global state read in
     the forward) runs an operator the forward never called: backward
