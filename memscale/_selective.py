@@ -559,14 +559,16 @@ _MISMATCH = (
 )
 
 
+_EXCLUDE_GUARD = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
+
+
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
     """A detached alias of ``tensor`` made below autograd, with the
     view-tracking key back on so that it shares ``tensor``'s version
     counter (an in-place write of either shows in both)."""
-    guard = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
-    if guard is None:  # pragma: no cover - depends on the torch release
+    if _EXCLUDE_GUARD is None:  # pragma: no cover - depends on the torch release
         return tensor.detach()
-    with guard(torch._C.DispatchKey.ADInplaceOrView, False):
+    with _EXCLUDE_GUARD(torch._C.DispatchKey.ADInplaceOrView, False):
         return tensor.detach()
 
 

@@ -179,12 +179,9 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("memscale").setLevel(logging.ERROR)
     entry = runner.lookup(args.model)
-    _, _, base_step, (_, base_opt) = sweep._prepared(entry, lambda m, b: None)
-    report = phases(base_step)
-    print(f"{args.model}, unoptimized step: peak {report['peak'] / MIB:.2f} MiB above its start")
-    del base_step, base_opt
     # The budget as the sweep sets it: start + fraction x activations.
     start, activations = sweep_budget_terms(entry)
+    print(f"{args.model}, unoptimized step: peak {activations / MIB:.2f} MiB above its start")
     budget = int(start + args.fraction * activations)
     print(
         f"budget {budget / MIB:.2f} MiB ({args.fraction:.0%} of activations; start {start / MIB:.2f} MiB)"

@@ -9,6 +9,7 @@ allocations of a few bytes, and a prediction that missed any real tensor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 
@@ -565,6 +566,23 @@ def test_wrap_falls_back_to_the_engine_estimate(monkeypatch, caplog):
     memscale.detach(model)
 
 
+@contextlib.contextmanager
+def _fake_number_tracker(count: bool = True):
+    """Under FakeTensorMode, a StorageTracker counting Python numbers (or
+    not), entered in its forward phase and left in its end phase."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memscale.predictor._tracker import StorageTracker
+
+    with FakeTensorMode():
+        tracker = StorageTracker()
+        tracker.count_numbers = count
+        with tracker:
+            tracker.set_phase("forward")
+            yield tracker
+            tracker.set_phase("end")
+
+
 @pytest.mark.parametrize("count", [True, False])
 def test_the_tracker_counts_the_python_numbers_operators_are_given(count):
     """``x * 0.5`` hands ``mul`` the number as an 8-byte CPU tensor made for
@@ -572,25 +590,16 @@ def test_the_tracker_counts_the_python_numbers_operators_are_given(count):
     run; ``x + 1.0``'s is freed when the call returns; a backward formula's
     own numbers are the kept ones (nothing new).  A step on an accelerator
     (``count_numbers`` off) counts none: they are host tensors there."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memscale.predictor._tracker import StorageTracker
-
-    with FakeTensorMode():
+    with _fake_number_tracker(count) as tracker:
         x = torch.empty(4, requires_grad=True)
-        tracker = StorageTracker()
-        tracker.count_numbers = count
-        with tracker:
-            tracker.set_phase("forward")
-            y = x * 0.5  # kept
-            z = y + 1.0  # freed at once
-            del y
-            loss = z.sum()
-            del z
-            after_forward = len(tracker.events)
-            tracker.set_phase("backward")
-            loss.backward()
-            tracker.set_phase("end")
+        y = x * 0.5  # kept
+        z = y + 1.0  # freed at once
+        del y
+        loss = z.sum()
+        del z
+        after_forward = len(tracker.events)
+        tracker.set_phase("backward")
+        loss.backward()
     numbers = [
         (i, serial, delta) for i, (serial, delta) in enumerate(tracker.events) if abs(delta) == 8
     ]
@@ -613,34 +622,22 @@ def test_a_numbers_cast_follows_the_tensors_dtype_and_the_default_dtype():
     already a float64).  The tracker remembers the cast per tensor dtype,
     number type and default dtype; a change of default is not served from
     the earlier answer."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memscale.predictor._tracker import StorageTracker
-
-    def casts(tracker: StorageTracker, start: int) -> int:
-        return sum(1 for _, delta in tracker.events[start:] if delta == 4)
-
     before = torch.get_default_dtype()
     try:
-        with FakeTensorMode():
+        with _fake_number_tracker() as tracker:
             ints = torch.empty(4, dtype=torch.int64)
             floats = torch.empty(4)
-            tracker = StorageTracker()
-            tracker.count_numbers = True
-            with tracker:
-                tracker.set_phase("forward")
-                seen = []
-                for tensor, default in (
-                    (floats, torch.float32),
-                    (ints, torch.float32),
-                    (ints, torch.float64),
-                    (ints, torch.float32),
-                ):
-                    torch.set_default_dtype(default)
-                    start = len(tracker.events)
-                    _ = tensor * 0.5
-                    seen.append(casts(tracker, start))
-                tracker.set_phase("end")
+            seen = []
+            for tensor, default in (
+                (floats, torch.float32),
+                (ints, torch.float32),
+                (ints, torch.float64),
+                (ints, torch.float32),
+            ):
+                torch.set_default_dtype(default)
+                start = len(tracker.events)
+                _ = tensor * 0.5
+                seen.append(sum(1 for _, delta in tracker.events[start:] if delta == 4))
     finally:
         torch.set_default_dtype(before)
     assert seen == [1, 1, 0, 1]
