@@ -155,13 +155,15 @@ class _Region:
     each block is compiled on its own, dynamo guards on these values, which
     are the same for blocks planned alike, so they share one graph."""
 
-    __slots__ = ("checkpoint", "selective", "tail")
+    __slots__ = ("checkpoint", "selective", "skip", "tail")
 
     def __init__(self) -> None:
         self.checkpoint = False
         self.selective: float | None = None
-        # Where the unit's tail starts, for a selective run (eager only).
+        # Where the unit's tail starts, and the calls the recompute does not
+        # run, for a selective run (eager only).
         self.tail: tuple[str, int] | None = None
+        self.skip: tuple[tuple[str, int], ...] = ()
 
 
 class _Regions:
@@ -193,7 +195,7 @@ def _unit_forward(unit: nn.Module, region: _Region, own: Any, regions: _Regions)
             return inner(*args, **kwargs)
         limit = region.selective
         if limit is not None and unit.training and torch.is_grad_enabled():
-            return _selective.run(inner, limit, args, kwargs, region.tail, unit)
+            return _selective.run(inner, limit, args, kwargs, region.tail, unit, region.skip)
         return inner(*args, **kwargs)
 
     return forward
@@ -247,4 +249,9 @@ def update(executor: Any, plan: Any) -> None:
             _planning.tail_from(details[i])
             if region.selective is not None and i < len(details)
             else None
+        )
+        region.skip = (
+            _planning.skips_from(details[i], region.selective)
+            if region.selective is not None and i < len(details)
+            else ()
         )

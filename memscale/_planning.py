@@ -334,6 +334,7 @@ def profile_from(
             levels = _selective.layer_profile(ops.ops[i], flops, r["saved_bytes"], weights=weights)
             if levels is not None:
                 named["selective_levels"] = levels
+                skips = _selective.level_skips(ops.ops[i], levels)
             cost = _selective.recompute_cost(ops.ops[i], flops, weights)
             if cost != flops:  # (with the default costs it is flops: left out)
                 named["recompute_cost"] = cost
@@ -344,6 +345,10 @@ def profile_from(
                     named["tail_cost"] = tail_cost
         layers.append(_core.LayerStats(fields, named) if named else _core.LayerStats(fields))
         detail = {"name": name, "kind": kind, **r}
+        if ops is not None and "selective_levels" in named and skips:
+            # Per level, the calls its recompute does not run
+            # (_selective.run, given them by _compiled.update).
+            detail["skips"] = skips
         tail = _selective.tail_of(ops.ops[i]) if ops is not None else None
         if tail is not None:
             # Where its tail starts: a selective run keeps nothing from
@@ -435,14 +440,24 @@ LAYER_NOT_CALLED = 1 << 1
 
 
 # A layer's tail in its profile details: its first op's name and how many
-# calls of that op come before it (_selective.tail_of).
-TAIL_KEYS = ("tail_op", "tail_nth")
+# calls of that op come before it (_selective.tail_of); and per selective
+# level, the calls its recompute does not run (_selective.level_skips).
+TAIL_KEYS = ("tail_op", "tail_nth", "skips")
 
 
 def tail_from(detail: dict[str, Any]) -> tuple[str, int] | None:
     """The tail a layer's profile details give :func:`_selective.run`."""
     op, nth = detail.get("tail_op"), detail.get("tail_nth")
     return (op, nth) if isinstance(op, str) and isinstance(nth, int) else None
+
+
+def skips_from(detail: dict[str, Any], threshold: float) -> tuple[tuple[str, int], ...]:
+    """The calls that the selective level at ``threshold`` of a layer's
+    profile details does not run again (given :func:`_selective.run`)."""
+    for limit_ratio, skip in detail.get("skips", ()):
+        if limit_ratio == threshold:
+            return tuple(skip)
+    return ()
 
 
 def merged(first: Profile, measured: Profile, indices: set[int]) -> Profile:

@@ -24,7 +24,13 @@ FLOPs over the bytes it saves for backward: keeping such an output costs
 fewer bytes per FLOP it spares than checkpointing the whole layer does).
 The solver picks one level per layer, or none (``LayerPlan.selective_level``
 and ``selective_threshold``).  The rest (norms, activations, softmax,
-dropout, residual adds, reshapes) is recomputed.  FLOPs are
+dropout, residual adds, reshapes) is recomputed, except the matrix
+products whose output nothing autograd saved reads (:func:`dead_calls`:
+GPT-2's MLP output projection, read only by the dropout after it): no
+level keeps them, and the recompute does not run them (the level's
+``skip``, :func:`level_skips`; :class:`_RecomputeMode` hands back an
+unwritten tensor of the output's shape, and runs the product after all
+if a later op reads it).  FLOPs are
 ``torch.utils.flop_counter``'s formulas (matmuls, convolutions,
 attention; not the CPU's attention kernel, which torch's counter has
 no formula for); an op without one counts as cheap.  An op that draws
@@ -53,11 +59,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils import checkpoint as _checkpoint_module
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
@@ -109,6 +117,50 @@ IGNORED_OPS = frozenset(
     {torch.ops.aten.detach.default, torch.ops.prim.device.default}
     | set(getattr(_checkpoint_module, "SAC_IGNORED_OPS", ()))
 )
+
+# Ops that read only their tensor argument's shape, dtype and device, not
+# its values (dropout's noise is ``empty_like(x)`` filled in place): an
+# output they are given is not needed for its values.
+_SHAPE_ONLY_NAMES = frozenset(
+    {
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_empty",
+        "new_empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+    }
+)
+
+# The ops a recompute may leave unrun when nothing it saves needs their
+# output (:func:`dead_calls`): matrix products and convolutions, whose
+# backward saves their inputs and never their output (an attention
+# kernel saves its output, so it always runs).
+_SKIPPABLE_NAMES = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "cudnn_convolution"}
+)
+
+
+def _op_name(func: Any) -> str:
+    return getattr(_torch_compat.op_packet(func), "__name__", "")
+
+
+def _shape_only(func: Any) -> bool:
+    return _op_name(func) in _SHAPE_ONLY_NAMES
+
+
+def _skippable(name: str) -> bool:
+    """Whether the op named ``name`` (``str(func)``: "aten.mm.default") is
+    one of ``_SKIPPABLE_NAMES``."""
+    parts = name.split(".")
+    return len(parts) == 3 and parts[0] == "aten" and parts[1] in _SKIPPABLE_NAMES
+
 
 # A dtype or device cast, never kept (it has no FLOP formula).  The
 # selective modes do not count its calls either: autocast casts a weight
@@ -227,6 +279,14 @@ class LayerOps:
     # many times the unit's forward ran while recorded.
     names: list[str] = field(default_factory=list)
     entered: int = 0
+    # Per call, the calls whose outputs it reads (by storage: the call that
+    # last wrote each tensor argument's storage, in place or new; none for
+    # the ops that read only their argument's shape, _SHAPE_ONLY), and the
+    # calls whose outputs autograd saved (recorded with the saved-tensor
+    # hooks only: ``saves_known``).  What :func:`dead_calls` reads.
+    deps: list[tuple[int, ...]] = field(default_factory=list)
+    saved: set[int] = field(default_factory=set)
+    saves_known: bool = False
 
     def op_class(self, index: int) -> int:
         return self.classes[index] if index < len(self.classes) else MATMUL
@@ -281,6 +341,7 @@ class OpRecorder(_DispatchMode):
     def _enter(self, index: int, module: nn.Module, args: Any) -> None:
         self._current = index
         self.ops[index].entered += 1
+        self.ops[index].saves_known = self._saved_hooks is not None
         self._state = {id(t) for t in (*module.buffers(), *module.parameters())}
         self._producer = {}
         # A call that saves nothing is never recomputed: all of it is tail.
@@ -295,7 +356,11 @@ class OpRecorder(_DispatchMode):
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self._current is not None:
-            self._last_save = len(self.ops[self._current].calls)
+            ops = self.ops[self._current]
+            self._last_save = len(ops.calls)
+            producer = self._producer.get(_torch_compat.storage_key(tensor))
+            if producer is not None:
+                ops.saved.add(producer)
         assert self._saved_hooks is not None
         return self._saved_hooks[0](tensor)
 
@@ -332,6 +397,15 @@ class OpRecorder(_DispatchMode):
         index = self._current
         if index is not None and func not in IGNORED_OPS:
             ops = self.ops[index]
+            here = len(ops.calls)
+            deps: set[int] = set()
+            if not _shape_only(func):
+                for t in pytree.tree_leaves((args, kwargs)):
+                    if isinstance(t, torch.Tensor):
+                        producer = self._producer.get(_torch_compat.storage_key(t))
+                        if producer is not None:
+                            deps.add(producer)
+            ops.deps.append(tuple(sorted(deps)))
             written = [
                 t
                 for t in _torch_compat.op_written_args(func, args, kwargs)
@@ -342,12 +416,16 @@ class OpRecorder(_DispatchMode):
             for t in written:
                 # A kept output written later would be the mutated value in
                 # the recompute (torch refuses it): note which call made it.
-                producer = self._producer.get(_torch_compat.storage_key(t))
+                key = _torch_compat.storage_key(t)
+                producer = self._producer.get(key)
                 if producer is not None:
                     ops.mutated.add(producer)
+                # Whoever reads it from here on reads this call's write
+                # (which read the earlier one: deps).
+                self._producer[key] = here
             if _torch_compat.op_writes_new(func):
                 for t in _outputs(out):
-                    self._producer[_torch_compat.storage_key(t)] = len(ops.calls)
+                    self._producer[_torch_compat.storage_key(t)] = here
             ops.calls.append(op_cost(func, args, kwargs, out))
             ops.classes.append(op_class(func))
             ops.names.append(str(func))
@@ -436,6 +514,78 @@ def recompute_cost(ops: LayerOps, flops: float, weights: Weights = UNWEIGHTED) -
     return flops + extra
 
 
+def dead_calls(ops: LayerOps, kept: Collection[int]) -> frozenset[int]:
+    """The calls a recompute keeping the outputs of ``kept`` need not run:
+    the matrix products and convolutions (``_SKIPPABLE_NAMES``) whose
+    output nothing autograd saves in the forward reads, through any chain
+    of calls (a kept call's output is handed back, so what it reads is not
+    needed for it).  GPT-2's MLP output projection is one: only the
+    dropout after it reads it, which saves its noise and not its input.
+    Such a call in ``kept`` is among them too (keeping it holds bytes for
+    nothing).  Empty where the forward's saves were not recorded or it ran
+    more than once."""
+    if not ops.saves_known or ops.entered != 1 or len(ops.deps) != len(ops.calls):
+        return frozenset()
+    candidates = [
+        i
+        for i, name in enumerate(ops.names)
+        if _skippable(name) and not ops.calls[i][3] and i not in ops.tail
+    ]
+    if not candidates:
+        return frozenset()
+    needed: set[int] = set()
+    stack = list(ops.saved)
+    while stack:
+        i = stack.pop()
+        if i in needed:
+            continue
+        needed.add(i)
+        if i not in kept:
+            stack.extend(ops.deps[i])
+    return frozenset(i for i in candidates if i not in needed)
+
+
+def _level_calls(
+    ops: LayerOps, limit_ratio: float, end: int
+) -> tuple[frozenset[int], frozenset[int]] | None:
+    """The calls a level at ``limit_ratio`` keeps (before ``end``, the
+    tail's start) and those its recompute does not run (:func:`dead_calls`,
+    never kept), or None when it would keep an output a later op writes
+    in place (torch refuses a changed cached output)."""
+    chosen = set()
+    for i, (op_flops, nbytes, _, random) in enumerate(ops.calls[:end]):
+        if keeps(limit_ratio, op_flops, nbytes, random):
+            if i in ops.mutated:
+                return None
+            chosen.add(i)
+    dead = dead_calls(ops, chosen)
+    return frozenset(chosen - dead), dead
+
+
+Skip = tuple[tuple[str, int], ...]  # calls by (op name, how many calls of it come before)
+
+
+def level_skips(ops: LayerOps, levels: tuple[Level, ...]) -> tuple[tuple[float, Skip], ...]:
+    """Per level of ``levels`` (:func:`layer_profile`'s) whose recompute
+    leaves calls unrun (:func:`dead_calls`), its threshold and those calls
+    by op name and occurrence, what :func:`run` is given (``skip``)."""
+    end = ops.tail_start()
+    if end is None:
+        end = len(ops.calls)
+    out = []
+    for limit_ratio, _, _ in levels:
+        found = _level_calls(ops, limit_ratio, end)
+        if found is None or not found[1]:
+            continue
+        out.append(
+            (
+                limit_ratio,
+                tuple((ops.names[i], ops.names[:i].count(ops.names[i])) for i in sorted(found[1])),
+            )
+        )
+    return tuple(out)
+
+
 def layer_profile(
     ops: LayerOps,
     flops: float,
@@ -484,20 +634,21 @@ def layer_profile(
     ladder: list[Level] = []
     at_threshold = -1
     for limit_ratio in ratios:
-        kept = 0
-        cost = 0.0
-        for i, (op_flops, nbytes, numel, random) in enumerate(ops.calls[:end]):
-            if keeps(limit_ratio, op_flops, nbytes, random):
-                if i in ops.mutated:
-                    kept = -1
-                    break
-                kept += nbytes
-            elif i not in ops.tail:  # (the recompute stops before its tail)
-                cost += _weighted(op_flops, numel, ops.op_class(i), weights)
-        if kept < 0 or kept >= saved_bytes:
+        found = _level_calls(ops, limit_ratio, end)
+        if found is None:
             break
-        if kept == 0 or (ladder and ladder[-1][1:] == (kept, cost)):
-            # It keeps only tail outputs, or no more than the level before.
+        kept_calls, dead = found
+        kept = sum(ops.calls[i][1] for i in kept_calls)
+        cost = 0.0
+        for i, (op_flops, _, numel, _) in enumerate(ops.calls):
+            # (the recompute stops before its tail, and runs no dead call)
+            if i not in kept_calls and i not in ops.tail and i not in dead:
+                cost += _weighted(op_flops, numel, ops.op_class(i), weights)
+        if kept >= saved_bytes:
+            break
+        if (kept == 0 and not dead) or (ladder and ladder[-1][1:] == (kept, cost)):
+            # It keeps only tail outputs and runs every call, or it is no
+            # different from the level before.
             if limit_ratio >= layer_threshold and ladder:
                 at_threshold = len(ladder) - 1
             continue
@@ -529,13 +680,16 @@ def tail_of(ops: LayerOps) -> Tail | None:
 
 class _Policy:
     """The selective policy of one forward: keep what ``threshold`` keeps,
-    nothing from ``tail`` on.  :class:`_KeepMode` asks it of every op but
-    :data:`IGNORED_OPS`, once, in the forward; the recompute follows the
-    forward's answers.  ``reached``: the tail's first call was made."""
+    nothing from ``tail`` on, and none of the calls of ``skip`` (by op name
+    and occurrence: :func:`level_skips`), which the recompute does not
+    run.  :class:`_KeepMode` asks it of every op but :data:`IGNORED_OPS`,
+    once, in the forward; the recompute follows the forward's answers.
+    ``reached``: the tail's first call was made."""
 
-    def __init__(self, threshold: float, tail: Tail | None) -> None:
+    def __init__(self, threshold: float, tail: Tail | None, skip: Skip = ()) -> None:
         self.threshold = threshold
         self.tail = tail
+        self.skip = frozenset(skip)
         self.seen = 0  # calls of the tail's first op so far
         self.reached = False
 
@@ -646,21 +800,91 @@ class _KeepMode(_DispatchMode):
         calls[func] = index + 1
         # Only an aten operator's output is kept: a higher-order operator
         # (the compiled code of a torch.compile'd function) runs again.
-        if isinstance(func, torch._ops.OpOverload) and self.policy.keep(func, args, kwargs, out):
+        if (
+            isinstance(func, torch._ops.OpOverload)
+            and self.policy.keep(func, args, kwargs, out)
+            and not (self.policy.skip and (str(func), index) in self.policy.skip)
+        ):
             self.kept.outputs[(func, index)] = tree_map_only(torch.Tensor, _Cached, out)
         return out
+
+
+class _PutOff:
+    """A call the recompute did not run (its ``skip``): its arguments and
+    their versions then, and the unwritten outputs it handed back in its
+    place.  :meth:`run` runs it after all, into those outputs, when a
+    later op reads one after all (a forward that runs otherwise than its
+    profile says)."""
+
+    __slots__ = ("args", "func", "kwargs", "outputs", "versions")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict, outputs: Any) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.outputs = outputs
+        self.versions = [t._version for t in _tensors((args, kwargs))]
+
+    def run(self) -> None:
+        if [t._version for t in _tensors((self.args, self.kwargs))] != self.versions:
+            raise RuntimeError(
+                _MISMATCH % f"an input of {self.func}, whose output the "
+                "recompute was told no saved tensor reads, was written "
+                "in place before a later op read that output"
+            )
+        real = self.func(*self.args, **self.kwargs)
+        for mine, theirs in zip(_tensors(self.outputs), _tensors(real)):
+            mine.copy_(theirs)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _unwritten(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Outputs shaped, strided and typed as ``func``'s on these arguments,
+    allocated and not written (their shapes come from running ``func`` on
+    the meta device, which no dispatch mode below sees: a FLOP counter
+    would count it), or None where that fails."""
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    tensors = _tensors((args, kwargs))
+    if not tensors:
+        return None
+    device = tensors[0].device
+    try:
+        with _torch_compat.no_dispatch_modes():
+            shaped = func(
+                *tree_map_only(torch.Tensor, meta, args),
+                **tree_map_only(torch.Tensor, meta, kwargs),
+            )
+    except Exception:  # (no meta kernel, or one that refuses: the call runs)
+        return None
+    return tree_map_only(
+        torch.Tensor,
+        lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device),
+        shaped,
+    )
 
 
 @_torch_compat.guard_dispatch
 class _RecomputeMode(_DispatchMode):
     """The recompute's mode: an op whose output the forward kept returns it
-    without running; every other op runs again.  The call counts start
-    over each time the recompute is entered."""
+    without running; a call of ``skip`` (whose output nothing the
+    recompute saves reads) returns unwritten outputs of its shape without
+    running, and runs after all, into them, if a later op reads one
+    (:class:`_PutOff`; an op that reads only their shape or makes a view
+    of them does not count); every other op runs again.  The call counts
+    start over each time the recompute is entered."""
 
-    def __init__(self, kept: _Kept) -> None:
+    def __init__(self, kept: _Kept, skip: frozenset[tuple[str, int]] = frozenset()) -> None:
         super().__init__()
         self.kept = kept
+        self.skip = skip
         self.counts: dict[Any, int] = {}
+        self.put_off: dict[int, _PutOff] = {}  # by the storage of each unwritten output
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -668,12 +892,30 @@ class _RecomputeMode(_DispatchMode):
 
     def __enter__(self) -> Any:
         self.counts.clear()
+        self.put_off.clear()
         return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        self.put_off.clear()
+        return super().__exit__(*exc)
+
+    def _run_put_off(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Run the put-off calls whose outputs this call reads."""
+        if func in IGNORED_OPS or _shape_only(func) or getattr(func, "is_view", False):
+            return
+        for t in _tensors((args, kwargs)):
+            later = self.put_off.get(_torch_compat.storage_key(t))
+            if later is not None:
+                for out in _tensors(later.outputs):
+                    self.put_off.pop(_torch_compat.storage_key(out), None)
+                later.run()
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
         kwargs = {} if kwargs is None else kwargs
+        if self.put_off:
+            self._run_put_off(func, args, kwargs)
         if func in IGNORED_OPS or func is _CAST:
             return func(*args, **kwargs)
         index = self.counts.get(func, 0)
@@ -684,9 +926,16 @@ class _RecomputeMode(_DispatchMode):
                 % f"call {index + 1} of {func}, which the forward made {self.kept.calls.get(func, 0)} times"
             )
         entry = self.kept.outputs.get((func, index))
-        if entry is None:
-            return func(*args, **kwargs)
-        return tree_map_only(_Cached, _Cached.read, entry)
+        if entry is not None:
+            return tree_map_only(_Cached, _Cached.read, entry)
+        if self.skip and (str(func), index) in self.skip:
+            outputs = _unwritten(func, args, kwargs)
+            if outputs is not None:
+                later = _PutOff(func, args, kwargs, outputs)
+                for out in _tensors(outputs):
+                    self.put_off[_torch_compat.storage_key(out)] = later
+                return outputs
+        return func(*args, **kwargs)
 
 
 def contexts(policy: _Policy) -> tuple[Any, Any]:
@@ -694,7 +943,7 @@ def contexts(policy: _Policy) -> tuple[Any, Any]:
     checkpoint (``checkpoint(context_fn=...)``), sharing what the forward
     keeps."""
     kept = _Kept()
-    return _KeepMode(policy, kept), _RecomputeMode(kept)
+    return _KeepMode(policy, kept), _RecomputeMode(kept, policy.skip)
 
 
 # Called with (unit, True) when a selective unit's recompute starts and
@@ -762,6 +1011,7 @@ def run(
     kwargs: dict,
     tail: Tail | None = None,
     unit: nn.Module | None = None,
+    skip: Skip = (),
 ) -> Any:
     """``forward(*args, **kwargs)`` checkpointed selectively: the outputs of
     ops ``threshold`` keeps (the plan's level's) are kept, the rest recomputed in
@@ -773,8 +1023,9 @@ def run(
     for nothing.  The tail starts at the n-th call of its first op; a
     forward that never makes that call keeps by threshold alone (and a
     warning says so, once per process).  ``unit``: the module whose forward
-    this is, for :data:`RECOMPUTE_LISTENERS`."""
-    policy = _Policy(threshold, tail)
+    this is, for :data:`RECOMPUTE_LISTENERS`.  ``skip``: the calls of the
+    level that neither are kept nor run again (:func:`level_skips`)."""
+    policy = _Policy(threshold, tail, skip)
 
     def context_fn() -> tuple[Any, Any]:
         keep, recompute = contexts(policy)

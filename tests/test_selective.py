@@ -371,9 +371,9 @@ def test_the_plans_level_runs_with_its_threshold_and_tail():
     seen = []
     run = _selective.run
 
-    def spy(forward, threshold, args, kwargs, tail=None, unit=None):
+    def spy(forward, threshold, args, kwargs, tail=None, unit=None, skip=()):
         seen.append((threshold, tail))
-        return run(forward, threshold, args, kwargs, tail, unit)
+        return run(forward, threshold, args, kwargs, tail, unit, skip)
 
     _selective.run = spy
     try:
@@ -1037,3 +1037,141 @@ def test_selective_needs_dispatch_modes_and_a_checkpoint_context_fn(monkeypatch)
     assert "selective" not in {t for ts in _techniques(model) for t in ts}
     assert_same_step(model, ref, X, loss_fn=_mse)
     memscale.detach(model)
+
+
+# ------------------------------------- calls the recompute does not run
+
+
+class _ResidualDropout(torch.nn.Module):
+    """GPT-2's MLP: fc1, GELU, fc2, then dropout on the residual branch.
+    Only the dropout reads fc2's output, and it saves its noise, not its
+    input: nothing autograd saves needs fc2's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(32, 128)
+        self.fc2 = torch.nn.Linear(128, 32)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+
+
+def _run_counting(block, threshold, skip):
+    """One forward of ``block`` run selective and its backward: the
+    addmm calls the recompute made (through ``_Calls``), and the
+    gradients."""
+    x = X.clone().requires_grad_()
+    torch.manual_seed(3)
+    out = _selective.run(block.forward, threshold, (x,), {}, None, None, skip)
+    with _Calls() as calls:
+        out.pow(2).mean().backward()
+    grads = [x.grad, *(p.grad for p in block.parameters())]
+    block.zero_grad(set_to_none=True)
+    return calls.names.count("addmm.default"), grads
+
+
+def test_a_call_no_saved_tensor_reads_is_neither_kept_nor_run_again():
+    """The profile finds fc2 dead (no saved tensor reads its output): the
+    level at fc1's ratio keeps fc1's output only, the one at fc2's keeps
+    nothing and is charged neither fc2 nor its output's bytes (it was the
+    ladder's first level, keeping fc2's output for nothing), and both say
+    their recompute leaves fc2 (the second addmm) unrun.  Run so, the
+    recompute makes one addmm fewer; the gradients are the same bits as
+    the unwrapped block's, dropout replayed."""
+    block = _ResidualDropout()
+    profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
+    (layer,) = profile.layers
+    fc1 = 2 * ROWS * 32 * 128
+    cheap = ROWS * (128 + 32 + 32)  # GELU, the noise and the dropout's output
+    assert [(t, b) for t, b, _ in layer.selective_levels] == [(64.0, 0), (16.0, ROWS * 128 * 4)]
+    assert layer.selective_levels[0][2] < fc1 + cheap + ROWS * 128
+    skip = (("aten.addmm.default", 1),)
+    assert profile.details[0]["skips"] == ((64.0, skip), (16.0, skip))
+    assert _planning.skips_from(profile.details[0], 64.0) == skip
+    assert _planning.skips_from(profile.details[0], 1.0) == ()
+    x = X.clone().requires_grad_()
+    torch.manual_seed(3)
+    block(x).pow(2).mean().backward()
+    expected = [x.grad, *(p.grad for p in block.parameters())]
+    block.zero_grad(set_to_none=True)
+    # (threshold, skip): addmm calls the recompute makes, bytes held.
+    runs = {
+        (64.0, skip): (1, 0),
+        (64.0, ()): (1, ROWS * 32 * 4),  # fc2's output kept, for nothing
+        (1e30, ()): (2, 0),  # nothing kept: a whole recompute
+        (16.0, skip): (0, ROWS * 128 * 4),
+    }
+    held = {}
+    for (threshold, given), (calls, _) in runs.items():
+        ran, grads = _run_counting(block, threshold, given)
+        assert ran == calls, (threshold, given)
+        for a, b in zip(grads, expected):
+            assert torch.equal(a, b)
+        x = X.clone().requires_grad_()
+        box = []
+
+        def forward(x=x, t=threshold, g=given, box=box):
+            box.append(_selective.run(block.forward, t, (x,), {}, None, None, g))
+
+        held[threshold, given] = measure_peak(forward, model=block, inputs=x).end_delta_bytes
+    least = held[1e30, ()]
+    assert {key: held[key] - least for key in runs} == {
+        key: kept for key, (_, kept) in runs.items()
+    }
+
+
+def _tanh_of_matmul(x, w):
+    a = x * 1.0
+    h = a @ w
+    return h.tanh()  # tanh saves its output: h is needed after all
+
+
+def test_a_put_off_call_whose_output_is_read_after_all_runs_then():
+    """Told to leave the one mm unrun, the recompute hands back an
+    unwritten output of its shape; tanh reads it, so the mm runs then,
+    into that output: the gradients are the same bits as without
+    memscale."""
+    x = torch.randn(16, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    _tanh_of_matmul(x, w).sum().backward()
+    expected = [x.grad, w.grad]
+    x.grad = w.grad = None
+    out = _selective.run(_tanh_of_matmul, 1e30, (x, w), {}, None, None, (("aten.mm.default", 0),))
+    with _Calls() as calls:
+        out.sum().backward()
+    assert calls.names.count("mm.default") == 3  # the recompute's, then two in backward
+    assert torch.equal(x.grad, expected[0]) and torch.equal(w.grad, expected[1])
+
+
+def _mm_then_written(x, w):
+    a = x * 1.0
+    h = a @ w  # w needs no gradient: mm saves w, not a
+    a.add_(1.0)
+    return h.tanh() + a
+
+
+def test_a_put_off_calls_input_written_before_its_output_is_read_is_refused():
+    """The put-off mm's input is written in place before tanh reads the
+    mm's output: running it then would compute from the written value, so
+    the recompute refuses, naming the call."""
+    x = torch.randn(16, 8, requires_grad=True)
+    w = torch.randn(8, 8)
+    out = _selective.run(_mm_then_written, 1e30, (x, w), {}, None, None, (("aten.mm.default", 0),))
+    with pytest.raises(RuntimeError, match="an input of aten.mm.default"):
+        out.sum().backward()
+
+
+def test_gpt2s_mlp_output_projection_is_left_to_the_dropout():
+    """In a Hugging Face GPT-2 block with dropout, the MLP's output
+    projection (the block's fourth addmm) is read only by the residual
+    dropout: every level of every block leaves it unrun and unkept."""
+    model = _gpt2()
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    units = [(f"transformer.h.{i}", block) for i, block in enumerate(model.transformer.h)]
+    profile = _planning.profile_upfront(model, units, {"input_ids": x}, memscale.Config())
+    for layer, detail in zip(profile.layers, profile.details):
+        assert layer.selective_levels
+        assert [t for t, _ in detail["skips"]] == [t for t, _, _ in layer.selective_levels]
+        assert {s for _, s in detail["skips"]} == {(("aten.addmm.default", 3),)}
