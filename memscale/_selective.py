@@ -25,12 +25,14 @@ fewer bytes per FLOP it spares than checkpointing the whole layer does).
 The solver picks one level per layer, or none (``LayerPlan.selective_level``
 and ``selective_threshold``).  The rest (norms, activations, softmax,
 dropout, residual adds, reshapes) is recomputed, except the matrix
-products whose output nothing autograd saved reads (:func:`dead_calls`:
-GPT-2's MLP output projection, read only by the dropout after it): no
-level keeps them, and the recompute does not run them (the level's
+products whose output nothing autograd saved reads and no op before the
+tail reads but to view it (:func:`dead_calls`, on a fake-tensor profile
+only: GPT-2's MLP output projection, read only by the dropout after it):
+no level keeps them, and the recompute does not run them (the level's
 ``skip``, :func:`level_skips`; :class:`_RecomputeMode` hands back an
-unwritten tensor of the output's shape, and runs the product after all
-if a later op reads it).  FLOPs are
+unwritten tensor of the output's shape where the forward found the
+profile right, and runs the product after all if an op that runs reads
+it).  FLOPs are
 ``torch.utils.flop_counter``'s formulas (matmuls, convolutions,
 attention; not the CPU's attention kernel, which torch's counter has
 no formula for); an op without one counts as cheap.  An op that draws
@@ -155,11 +157,27 @@ def _shape_only(func: Any) -> bool:
     return _op_name(func) in _SHAPE_ONLY_NAMES
 
 
+# Ops whose output is a view of their input though their schema does not
+# say so (a bias-free Linear on a 3-d input is ``mm`` then ``_unsafe_view``).
+_ALIAS_NAMES = frozenset({"_unsafe_view", "alias", "_reshape_alias"})
+
+
+def _transparent(func: Any) -> bool:
+    """Whether a call of ``func`` reads no value of its tensor arguments:
+    a view of them, or an op that reads only their shape."""
+    return (
+        func in IGNORED_OPS
+        or getattr(func, "is_view", False)
+        or _op_name(func) in _ALIAS_NAMES
+        or _op_name(func) in _SHAPE_ONLY_NAMES
+    )
+
+
 def _skippable(name: str) -> bool:
     """Whether the op named ``name`` (``str(func)``: "aten.mm.default") is
     one of ``_SKIPPABLE_NAMES``."""
     parts = name.split(".")
-    return len(parts) == 3 and parts[0] == "aten" and parts[1] in _SKIPPABLE_NAMES
+    return parts[0] == "aten" and parts[1:] in ([n, "default"] for n in _SKIPPABLE_NAMES)
 
 
 # A dtype or device cast, never kept (it has no FLOP formula).  The
@@ -283,10 +301,14 @@ class LayerOps:
     # last wrote each tensor argument's storage, in place or new; none for
     # the ops that read only their argument's shape, _SHAPE_ONLY), and the
     # calls whose outputs autograd saved (recorded with the saved-tensor
-    # hooks only: ``saves_known``).  What :func:`dead_calls` reads.
+    # hooks, on fake tensors only: ``saves_known``; on real tensors a
+    # kernel may read memory the dispatcher does not see).  What
+    # :func:`dead_calls` reads.
     deps: list[tuple[int, ...]] = field(default_factory=list)
     saved: set[int] = field(default_factory=set)
     saves_known: bool = False
+    # The calls that read no value of their arguments (_transparent).
+    transparent: set[int] = field(default_factory=set)
 
     def op_class(self, index: int) -> int:
         return self.classes[index] if index < len(self.classes) else MATMUL
@@ -302,6 +324,13 @@ class LayerOps:
         if start >= len(self.names) or self.tail != set(range(start, len(self.calls))):
             return None
         return start
+
+
+def _all_fake(args: Any) -> bool:
+    """Whether ``args`` holds tensors, all of them fake."""
+    tools = _torch_compat.fake_tensor_tools()
+    tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+    return tools is not None and bool(tensors) and all(tools[0](t) for t in tensors)
 
 
 SavedHooks = tuple[Any, Any]  # (pack, unpack) of torch's saved-tensor hooks
@@ -341,7 +370,7 @@ class OpRecorder(_DispatchMode):
     def _enter(self, index: int, module: nn.Module, args: Any) -> None:
         self._current = index
         self.ops[index].entered += 1
-        self.ops[index].saves_known = self._saved_hooks is not None
+        self.ops[index].saves_known = self._saved_hooks is not None and _all_fake(args)
         self._state = {id(t) for t in (*module.buffers(), *module.parameters())}
         self._producer = {}
         # A call that saves nothing is never recomputed: all of it is tail.
@@ -406,6 +435,8 @@ class OpRecorder(_DispatchMode):
                         if producer is not None:
                             deps.add(producer)
             ops.deps.append(tuple(sorted(deps)))
+            if _transparent(func):
+                ops.transparent.add(here)
             written = [
                 t
                 for t in _torch_compat.op_written_args(func, args, kwargs)
@@ -423,7 +454,7 @@ class OpRecorder(_DispatchMode):
                 # Whoever reads it from here on reads this call's write
                 # (which read the earlier one: deps).
                 self._producer[key] = here
-            if _torch_compat.op_writes_new(func):
+            if _torch_compat.op_writes_new(func) and _op_name(func) not in _ALIAS_NAMES:
                 for t in _outputs(out):
                     self._producer[_torch_compat.storage_key(t)] = here
             ops.calls.append(op_cost(func, args, kwargs, out))
@@ -519,18 +550,24 @@ def dead_calls(ops: LayerOps, kept: Collection[int]) -> frozenset[int]:
     the matrix products and convolutions (``_SKIPPABLE_NAMES``) whose
     output nothing autograd saves in the forward reads, through any chain
     of calls (a kept call's output is handed back, so what it reads is not
-    needed for it).  GPT-2's MLP output projection is one: only the
-    dropout after it reads it, which saves its noise and not its input.
-    Such a call in ``kept`` is among them too (keeping it holds bytes for
-    nothing).  Empty where the forward's saves were not recorded or it ran
-    more than once."""
+    needed for it), and whose output no call before the tail reads but
+    to make a view of it or to read its shape (a recompute runs those
+    calls, so it would run this one for them).  GPT-2's MLP output
+    projection is one: only the dropout after it reads it, which is the
+    tail and saves its noise, not its input.  Such a call in ``kept`` is
+    among them too (keeping it holds bytes for nothing).  Empty where the
+    forward's saves were not recorded (on fake tensors) or it ran more
+    than once."""
     if not ops.saves_known or ops.entered != 1 or len(ops.deps) != len(ops.calls):
         return frozenset()
-    candidates = [
+    candidates = {
         i
         for i, name in enumerate(ops.names)
         if _skippable(name) and not ops.calls[i][3] and i not in ops.tail
-    ]
+    }
+    for reader, deps in enumerate(ops.deps):
+        if reader not in ops.tail and reader not in ops.transparent:
+            candidates.difference_update(deps)
     if not candidates:
         return frozenset()
     needed: set[int] = set()
@@ -542,7 +579,7 @@ def dead_calls(ops: LayerOps, kept: Collection[int]) -> frozenset[int]:
         needed.add(i)
         if i not in kept:
             stack.extend(ops.deps[i])
-    return frozenset(i for i in candidates if i not in needed)
+    return frozenset(candidates - needed)
 
 
 def _level_calls(
@@ -552,13 +589,14 @@ def _level_calls(
     tail's start) and those its recompute does not run (:func:`dead_calls`,
     never kept), or None when it would keep an output a later op writes
     in place (torch refuses a changed cached output)."""
-    chosen = set()
-    for i, (op_flops, nbytes, _, random) in enumerate(ops.calls[:end]):
-        if keeps(limit_ratio, op_flops, nbytes, random):
-            if i in ops.mutated:
-                return None
-            chosen.add(i)
+    chosen = {
+        i
+        for i, (op_flops, nbytes, _, random) in enumerate(ops.calls[:end])
+        if keeps(limit_ratio, op_flops, nbytes, random)
+    }
     dead = dead_calls(ops, chosen)
+    if (chosen - dead) & ops.mutated:
+        return None
     return frozenset(chosen - dead), dead
 
 
@@ -684,7 +722,11 @@ class _Policy:
     and occurrence: :func:`level_skips`), which the recompute does not
     run.  :class:`_KeepMode` asks it of every op but :data:`IGNORED_OPS`,
     once, in the forward; the recompute follows the forward's answers.
-    ``reached``: the tail's first call was made."""
+    ``reached``: the tail's first call was made.  ``skip_valid``: this
+    forward read no output of a ``skip`` call before its tail but to view
+    it or read its shape (:meth:`check_reads`), as its profile said; where
+    it did (it runs otherwise than its profile), the recompute runs
+    every call."""
 
     def __init__(self, threshold: float, tail: Tail | None, skip: Skip = ()) -> None:
         self.threshold = threshold
@@ -692,6 +734,15 @@ class _Policy:
         self.skip = frozenset(skip)
         self.seen = 0  # calls of the tail's first op so far
         self.reached = False
+        self.skip_valid = bool(self.skip)
+        self.skipped: set[int] = set()  # the storages of the skip calls' outputs
+
+    def check_reads(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Note a call before the tail that reads a ``skip`` call's output."""
+        if self.reached or not self.skipped or _transparent(func):
+            return
+        if any(_torch_compat.storage_key(t) in self.skipped for t in _tensors((args, kwargs))):
+            self.skip_valid = False
 
     def keep(self, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
         if self.tail is not None:
@@ -792,19 +843,24 @@ class _KeepMode(_DispatchMode):
         out = func(*args, **kwargs)
         if func in IGNORED_OPS:
             return out
+        policy = self.policy
         if func is _CAST:
-            self.policy.keep(func, args, kwargs, out)  # where the tail starts
+            policy.keep(func, args, kwargs, out)  # where the tail starts
+            policy.check_reads(func, args, kwargs)
             return out
         calls = self.kept.calls
         index = calls.get(func, 0)
         calls[func] = index + 1
         # Only an aten operator's output is kept: a higher-order operator
         # (the compiled code of a torch.compile'd function) runs again.
-        if (
-            isinstance(func, torch._ops.OpOverload)
-            and self.policy.keep(func, args, kwargs, out)
-            and not (self.policy.skip and (str(func), index) in self.policy.skip)
-        ):
+        keep = isinstance(func, torch._ops.OpOverload) and policy.keep(func, args, kwargs, out)
+        if policy.skip:
+            if (str(func), index) in policy.skip:
+                policy.skipped.update(_torch_compat.storage_key(t) for t in _tensors(out))
+                keep = False
+            else:
+                policy.check_reads(func, args, kwargs)
+        if keep:
             self.kept.outputs[(func, index)] = tree_map_only(torch.Tensor, _Cached, out)
         return out
 
@@ -812,9 +868,9 @@ class _KeepMode(_DispatchMode):
 class _PutOff:
     """A call the recompute did not run (its ``skip``): its arguments and
     their versions then, and the unwritten outputs it handed back in its
-    place.  :meth:`run` runs it after all, into those outputs, when a
-    later op reads one after all (a forward that runs otherwise than its
-    profile says)."""
+    place, which :meth:`run` writes when a later op reads one after all
+    (a recompute that does not stop early, or a forward that runs
+    otherwise than its profile)."""
 
     __slots__ = ("args", "func", "kwargs", "outputs", "versions")
 
@@ -825,13 +881,18 @@ class _PutOff:
         self.outputs = outputs
         self.versions = [t._version for t in _tensors((args, kwargs))]
 
-    def run(self) -> None:
-        if [t._version for t in _tensors((self.args, self.kwargs))] != self.versions:
-            raise RuntimeError(
-                _MISMATCH % f"an input of {self.func}, whose output the "
-                "recompute was told no saved tensor reads, was written "
-                "in place before a later op read that output"
-            )
+    def run(self, mode: _RecomputeMode) -> None:
+        """Run the call into its outputs, after the put-off calls whose
+        outputs it reads (``mode``'s; writing those is no change of its
+        inputs)."""
+        written = mode.run_put_off(self.func, self.args, self.kwargs)
+        for t, version in zip(_tensors((self.args, self.kwargs)), self.versions):
+            if t._version != version and _torch_compat.storage_key(t) not in written:
+                raise RuntimeError(
+                    _MISMATCH % f"an input of {self.func}, whose output the recompute was "
+                    "told no saved tensor reads, was written in place before a "
+                    "later op read that output"
+                )
         real = self.func(*self.args, **self.kwargs)
         for mine, theirs in zip(_tensors(self.outputs), _tensors(real)):
             mine.copy_(theirs)
@@ -872,17 +933,18 @@ def _unwritten(func: Any, args: tuple, kwargs: dict) -> Any:
 @_torch_compat.guard_dispatch
 class _RecomputeMode(_DispatchMode):
     """The recompute's mode: an op whose output the forward kept returns it
-    without running; a call of ``skip`` (whose output nothing the
-    recompute saves reads) returns unwritten outputs of its shape without
-    running, and runs after all, into them, if a later op reads one
-    (:class:`_PutOff`; an op that reads only their shape or makes a view
-    of them does not count); every other op runs again.  The call counts
+    without running; a call of the policy's ``skip`` (whose output nothing
+    the recompute saves reads) returns unwritten outputs of its shape
+    without running, where the forward found it so (``skip_valid``), and
+    runs after all, into them, when a later op that runs reads one
+    (:class:`_PutOff`; an op that makes a view of it or reads only its
+    shape does not count); every other op runs again.  The call counts
     start over each time the recompute is entered."""
 
-    def __init__(self, kept: _Kept, skip: frozenset[tuple[str, int]] = frozenset()) -> None:
+    def __init__(self, kept: _Kept, policy: _Policy) -> None:
         super().__init__()
         self.kept = kept
-        self.skip = skip
+        self.policy = policy
         self.counts: dict[Any, int] = {}
         self.put_off: dict[int, _PutOff] = {}  # by the storage of each unwritten output
 
@@ -899,24 +961,32 @@ class _RecomputeMode(_DispatchMode):
         self.put_off.clear()
         return super().__exit__(*exc)
 
-    def _run_put_off(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """Run the put-off calls whose outputs this call reads."""
-        if func in IGNORED_OPS or _shape_only(func) or getattr(func, "is_view", False):
-            return
+    def run_put_off(self, func: Any, args: tuple, kwargs: dict) -> set[int]:
+        """Run the put-off calls whose outputs a call of ``func`` that runs
+        reads (none when it only views them or reads their shape); the
+        storages they wrote."""
+        written: set[int] = set()
+        if not self.put_off or _transparent(func):
+            return written
         for t in _tensors((args, kwargs)):
             later = self.put_off.get(_torch_compat.storage_key(t))
-            if later is not None:
-                for out in _tensors(later.outputs):
-                    self.put_off.pop(_torch_compat.storage_key(out), None)
-                later.run()
+            if later is None:
+                continue
+            keys = {_torch_compat.storage_key(out) for out in _tensors(later.outputs)}
+            for key in keys:
+                self.put_off.pop(key, None)
+            later.run(self)
+            written |= keys
+        return written
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
         kwargs = {} if kwargs is None else kwargs
-        if self.put_off:
-            self._run_put_off(func, args, kwargs)
-        if func in IGNORED_OPS or func is _CAST:
+        if func in IGNORED_OPS:
+            return func(*args, **kwargs)
+        if func is _CAST:
+            self.run_put_off(func, args, kwargs)
             return func(*args, **kwargs)
         index = self.counts.get(func, 0)
         self.counts[func] = index + 1
@@ -928,13 +998,15 @@ class _RecomputeMode(_DispatchMode):
         entry = self.kept.outputs.get((func, index))
         if entry is not None:
             return tree_map_only(_Cached, _Cached.read, entry)
-        if self.skip and (str(func), index) in self.skip:
+        policy = self.policy
+        if policy.skip_valid and (str(func), index) in policy.skip:
             outputs = _unwritten(func, args, kwargs)
             if outputs is not None:
                 later = _PutOff(func, args, kwargs, outputs)
                 for out in _tensors(outputs):
                     self.put_off[_torch_compat.storage_key(out)] = later
                 return outputs
+        self.run_put_off(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -943,7 +1015,7 @@ def contexts(policy: _Policy) -> tuple[Any, Any]:
     checkpoint (``checkpoint(context_fn=...)``), sharing what the forward
     keeps."""
     kept = _Kept()
-    return _KeepMode(policy, kept), _RecomputeMode(kept, policy.skip)
+    return _KeepMode(policy, kept), _RecomputeMode(kept, policy)
 
 
 # Called with (unit, True) when a selective unit's recompute starts and

@@ -1058,13 +1058,13 @@ class _ResidualDropout(torch.nn.Module):
         return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(x))))
 
 
-def _run_counting(block, threshold, skip):
+def _run_counting(block, threshold, skip, tail):
     """One forward of ``block`` run selective and its backward: the
     addmm calls the recompute made (through ``_Calls``), and the
     gradients."""
     x = X.clone().requires_grad_()
     torch.manual_seed(3)
-    out = _selective.run(block.forward, threshold, (x,), {}, None, None, skip)
+    out = _selective.run(block.forward, threshold, (x,), {}, tail, None, skip)
     with _Calls() as calls:
         out.pow(2).mean().backward()
     grads = [x.grad, *(p.grad for p in block.parameters())]
@@ -1091,6 +1091,8 @@ def test_a_call_no_saved_tensor_reads_is_neither_kept_nor_run_again():
     assert profile.details[0]["skips"] == ((64.0, skip), (16.0, skip))
     assert _planning.skips_from(profile.details[0], 64.0) == skip
     assert _planning.skips_from(profile.details[0], 1.0) == ()
+    tail = _planning.tail_from(profile.details[0])
+    assert tail == ("aten.mul.Tensor", 0)  # the dropout's: the noise is its last save
     x = X.clone().requires_grad_()
     torch.manual_seed(3)
     block(x).pow(2).mean().backward()
@@ -1105,7 +1107,7 @@ def test_a_call_no_saved_tensor_reads_is_neither_kept_nor_run_again():
     }
     held = {}
     for (threshold, given), (calls, _) in runs.items():
-        ran, grads = _run_counting(block, threshold, given)
+        ran, grads = _run_counting(block, threshold, given, tail)
         assert ran == calls, (threshold, given)
         for a, b in zip(grads, expected):
             assert torch.equal(a, b)
@@ -1113,7 +1115,7 @@ def test_a_call_no_saved_tensor_reads_is_neither_kept_nor_run_again():
         box = []
 
         def forward(x=x, t=threshold, g=given, box=box):
-            box.append(_selective.run(block.forward, t, (x,), {}, None, None, g))
+            box.append(_selective.run(block.forward, t, (x,), {}, tail, None, g))
 
         held[threshold, given] = measure_peak(forward, model=block, inputs=x).end_delta_bytes
     least = held[1e30, ()]
@@ -1125,14 +1127,14 @@ def test_a_call_no_saved_tensor_reads_is_neither_kept_nor_run_again():
 def _tanh_of_matmul(x, w):
     a = x * 1.0
     h = a @ w
-    return h.tanh()  # tanh saves its output: h is needed after all
+    return h.tanh()  # tanh saves its output: h is needed
 
 
-def test_a_put_off_call_whose_output_is_read_after_all_runs_then():
-    """Told to leave the one mm unrun, the recompute hands back an
-    unwritten output of its shape; tanh reads it, so the mm runs then,
-    into that output: the gradients are the same bits as without
-    memscale."""
+def test_a_skip_the_forward_finds_read_is_not_skipped():
+    """Told to leave the mm unrun (as a profile of another forward might
+    say), the forward sees tanh read its output before any tail: the
+    recompute runs every call, and the gradients are the same bits as
+    without memscale."""
     x = torch.randn(16, 8, requires_grad=True)
     w = torch.randn(8, 8, requires_grad=True)
     _tanh_of_matmul(x, w).sum().backward()
@@ -1145,22 +1147,57 @@ def test_a_put_off_call_whose_output_is_read_after_all_runs_then():
     assert torch.equal(x.grad, expected[0]) and torch.equal(w.grad, expected[1])
 
 
+def test_a_put_off_call_whose_output_is_read_after_all_runs_then():
+    """With torch's early stop off, the recompute runs the tail too: the
+    dropout's multiply reads fc2's unwritten output, so fc2 runs then,
+    into it (the recompute makes both addmm calls), and the gradients are
+    the same bits."""
+    block = _ResidualDropout()
+    profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
+    tail = _planning.tail_from(profile.details[0])
+    skip = _planning.skips_from(profile.details[0], 64.0)
+    assert skip
+    x = X.clone().requires_grad_()
+    torch.manual_seed(3)
+    block(x).pow(2).mean().backward()
+    expected = [x.grad, *(p.grad for p in block.parameters())]
+    block.zero_grad(set_to_none=True)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        ran, grads = _run_counting(block, 64.0, skip, tail)
+    assert ran == 2
+    for a, b in zip(grads, expected):
+        assert torch.equal(a, b)
+
+
 def _mm_then_written(x, w):
-    a = x * 1.0
+    a = x * 2.0
     h = a @ w  # w needs no gradient: mm saves w, not a
     a.add_(1.0)
-    return h.tanh() + a
+    noise = torch.empty_like(h).bernoulli_(0.5)
+    return h * noise + a  # the multiply saves the noise: the tail starts there
 
 
 def test_a_put_off_calls_input_written_before_its_output_is_read_is_refused():
-    """The put-off mm's input is written in place before tanh reads the
-    mm's output: running it then would compute from the written value, so
-    the recompute refuses, naming the call."""
-    x = torch.randn(16, 8, requires_grad=True)
+    """The put-off mm's input is written in place before the tail's
+    multiply reads the mm's output (the recompute runs the tail: early
+    stop off): running it then would compute from the written value, so
+    the recompute refuses, naming the call.  With early stop on it never
+    runs, and the gradients are the same bits as without memscale."""
     w = torch.randn(8, 8)
-    out = _selective.run(_mm_then_written, 1e30, (x, w), {}, None, None, (("aten.mm.default", 0),))
-    with pytest.raises(RuntimeError, match="an input of aten.mm.default"):
-        out.sum().backward()
+    skip = (("aten.mm.default", 0),)
+    tail = ("aten.mul.Tensor", 1)
+    x = torch.randn(16, 8, requires_grad=True)
+    torch.manual_seed(0)
+    _mm_then_written(x, w).sum().backward()
+    expected = x.grad
+    x.grad = None
+    torch.manual_seed(0)
+    _selective.run(_mm_then_written, 1e30, (x, w), {}, tail, None, skip).sum().backward()
+    assert torch.equal(x.grad, expected)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        out = _selective.run(_mm_then_written, 1e30, (x, w), {}, tail, None, skip)
+        with pytest.raises(RuntimeError, match="an input of aten.mm.default"):
+            out.sum().backward()
 
 
 def test_gpt2s_mlp_output_projection_is_left_to_the_dropout():
@@ -1175,3 +1212,61 @@ def test_gpt2s_mlp_output_projection_is_left_to_the_dropout():
         assert layer.selective_levels
         assert [t for t, _ in detail["skips"]] == [t for t, _, _ in layer.selective_levels]
         assert {s for _, s in detail["skips"]} == {(("aten.addmm.default", 3),)}
+
+
+class _FrozenRead(torch.nn.Module):
+    """A frozen Linear (its addmm saves only its weight) whose output an
+    add reads before the tail (which starts after ``sin`` saves ``a``),
+    and nothing saved reads: not dead, since a recompute runs the add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc0 = torch.nn.Linear(32, 32)
+        self.fc = torch.nn.Linear(32, 32).requires_grad_(False)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        a = self.fc0(x) + 1.0
+        h = self.fc(a)
+        a.mul_(2.0)
+        y = self.drop(h + a)
+        return y + a.sin()
+
+
+def test_only_a_fake_profile_and_no_reader_before_the_tail_make_a_call_dead():
+    """No call is dead where an op before the tail reads its output (the
+    recompute runs that op, so it would run the call for it), nor in a
+    profile of real tensors (use_static_profiling=False: a kernel may read
+    memory the dispatcher does not see); a bias-free Linear's mm, followed
+    by the view Linear makes of it, is dead as the addmm is."""
+    block = _FrozenRead()
+    profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
+    assert "skips" not in profile.details[0]
+    block = _ResidualDropout()
+    real = _planning.profile_upfront(
+        block, [("b", block)], X, memscale.Config(use_static_profiling=False)
+    )
+    assert real.layers[0].selective_levels and "skips" not in real.details[0]
+    block.fc1 = torch.nn.Linear(32, 128, bias=False)
+    block.fc2 = torch.nn.Linear(128, 32, bias=False)
+    profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
+    skip = _planning.skips_from(profile.details[0], 64.0)
+    assert skip == (("aten.mm.default", 1),)
+    tail = _planning.tail_from(profile.details[0])
+    x = X.clone().requires_grad_()
+    torch.manual_seed(3)
+    block(x).pow(2).mean().backward()
+    expected = [x.grad, *(p.grad for p in block.parameters())]
+    block.zero_grad(set_to_none=True)
+    for threshold, given, recomputed in ((64.0, skip, 1), (1e30, (), 2)):
+        x = X.clone().requires_grad_()
+        torch.manual_seed(3)
+        out = _selective.run(block.forward, threshold, (x,), {}, tail, None, given)
+        with _Calls() as calls:
+            out.pow(2).mean().backward()
+        assert calls.names.count("mm.default") == recomputed + 4  # and backward's four
+        grads = [x.grad, *(p.grad for p in block.parameters())]
+        block.zero_grad(set_to_none=True)
+        for a, b in zip(grads, expected):
+            assert torch.equal(a, b)
