@@ -149,6 +149,20 @@ _SKIPPABLE_NAMES = frozenset(
 )
 
 
+# Dropout as one op (CUDA's fused kernel): its second output, the mask,
+# comes from the RNG alone, not from the input's values, so a saved mask
+# needs no earlier call; and where nothing reads its first output but the
+# tail, it may run on an unwritten input (:func:`dead_calls`).
+_MASKED_NAMES = frozenset({"native_dropout"})
+
+
+# Where a tail call reads a skipped output (:meth:`_Policy.check_reads`):
+# ops that save no input, and ops that save an operand only when another
+# one needs a gradient.
+_SAVES_NO_INPUT = frozenset({"add", "sub"})
+_SAVES_THE_OTHER = frozenset({"mul", "div"})
+
+
 def _op_name(func: Any) -> str:
     return getattr(_torch_compat.op_packet(func), "__name__", "")
 
@@ -307,8 +321,10 @@ class LayerOps:
     deps: list[tuple[int, ...]] = field(default_factory=list)
     saved: set[int] = field(default_factory=set)
     saves_known: bool = False
-    # The calls that read no value of their arguments (_transparent).
+    # The calls that read no value of their arguments (_transparent), and
+    # the fused dropouts (_MASKED_NAMES).
     transparent: set[int] = field(default_factory=set)
+    masked: set[int] = field(default_factory=set)
 
     def op_class(self, index: int) -> int:
         return self.classes[index] if index < len(self.classes) else MATMUL
@@ -358,7 +374,7 @@ class OpRecorder(_DispatchMode):
         self.ops = [LayerOps([]) for _ in units]
         self._current: int | None = None
         self._state: set[int] = set()  # ids of the current unit's buffers and parameters
-        self._producer: dict[int, int] = {}  # storage -> index of the call that wrote it new
+        self._producer: dict[int, int] = {}  # storage -> index of the call that last wrote it
         self._last_save = 0  # the current unit's calls recorded at its last save
         self._saved_hooks = saved_hooks
         self._saved_ctx: Any = None
@@ -457,6 +473,10 @@ class OpRecorder(_DispatchMode):
             if _torch_compat.op_writes_new(func) and _op_name(func) not in _ALIAS_NAMES:
                 for t in _outputs(out):
                     self._producer[_torch_compat.storage_key(t)] = here
+                if _op_name(func) in _MASKED_NAMES and len(_outputs(out)) == 2:
+                    # The mask depends on no value: no producer.
+                    self._producer.pop(_torch_compat.storage_key(_outputs(out)[1]), None)
+                    ops.masked.add(here)
             ops.calls.append(op_cost(func, args, kwargs, out))
             ops.classes.append(op_class(func))
             ops.names.append(str(func))
@@ -552,9 +572,12 @@ def dead_calls(ops: LayerOps, kept: Collection[int]) -> frozenset[int]:
     of calls (a kept call's output is handed back, so what it reads is not
     needed for it), and whose output no call before the tail reads but
     to make a view of it or to read its shape (a recompute runs those
-    calls, so it would run this one for them).  GPT-2's MLP output
-    projection is one: only the dropout after it reads it, which is the
-    tail and saves its noise, not its input.  Such a call in ``kept`` is
+    calls, so it would run this one for them), or a fused dropout whose
+    own output is needed by none and read by no call before the tail but
+    views (its saved mask does not read the input: :func:`_unread_by`).
+    GPT-2's MLP output projection is one: only the dropout after it reads
+    it, which is the tail and saves its noise, not its input (on CUDA,
+    a fused dropout, which saves its mask).  Such a call in ``kept`` is
     among them too (keeping it holds bytes for nothing).  Empty where the
     forward's saves were not recorded (on fake tensors) or it ran more
     than once."""
@@ -565,9 +588,6 @@ def dead_calls(ops: LayerOps, kept: Collection[int]) -> frozenset[int]:
         for i, name in enumerate(ops.names)
         if _skippable(name) and not ops.calls[i][3] and i not in ops.tail
     }
-    for reader, deps in enumerate(ops.deps):
-        if reader not in ops.tail and reader not in ops.transparent:
-            candidates.difference_update(deps)
     if not candidates:
         return frozenset()
     needed: set[int] = set()
@@ -579,7 +599,28 @@ def dead_calls(ops: LayerOps, kept: Collection[int]) -> frozenset[int]:
         needed.add(i)
         if i not in kept:
             stack.extend(ops.deps[i])
+    unread = _unread_by(ops, needed)
+    for reader, deps in enumerate(ops.deps):
+        if reader not in ops.tail and reader not in ops.transparent and reader not in unread:
+            candidates.difference_update(deps)
     return frozenset(candidates - needed)
+
+
+def _readers_before_tail(ops: LayerOps, call: int) -> bool:
+    """Whether a call before the tail reads ``call``'s output but to view
+    it or read its shape."""
+    return any(
+        call in deps and reader not in ops.tail and reader not in ops.transparent
+        for reader, deps in enumerate(ops.deps)
+    )
+
+
+def _unread_by(ops: LayerOps, needed: set[int]) -> set[int]:
+    """The fused dropouts whose first output nothing needs and no call
+    before the tail reads (but views): run on an unwritten input, they
+    still draw the right mask, and what they compute from it is never
+    read."""
+    return {r for r in ops.masked if r not in needed and not _readers_before_tail(ops, r)}
 
 
 def _level_calls(
@@ -606,7 +647,9 @@ Skip = tuple[tuple[str, int], ...]  # calls by (op name, how many calls of it co
 def level_skips(ops: LayerOps, levels: tuple[Level, ...]) -> tuple[tuple[float, Skip], ...]:
     """Per level of ``levels`` (:func:`layer_profile`'s) whose recompute
     leaves calls unrun (:func:`dead_calls`), its threshold and those calls
-    by op name and occurrence, what :func:`run` is given (``skip``)."""
+    by op name and occurrence, what :func:`run` is given (``skip``), with
+    the fused dropouts that read their outputs (which run, on them
+    unwritten: :func:`_unread_by`)."""
     end = ops.tail_start()
     if end is None:
         end = len(ops.calls)
@@ -615,10 +658,16 @@ def level_skips(ops: LayerOps, levels: tuple[Level, ...]) -> tuple[tuple[float, 
         found = _level_calls(ops, limit_ratio, end)
         if found is None or not found[1]:
             continue
+        dead = found[1]
+        # The fused dropouts that read a dead call's output run on it unwritten.
+        readers = {r for r in ops.masked if dead & set(ops.deps[r])}
         out.append(
             (
                 limit_ratio,
-                tuple((ops.names[i], ops.names[:i].count(ops.names[i])) for i in sorted(found[1])),
+                tuple(
+                    (ops.names[i], ops.names[:i].count(ops.names[i]))
+                    for i in sorted(dead | readers)
+                ),
             )
         )
     return tuple(out)
@@ -736,13 +785,49 @@ class _Policy:
         self.reached = False
         self.skip_valid = bool(self.skip)
         self.skipped: set[int] = set()  # the storages of the skip calls' outputs
+        # The layouts of the skip calls' outputs, by (op name, occurrence).
+        self.layouts: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
 
     def check_reads(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """Note a call before the tail that reads a ``skip`` call's output."""
-        if self.reached or not self.skipped or _transparent(func):
+        """Note a call that reads a ``skip`` call's output where the
+        recompute would run it on the unwritten output, or autograd might
+        save that: before the tail, any call but a view or one that reads
+        only the shape; in the tail (where torch's early stop may come at
+        the call's own save, before it runs), any call but an add or a
+        subtract, which save no input, or a multiply or divide whose other
+        operands need no gradient (dropout's: its noise needs none), which
+        then save no output of the skipped call."""
+        if not self.skipped or _transparent(func):
             return
-        if any(_torch_compat.storage_key(t) in self.skipped for t in _tensors((args, kwargs))):
-            self.skip_valid = False
+        tensors = _tensors((args, kwargs))
+        read = [_torch_compat.storage_key(t) in self.skipped for t in tensors]
+        if not any(read):
+            return
+        if self.reached:
+            name = _op_name(func)
+            if name in _SAVES_NO_INPUT:
+                return
+            if name in _SAVES_THE_OTHER and not any(
+                t.requires_grad for t, r in zip(tensors, read) if not r
+            ):
+                return
+        self.skip_valid = False
+
+    def check_layout(self, func: Any, index: int, out: Any) -> None:
+        """Note the outputs of the ``skip`` call ``(func, index)``: their
+        storages (:meth:`check_reads`) and layouts, which the recompute's
+        unwritten stand-ins copy (a kernel may choose another layout than
+        its meta function)."""
+        outputs = _tensors(out)
+        if _op_name(func) in _MASKED_NAMES:
+            # A fused dropout's output is computed from an unwritten input
+            # in the recompute; its mask is not.
+            outputs = outputs[:1]
+        else:
+            self.layouts[str(func), index] = [
+                (t.shape, t.stride(), t.dtype, t.device) for t in outputs
+            ]
+        self.skipped.update(_torch_compat.storage_key(t) for t in outputs)
 
     def keep(self, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
         if self.tail is not None:
@@ -856,8 +941,10 @@ class _KeepMode(_DispatchMode):
         keep = isinstance(func, torch._ops.OpOverload) and policy.keep(func, args, kwargs, out)
         if policy.skip:
             if (str(func), index) in policy.skip:
-                policy.skipped.update(_torch_compat.storage_key(t) for t in _tensors(out))
                 keep = False
+                if _op_name(func) not in _MASKED_NAMES:  # (it reads them unwritten)
+                    policy.check_reads(func, args, kwargs)
+                policy.check_layout(func, index, out)
             else:
                 policy.check_reads(func, args, kwargs)
         if keep:
@@ -902,32 +989,17 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _unwritten(func: Any, args: tuple, kwargs: dict) -> Any:
-    """Outputs shaped, strided and typed as ``func``'s on these arguments,
-    allocated and not written (their shapes come from running ``func`` on
-    the meta device, which no dispatch mode below sees: a FLOP counter
-    would count it), or None where that fails."""
-
-    def meta(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-    tensors = _tensors((args, kwargs))
-    if not tensors:
+def _unwritten(layouts: list[tuple[Any, ...]] | None) -> Any:
+    """Tensors allocated and not written, of the forward's ``layouts``
+    (shape, stride, dtype, device) of a call's outputs, or None where the
+    forward made no such call: a single one, or a tuple."""
+    if not layouts:
         return None
-    device = tensors[0].device
-    try:
-        with _torch_compat.no_dispatch_modes():
-            shaped = func(
-                *tree_map_only(torch.Tensor, meta, args),
-                **tree_map_only(torch.Tensor, meta, kwargs),
-            )
-    except Exception:  # (no meta kernel, or one that refuses: the call runs)
-        return None
-    return tree_map_only(
-        torch.Tensor,
-        lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device),
-        shaped,
-    )
+    made = [
+        torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        for shape, stride, dtype, device in layouts
+    ]
+    return made[0] if len(made) == 1 else tuple(made)
 
 
 @_torch_compat.guard_dispatch
@@ -1000,7 +1072,11 @@ class _RecomputeMode(_DispatchMode):
             return tree_map_only(_Cached, _Cached.read, entry)
         policy = self.policy
         if policy.skip_valid and (str(func), index) in policy.skip:
-            outputs = _unwritten(func, args, kwargs)
+            if _op_name(func) in _MASKED_NAMES:
+                # It reads an unwritten output: its mask is drawn as in the
+                # forward, and its own output is read by no call that runs.
+                return func(*args, **kwargs)
+            outputs = _unwritten(policy.layouts.get((str(func), index)))
             if outputs is not None:
                 later = _PutOff(func, args, kwargs, outputs)
                 for out in _tensors(outputs):
@@ -1076,6 +1152,19 @@ def _tail_missed(tail: Tail) -> None:
         )
 
 
+def _hooked(unit: nn.Module | None) -> bool:
+    """Whether a forward hook may run inside ``unit``'s forward: one of a
+    submodule's, or a global one (the unit's own run around its forward,
+    not in the recompute)."""
+    from torch.nn.modules import module as _module
+
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return True
+    if unit is None:
+        return False
+    return any(m._forward_hooks or m._forward_pre_hooks for m in unit.modules() if m is not unit)
+
+
 def run(
     forward: Any,
     threshold: float,
@@ -1097,6 +1186,10 @@ def run(
     warning says so, once per process).  ``unit``: the module whose forward
     this is, for :data:`RECOMPUTE_LISTENERS`.  ``skip``: the calls of the
     level that neither are kept nor run again (:func:`level_skips`)."""
+    if skip and _hooked(unit):
+        # A hook of a submodule runs again in the recompute, and would see
+        # the unwritten outputs.
+        skip = ()
     policy = _Policy(threshold, tail, skip)
 
     def context_fn() -> tuple[Any, Any]:

@@ -16,7 +16,6 @@ hook tables, and falls back to re-applying the plan.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import sys
@@ -121,19 +120,6 @@ def dispatch_mode_base() -> type | None:
         logger.info("TorchDispatchMode is unavailable in torch %s", torch.__version__)
         return None
     return TorchDispatchMode
-
-
-def no_dispatch_modes() -> Any:
-    """A context manager under which no dispatch mode sees an operator
-    (torch's private ``_disable_current_modes``): the selective recompute
-    computes the shape of a call it does not run on the meta device
-    without a FLOP counter or a fake-tensor mode below it seeing that
-    call.  A do-nothing context where this torch lacks it."""
-    try:
-        from torch.utils._python_dispatch import _disable_current_modes
-    except ImportError:  # pragma: no cover - depends on the torch release
-        return contextlib.nullcontext()
-    return _disable_current_modes()
 
 
 def fake_tensor_tools() -> (

@@ -1270,3 +1270,133 @@ def test_only_a_fake_profile_and_no_reader_before_the_tail_make_a_call_dead():
         block.zero_grad(set_to_none=True)
         for a, b in zip(grads, expected):
             assert torch.equal(a, b)
+
+
+class _FusedDropout(_ResidualDropout):
+    """As :class:`_ResidualDropout` with dropout as one op returning its
+    output and mask (``native_dropout``, what CUDA runs): autograd saves
+    the mask, which reads nothing of fc2's output."""
+
+    def forward(self, x):
+        h = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        return x + torch.native_dropout(h, 0.1, True)[0]
+
+
+def test_a_fused_dropout_runs_on_the_unwritten_output_it_alone_reads():
+    """fc2's output is read only by the fused dropout, whose own output
+    only the tail reads: fc2 is dead, and the dropout runs on its unwritten
+    output in the recompute (its mask drawn as in the forward).  The
+    recompute makes one addmm (fc1's) where a whole one makes two, and the
+    gradients are the same bits as the unwrapped block's."""
+    block = _FusedDropout()
+    profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
+    skip = (("aten.addmm.default", 1), ("aten.native_dropout.default", 0))
+    assert profile.details[0]["skips"] == ((64.0, skip), (16.0, skip))
+    assert [b for _, b, _ in profile.layers[0].selective_levels] == [0, ROWS * 128 * 4]
+    tail = _planning.tail_from(profile.details[0])
+    x = X.clone().requires_grad_()
+    torch.manual_seed(3)
+    block(x).pow(2).mean().backward()
+    expected = [x.grad, *(p.grad for p in block.parameters())]
+    block.zero_grad(set_to_none=True)
+    for threshold, given, recomputed in ((64.0, skip, 1), (1e30, (), 2)):
+        ran, grads = _run_counting(block, threshold, given, tail)
+        assert ran == recomputed
+        for a, b in zip(grads, expected):
+            assert torch.equal(a, b)
+
+
+class _GatedByInput(torch.nn.Module):
+    """fc2's output times a gate of the block's input: the tail's multiply
+    saves fc2's output only when the gate needs a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(32, 128)
+        self.fc2 = torch.nn.Linear(128, 32)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x))) * torch.sigmoid(x)
+
+
+def _same_grads_run_and_plain(block, x, threshold, tail, skip, unit=None):
+    """Whether ``block`` run selective with ``skip`` gives the gradients of
+    the plain block, bitwise (``x`` with or without its own gradient)."""
+    grads = []
+    for selective in (False, True):
+        xi = x.detach().clone().requires_grad_(x.requires_grad)
+        torch.manual_seed(3)
+        if selective:
+            out = _selective.run(block.forward, threshold, (xi,), {}, tail, unit, skip)
+        else:
+            out = block(xi)
+        out.pow(2).mean().backward()
+        grads.append([xi.grad, *(p.grad for p in block.parameters())])
+        block.zero_grad(set_to_none=True)
+    return all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+
+
+def test_a_skip_stands_down_where_the_run_differs_from_its_profile():
+    """Each run below differs from the profile its skip came from in a way
+    that would put fc2's (or the conv's) unwritten output into backward,
+    and each gives the plain block's gradients bitwise: (a) the input
+    needs a gradient in training, not when profiled, so the tail's
+    multiply saves fc2's output (the forward sees a tail call that may
+    save it); (b) a forward hook on fc2 would capture the unwritten
+    output in the recompute (a hooked submodule turns the skip off); (c)
+    the stand-in takes the layout of the forward's output, not a meta
+    kernel's (a conv with a channels-last weight writes channels last);
+    (d) a skipped call reading another's output (a skip list naming other
+    calls than the profile's)."""
+    block = _GatedByInput()
+    profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
+    skip = _planning.skips_from(profile.details[0], 64.0)
+    assert skip == (("aten.addmm.default", 1),)
+    tail = _planning.tail_from(profile.details[0])
+    assert _same_grads_run_and_plain(block, X.clone().requires_grad_(), 64.0, tail, skip)
+    out = _selective.run(block.forward, 64.0, (X.clone().requires_grad_(),), {}, tail, None, skip)
+    with _Calls() as calls:
+        out.pow(2).mean().backward()
+    assert calls.names.count("addmm.default") == 2  # fc2 ran again (stale memory may hide it)
+    block.zero_grad(set_to_none=True)
+    # (b)
+    block = _ResidualDropout()
+    profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
+    skip, tail = (
+        _planning.skips_from(profile.details[0], 64.0),
+        _planning.tail_from(profile.details[0]),
+    )
+    acts = {}
+    handle = block.fc2.register_forward_hook(lambda m, i, o: acts.__setitem__("fc2", o.detach()))
+    try:
+        x = X.clone().requires_grad_()
+        out = _selective.run(block.forward, 64.0, (x,), {}, tail, block, skip)
+        captured = acts["fc2"].clone()
+        out.pow(2).mean().backward()
+        assert torch.equal(acts["fc2"], captured)
+    finally:
+        handle.remove()
+    # (c)
+    conv = _ConvDropout().to(memory_format=torch.channels_last)
+    images = torch.randn(2, 8, 12, 12, generator=torch.Generator().manual_seed(2))
+    profile = _planning.profile_upfront(conv, [("c", conv)], images, memscale.Config())
+    (threshold, skip), *_ = profile.details[0]["skips"]
+    assert skip == (("aten.convolution.default", 0),)
+    tail = _planning.tail_from(profile.details[0])
+    assert _same_grads_run_and_plain(conv, images.requires_grad_(), threshold, tail, skip)
+    # (d)
+    chain = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    both = (("aten.addmm.default", 0), ("aten.addmm.default", 1))
+    assert _same_grads_run_and_plain(chain, X.clone().requires_grad_(), 1e30, None, both)
+
+
+class _ConvDropout(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.conv(x))
