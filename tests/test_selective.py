@@ -1058,10 +1058,10 @@ class _ResidualDropout(torch.nn.Module):
         return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(x))))
 
 
-def _run_counting(block, threshold, skip, tail):
-    """One forward of ``block`` run selective and its backward: the
-    addmm calls the recompute made (through ``_Calls``), and the
-    gradients."""
+def _run_counting(block, threshold, skip, tail, op="addmm.default"):
+    """One forward of ``block`` run selective and its backward: the calls
+    of ``op`` the backward made (through ``_Calls``: the recompute's, and
+    for ``mm`` the backward's own), and the gradients."""
     x = X.clone().requires_grad_()
     torch.manual_seed(3)
     out = _selective.run(block.forward, threshold, (x,), {}, tail, None, skip)
@@ -1069,7 +1069,17 @@ def _run_counting(block, threshold, skip, tail):
         out.pow(2).mean().backward()
     grads = [x.grad, *(p.grad for p in block.parameters())]
     block.zero_grad(set_to_none=True)
-    return calls.names.count("addmm.default"), grads
+    return calls.names.count(op), grads
+
+
+def _plain_grads(block):
+    """The gradients of one step of ``block`` as it is (dropout's seed 3)."""
+    x = X.clone().requires_grad_()
+    torch.manual_seed(3)
+    block(x).pow(2).mean().backward()
+    grads = [x.grad, *(p.grad for p in block.parameters())]
+    block.zero_grad(set_to_none=True)
+    return grads
 
 
 def test_a_call_no_saved_tensor_reads_is_neither_kept_nor_run_again():
@@ -1093,11 +1103,7 @@ def test_a_call_no_saved_tensor_reads_is_neither_kept_nor_run_again():
     assert _planning.skips_from(profile.details[0], 1.0) == ()
     tail = _planning.tail_from(profile.details[0])
     assert tail == ("aten.mul.Tensor", 0)  # the dropout's: the noise is its last save
-    x = X.clone().requires_grad_()
-    torch.manual_seed(3)
-    block(x).pow(2).mean().backward()
-    expected = [x.grad, *(p.grad for p in block.parameters())]
-    block.zero_grad(set_to_none=True)
+    expected = _plain_grads(block)
     # (threshold, skip): addmm calls the recompute makes, bytes held.
     runs = {
         (64.0, skip): (1, 0),
@@ -1157,11 +1163,7 @@ def test_a_put_off_call_whose_output_is_read_after_all_runs_then():
     tail = _planning.tail_from(profile.details[0])
     skip = _planning.skips_from(profile.details[0], 64.0)
     assert skip
-    x = X.clone().requires_grad_()
-    torch.manual_seed(3)
-    block(x).pow(2).mean().backward()
-    expected = [x.grad, *(p.grad for p in block.parameters())]
-    block.zero_grad(set_to_none=True)
+    expected = _plain_grads(block)
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):
         ran, grads = _run_counting(block, 64.0, skip, tail)
     assert ran == 2
@@ -1254,20 +1256,10 @@ def test_only_a_fake_profile_and_no_reader_before_the_tail_make_a_call_dead():
     skip = _planning.skips_from(profile.details[0], 64.0)
     assert skip == (("aten.mm.default", 1),)
     tail = _planning.tail_from(profile.details[0])
-    x = X.clone().requires_grad_()
-    torch.manual_seed(3)
-    block(x).pow(2).mean().backward()
-    expected = [x.grad, *(p.grad for p in block.parameters())]
-    block.zero_grad(set_to_none=True)
+    expected = _plain_grads(block)
     for threshold, given, recomputed in ((64.0, skip, 1), (1e30, (), 2)):
-        x = X.clone().requires_grad_()
-        torch.manual_seed(3)
-        out = _selective.run(block.forward, threshold, (x,), {}, tail, None, given)
-        with _Calls() as calls:
-            out.pow(2).mean().backward()
-        assert calls.names.count("mm.default") == recomputed + 4  # and backward's four
-        grads = [x.grad, *(p.grad for p in block.parameters())]
-        block.zero_grad(set_to_none=True)
+        ran, grads = _run_counting(block, threshold, given, tail, "mm.default")
+        assert ran == recomputed + 4  # and backward's four
         for a, b in zip(grads, expected):
             assert torch.equal(a, b)
 
@@ -1294,11 +1286,7 @@ def test_a_fused_dropout_runs_on_the_unwritten_output_it_alone_reads():
     assert profile.details[0]["skips"] == ((64.0, skip), (16.0, skip))
     assert [b for _, b, _ in profile.layers[0].selective_levels] == [0, ROWS * 128 * 4]
     tail = _planning.tail_from(profile.details[0])
-    x = X.clone().requires_grad_()
-    torch.manual_seed(3)
-    block(x).pow(2).mean().backward()
-    expected = [x.grad, *(p.grad for p in block.parameters())]
-    block.zero_grad(set_to_none=True)
+    expected = _plain_grads(block)
     for threshold, given, recomputed in ((64.0, skip, 1), (1e30, (), 2)):
         ran, grads = _run_counting(block, threshold, given, tail)
         assert ran == recomputed
