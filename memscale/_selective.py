@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils import checkpoint as _checkpoint_module
 from torch.utils._pytree import tree_map_only
@@ -160,7 +161,7 @@ _MASKED_NAMES = frozenset({"native_dropout"})
 # ops that save no input, and ops that save an operand only when another
 # one needs a gradient.
 _SAVES_NO_INPUT = frozenset({"add", "sub"})
-_SAVES_THE_OTHER = frozenset({"mul", "div"})
+_SAVES_THE_OTHER = frozenset({"mul", "div"})  # (div: only its divisor's partner)
 
 
 def _op_name(func: Any) -> str:
@@ -777,41 +778,73 @@ class _Policy:
     it did (it runs otherwise than its profile), the recompute runs
     every call."""
 
-    def __init__(self, threshold: float, tail: Tail | None, skip: Skip = ()) -> None:
+    def __init__(
+        self, threshold: float, tail: Tail | None, skip: Skip = (), unit: nn.Module | None = None
+    ) -> None:
         self.threshold = threshold
         self.tail = tail
         self.skip = frozenset(skip)
+        self.unit = unit  # whose submodules' hooks turn the skip off (_hooked)
         self.seen = 0  # calls of the tail's first op so far
         self.reached = False
         self.skip_valid = bool(self.skip)
-        self.skipped: set[int] = set()  # the storages of the skip calls' outputs
+        # The storages of the skip calls' outputs (weakly: an address may be
+        # reused once one is freed), and whether each is computed from an
+        # unwritten one (_unwritten).
+        self.skipped: dict[int, tuple[StorageWeakRef, bool]] = {}
         # The layouts of the skip calls' outputs, by (op name, occurrence).
         self.layouts: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
 
-    def check_reads(self, func: Any, args: tuple, kwargs: dict) -> None:
+    def _unwritten(self, t: torch.Tensor) -> bool | None:
+        """None where ``t`` is no output of a skip call, else whether it
+        is computed from an unwritten one (never written in the
+        recompute), rather than put off (written when a call that runs
+        reads it)."""
+        entry = self.skipped.get(_torch_compat.storage_key(t))
+        if entry is None or entry[0].expired():  # (an address reused)
+            return None
+        return entry[1]
+
+    def _note(self, outputs: list[torch.Tensor], computed: bool) -> None:
+        for t in outputs:
+            storage = t.untyped_storage()
+            self.skipped[storage._cdata] = (StorageWeakRef(storage), computed)
+
+    def check_reads(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Note a call that reads a ``skip`` call's output where the
         recompute would run it on the unwritten output, or autograd might
         save that: before the tail, any call but a view or one that reads
         only the shape; in the tail (where torch's early stop may come at
         the call's own save, before it runs), any call but an add or a
-        subtract, which save no input, or a multiply or divide whose other
-        operands need no gradient (dropout's: its noise needs none), which
-        then save no output of the skipped call."""
+        subtract, which save no input, or a multiply, or a divide by it
+        not, with one operand read unwritten and the other needing no
+        gradient (dropout's noise), which then save no unwritten operand.
+        What such a tail call computes from a fused dropout's output, which
+        the recompute computes from an unwritten input, counts as such in
+        turn."""
         if not self.skipped or _transparent(func):
             return
         tensors = _tensors((args, kwargs))
-        read = [_torch_compat.storage_key(t) in self.skipped for t in tensors]
+        found = [self._unwritten(t) for t in tensors]
+        read = [f is not None for f in found]
         if not any(read):
             return
-        if self.reached:
-            name = _op_name(func)
-            if name in _SAVES_NO_INPUT:
-                return
-            if name in _SAVES_THE_OTHER and not any(
-                t.requires_grad for t, r in zip(tensors, read) if not r
-            ):
-                return
+        if self.reached and self._saves_none(func, tensors, read):
+            if any(found):  # (its output is computed from unwritten values too)
+                self._note(_tensors(out), True)
+            return
         self.skip_valid = False
+
+    @staticmethod
+    def _saves_none(func: Any, tensors: list[torch.Tensor], read: list[bool]) -> bool:
+        name = _op_name(func)
+        if name in _SAVES_NO_INPUT:
+            return True
+        if name not in _SAVES_THE_OTHER or len(tensors) != 2 or sum(read) != 1:
+            return False
+        if name == "div" and not read[0]:  # (a divisor is saved)
+            return False
+        return not any(t.requires_grad for t, r in zip(tensors, read) if not r)
 
     def check_layout(self, func: Any, index: int, out: Any) -> None:
         """Note the outputs of the ``skip`` call ``(func, index)``: their
@@ -822,12 +855,10 @@ class _Policy:
         if _op_name(func) in _MASKED_NAMES:
             # A fused dropout's output is computed from an unwritten input
             # in the recompute; its mask is not.
-            outputs = outputs[:1]
-        else:
-            self.layouts[str(func), index] = [
-                (t.shape, t.stride(), t.dtype, t.device) for t in outputs
-            ]
-        self.skipped.update(_torch_compat.storage_key(t) for t in outputs)
+            self._note(outputs[:1], True)
+            return
+        self.layouts[str(func), index] = [(t.shape, t.stride(), t.dtype, t.device) for t in outputs]
+        self._note(outputs, False)
 
     def keep(self, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
         if self.tail is not None:
@@ -931,7 +962,7 @@ class _KeepMode(_DispatchMode):
         policy = self.policy
         if func is _CAST:
             policy.keep(func, args, kwargs, out)  # where the tail starts
-            policy.check_reads(func, args, kwargs)
+            policy.check_reads(func, args, kwargs, out)
             return out
         calls = self.kept.calls
         index = calls.get(func, 0)
@@ -943,10 +974,10 @@ class _KeepMode(_DispatchMode):
             if (str(func), index) in policy.skip:
                 keep = False
                 if _op_name(func) not in _MASKED_NAMES:  # (it reads them unwritten)
-                    policy.check_reads(func, args, kwargs)
+                    policy.check_reads(func, args, kwargs, out)
                 policy.check_layout(func, index, out)
             else:
-                policy.check_reads(func, args, kwargs)
+                policy.check_reads(func, args, kwargs, out)
         if keep:
             self.kept.outputs[(func, index)] = tree_map_only(torch.Tensor, _Cached, out)
         return out
@@ -1019,6 +1050,7 @@ class _RecomputeMode(_DispatchMode):
         self.policy = policy
         self.counts: dict[Any, int] = {}
         self.put_off: dict[int, _PutOff] = {}  # by the storage of each unwritten output
+        self.skipping = False  # (set on entering)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -1027,6 +1059,8 @@ class _RecomputeMode(_DispatchMode):
     def __enter__(self) -> Any:
         self.counts.clear()
         self.put_off.clear()
+        # A hook registered since the forward would run in this recompute.
+        self.skipping = self.policy.skip_valid and not _hooked(self.policy.unit)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
@@ -1071,7 +1105,7 @@ class _RecomputeMode(_DispatchMode):
         if entry is not None:
             return tree_map_only(_Cached, _Cached.read, entry)
         policy = self.policy
-        if policy.skip_valid and (str(func), index) in policy.skip:
+        if self.skipping and (str(func), index) in policy.skip:
             if _op_name(func) in _MASKED_NAMES:
                 # It reads an unwritten output: its mask is drawn as in the
                 # forward, and its own output is read by no call that runs.
@@ -1188,9 +1222,9 @@ def run(
     level that neither are kept nor run again (:func:`level_skips`)."""
     if skip and _hooked(unit):
         # A hook of a submodule runs again in the recompute, and would see
-        # the unwritten outputs.
+        # the unwritten outputs (the recompute checks again: _RecomputeMode).
         skip = ()
-    policy = _Policy(threshold, tail, skip)
+    policy = _Policy(threshold, tail, skip, unit)
 
     def context_fn() -> tuple[Any, Any]:
         keep, recompute = contexts(policy)

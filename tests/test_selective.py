@@ -1336,7 +1336,10 @@ def test_a_skip_stands_down_where_the_run_differs_from_its_profile():
     the stand-in takes the layout of the forward's output, not a meta
     kernel's (a conv with a channels-last weight writes channels last);
     (d) a skipped call reading another's output (a skip list naming other
-    calls than the profile's)."""
+    calls than the profile's); (e) an op that saves its input reads, in
+    the tail, what a fused dropout computed from the unwritten product.
+    A hook registered after the forward, before the recompute, sees the
+    written output too."""
     block = _GatedByInput()
     profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
     skip = _planning.skips_from(profile.details[0], 64.0)
@@ -1365,6 +1368,18 @@ def test_a_skip_stands_down_where_the_run_differs_from_its_profile():
         assert torch.equal(acts["fc2"], captured)
     finally:
         handle.remove()
+    # (b) again, the hook registered after the forward, before backward
+    x = X.clone().requires_grad_()
+    out = _selective.run(block.forward, 64.0, (x,), {}, tail, block, skip)
+    captured = []
+    handle = block.fc2.register_forward_hook(lambda m, i, o: captured.append(o.detach()))
+    try:
+        out.pow(2).mean().backward()
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        assert torch.equal(captured[0], block.fc2(torch.nn.functional.gelu(block.fc1(X))))
+    block.zero_grad(set_to_none=True)
     # (c)
     conv = _ConvDropout().to(memory_format=torch.channels_last)
     images = torch.randn(2, 8, 12, 12, generator=torch.Generator().manual_seed(2))
@@ -1377,6 +1392,17 @@ def test_a_skip_stands_down_where_the_run_differs_from_its_profile():
     chain = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
     both = (("aten.addmm.default", 0), ("aten.addmm.default", 1))
     assert _same_grads_run_and_plain(chain, X.clone().requires_grad_(), 1e30, None, both)
+    # (e) a fused dropout's output, computed from the unwritten product in
+    # the recompute, read in the tail by an op that saves it (tanh)
+    fused = _FusedDropout()
+    profile = _planning.profile_upfront(fused, [("b", fused)], X, memscale.Config())
+    skip, tail = (
+        _planning.skips_from(profile.details[0], 64.0),
+        _planning.tail_from(profile.details[0]),
+    )
+    assert skip
+    fused.forward = lambda x: _FusedDropout.forward(fused, x).tanh()
+    assert _same_grads_run_and_plain(fused, X.clone().requires_grad_(), 64.0, tail, skip)
 
 
 class _ConvDropout(torch.nn.Module):
