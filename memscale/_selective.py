@@ -68,6 +68,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.modules import module as _module
 from torch.utils import _pytree as pytree
 from torch.utils import checkpoint as _checkpoint_module
 from torch.utils._pytree import tree_map_only
@@ -161,7 +162,7 @@ _MASKED_NAMES = frozenset({"native_dropout"})
 # ops that save no input, and ops that save an operand only when another
 # one needs a gradient.
 _SAVES_NO_INPUT = frozenset({"add", "sub"})
-_SAVES_THE_OTHER = frozenset({"mul", "div"})  # (div: only its divisor's partner)
+_SAVES_THE_OTHER = frozenset({"mul", "div"})  # (div: the read operand its dividend)
 
 
 def _op_name(func: Any) -> str:
@@ -580,7 +581,7 @@ def dead_calls(ops: LayerOps, kept: Collection[int]) -> frozenset[int]:
     it, which is the tail and saves its noise, not its input (on CUDA,
     a fused dropout, which saves its mask).  Such a call in ``kept`` is
     among them too (keeping it holds bytes for nothing).  Empty where the
-    forward's saves were not recorded (on fake tensors) or it ran more
+    forward's saves were not recorded on fake tensors, or it ran more
     than once."""
     if not ops.saves_known or ops.entered != 1 or len(ops.deps) != len(ops.calls):
         return frozenset()
@@ -790,12 +791,12 @@ class _Policy:
         self.skip_valid = bool(self.skip)
         # The storages of the skip calls' outputs (weakly: an address may be
         # reused once one is freed), and whether each is computed from an
-        # unwritten one (_unwritten).
+        # unwritten one (_skipped_kind).
         self.skipped: dict[int, tuple[StorageWeakRef, bool]] = {}
         # The layouts of the skip calls' outputs, by (op name, occurrence).
         self.layouts: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
 
-    def _unwritten(self, t: torch.Tensor) -> bool | None:
+    def _skipped_kind(self, t: torch.Tensor) -> bool | None:
         """None where ``t`` is no output of a skip call, else whether it
         is computed from an unwritten one (never written in the
         recompute), rather than put off (written when a call that runs
@@ -825,7 +826,7 @@ class _Policy:
         if not self.skipped or _transparent(func):
             return
         tensors = _tensors((args, kwargs))
-        found = [self._unwritten(t) for t in tensors]
+        found = [self._skipped_kind(t) for t in tensors]
         read = [f is not None for f in found]
         if not any(read):
             return
@@ -1190,8 +1191,6 @@ def _hooked(unit: nn.Module | None) -> bool:
     """Whether a forward hook may run inside ``unit``'s forward: one of a
     submodule's, or a global one (the unit's own run around its forward,
     not in the recompute)."""
-    from torch.nn.modules import module as _module
-
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return True
     if unit is None:
