@@ -166,7 +166,9 @@ def test_compiled_variants_measured_at_the_allocator():
     """Inductor on the smallest quick model: the plan compiled keeps the
     eager plan's memory (its peak within 5%), torch's checkpointing
     compiled likewise; the peak is the allocator's, which sees compiled
-    kernels' buffers."""
+    kernels' buffers.  Its gradients are as far from eager's as inductor's
+    own on the model as is (1.03e-4 on a 2-core AMD EPYC, whose kernels
+    differ from a Xeon's: an absolute bound alone fails there)."""
     entry = BENCHMARK_MODELS[_smallest()]
     variants = ["conservative", "unoptimized-compiled", "conservative-compiled"]
     results = {r.variant: r for r in run_model(entry, variants, repeats=1, rss=False)}
@@ -174,7 +176,8 @@ def test_compiled_variants_measured_at_the_allocator():
     assert peak["conservative-compiled"] <= 1.05 * peak["conservative"]
     assert peak["conservative-compiled"] < peak["unoptimized-compiled"]
     assert results["conservative-compiled"].recompute_overhead is None
-    assert results["conservative-compiled"].grad_max_abs_diff < 1e-4
+    inductor = results["unoptimized-compiled"].grad_max_abs_diff
+    assert results["conservative-compiled"].grad_max_abs_diff <= max(1e-4, inductor)
 
 
 @pytest.mark.slow
