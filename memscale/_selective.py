@@ -26,7 +26,7 @@ The solver picks one level per layer, or none (``LayerPlan.selective_level``
 and ``selective_threshold``).  The rest (norms, activations, softmax,
 dropout, residual adds, reshapes) is recomputed, except the matrix
 products whose output nothing autograd saved reads and no op before the
-tail reads but to view it (:func:`dead_calls`, on a fake-tensor profile
+tail reads but to view it (``_dataflow.dead_calls``, on a fake-tensor profile
 only: GPT-2's MLP output projection, read only by the dropout after it):
 no level keeps them, and the recompute does not run them (the level's
 ``skip``, :func:`level_skips`; :class:`_RecomputeMode` hands back an
@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +73,7 @@ from torch.utils import checkpoint as _checkpoint_module
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
-from . import _torch_compat
+from . import _dataflow, _torch_compat
 
 logger = logging.getLogger(__name__)
 
@@ -122,80 +121,6 @@ IGNORED_OPS = frozenset(
     | set(getattr(_checkpoint_module, "SAC_IGNORED_OPS", ()))
 )
 
-# Ops that read only their tensor argument's shape, dtype and device, not
-# its values (dropout's noise is ``empty_like(x)`` filled in place): an
-# output they are given is not needed for its values.
-_SHAPE_ONLY_NAMES = frozenset(
-    {
-        "empty_like",
-        "zeros_like",
-        "ones_like",
-        "full_like",
-        "rand_like",
-        "randn_like",
-        "randint_like",
-        "new_empty",
-        "new_empty_strided",
-        "new_zeros",
-        "new_ones",
-        "new_full",
-    }
-)
-
-# The ops a recompute may leave unrun when nothing it saves needs their
-# output (:func:`dead_calls`): matrix products and convolutions, whose
-# backward saves their inputs and never their output (an attention
-# kernel saves its output, so it always runs).
-_SKIPPABLE_NAMES = frozenset(
-    {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "cudnn_convolution"}
-)
-
-
-# Dropout as one op (CUDA's fused kernel): its second output, the mask,
-# comes from the RNG alone, not from the input's values, so a saved mask
-# needs no earlier call; and where nothing reads its first output but the
-# tail, it may run on an unwritten input (:func:`dead_calls`).
-_MASKED_NAMES = frozenset({"native_dropout"})
-
-
-# Where a tail call reads a skipped output (:meth:`_Policy.check_reads`):
-# ops that save no input, and ops that save an operand only when another
-# one needs a gradient.
-_SAVES_NO_INPUT = frozenset({"add", "sub"})
-_SAVES_THE_OTHER = frozenset({"mul", "div"})  # (div: the read operand its dividend)
-
-
-def _op_name(func: Any) -> str:
-    return getattr(_torch_compat.op_packet(func), "__name__", "")
-
-
-def _shape_only(func: Any) -> bool:
-    return _op_name(func) in _SHAPE_ONLY_NAMES
-
-
-# Ops whose output is a view of their input though their schema does not
-# say so (a bias-free Linear on a 3-d input is ``mm`` then ``_unsafe_view``).
-_ALIAS_NAMES = frozenset({"_unsafe_view", "alias", "_reshape_alias"})
-
-
-def _transparent(func: Any) -> bool:
-    """Whether a call of ``func`` reads no value of its tensor arguments:
-    a view of them, or an op that reads only their shape."""
-    return (
-        func in IGNORED_OPS
-        or getattr(func, "is_view", False)
-        or _op_name(func) in _ALIAS_NAMES
-        or _op_name(func) in _SHAPE_ONLY_NAMES
-    )
-
-
-def _skippable(name: str) -> bool:
-    """Whether the op named ``name`` (``str(func)``: "aten.mm.default") is
-    one of ``_SKIPPABLE_NAMES``."""
-    parts = name.split(".")
-    return parts[0] == "aten" and parts[1:] in ([n, "default"] for n in _SKIPPABLE_NAMES)
-
-
 # A dtype or device cast, never kept (it has no FLOP formula).  The
 # selective modes do not count its calls either: autocast casts a weight
 # once per autocast region and reuses the cast, and the recompute runs in
@@ -226,7 +151,7 @@ def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
     is 0 (``_DROPOUT_ONLY_RANDOM``)."""
     if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
         return False
-    name = getattr(_torch_compat.op_packet(func), "__name__", "")
+    name = _dataflow.op_name(func)
     if name not in _DROPOUT_ONLY_RANDOM:
         return True
     p = _torch_compat.op_argument(func, args, kwargs, "dropout_p")
@@ -257,7 +182,7 @@ def op_class(func: Any) -> int:
     """The class of the op ``func`` when it has a FLOP formula (by the name
     of its overload packet: the convolutions and the attention kernels of
     ``flop_registry``; MATMUL for the rest)."""
-    name = getattr(_torch_compat.op_packet(func), "__name__", "")
+    name = _dataflow.op_name(func)
     if "conv" in name:
         return CONV
     if "attention" in name:
@@ -319,12 +244,12 @@ class LayerOps:
     # calls whose outputs autograd saved (recorded with the saved-tensor
     # hooks, on fake tensors only: ``saves_known``; on real tensors a
     # kernel may read memory the dispatcher does not see).  What
-    # :func:`dead_calls` reads.
+    # ``_dataflow.dead_calls`` reads.
     deps: list[tuple[int, ...]] = field(default_factory=list)
     saved: set[int] = field(default_factory=set)
     saves_known: bool = False
     # The calls that read no value of their arguments (_transparent), and
-    # the fused dropouts (_MASKED_NAMES).
+    # the fused dropouts (_dataflow.MASKED_NAMES).
     transparent: set[int] = field(default_factory=set)
     masked: set[int] = field(default_factory=set)
 
@@ -347,7 +272,7 @@ class LayerOps:
 def _all_fake(args: Any) -> bool:
     """Whether ``args`` holds tensors, all of them fake."""
     tools = _torch_compat.fake_tensor_tools()
-    tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+    tensors = _tensors(args)
     return tools is not None and bool(tensors) and all(tools[0](t) for t in tensors)
 
 
@@ -446,14 +371,13 @@ class OpRecorder(_DispatchMode):
             ops = self.ops[index]
             here = len(ops.calls)
             deps: set[int] = set()
-            if not _shape_only(func):
-                for t in pytree.tree_leaves((args, kwargs)):
-                    if isinstance(t, torch.Tensor):
-                        producer = self._producer.get(_torch_compat.storage_key(t))
-                        if producer is not None:
-                            deps.add(producer)
+            if not _dataflow.shape_only(func):
+                for t in _tensors((args, kwargs)):
+                    producer = self._producer.get(_torch_compat.storage_key(t))
+                    if producer is not None:
+                        deps.add(producer)
             ops.deps.append(tuple(sorted(deps)))
-            if _transparent(func):
+            if _dataflow.transparent(func):
                 ops.transparent.add(here)
             written = [
                 t
@@ -472,10 +396,13 @@ class OpRecorder(_DispatchMode):
                 # Whoever reads it from here on reads this call's write
                 # (which read the earlier one: deps).
                 self._producer[key] = here
-            if _torch_compat.op_writes_new(func) and _op_name(func) not in _ALIAS_NAMES:
+            if (
+                _torch_compat.op_writes_new(func)
+                and _dataflow.op_name(func) not in _dataflow.ALIAS_NAMES
+            ):
                 for t in _outputs(out):
                     self._producer[_torch_compat.storage_key(t)] = here
-                if _op_name(func) in _MASKED_NAMES and len(_outputs(out)) == 2:
+                if _dataflow.op_name(func) in _dataflow.MASKED_NAMES and len(_outputs(out)) == 2:
                     # The mask depends on no value: no producer.
                     self._producer.pop(_torch_compat.storage_key(_outputs(out)[1]), None)
                     ops.masked.add(here)
@@ -567,69 +494,11 @@ def recompute_cost(ops: LayerOps, flops: float, weights: Weights = UNWEIGHTED) -
     return flops + extra
 
 
-def dead_calls(ops: LayerOps, kept: Collection[int]) -> frozenset[int]:
-    """The calls a recompute keeping the outputs of ``kept`` need not run:
-    the matrix products and convolutions (``_SKIPPABLE_NAMES``) whose
-    output nothing autograd saves in the forward reads, through any chain
-    of calls (a kept call's output is handed back, so what it reads is not
-    needed for it), and whose output no call before the tail reads but
-    to make a view of it or to read its shape (a recompute runs those
-    calls, so it would run this one for them), or a fused dropout whose
-    own output is needed by none and read by no call before the tail but
-    views (its saved mask does not read the input: :func:`_unread_by`).
-    GPT-2's MLP output projection is one: only the dropout after it reads
-    it, which is the tail and saves its noise, not its input (on CUDA,
-    a fused dropout, which saves its mask).  Such a call in ``kept`` is
-    among them too (keeping it holds bytes for nothing).  Empty where the
-    forward's saves were not recorded on fake tensors, or it ran more
-    than once."""
-    if not ops.saves_known or ops.entered != 1 or len(ops.deps) != len(ops.calls):
-        return frozenset()
-    candidates = {
-        i
-        for i, name in enumerate(ops.names)
-        if _skippable(name) and not ops.calls[i][3] and i not in ops.tail
-    }
-    if not candidates:
-        return frozenset()
-    needed: set[int] = set()
-    stack = list(ops.saved)
-    while stack:
-        i = stack.pop()
-        if i in needed:
-            continue
-        needed.add(i)
-        if i not in kept:
-            stack.extend(ops.deps[i])
-    unread = _unread_by(ops, needed)
-    for reader, deps in enumerate(ops.deps):
-        if reader not in ops.tail and reader not in ops.transparent and reader not in unread:
-            candidates.difference_update(deps)
-    return frozenset(candidates - needed)
-
-
-def _readers_before_tail(ops: LayerOps, call: int) -> bool:
-    """Whether a call before the tail reads ``call``'s output but to view
-    it or read its shape."""
-    return any(
-        call in deps and reader not in ops.tail and reader not in ops.transparent
-        for reader, deps in enumerate(ops.deps)
-    )
-
-
-def _unread_by(ops: LayerOps, needed: set[int]) -> set[int]:
-    """The fused dropouts whose first output nothing needs and no call
-    before the tail reads (but views): run on an unwritten input, they
-    still draw the right mask, and what they compute from it is never
-    read."""
-    return {r for r in ops.masked if r not in needed and not _readers_before_tail(ops, r)}
-
-
 def _level_calls(
     ops: LayerOps, limit_ratio: float, end: int
 ) -> tuple[frozenset[int], frozenset[int]] | None:
     """The calls a level at ``limit_ratio`` keeps (before ``end``, the
-    tail's start) and those its recompute does not run (:func:`dead_calls`,
+    tail's start) and those its recompute does not run (``_dataflow.dead_calls``,
     never kept), or None when it would keep an output a later op writes
     in place (torch refuses a changed cached output)."""
     chosen = {
@@ -637,7 +506,7 @@ def _level_calls(
         for i, (op_flops, nbytes, _, random) in enumerate(ops.calls[:end])
         if keeps(limit_ratio, op_flops, nbytes, random)
     }
-    dead = dead_calls(ops, chosen)
+    dead = _dataflow.dead_calls(ops, chosen)
     if (chosen - dead) & ops.mutated:
         return None
     return frozenset(chosen - dead), dead
@@ -648,10 +517,10 @@ Skip = tuple[tuple[str, int], ...]  # calls by (op name, how many calls of it co
 
 def level_skips(ops: LayerOps, levels: tuple[Level, ...]) -> tuple[tuple[float, Skip], ...]:
     """Per level of ``levels`` (:func:`layer_profile`'s) whose recompute
-    leaves calls unrun (:func:`dead_calls`), its threshold and those calls
+    leaves calls unrun (``_dataflow.dead_calls``), its threshold and those calls
     by op name and occurrence, what :func:`run` is given (``skip``), with
     the fused dropouts that read their outputs (which run, on them
-    unwritten: :func:`_unread_by`)."""
+    unwritten: ``_dataflow._unread_by``)."""
     end = ops.tail_start()
     if end is None:
         end = len(ops.calls)
@@ -823,7 +692,7 @@ class _Policy:
         What such a tail call computes from a fused dropout's output, which
         the recompute computes from an unwritten input, counts as such in
         turn."""
-        if not self.skipped or _transparent(func):
+        if not self.skipped or _dataflow.transparent(func):
             return
         tensors = _tensors((args, kwargs))
         found = [self._skipped_kind(t) for t in tensors]
@@ -838,10 +707,10 @@ class _Policy:
 
     @staticmethod
     def _saves_none(func: Any, tensors: list[torch.Tensor], read: list[bool]) -> bool:
-        name = _op_name(func)
-        if name in _SAVES_NO_INPUT:
+        name = _dataflow.op_name(func)
+        if name in _dataflow.SAVES_NO_INPUT:
             return True
-        if name not in _SAVES_THE_OTHER or len(tensors) != 2 or sum(read) != 1:
+        if name not in _dataflow.SAVES_THE_OTHER or len(tensors) != 2 or sum(read) != 1:
             return False
         if name == "div" and not read[0]:  # (a divisor is saved)
             return False
@@ -853,7 +722,7 @@ class _Policy:
         unwritten stand-ins copy (a kernel may choose another layout than
         its meta function)."""
         outputs = _tensors(out)
-        if _op_name(func) in _MASKED_NAMES:
+        if _dataflow.op_name(func) in _dataflow.MASKED_NAMES:
             # A fused dropout's output is computed from an unwritten input
             # in the recompute; its mask is not.
             self._note(outputs[:1], True)
@@ -974,7 +843,9 @@ class _KeepMode(_DispatchMode):
         if policy.skip:
             if (str(func), index) in policy.skip:
                 keep = False
-                if _op_name(func) not in _MASKED_NAMES:  # (it reads them unwritten)
+                if (
+                    _dataflow.op_name(func) not in _dataflow.MASKED_NAMES
+                ):  # (it reads them unwritten)
                     policy.check_reads(func, args, kwargs, out)
                 policy.check_layout(func, index, out)
             else:
@@ -1073,7 +944,7 @@ class _RecomputeMode(_DispatchMode):
         reads (none when it only views them or reads their shape); the
         storages they wrote."""
         written: set[int] = set()
-        if not self.put_off or _transparent(func):
+        if not self.put_off or _dataflow.transparent(func):
             return written
         for t in _tensors((args, kwargs)):
             later = self.put_off.get(_torch_compat.storage_key(t))
@@ -1107,7 +978,7 @@ class _RecomputeMode(_DispatchMode):
             return tree_map_only(_Cached, _Cached.read, entry)
         policy = self.policy
         if self.skipping and (str(func), index) in policy.skip:
-            if _op_name(func) in _MASKED_NAMES:
+            if _dataflow.op_name(func) in _dataflow.MASKED_NAMES:
                 # It reads an unwritten output: its mask is drawn as in the
                 # forward, and its own output is read by no call that runs.
                 return func(*args, **kwargs)
