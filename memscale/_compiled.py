@@ -245,13 +245,6 @@ def update(executor: Any, plan: Any) -> None:
         techniques = set(layers[i].techniques) if i < len(layers) else set()
         region.checkpoint = bool({"checkpoint", "selective"} & techniques)
         region.selective = layers[i].selective_threshold if "selective" in techniques else None
-        region.tail = (
-            _planning.tail_from(details[i])
-            if region.selective is not None and i < len(details)
-            else None
-        )
-        region.skip = (
-            _planning.skips_from(details[i], region.selective)
-            if region.selective is not None and i < len(details)
-            else ()
-        )
+        profiled = region.selective is not None and i < len(details)
+        region.tail = _planning.tail_from(details[i]) if profiled else None
+        region.skip = _planning.skips_from(details[i], region.selective) if profiled else ()

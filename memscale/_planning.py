@@ -329,6 +329,7 @@ def profile_from(
             r["flags"] | tile_flag,
         )
         named: dict[str, Any] = {}
+        skips: tuple[Any, ...] = ()
         if ops is not None:
             flops = float(r["flops"])
             levels = _selective.layer_profile(ops.ops[i], flops, r["saved_bytes"], weights=weights)
@@ -345,7 +346,7 @@ def profile_from(
                     named["tail_cost"] = tail_cost
         layers.append(_core.LayerStats(fields, named) if named else _core.LayerStats(fields))
         detail = {"name": name, "kind": kind, **r}
-        if ops is not None and "selective_levels" in named and skips:
+        if skips:
             # Per level, the calls its recompute does not run
             # (_selective.run, given them by _compiled.update).
             detail["skips"] = skips
