@@ -51,6 +51,7 @@ class Watch(TorchDispatchMode):
         self.live = 0
         self.rows: list[tuple[str, bool, int, int, int, int]] = []
         self.main = threading.get_ident()
+        self.first_live: int | None = None  # before the first call (after zero_grad)
         for t in start_tensors:
             self.track(t)
         self.start_live = self.live
@@ -74,45 +75,63 @@ class Watch(TorchDispatchMode):
         self.known[key] = (weakref.ref(st, freed), nbytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+        cuda = DEV.type == "cuda"  # else (a try on the CPU): the tensors' bytes
+        if self.first_live is None and not str(func).startswith("profiler."):
+            self.first_live = self.live  # zero_grad's record_function comes first
+        before = torch.cuda.memory_allocated() if cuda else self.live
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         out = func(*args, **(kwargs or {}))
-        inside = torch.cuda.max_memory_allocated()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
-        after = torch.cuda.memory_allocated()
+        inside = torch.cuda.max_memory_allocated() if cuda else self.live
+        after = torch.cuda.memory_allocated() if cuda else self.live
         self.rows.append(
             (str(func), threading.get_ident() == self.main, before, inside, after, self.live)
         )
         return out
 
 
+def _sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def _tensors(*objs: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(objs) if isinstance(t, torch.Tensor)]
 
 
-def _watched_step(model, batch, optimizer) -> dict[str, Any]:
+def _watched_step(model, batch, optimizer, keep_rows: bool = False) -> dict[str, Any]:
+    marks: list[int] = []
+
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         batch.loss_fn(model(*batch.args, **batch.kwargs)).backward()
+        marks.append(len(watch.rows) if watch is not None else 0)
         optimizer.step()
+
+    watch = None
 
     step()
     step()
     gc.collect()
-    torch.cuda.synchronize()
-    start = torch.cuda.memory_allocated()
+    _sync()
+    start = torch.cuda.memory_allocated() if DEV.type == "cuda" else None
     # (The lists are not kept: zero_grad must free the gradients.)
     watch = Watch(
         [*model.parameters()]
         + [p.grad for p in model.parameters() if p.grad is not None]
         + _tensors(dict(optimizer.state), batch.args, batch.kwargs)
     )
-    torch.cuda.reset_peak_memory_stats()
+    if start is None:
+        start = watch.start_live
+    else:
+        torch.cuda.reset_peak_memory_stats()
     with watch:
         step()
-    torch.cuda.synchronize()
+    _sync()
     rows = watch.rows
     peak_at = max(range(len(rows)), key=lambda i: rows[i][3])
     live_at = max(range(len(rows)), key=lambda i: rows[i][5])
@@ -132,7 +151,13 @@ def _watched_step(model, batch, optimizer) -> dict[str, Any]:
             "excess": after - live,
         }
 
+    extra = (
+        {"rows": rows, "optimizer_at": marks[-1], "first_live": watch.first_live}
+        if keep_rows
+        else {}
+    )
     return {
+        **extra,
         "start_allocated": start,
         "start_tensors": watch.start_live,
         "calls": len(rows),
@@ -166,7 +191,7 @@ def run(name: str) -> dict[str, Any]:
     result["unoptimized"] = _watched_step(model, batch, optimizer)
     del model, batch, optimizer
     gc.collect()
-    torch.cuda.empty_cache()
+    _sync()
     model, batch = entry.build(seed=0, device=dev)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     memscale.wrap(model, config, sample_input=batch.sample_input, optimizer=optimizer)
@@ -190,7 +215,7 @@ def budget_run(name: str, share: float) -> dict[str, Any]:
     base = _watched_step(model, batch, optimizer)
     del model, batch, optimizer
     gc.collect()
-    torch.cuda.empty_cache()
+    _sync()
     budget = base["start_allocated"] + int(share * (base["peak"] - base["start_allocated"]))
     model, batch = entry.build(seed=0, device=dev)
     config = memscale.Config(
@@ -242,6 +267,194 @@ def budget_run(name: str, share: float) -> dict[str, Any]:
     return result
 
 
+class _Recorded:
+    """While entered, every simulated step's tracker records its calls in
+    forward and backward: (event index, op name) in ``tracker.calls``."""
+
+    def __enter__(self) -> None:
+        from memscale.predictor import _tracker
+
+        self.cls = _tracker.StorageTracker
+        self.original = original = self.cls.__torch_dispatch__
+
+        def recording(self, func, types, args=(), kwargs=None):
+            out = original(self, func, types, args, kwargs)
+            noise = str(func).startswith(("prim.", "profiler."))
+            if self.active and self.phase in ("forward", "backward") and not noise:
+                self.__dict__.setdefault("calls", []).append((len(self.events), str(func)))
+            return out
+
+        self.cls.__torch_dispatch__ = recording
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cls.__torch_dispatch__ = self.original
+
+
+def _sim_ops(session: Any, plan: Any, config: Any) -> tuple[list[str], list[int], int]:
+    """The simulated step under ``plan``, op by op: each call's name and
+    the bytes alive (with its kernel's scratch) when it returns, above
+    those alive when the forward starts; and where backward starts."""
+    _, trace = session._steps._trace(plan, config)
+    tracker = trace.tracker
+    scratch, scale = tracker._kernel_sizes(session._steps._workspace)
+    levels, level = [], 0
+    for serial, delta in tracker.events:
+        if serial in scale:
+            delta = scale[serial] if delta > 0 else -scale[serial]
+        level += delta
+        levels.append(level)
+    backward = next(at for at, phase in tracker.phase_marks if phase == "backward")
+    forward = next(at for at, phase in tracker.phase_marks if phase == "forward")
+    start = levels[forward - 1] if forward else 0
+    ops, after, start_bw = [], [], 0
+    for at, name in tracker.__dict__.get("calls", []):
+        if at >= backward and not start_bw:
+            start_bw = len(ops)
+        ops.append(name)
+        after.append((levels[at - 1] if at else 0) + scratch.get(at, 0) - start)
+    return ops, after, start_bw
+
+
+def compare(name: str, share: float) -> dict[str, Any]:
+    """The step simulated under wrap()'s plan against the real step under
+    it, op by op: the two op sequences aligned (difflib), the bytes alive
+    above the step's start on each side where they match, and where the
+    simulation's surplus grows.  The real step is the sweep row's (no
+    optimizer passed to wrap; AdamW built after)."""
+    import difflib
+
+    from memscale._planner import PredictionSession
+    from memscale.config import GIB
+
+    entry = BENCHMARK_MODELS[name]
+    model, batch = entry.build(seed=0, device=DEV)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    base = _watched_step(model, batch, optimizer, keep_rows=True)
+    del model, batch, optimizer
+    gc.collect()
+    _sync()
+    budget = base["start_allocated"] + int(share * (base["peak"] - base["start_allocated"]))
+    model, batch = entry.build(seed=0, device=DEV)
+    config = memscale.Config(
+        mode="balanced",
+        enable_offloading=False,
+        memory_budget_gb=budget / GIB,
+        enable_logging=False,
+    )
+    memscale.wrap(model, config, sample_input=batch.sample_input)
+    plan = model._memscale_executor.plan
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    real = _watched_step(model, batch, optimizer, keep_rows=True)
+    memscale.detach(model)
+    del optimizer
+    gc.collect()
+    with (
+        _Recorded(),
+        PredictionSession(
+            model, batch.sample_input, None, loss_fn=batch.loss_fn, config=config
+        ) as session,
+    ):
+        again = session.plan(config)
+        sim_ops, sim_after, sim_bw = _sim_ops(session, plan, config)
+        library = session._steps.library_bytes
+        sim_peak = session._steps.simulated_peak(plan, config)
+    rows = real.pop("rows")
+    rows = [r for r in rows[: real["optimizer_at"]] if not r[0].startswith(("prim.", "profiler."))]
+    real_ops = [r[0] for r in rows]
+    real_live = [r[5] - real["first_live"] for r in rows]
+    real_inside = [r[3] - rows[0][2] for r in rows]  # the allocator's, scratch and all
+    matcher = difflib.SequenceMatcher(None, sim_ops, real_ops, autojunk=False)
+    pairs = [
+        (i, j)
+        for a, b, n in matcher.get_matching_blocks()
+        for i, j in zip(range(a, a + n), range(b, b + n))
+    ]
+    # Both above the bytes alive when the forward starts (after zero_grad).
+    diff = [(i, j, sim_after[i] - real_live[j]) for i, j in pairs]
+    diff_alloc = [(i, j, sim_after[i] - real_inside[j]) for i, j in pairs]
+    jumps = sorted(range(1, len(diff)), key=lambda k: diff[k][2] - diff[k - 1][2], reverse=True)[
+        :15
+    ]
+    unmatched = []
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag != "equal":
+            unmatched.append(
+                {
+                    "tag": tag,
+                    "sim": (a0, a1, sorted(set(sim_ops[a0:a1]))[:6]),
+                    "real": (b0, b1, sorted(set(real_ops[b0:b1]))[:6]),
+                }
+            )
+    sim_top = max(range(len(sim_after)), key=sim_after.__getitem__)
+    out = {
+        "model": name,
+        "budget": budget,
+        "plan": plan.hash,
+        "plan_again": again.hash,
+        "predicted": plan.peak_projected_bytes,
+        "simulated_peak": sim_peak,
+        "library_bytes": library,
+        "measured": real["peak"],
+        "real_start_tensors": real["start_tensors"],
+        "real_tensor_peak": real["tensor_peak"],
+        "sim_calls": len(sim_ops),
+        "real_calls": len(real_ops),
+        "matched": len(pairs),
+        "sim_backward_at": sim_bw,
+        "sim_peak_at": [sim_top, sim_ops[sim_top], sim_after[sim_top]],
+        "sim_window": [
+            (k, sim_ops[k], sim_after[k])
+            for k in range(max(0, sim_top - 8), sim_top + 3)
+            if k < len(sim_ops)
+        ],
+        "diff_max": max(diff, key=lambda x: x[2]) if diff else None,
+        "diff_min": min(diff, key=lambda x: x[2]) if diff else None,
+        "diff_alloc_max": max(diff_alloc, key=lambda x: x[2]) if diff else None,
+        "diff_alloc_min": min(diff_alloc, key=lambda x: x[2]) if diff else None,
+        "real_inside_peak": max(real_inside) if real_inside else None,
+        "sim_level_peak": max(sim_after) if sim_after else None,
+        "jumps": [
+            {
+                "sim": diff[k][0],
+                "real": diff[k][1],
+                "op": sim_ops[diff[k][0]],
+                "before": diff[k - 1][2],
+                "after": diff[k][2],
+            }
+            for k in jumps
+        ],
+        "real_excess_jumps": real["excess_jumps"],
+        "real_at_peak": real["at_peak"],
+        "unmatched": unmatched[:40],
+        "unmatched_blocks": len(unmatched),
+    }
+    print(
+        f"== compare {name} at {share:.0%}: plan {plan.hash} (again {again.hash}), "
+        f"predicted {plan.peak_projected_bytes / MIB:.2f} MiB, simulated {sim_peak / MIB:.2f}, "
+        f"measured {real['peak'] / MIB:.2f}; calls sim {len(sim_ops)} real {len(real_ops)} "
+        f"matched {len(pairs)}"
+    )
+    print(
+        f"   sim peak at {out['sim_peak_at']}; surplus max {out['diff_max']} min {out['diff_min']}"
+    )
+    print(
+        f"   above the forward's start: sim peak {out['sim_level_peak']}, real allocator "
+        f"{out['real_inside_peak']}; sim - allocator max {out['diff_alloc_max']} "
+        f"min {out['diff_alloc_min']}"
+    )
+    for jump in out["jumps"][:10]:
+        print(f"   surplus jump: {jump}")
+    for jump in real["excess_jumps"][:8]:
+        print(f"   real excess jump: {jump}")
+    for row in out["sim_window"]:
+        print(f"   sim near its peak: {row}")
+    for row in real["window_at_peak"]:
+        print(f"   real near its peak: {row}")
+    for block in unmatched[:12]:
+        print(f"   unmatched: {block}")
+    return out
+
+
 def _say(res: dict[str, Any]) -> None:
     p = res["predicted"]
     print(
@@ -284,12 +497,25 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: the budget sweep's memscale row at this share of the activations, "
         "and the fake pass's per-layer profile against a real forward's",
     )
+    parser.add_argument(
+        "--compare",
+        type=float,
+        metavar="F",
+        help="instead: the step simulated under the plan of the sweep's memscale row at "
+        "this share against the real step under it, op by op",
+    )
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to try it here")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    global DEV
+    DEV = torch.device(args.device)
+    if DEV.type == "cuda" and not torch.cuda.is_available():
         print("gpu_step_memory: no CUDA device here", file=sys.stderr)
         return 3
     results = []
     for name in args.models:
+        if args.compare is not None:
+            results.append(compare(name, args.compare))
+            continue
         if args.budget_share is not None:
             results.append(budget_run(name, args.budget_share))
             continue
