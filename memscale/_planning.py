@@ -20,7 +20,18 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import _core, _costs, _distributed, _offload, _selective, _tiling, _torch_compat
+from . import (
+    _core,
+    _costs,
+    _distributed,
+    _model,
+    _offload,
+    _selective,
+    _smallvalues,
+    _tiling,
+    _torch_compat,
+    _verify,
+)
 from ._hardware import Hardware
 from ._model import checkpoint_frame_bytes, split_input, tensors_of
 from ._solve import OffloadInputs, PlanProblem, SolverInputs, layer_stats
@@ -96,26 +107,48 @@ def _measure(
     return profiler, ops
 
 
-def _profile_static(model, units, args, kwargs):
-    fake = _torch_compat.fake_tensor_mode()
+@contextlib.contextmanager
+def fake_pass(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Iterator[tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]]:
+    """The profile's fake pass, set up: inside a FakeTensorMode, with the
+    model's parameters and buffers swapped for fake twins (FSDP2's hooks
+    off), it yields the inputs faked, their small values real
+    (:mod:`memscale._smallvalues`, as in the simulated steps), and the fake
+    twins; calls on small real values run for real (the modes entered in
+    the block, the profiler's, see each call once).  The model's tensors
+    and the RNG streams (a call run for real may draw) are put back."""
+    fake = _torch_compat.fake_tensor_mode(allow_non_fake_inputs=True)
     if fake is None:
         raise RuntimeError("fake tensors are not available in this torch")
     mode, convert = fake
+    device_type = _model.model_device(model).type
+    values = _smallvalues.SmallValues()
 
-    def to_fake(obj):
+    def to_fake(obj: Any) -> Any:
         # Nested too: a batch can be a dict or a tuple of tensors (a
         # Lightning training_step's).
         if isinstance(obj, torch.Tensor):
-            return convert(obj)
+            return values.real_copy(obj) if values.keeps(obj, device_type) else convert(obj)
         if isinstance(obj, dict):
             return type(obj)((k, to_fake(v)) for k, v in obj.items())
         if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
             return type(obj)(to_fake(v) for v in obj)
         return obj
 
-    with mode, _without_fsdp2_hooks(model), _fake_twins(model, convert) as fakes:
-        fargs = tuple(to_fake(a) for a in args)
-        fkwargs = {k: to_fake(v) for k, v in kwargs.items()}
+    rng = _verify.rng_state()
+    try:
+        with mode, _without_fsdp2_hooks(model), _fake_twins(model, convert) as fakes:
+            fargs = tuple(to_fake(a) for a in args)
+            fkwargs = {k: to_fake(v) for k, v in kwargs.items()}
+            with _smallvalues.SmallValuesMode(values):
+                yield fargs, fkwargs, fakes
+    finally:
+        _verify.set_rng_state(rng)
+
+
+def _profile_static(model, units, args, kwargs):
+    with fake_pass(model, args, kwargs) as (fargs, fkwargs, fakes):
 
         def run():
             model(*fargs, **fkwargs)

@@ -15,9 +15,9 @@ calibration of the engine on these peaks.
 
 How a step is simulated:
 
-* Warm-up, untracked: the forward runs under the C profiler on all-fake
-  inputs, exactly as ``wrap()``'s static profiling does, so the plan made
-  from it is the plan ``wrap`` makes; a zero gradient for every parameter
+* Warm-up, untracked: the forward runs under the C profiler exactly as
+  ``wrap()``'s static profiling runs it (``_planning.fake_pass``), so the
+  plan made from it is the plan ``wrap`` makes; a zero gradient for every parameter
   the loss reaches and one optimizer step create the optimizer state, as
   in a steady-state step.
 * The unoptimized step, tracked from the state a steady-state step starts
@@ -34,7 +34,8 @@ Three things a pure fake step would get wrong are handled:
 * Model code that branches on tensor values (Hugging Face attention masks
   check the position ids): small integer inputs stay real, and operators
   whose arguments are all real run for real when their result is small
-  (``REAL_VALUE_LIMIT``), so the branch a real step takes is taken.
+  (``REAL_VALUE_LIMIT``, ``memscale._smallvalues``), so the branch a real
+  step takes is taken; in every fake pass, the profile's too.
 * Kernels that keep scratch memory inside one operator call (oneDNN
   convolutions) or return a storage larger than their result (CPU
   ``mse_loss`` returns its elementwise buffer): each distinct call of the

@@ -13,17 +13,14 @@ import torch
 from torch import nn
 
 from .. import _torch_compat
-from ._tree import tensors_in
+from .._smallvalues import REAL_VALUE_LIMIT, SmallValues
+from .._tree import tensors_in
+
+__all__ = ["REAL_VALUE_LIMIT", "FakeWorld"]
 
 logger = logging.getLogger(__name__)
 
 _MISSING = object()
-# Tensors up to this size that are not floating point (token ids, masks,
-# positions) keep real values in the simulated step, and operators whose
-# tensor arguments are all real run for real when their result is this
-# small, so that model code that branches on such values takes the branch
-# a real step takes.  Everything else is fake.
-REAL_VALUE_LIMIT = 8 << 20
 
 
 class FakeWorld:
@@ -50,6 +47,7 @@ class FakeWorld:
         self.device = device
         self._memo: dict[int, torch.Tensor] = {}
         self._real_copies: dict[int, torch.Tensor] = {}
+        self._small = SmallValues(REAL_VALUE_LIMIT)
         self._keep: list[torch.Tensor] = []
         tools = _torch_compat.fake_tensor_tools()
         self._real = tools[1] if tools is not None else contextlib.nullcontext
@@ -87,34 +85,24 @@ class FakeWorld:
         self._keep.append(t)  # its id stays unique while it is in the memo
         return out
 
-    def fake_tree(self, obj: Any, keep_real: int = 0) -> Any:
-        """``obj`` with its tensors faked; with ``keep_real``, tensors that
-        are real, not floating point, on the simulated device and at most
-        that many bytes stay real, as copies (their values can matter)."""
+    def fake_tree(self, obj: Any) -> Any:
+        """``obj`` with its tensors faked but the small values that stay
+        real (:mod:`memscale._smallvalues`): real copies of those, made
+        once per tensor (the model may change them in place, and the
+        caller's batch must stay as it is)."""
         if isinstance(obj, torch.Tensor):
-            if (
-                keep_real
-                and not obj.is_meta
-                and not obj.is_floating_point()
-                and not obj.is_complex()
-                and not obj.requires_grad
-                and obj.device.type == self.device.type
-                and obj.untyped_storage().nbytes() <= keep_real
-            ):
-                # A copy, made once per tensor: the model may change it in
-                # place, and the caller's batch must stay as it is.
+            if self._small.keeps(obj, self.device.type):
                 if id(obj) not in self._real_copies:
-                    with self._real():
-                        self._real_copies[id(obj)] = obj.clone()
+                    self._real_copies[id(obj)] = self._small.real_copy(obj)
                     self._keep.append(obj)
                 return self._real_copies[id(obj)]
             return self.fake(obj)
         if isinstance(obj, tuple):
-            return tuple(self.fake_tree(o, keep_real) for o in obj)
+            return tuple(self.fake_tree(o) for o in obj)
         if isinstance(obj, list):
-            return [self.fake_tree(o, keep_real) for o in obj]
+            return [self.fake_tree(o) for o in obj]
         if isinstance(obj, dict):
-            return {k: self.fake_tree(v, keep_real) for k, v in obj.items()}
+            return {k: self.fake_tree(v) for k, v in obj.items()}
         return obj
 
     def __enter__(self) -> FakeWorld:

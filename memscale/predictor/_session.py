@@ -26,7 +26,7 @@ from .._executor import Executor
 from .._hardware import Hardware
 from .._offload import SimulatedTier, async_settings
 from ..config import Config
-from ._fake import REAL_VALUE_LIMIT, FakeWorld
+from ._fake import FakeWorld
 from ._results import PeakBreakdown
 from ._step import Step, Trace, estimated_state, fake_optimizer
 from ._workspace import PROBE_LIMIT, Kernel, library_workspace_bytes, probe_workspace
@@ -69,11 +69,7 @@ class _Simulation:
         self.world.__enter__()
         try:
             args, kwargs = _model.split_input(self.sample_input)
-            strict = (self.world.fake_tree(args), self.world.fake_tree(kwargs))
-            hybrid = (
-                self.world.fake_tree(args, REAL_VALUE_LIMIT),
-                self.world.fake_tree(kwargs, REAL_VALUE_LIMIT),
-            )
+            inputs = (self.world.fake_tree(args), self.world.fake_tree(kwargs))
             opt, self.optimizer_name = fake_optimizer(
                 self.real_optimizer, self.world, self.target_type
             )
@@ -83,7 +79,7 @@ class _Simulation:
                 if opt is not None
                 else estimated_state(self.world, self.real_optimizer, self.model)
             )
-            self.step = Step(self.world, hybrid, strict, self.loss_fn, opt, fallback)
+            self.step = Step(self.world, inputs, self.loss_fn, opt, fallback)
             self.profile = self._warm_up()
             self._below_floor(opt)
         except BaseException:
@@ -193,7 +189,6 @@ class _Simulation:
         step = Step(
             self.world,
             (self.step.args, self.step.kwargs),
-            (self.step.strict_args, self.step.strict_kwargs),
             self.loss_fn,
             self.step.optimizer,
             self.step.fallback_state,

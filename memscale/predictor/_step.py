@@ -4,7 +4,6 @@ forward, loss, backward, optimizer step) with its events."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import inspect
@@ -16,10 +15,10 @@ import torch
 from torch import nn
 
 from .. import _model, _selective, _torch_compat
+from .._tree import tensors_in
 from ._fake import REAL_VALUE_LIMIT, FakeWorld
 from ._results import PeakBreakdown
 from ._tracker import FakeCaller, Recording, StorageTracker
-from ._tree import tensors_in
 from ._workspace import Kernel
 
 logger = logging.getLogger(__name__)
@@ -166,7 +165,6 @@ class Step:
         self,
         world: FakeWorld,
         inputs: tuple[Any, Any],
-        strict_inputs: tuple[Any, Any],
         loss_fn: Callable[[Any], Any] | None,
         optimizer: torch.optim.Optimizer | None,
         fallback_state: list[torch.Tensor],
@@ -178,10 +176,8 @@ class Step:
         # start of its step (torch's optimizers build it there), not
         # alive before; the warmed-up state objects stand in for it.
         self.state_made_in_step = state_made_in_step
-        # Inputs of the tracked steps (small integer tensors real), and of
-        # the warm-up, all fake as in wrap()'s static profiling.
+        # The inputs, their small values real (memscale._smallvalues).
         self.args, self.kwargs = inputs
-        self.strict_args, self.strict_kwargs = strict_inputs
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.fallback_state = fallback_state
@@ -237,18 +233,17 @@ class Step:
         """The first step, untracked: a steady-state step starts with
         gradients and optimizer state, so this one makes them.  The forward
         runs inside ``on_forward()`` (the profiler's pass, whose value is
-        returned) on all-fake inputs, as wrap()'s static profiling does.
+        returned), as wrap()'s static profiling runs it.
         Backward is not run: the parameters it would give a gradient are
         the ones the loss's graph reaches, and a zero gradient of each is
         enough for the optimizer to build its state.  Its operators are
         called as the tracked steps call them (:class:`FakeCaller`, below
         the profiler's modes)."""
-        calls = self.world.calls
-        with FakeCaller(calls) if calls is not None else contextlib.nullcontext():
+        with FakeCaller(self.world.calls, REAL_VALUE_LIMIT):
             self._zero_grad()
             with torch.enable_grad():
                 with on_forward() as result:
-                    output = self.world.model(*self.strict_args, **self.strict_kwargs)
+                    output = self.world.model(*self.args, **self.kwargs)
                 loss = self._loss(output)
                 del output
                 reached = _leaves_reached(loss)

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from .. import _torch_compat
+from .._smallvalues import SmallValues
+from .._tree import tensor_list
 from ._results import CATEGORIES, PeakBreakdown
-from ._tree import tensor_list, tensors_in
 from ._workspace import Kernel, probe_on_device, signature, workspace_ops
 
 _EQUAL = torch.ops.aten.equal.default
@@ -127,17 +128,23 @@ class FakeCaller(_DispatchMode):
     fake tensors' ``prim.device`` answered directly), tracking nothing:
     the untracked warm-up runs under it, below the profiler's modes."""
 
-    def __init__(self, calls: Callable[[Any, Any, Any], Any]) -> None:
+    def __init__(self, calls: Callable[[Any, Any, Any], Any] | None, real_limit: int = 0) -> None:
         super().__init__()
         self._calls = calls
         self._fake_device = _torch_compat.fake_device_reader()
+        self._small = SmallValues(real_limit)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and self._fake_device is not None and len(args) == 1:
             device = self._fake_device(args[0])
             if device is not None:
                 return device
-        return self._calls(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        if self._small.all_real(args, kwargs):
+            return self._small.run(func, args, kwargs)
+        if self._calls is None:
+            return func(*args, **kwargs)
+        return self._calls(func, args, kwargs)
 
 
 @_torch_compat.guard_dispatch
@@ -160,12 +167,8 @@ class StorageTracker(_DispatchMode):
         self._calls = calls
         # prim.device answered here (it returns no tensor to track).
         self._fake_device = _torch_compat.fake_device_reader()
-        tools = _torch_compat.fake_tensor_tools() if real_limit else None
-        self._real_limit = real_limit if tools is not None else 0
-        if tools is not None:
-            self._is_fake, self._unset_fake, self._value_errors = tools
-            # The class is_fake answers True for at once.
-            self._fake_cls = _torch_compat.fake_tensor_class()
+        # Calls on real tensors only that run for real (_smallvalues).
+        self._small = SmallValues(real_limit)
         # id(storage) -> (weakref, serial); the weakref's callback
         # records the free.
         self._known: dict[int, tuple[weakref.ref, int]] = {}
@@ -418,8 +421,8 @@ class StorageTracker(_DispatchMode):
         if self._kept:
             self._settle()
         held = self._numbers(func, args) if self.count_numbers and self.active else None
-        if self._real_limit and self._all_real(args, kwargs):
-            out = self._run_real(func, args, kwargs)
+        if self._small.all_real(args, kwargs):
+            out = self._small.run(func, args, kwargs)
         elif self._calls is not None:
             out = self._calls(func, args, kwargs)
         else:
@@ -438,37 +441,6 @@ class StorageTracker(_DispatchMode):
         if held:
             self._keep_numbers(func, args, out, held)
         return out
-
-    def _all_real(self, args: Any, kwargs: Any) -> bool:
-        for a in args:  # most calls: a fake tensor is the first tensor
-            if type(a) is self._fake_cls:
-                return False
-            if isinstance(a, (torch.Tensor, tuple, list, Mapping)):
-                break
-        is_fake = self._is_fake
-        for t in tensor_list(args):
-            if is_fake(t):
-                return False
-        if kwargs:
-            for t in tensor_list(kwargs):
-                if is_fake(t):
-                    return False
-        return True
-
-    def _run_real(self, func: Any, args: Any, kwargs: Any) -> Any:
-        """An operator on real tensors only (or none): its result's size
-        is learnt on fake tensors first; small results are computed for
-        real, so their values exist."""
-        try:
-            out = func(*args, **kwargs)
-        except self._value_errors:
-            out = None  # it reads values (item(), nonzero(), ...)
-        else:
-            sizes = [t.untyped_storage().nbytes() for t in tensors_in(out)]
-            if not sizes or sum(sizes) > self._real_limit:
-                return out
-        with self._unset_fake():
-            return func(*args, **kwargs)
 
     def span_peaks(self, workspace: Mapping[Any, Kernel], bounds: list[int]) -> list[int]:
         """The highest level (bytes alive, with kernels' scratch) between

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import _measure as measure
 from .. import _torch_compat
-from ._tree import tensors_in
+from .._tree import tensors_in
 
 logger = logging.getLogger(__name__)
 
