@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import Attention, tiny_llama
+from conftest import Attention, tiny_gpt2, tiny_llama
 from gpu_helpers import DEV, fresh_device, grads, record
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -266,3 +266,102 @@ def test_a_llama_selective_plan_fits_on_cuda(dtype):
         if model is not None:
             memscale.detach(model)
 
+
+def _allocated() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated(DEV)
+
+
+def test_gpt2s_dead_projection_is_left_to_cudas_fused_dropout():
+    """On CUDA, dropout is torch's fused kernel (``native_dropout``), which
+    draws its mask from the RNG alone: the MLP's output projection (each
+    block's fourth addmm) is read only by it, and every level of every
+    block leaves the projection unrun and unkept (the dropout runs on it
+    unwritten, drawing its mask as in the forward).  Each block run
+    selective at the level keeping least, with the skip: its recompute
+    makes one addmm fewer than a whole one, the forward holds the
+    projection's output less than without the skip, and the gradients are
+    bitwise the plain model's (control: the plain model twice)."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    _selective_or_skip()
+    fresh_device()
+
+    def build():
+        m = tiny_gpt2(dropout=0.1, n_layer=4, n_positions=256).to(DEV)
+        m.train()
+        return m
+
+    model, plain = build(), build()
+    ids = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(1)).to(DEV)
+    units = [(f"transformer.h.{i}", block) for i, block in enumerate(model.transformer.h)]
+    profile = _planning.profile_upfront(model, units, {"input_ids": ids}, memscale.Config())
+    calls = _Calls()
+    with calls:
+        plain(input_ids=ids)
+    dropouts = sorted({n for n in calls.names if "dropout" in n or "bernoulli" in n})
+    skips = [sorted({s for _, s in d.get("skips", ())}) for d in profile.details]
+    record("gpt2_dead_calls_cuda", {"dropout_ops": dropouts, "skips": [str(s) for s in skips]})
+    assert "aten.native_dropout.default" in dropouts
+    # The dropout reading the projection runs on it unwritten: its mask is
+    # drawn from the RNG alone, and the tail's residual add alone reads it.
+    dead = (("aten.addmm.default", 3), ("aten.native_dropout.default", 1))
+    assert skips == [[dead]] * len(units)
+    originals = [block.forward for _, block in units]
+
+    def run_selective(level: str) -> None:
+        for (_, block), layer, detail, forward in zip(
+            units, profile.layers, profile.details, originals
+        ):
+            # The level keeping least (its largest threshold), with or
+            # without its skip; or a threshold that keeps nothing.
+            threshold = max(t for t, _, _ in layer.selective_levels)
+            skip = _planning.skips_from(detail, threshold) if level == "skip" else ()
+            if level == "nothing":
+                threshold = 1e30
+            tail = _planning.tail_from(detail)
+
+            def selective(*args, _f=forward, _t=threshold, _s=skip, _u=block, _tail=tail, **kw):
+                return _selective.run(_f, _t, args, kw, _tail, _u, _s)
+
+            block.forward = selective
+
+    def step(m, seed):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        before = _allocated()
+        loss = m(input_ids=ids, labels=ids).loss
+        held = _allocated() - before
+        backward = _Calls()
+        with backward:
+            loss.backward()
+        return loss.detach(), grads(m), backward.names.count("aten.addmm.default"), held
+
+    runs = {}
+    try:
+        with _deterministic_where_possible():
+            loss0, first, _, _ = step(plain, 7)
+            _, again, _, _ = step(plain, 7)
+            for level in ("skip", "noskip", "nothing"):
+                run_selective(level)
+                runs[level] = step(model, 7)
+    finally:
+        for (_, block), forward in zip(units, originals):
+            block.forward = forward
+    projection = ids.numel() * model.config.n_embd * 4  # float32
+    record(
+        "gpt2_dead_calls_cuda_run",
+        {
+            "plain_vs_plain_max_diff": _max_diff(first, again),
+            **{f"{k}_vs_plain_max_diff": _max_diff(v[1], first) for k, v in runs.items()},
+            **{f"{k}_addmm_in_backward": v[2] for k, v in runs.items()},
+            **{f"{k}_forward_holds": v[3] for k, v in runs.items()},
+            "projection_bytes": projection,
+        },
+    )
+    assert _max_diff(first, again) == 0.0, "the plain model is not reproducible on this device"
+    for level, (loss, ours, _, _) in runs.items():
+        assert torch.equal(loss, loss0), level
+        assert _max_diff(ours, first) == 0.0, level
+    assert runs["nothing"][2] - runs["skip"][2] == len(units)
+    assert runs["noskip"][2] == runs["skip"][2]
+    assert runs["noskip"][3] - runs["skip"][3] == len(units) * projection
