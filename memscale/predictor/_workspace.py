@@ -329,20 +329,19 @@ def library_workspace_bytes(device: torch.device) -> int:
     """The bytes the libraries keep allocated on a CUDA ``device`` once a
     training step has run: cuBLAS's workspace of the calling thread's
     handle (its matmuls in forward) and of autograd's device thread (its
-    matmuls in backward), 2 x 32 MiB plus cuBLASLt's on an H100 with torch
-    2.11 (measured by scripts/gpu_scratch.py).  A recompute runs forward
-    matmuls on autograd's thread too, and there a linear layer's with a
-    bias (cuBLASLt's fused epilogue) keeps another 1 MiB, which a step
-    without recompute never makes (seen on the H100 as 1 MiB more allocated
-    after a checkpointed step, also after detach; that it is cuBLASLt's is
-    read from its size, torch's default ``CUBLASLT_WORKSPACE_SIZE``, and
-    this measurement was not run there); it is counted, so an unoptimized
-    step is predicted 1 MiB high.  Measured once per device and
+    matmuls in backward), 2 x 32 MiB, plus cuBLASLt's 1 MiB for the
+    products with a bias in forward, and 1 MiB more once a recompute has
+    run such products on autograd's thread (66 MiB in all on an H200 with
+    torch 2.11; a step without recompute keeps 65).  A checkpointed
+    64-to-64 linear layer alone did not make that last MiB there, a
+    checkpointed MLP of two products with a bias and a GELU between did
+    (as GPT-2's): that is what this runs.  Measured once per device and
     process: the workspaces are given back
     (``torch._C._cuda_clearCublasWorkspaces``, as torch's own CUDA graph
-    trees do; the next matmul makes them again), then a small linear layer
-    runs forward and backward, plainly and checkpointed, and what stays
-    allocated is the answer.  0 for any other device type."""
+    trees do; the next matmul makes them again), then the MLP runs forward
+    and backward, plainly and checkpointed, and what stays allocated is
+    the answer (so an unoptimized step is predicted 1 MiB high).  0 for
+    any other device type."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return 0
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -389,18 +388,26 @@ def _measure_libraries(index: int) -> int:
         if clear is not None:
             clear()
         before = torch.cuda.memory_allocated(index)
-        x = torch.zeros(64, 64, device=f"cuda:{index}", requires_grad=True)
-        w = torch.zeros(64, 64, device=f"cuda:{index}", requires_grad=True)
-        b = torch.zeros(64, device=f"cuda:{index}", requires_grad=True)
+        x = torch.zeros(4, 128, 64, device=f"cuda:{index}", requires_grad=True)
+        w = torch.zeros(64, 256, device=f"cuda:{index}", requires_grad=True)
+        b = torch.zeros(256, device=f"cuda:{index}", requires_grad=True)
+        w2 = torch.zeros(256, 64, device=f"cuda:{index}", requires_grad=True)
+        b2 = torch.zeros(64, device=f"cuda:{index}", requires_grad=True)
+
+        def mlp(x: torch.Tensor, w=w, b=b, w2=w2, b2=b2) -> torch.Tensor:
+            # GPT-2's MLP: two products with a bias, a GELU between.
+            h = torch.nn.functional.gelu(torch.addmm(b, x.view(-1, 64), w), approximate="tanh")
+            return torch.addmm(b2, h, w2).view(4, 128, 64)
+
         try:
-            (torch.nn.functional.linear(x, w, b) @ w).sum().backward()
+            (mlp(x) @ w).sum().backward()
             if _saved_tensor_hooks_enabled():
                 # (Where saved-tensor hooks are disabled no checkpoint can
                 # run: the recompute's workspace is not counted.)
-                recomputed = checkpoint(torch.nn.functional.linear, x, w, b, use_reentrant=False)
+                recomputed = checkpoint(mlp, x, use_reentrant=False)
                 (recomputed @ w).sum().backward()
                 del recomputed
         finally:
-            del x, w, b
+            del x, w, b, w2, b2, mlp
         torch.cuda.synchronize(index)
         return max(0, torch.cuda.memory_allocated(index) - before)
