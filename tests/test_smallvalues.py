@@ -25,9 +25,7 @@ class _Attention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention:
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-            self.calls.append(
-                (mask is not None, kwargs.get("is_causal"), kwargs.get("enable_gqa"))
-            )
+            self.calls.append((mask is not None, kwargs.get("is_causal"), kwargs.get("enable_gqa")))
         return func(*args, **kwargs)
 
 
