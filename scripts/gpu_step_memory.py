@@ -200,24 +200,22 @@ def run(name: str) -> dict[str, Any]:
     return result
 
 
-def budget_run(name: str, share: float) -> dict[str, Any]:
-    """As the budget sweep's memscale row: BALANCED without offload at
-    ``start + share x activations`` (the unoptimized step measured first),
-    wrapped without the optimizer; then the fake pass's per-layer profile
-    against a real forward's (empirical profiling), layer by layer."""
-    from memscale import _model, _planning
+def _sweep_row(name: str, share: float) -> tuple[Any, Any, Any, int]:
+    """The budget sweep's memscale row: the unoptimized step measured, then
+    a fresh model wrapped BALANCED without offload (and without the
+    optimizer) at ``start + share x activations``; (model, batch, config,
+    budget)."""
     from memscale.config import GIB
 
-    dev = DEV
     entry = BENCHMARK_MODELS[name]
-    model, batch = entry.build(seed=0, device=dev)
+    model, batch = entry.build(seed=0, device=DEV)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     base = _watched_step(model, batch, optimizer)
     del model, batch, optimizer
     gc.collect()
     _sync()
     budget = base["start_allocated"] + int(share * (base["peak"] - base["start_allocated"]))
-    model, batch = entry.build(seed=0, device=dev)
+    model, batch = entry.build(seed=0, device=DEV)
     config = memscale.Config(
         mode="balanced",
         enable_offloading=False,
@@ -225,6 +223,17 @@ def budget_run(name: str, share: float) -> dict[str, Any]:
         enable_logging=False,
     )
     memscale.wrap(model, config, sample_input=batch.sample_input)
+    return model, batch, config, budget
+
+
+def budget_run(name: str, share: float) -> dict[str, Any]:
+    """As the budget sweep's memscale row: BALANCED without offload at
+    ``start + share x activations`` (the unoptimized step measured first),
+    wrapped without the optimizer; then the fake pass's per-layer profile
+    against a real forward's (empirical profiling), layer by layer."""
+    from memscale import _model, _planning
+
+    model, batch, _, budget = _sweep_row(name, share)
     executor = model._memscale_executor
     plan = executor.plan
     names = list(executor.layer_names)
@@ -324,24 +333,8 @@ def compare(name: str, share: float) -> dict[str, Any]:
     import difflib
 
     from memscale._planner import PredictionSession
-    from memscale.config import GIB
 
-    entry = BENCHMARK_MODELS[name]
-    model, batch = entry.build(seed=0, device=DEV)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    base = _watched_step(model, batch, optimizer, keep_rows=True)
-    del model, batch, optimizer
-    gc.collect()
-    _sync()
-    budget = base["start_allocated"] + int(share * (base["peak"] - base["start_allocated"]))
-    model, batch = entry.build(seed=0, device=DEV)
-    config = memscale.Config(
-        mode="balanced",
-        enable_offloading=False,
-        memory_budget_gb=budget / GIB,
-        enable_logging=False,
-    )
-    memscale.wrap(model, config, sample_input=batch.sample_input)
+    model, batch, config, budget = _sweep_row(name, share)
     plan = model._memscale_executor.plan
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     real = _watched_step(model, batch, optimizer, keep_rows=True)
