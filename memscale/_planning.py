@@ -123,7 +123,7 @@ def fake_pass(
         raise RuntimeError("fake tensors are not available in this torch")
     mode, convert = fake
     device_type = _model.model_device(model).type
-    values = _smallvalues.SmallValues()
+    values = _smallvalues.SmallValues(mode)
 
     def to_fake(obj: Any) -> Any:
         # Nested too: a batch can be a dict or a tuple of tensors (a

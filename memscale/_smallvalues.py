@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_map_only
 
 from . import _torch_compat
 from ._tree import tensor_list, tensors_in
@@ -35,16 +37,31 @@ _DispatchMode: type = _torch_compat.dispatch_mode_base() or object
 
 
 class SmallValues:
-    """Which calls of a fake pass run for real (``limit`` bytes at most;
-    0, or a torch without the fake-tensor tools: none), and running them."""
+    """Which calls of one fake pass run for real, and running them.
 
-    def __init__(self, limit: int = REAL_VALUE_LIMIT) -> None:
-        tools = _torch_compat.fake_tensor_tools() if limit else None
+    ``mode`` is the pass's FakeTensorMode; ``limit`` the bytes a real
+    result may have (0, or a torch without the fake-tensor tools: no call
+    runs for real).  Only torch's own operators (``aten``, ``prims``) run
+    for real, never a collective or a custom operator, and never one that
+    writes a real tensor the pass did not make: an input the pass copied
+    (:meth:`real_copy`) or what an earlier call run for real returned.  A
+    call that does not run for real runs on fake twins of its real
+    arguments, so that the fake mode never computes on them (it would run
+    the real kernel of an arithmetic operator whose arguments are all
+    real)."""
+
+    def __init__(self, mode: Any, limit: int = REAL_VALUE_LIMIT) -> None:
+        tools = _torch_compat.fake_tensor_tools() if limit and mode is not None else None
         self.limit = limit if tools is not None else 0
+        self._mode = mode
         if tools is not None:
             self._is_fake, self._unset_fake, self._value_errors = tools
             # The class is_fake answers True for at once.
             self._fake_cls = _torch_compat.fake_tensor_class()
+        # The real storages this pass made (storage key -> weak reference).
+        self._made: dict[int, StorageWeakRef] = {}
+        # Per operator: where its schema says it writes (position, name).
+        self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
 
     def all_real(self, args: Any, kwargs: Any) -> bool:
         """Whether no tensor argument of a call is fake (False without a
@@ -67,23 +84,63 @@ class SmallValues:
         return True
 
     def run(self, func: Any, args: Any, kwargs: Any) -> Any:
-        """A call on real tensors only (or none), inside the fake mode: its
-        result's size is learnt on fake tensors first; a small result is
-        computed for real, so its values exist, and so is a call that
-        returns no tensor (``_foreach_add_``: what it writes is real)."""
+        """A call whose tensor arguments are all real (or that has none),
+        inside the fake mode.  Its result's size is learnt on fake twins
+        first; it then runs for real (once) when that is at most the limit,
+        or when it returns no tensor (``_foreach_add_``: what it writes is
+        read later), or when it reads values (``nonzero``), if it may
+        (above); else the fake result stands."""
+        fargs, fkwargs = self._faked(args, kwargs)
+        if not self._may_run(func, args, kwargs):
+            return func(*fargs, **fkwargs)
         try:
-            out = func(*args, **kwargs)
+            out = func(*fargs, **fkwargs)
         except self._value_errors:
-            out = None  # it reads values (item(), nonzero(), ...)
+            pass  # it reads values (item(), nonzero(), ...)
         else:
             sizes = [t.untyped_storage().nbytes() for t in tensors_in(out)]
             if sizes and sum(sizes) > self.limit:
                 return out
         with self._unset_fake():
-            return func(*args, **kwargs)
+            real = func(*args, **kwargs)
+        self._remember(real)
+        return real
+
+    def _faked(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        convert = self._mode.from_tensor
+        return tree_map_only(torch.Tensor, convert, (args, kwargs))
+
+    def _may_run(self, func: Any, args: Any, kwargs: Any) -> bool:
+        if getattr(func, "namespace", None) not in ("aten", "prims"):
+            return False
+        writes = self._writes.get(func)
+        if writes is None:
+            writes = self._writes[func] = tuple(
+                (i, a.name)
+                for i, a in enumerate(func._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            )
+        for i, name in writes:
+            written = args[i] if i < len(args) else kwargs.get(name)
+            for t in tensor_list(written):
+                ref = self._made.get(_torch_compat.storage_key(t))
+                if ref is None or ref.expired():
+                    return False
+        return True
+
+    def _remember(self, out: Any) -> None:
+        made = self._made
+        if len(made) > 4096:  # the expired ones go
+            for key in [k for k, ref in made.items() if ref.expired()]:
+                del made[key]
+        for t in tensors_in(out):
+            storage = t.untyped_storage()
+            made[storage._cdata] = StorageWeakRef(storage)
 
     def keeps(self, t: torch.Tensor, device_type: str) -> bool:
-        """Whether the input ``t`` stays real in a pass on ``device_type``."""
+        """Whether the input ``t`` stays real in a pass on ``device_type``
+        (its own bytes count, not its storage's: a batch sliced from a
+        dataset's tensor is copied alone)."""
         return (
             bool(self.limit)
             and not t.is_meta
@@ -92,14 +149,25 @@ class SmallValues:
             and not t.requires_grad
             and t.device.type == device_type
             and not self._is_fake(t)
-            and t.untyped_storage().nbytes() <= self.limit
+            and t.numel() * t.element_size() <= self.limit
         )
 
     def real_copy(self, t: torch.Tensor) -> torch.Tensor:
         """A real copy of the real input ``t``, made inside the fake mode
-        (the model may change it in place; the caller's stays as it is)."""
+        (the model may change it in place; the caller's stays as it is),
+        which the pass's calls may write."""
         with self._unset_fake():
-            return t.clone()
+            copy = t.clone()
+        self._remember(copy)
+        return copy
+
+    def refill(self, copy: torch.Tensor, t: torch.Tensor) -> None:
+        """Put ``t``'s values back into its :meth:`real_copy` (which a
+        forward may have changed in place) before another pass runs."""
+        with self._unset_fake(), torch.no_grad():
+            if copy.shape != t.shape:
+                copy.resize_(t.shape)
+            copy.copy_(t)
 
 
 @_torch_compat.guard_dispatch

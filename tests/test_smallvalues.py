@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_gpt2, tiny_llama
 from torch.overrides import TorchFunctionMode
 
+import memscale
 from memscale import _planning, _smallvalues, _torch_compat
 
 IDS = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
@@ -43,18 +44,25 @@ def _gpt2():
 
 
 @pytest.mark.parametrize("factory", [_llama, _gpt2], ids=["llama", "gpt2"])
-@pytest.mark.parametrize("mask", [False, True], ids=["ids", "ids+mask"])
+@pytest.mark.parametrize("mask", [False, True, "sliced"], ids=["ids", "ids+mask", "sliced"])
 def test_the_profiles_fake_pass_runs_the_attention_a_real_forward_runs(factory, mask):
     """Hugging Face builds a causal mask when the position ids it makes
     with ``torch.arange``, or the attention mask it is given, is a fake
     tensor (it takes it for a trace), and leaves it out in a real step
-    whose mask is all ones.  The profile's pass keeps both real: its
+    whose mask is all ones.  The profile's pass keeps both real (a batch
+    sliced from a larger tensor too): its
     attention runs as the real forward's (no mask; Llama's keys and values
     not expanded) and every layer saves the bytes a real forward saves."""
     model = factory()
     model.train()
     inputs = {"input_ids": IDS}
-    if mask:
+    if mask == "sliced":
+        # A batch sliced from a dataset's tensor of over 8 MiB: the batch
+        # alone counts (it is what the pass copies).
+        dataset = torch.randint(0, 256, (20000, 64), generator=torch.Generator().manual_seed(2))
+        masks = torch.ones(20000, 64, dtype=torch.int64)
+        inputs = {"input_ids": dataset[:4], "attention_mask": masks[:4]}
+    elif mask:
         inputs["attention_mask"] = torch.ones_like(IDS)
     units = _blocks(model)
     with _Attention() as fake_calls:
@@ -100,15 +108,74 @@ def test_the_profiles_pass_leaves_the_rng_and_the_inputs_as_they_were():
     assert torch.equal(positions, torch.arange(8))
 
 
-def test_a_call_that_returns_nothing_on_real_values_runs_for_real():
-    """``_foreach_add_`` on real tensors inside the fake mode (an optimizer's
-    step counters) writes them for real: nothing it returns says how big
-    it is, and what it writes is read later (a step count of 0 divides by
-    zero in AdamW's bias correction)."""
+def test_calls_on_what_the_pass_made_run_for_real_once():
+    """Inside the fake mode, what a call on real values only returns is
+    real (``torch.arange``), an in-place write to it is applied once (the
+    size is learnt on fake twins: the fake mode would run the real kernel
+    of an arithmetic call on real arguments), and ``_foreach_add_`` on the
+    pass's own tensors (an optimizer's step counters) writes them for
+    real, though it returns nothing that says how big it is."""
     mode, _ = _torch_compat.fake_tensor_mode(allow_non_fake_inputs=True)
-    steps = [torch.tensor(0.0), torch.tensor(2.0)]
-    with mode, _smallvalues.SmallValuesMode(_smallvalues.SmallValues()):
-        torch._foreach_add_(steps, 1)
+    with mode, _smallvalues.SmallValuesMode(_smallvalues.SmallValues(mode)):
         made = torch.arange(4)
+        made.add_(1)
+        made.mul_(2)
+        steps = [torch.zeros(()), torch.full((), 2.0)]
+        torch._foreach_add_(steps, 1)
+    assert not _torch_compat.is_fake(made) and made.tolist() == [2, 4, 6, 8]
     assert [float(s) for s in steps] == [1.0, 3.0]
-    assert not _torch_compat.is_fake(made) and made.tolist() == [0, 1, 2, 3]
+
+
+@torch.library.custom_op("memscale_test::bump", mutates_args=())
+def _bump(x: torch.Tensor) -> torch.Tensor:
+    _BUMPED.append(1)
+    return x + 1
+
+
+@_bump.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_BUMPED: list[int] = []
+
+
+def test_nothing_outside_the_pass_is_written_or_called_for_real():
+    """A real tensor the pass did not make (a model's plain attribute, the
+    caller's) is never written: the call runs on its fake twin.  Only
+    torch's own operators run for real: a custom operator (as a
+    collective) on real values runs its fake implementation."""
+    _BUMPED.clear()
+    mode, _ = _torch_compat.fake_tensor_mode(allow_non_fake_inputs=True)
+    outside = torch.zeros(3, dtype=torch.int64)
+    with mode, _smallvalues.SmallValuesMode(_smallvalues.SmallValues(mode)):
+        written = outside.add_(1)
+        bumped = torch.ops.memscale_test.bump(torch.arange(3))
+    assert outside.tolist() == [0, 0, 0] and written is outside
+    assert _torch_compat.is_fake(bumped)
+    assert _BUMPED == []
+
+
+def test_each_simulated_forward_starts_from_the_batch_as_it_is():
+    """A forward that changes an integer input in place (``lengths -= 1``)
+    and reads it: the warm-up and every simulated step get the batch as the
+    caller passed it, not as the previous simulated forward left it; the
+    caller's tensor is unchanged."""
+    seen = []
+
+    class Trims(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x, lengths):
+            lengths -= 1
+            seen.append(int(lengths.max()))
+            return self.fc(x[:, : int(lengths.max())]).sum()
+
+    model = Trims()
+    lengths = torch.tensor([255, 200])
+    x = torch.randn(2, 256, 8)
+    memscale.predict_peak(model, (x, lengths), memscale.Config(enable_logging=False))
+    assert len(seen) >= 2 and set(seen) == {254}
+    assert lengths.tolist() == [255, 200]

@@ -46,8 +46,9 @@ class FakeWorld:
         self.model = model
         self.device = device
         self._memo: dict[int, torch.Tensor] = {}
-        self._real_copies: dict[int, torch.Tensor] = {}
-        self._small = SmallValues(REAL_VALUE_LIMIT)
+        self._real_copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # What of this world's passes runs for real (memscale._smallvalues).
+        self.small = SmallValues(self.mode, REAL_VALUE_LIMIT)
         self._keep: list[torch.Tensor] = []
         tools = _torch_compat.fake_tensor_tools()
         self._real = tools[1] if tools is not None else contextlib.nullcontext
@@ -91,11 +92,11 @@ class FakeWorld:
         once per tensor (the model may change them in place, and the
         caller's batch must stay as it is)."""
         if isinstance(obj, torch.Tensor):
-            if self._small.keeps(obj, self.device.type):
+            if self.small.keeps(obj, self.device.type):
                 if id(obj) not in self._real_copies:
-                    self._real_copies[id(obj)] = self._small.real_copy(obj)
+                    self._real_copies[id(obj)] = (obj, self.small.real_copy(obj))
                     self._keep.append(obj)
-                return self._real_copies[id(obj)]
+                return self._real_copies[id(obj)][1]
             return self.fake(obj)
         if isinstance(obj, tuple):
             return tuple(self.fake_tree(o) for o in obj)
@@ -104,6 +105,13 @@ class FakeWorld:
         if isinstance(obj, dict):
             return {k: self.fake_tree(v) for k, v in obj.items()}
         return obj
+
+    def refill_inputs(self) -> None:
+        """The real copies of the inputs as the caller's inputs are: before
+        each simulated forward (a forward may change them in place, and
+        the next must start from the batch as it is)."""
+        for original, copy in self._real_copies.values():
+            self.small.refill(copy, original)
 
     def __enter__(self) -> FakeWorld:
         self.mode.__enter__()

@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import _model, _selective, _torch_compat
 from .._tree import tensors_in
-from ._fake import REAL_VALUE_LIMIT, FakeWorld
+from ._fake import FakeWorld
 from ._results import PeakBreakdown
 from ._tracker import FakeCaller, Recording, StorageTracker
 from ._workspace import Kernel
@@ -239,7 +239,8 @@ class Step:
         enough for the optimizer to build its state.  Its operators are
         called as the tracked steps call them (:class:`FakeCaller`, below
         the profiler's modes)."""
-        with FakeCaller(self.world.calls, REAL_VALUE_LIMIT):
+        self.world.refill_inputs()
+        with FakeCaller(self.world.calls, self.world.small):
             self._zero_grad()
             with torch.enable_grad():
                 with on_forward() as result:
@@ -287,7 +288,8 @@ class Step:
         (of ``recompute_units``) join the checkpoint segment of the unit
         before them, whose frame keeps the one RNG state.  Each of the
         ``nested`` lists is the units of a nested checkpoint segment."""
-        tracker = StorageTracker(REAL_VALUE_LIMIT, self.world.calls)
+        self.world.refill_inputs()
+        tracker = StorageTracker(self.world.small, self.world.calls)
         if self.world.device.type == "cpu":
             tracker.kernel_calls = []
             # The Python numbers autograd keeps are CPU tensors of their own.

@@ -128,11 +128,13 @@ class FakeCaller(_DispatchMode):
     fake tensors' ``prim.device`` answered directly), tracking nothing:
     the untracked warm-up runs under it, below the profiler's modes."""
 
-    def __init__(self, calls: Callable[[Any, Any, Any], Any] | None, real_limit: int = 0) -> None:
+    def __init__(
+        self, calls: Callable[[Any, Any, Any], Any] | None, small: SmallValues | None = None
+    ) -> None:
         super().__init__()
         self._calls = calls
         self._fake_device = _torch_compat.fake_device_reader()
-        self._small = SmallValues(real_limit)
+        self._small = small if small is not None else SmallValues(None, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and self._fake_device is not None and len(args) == 1:
@@ -153,7 +155,9 @@ class StorageTracker(_DispatchMode):
     records an event when it is allocated and when it is freed."""
 
     def __init__(
-        self, real_limit: int = 0, calls: Callable[[Any, Any, Any], Any] | None = None
+        self,
+        small: SmallValues | None = None,
+        calls: Callable[[Any, Any, Any], Any] | None = None,
     ) -> None:
         if _torch_compat.dispatch_mode_base() is None:
             raise RuntimeError(
@@ -168,7 +172,7 @@ class StorageTracker(_DispatchMode):
         # prim.device answered here (it returns no tensor to track).
         self._fake_device = _torch_compat.fake_device_reader()
         # Calls on real tensors only that run for real (_smallvalues).
-        self._small = SmallValues(real_limit)
+        self._small = small if small is not None else SmallValues(None, 0)
         # id(storage) -> (weakref, serial); the weakref's callback
         # records the free.
         self._known: dict[int, tuple[weakref.ref, int]] = {}
