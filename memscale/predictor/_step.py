@@ -240,7 +240,7 @@ class Step:
         called as the tracked steps call them (:class:`FakeCaller`, below
         the profiler's modes)."""
         self.world.refill_inputs()
-        with FakeCaller(self.world.calls, self.world.small):
+        with FakeCaller(self.world.calls, self.world.small) as caller:
             self._zero_grad()
             with torch.enable_grad():
                 with on_forward() as result:
@@ -249,6 +249,11 @@ class Step:
                 del output
                 reached = _leaves_reached(loss)
                 del loss
+            # The optimizer's state is made fake, step counters too (as
+            # before small values were real in the warm-up): real ones
+            # would be converted to fake twins at each update of a fake
+            # parameter, thousands of times on a deep model.
+            caller.small_values(False)
             for p in self.world.params:
                 if p.requires_grad and id(p) in reached:
                     p.grad = torch.zeros_like(p)

@@ -135,6 +135,11 @@ class FakeCaller(_DispatchMode):
         self._calls = calls
         self._fake_device = _torch_compat.fake_device_reader()
         self._small = small if small is not None else SmallValues(None, 0)
+        self._real = small is not None
+
+    def small_values(self, on: bool) -> None:
+        """Whether calls on small real values run for real from now on."""
+        self._real = on and self._small.limit > 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and self._fake_device is not None and len(args) == 1:
@@ -142,7 +147,7 @@ class FakeCaller(_DispatchMode):
             if device is not None:
                 return device
         kwargs = kwargs or {}
-        if self._small.all_real(args, kwargs):
+        if self._real and self._small.all_real(args, kwargs):
             return self._small.run(func, args, kwargs)
         if self._calls is None:
             return func(*args, **kwargs)
