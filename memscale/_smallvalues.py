@@ -88,22 +88,31 @@ class SmallValues:
         inside the fake mode.  Its result's size is learnt on fake twins
         first; it then runs for real (once) when that is at most the limit,
         or when it returns no tensor (``_foreach_add_``: what it writes is
-        read later), or when it reads values (``nonzero``), if it may
-        (above); else the fake result stands."""
+        read later), or when its size depends on values and is bounded
+        within the limit (:func:`_value_bound`: ``item()``, ``nonzero``),
+        if it may (above); else the fake result stands, or the fake mode's
+        error for a size it cannot know."""
         fargs, fkwargs = self._faked(args, kwargs)
         if not self._may_run(func, args, kwargs):
             return func(*fargs, **fkwargs)
         try:
             out = func(*fargs, **fkwargs)
         except self._value_errors:
-            pass  # it reads values (item(), nonzero(), ...)
+            # It reads values: run for real only when what it can return
+            # is bounded and small (repeat_interleave is not).
+            bound = _value_bound(func, args, kwargs)
+            if bound is None or bound > self.limit:
+                raise
         else:
             sizes = [t.untyped_storage().nbytes() for t in tensors_in(out)]
             if sizes and sum(sizes) > self.limit:
                 return out
         with self._unset_fake():
             real = func(*args, **kwargs)
-        self._remember(real)
+        # A result that is a view of an argument is the pass's own only if
+        # that argument was.
+        given = {_torch_compat.storage_key(t) for t in tensor_list((args, kwargs))}
+        self._remember(real, given)
         return real
 
     def _faked(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -128,14 +137,17 @@ class SmallValues:
                     return False
         return True
 
-    def _remember(self, out: Any) -> None:
+    def _remember(self, out: Any, given: set[int] | frozenset[int] = frozenset()) -> None:
+        """Note the storages of ``out`` as the pass's own, but those of the
+        ``given`` arguments (a view of a tensor the pass did not make)."""
         made = self._made
         if len(made) > 4096:  # the expired ones go
             for key in [k for k, ref in made.items() if ref.expired()]:
                 del made[key]
         for t in tensors_in(out):
             storage = t.untyped_storage()
-            made[storage._cdata] = StorageWeakRef(storage)
+            if storage._cdata not in given:
+                made[storage._cdata] = StorageWeakRef(storage)
 
     def keeps(self, t: torch.Tensor, device_type: str) -> bool:
         """Whether the input ``t`` stays real in a pass on ``device_type``
@@ -168,6 +180,27 @@ class SmallValues:
             if copy.shape != t.shape:
                 copy.resize_(t.shape)
             copy.copy_(t)
+
+
+def _value_bound(func: Any, args: Any, kwargs: Any) -> int | None:
+    """The most bytes a call whose output size depends on values can
+    return, for the few calls whose bound the arguments give; None for any
+    other (``repeat_interleave``, ``bincount``: unbounded)."""
+    name = getattr(func, "_opname", "")
+    tensors = tensor_list((args, kwargs))
+    if name in ("_local_scalar_dense", "is_nonzero", "equal"):
+        return 0  # a Python number
+    if not tensors:
+        return None
+    first = tensors[0]
+    if name in ("nonzero", "argwhere"):
+        return first.numel() * max(1, first.dim()) * 8
+    if name == "masked_select":
+        shape = torch.broadcast_shapes(*(t.shape for t in tensors[:2]))
+        return shape.numel() * first.element_size()
+    if name in ("_unique", "_unique2", "unique_dim", "unique_consecutive"):
+        return first.numel() * (first.element_size() + 16)  # values, inverse, counts
+    return None
 
 
 @_torch_compat.guard_dispatch

@@ -142,14 +142,18 @@ _BUMPED: list[int] = []
 
 def test_nothing_outside_the_pass_is_written_or_called_for_real():
     """A real tensor the pass did not make (a model's plain attribute, the
-    caller's) is never written: the call runs on its fake twin.  Only
+    caller's) is never written, also after a view of it was read: the call
+    runs on its fake twin.  Only
     torch's own operators run for real: a custom operator (as a
     collective) on real values runs its fake implementation."""
     _BUMPED.clear()
     mode, _ = _torch_compat.fake_tensor_mode(allow_non_fake_inputs=True)
     outside = torch.zeros(3, dtype=torch.int64)
     with mode, _smallvalues.SmallValuesMode(_smallvalues.SmallValues(mode)):
+        # A view of it, run for real, does not make it the pass's own.
+        assert outside[:2].sum().item() == 0
         written = outside.add_(1)
+        outside.view(-1).mul_(3)
         bumped = torch.ops.memscale_test.bump(torch.arange(3))
     assert outside.tolist() == [0, 0, 0] and written is outside
     assert _torch_compat.is_fake(bumped)
@@ -179,3 +183,16 @@ def test_each_simulated_forward_starts_from_the_batch_as_it_is():
     memscale.predict_peak(model, (x, lengths), memscale.Config(enable_logging=False))
     assert len(seen) >= 2 and set(seen) == {254}
     assert lengths.tolist() == [255, 200]
+
+
+def test_a_size_that_depends_on_values_runs_for_real_only_when_bounded():
+    """``nonzero`` on a small real mask runs for real (its output is at most
+    the mask's elements by its dimensions); ``repeat_interleave``, whose
+    output a small input does not bound, is not computed: the fake mode's
+    error says the size is not known."""
+    mode, _ = _torch_compat.fake_tensor_mode(allow_non_fake_inputs=True)
+    with mode, _smallvalues.SmallValuesMode(_smallvalues.SmallValues(mode)):
+        found = torch.nonzero(torch.tensor([0, 3, 0, 5]))
+        with pytest.raises(Exception, match="repeat_interleave"):
+            torch.repeat_interleave(torch.tensor([10**9]))
+    assert found.flatten().tolist() == [1, 3]
