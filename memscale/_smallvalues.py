@@ -29,7 +29,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_map_only
 
-from . import _torch_compat
+from . import _dataflow, _torch_compat
 from ._tree import tensor_list, tensors_in
 
 REAL_VALUE_LIMIT = 8 << 20
@@ -186,7 +186,7 @@ def _value_bound(func: Any, args: Any, kwargs: Any) -> int | None:
     """The most bytes a call whose output size depends on values can
     return, for the few calls whose bound the arguments give; None for any
     other (``repeat_interleave``, ``bincount``: unbounded)."""
-    name = getattr(func, "_opname", "")
+    name = _dataflow.op_name(func)
     tensors = tensor_list((args, kwargs))
     if name in ("_local_scalar_dense", "is_nonzero", "equal"):
         return 0  # a Python number

@@ -305,22 +305,16 @@ def _sim_ops(session: Any, plan: Any, config: Any) -> tuple[list[str], list[int]
     those alive when the forward starts; and where backward starts."""
     _, trace = session._steps._trace(plan, config)
     tracker = trace.tracker
-    scratch, scale = tracker._kernel_sizes(session._steps._workspace)
-    levels, level = [], 0
-    for serial, delta in tracker.events:
-        if serial in scale:
-            delta = scale[serial] if delta > 0 else -scale[serial]
-        level += delta
-        levels.append(level)
+    levels = tracker.levels(session._steps._workspace)
     backward = next(at for at, phase in tracker.phase_marks if phase == "backward")
     forward = next(at for at, phase in tracker.phase_marks if phase == "forward")
-    start = levels[forward - 1] if forward else 0
+    start = tracker.levels(session._steps._workspace, scratch=False)[forward]
     ops, after, start_bw = [], [], 0
     for at, name in tracker.__dict__.get("calls", []):
         if at >= backward and not start_bw:
             start_bw = len(ops)
         ops.append(name)
-        after.append((levels[at - 1] if at else 0) + scratch.get(at, 0) - start)
+        after.append(levels[at] - start)
     return ops, after, start_bw
 
 

@@ -135,11 +135,11 @@ class FakeCaller(_DispatchMode):
         self._calls = calls
         self._fake_device = _torch_compat.fake_device_reader()
         self._small = small if small is not None else SmallValues(None, 0)
-        self._real = small is not None
+        self._real = True
 
     def small_values(self, on: bool) -> None:
         """Whether calls on small real values run for real from now on."""
-        self._real = on and self._small.limit > 0
+        self._real = on
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and self._fake_device is not None and len(args) == 1:
@@ -456,17 +456,25 @@ class StorageTracker(_DispatchMode):
         each two consecutive event indices of ``bounds`` (ascending): one
         figure per span [bounds[k], bounds[k + 1]], measured as
         :meth:`breakdown` measures the step's peak."""
-        scratch, scale = self._kernel_sizes(workspace)
+        levels = self.levels(workspace)
+        return [max(levels[lo : hi + 1]) for lo, hi in itertools.pairwise(bounds)]
+
+    def levels(self, workspace: Mapping[Any, Kernel], scratch: bool = True) -> list[int]:
+        """The bytes alive before each event (and after the last), the
+        real sizes ``workspace`` gives counted, and with ``scratch`` the
+        scratch of the kernel called there on top."""
+        extra, scale = self._kernel_sizes(workspace)
+        if not scratch:
+            extra = {}
         levels = []
         level = 0
         for i, (serial, delta) in enumerate(self.events):
-            levels.append(level + scratch.get(i, 0))
+            levels.append(level + extra.get(i, 0))
             if serial in scale:
                 delta = scale[serial] if delta > 0 else -scale[serial]
             level += delta
-        levels.append(level + scratch.get(len(self.events), 0))
-        peaks = [max(levels[lo : hi + 1]) for lo, hi in itertools.pairwise(bounds)]
-        return peaks
+        levels.append(level + extra.get(len(self.events), 0))
+        return levels
 
     def _kernel_sizes(
         self, workspace: Mapping[Any, Kernel]
