@@ -37,10 +37,19 @@ it).  FLOPs are
 attention; not the CPU's attention kernel, which torch's counter has
 no formula for); an op without one counts as cheap.  An op that draws
 random numbers (``nondeterministic_seeded``, such as dropout; an
-attention kernel only when its ``dropout_p`` is above 0) is never kept:
-it is recomputed with the RNG state the checkpoint restores, so its
-masks are the same, and the gradients are bitwise those of the
-unwrapped layer (the recompute runs the same kernels on the same values).
+attention kernel only when its ``dropout_p`` is above 0) is recomputed
+with the RNG state the checkpoint restores, so its masks are the same,
+and the gradients are bitwise those of the unwrapped layer (the
+recompute runs the same kernels on the same values).  Such an op may
+still be kept where it has a FLOP formula and draws from the default
+generator of a CPU or CUDA device (a fused attention kernel with dropout
+on CUDA, whose outputs carry the seed and offset its backward draws the
+mask again from): the forward records the generator's state right after
+the call, and the recompute, which does not run it, sets the generator
+to that state, so every later random op draws what it drew in the
+forward (:func:`generator_device`; on the CPU the state's bytes count
+as kept, :func:`state_bytes`).  Dropout itself has no FLOP formula: it
+is never kept.
 A layer whose forward writes its own buffers or parameters in place
 (BatchNorm's running statistics) never runs selective: torch's
 checkpoint would write them again in the recompute.
@@ -158,9 +167,48 @@ def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
     return not isinstance(p, (int, float)) or p != 0
 
 
+# The device types whose default generator a recompute can set past a
+# kept random call (:func:`generator_device`): the CPU's and each CUDA
+# device's, the generators torch's checkpoint restores.
+_RESTORABLE = ("cpu", "cuda")
+
+
+def generator_device(func: Any, args: tuple, kwargs: dict, out: Any) -> torch.device | None:
+    """The device whose default generator the random call ``func`` draws
+    from, where a recompute that does not run the call can set that
+    generator to the state the forward left it in right after the call
+    (:class:`_KeepMode` records it, :class:`_RecomputeMode` sets it): the
+    device of its first output, a CPU or CUDA one.  None where the call is
+    given a generator of its own (no checkpoint restores that one), or
+    makes no tensor, or its output is on another device type: such a call
+    is never kept, and its recompute draws again in order."""
+    generator = _torch_compat.op_argument(func, args, kwargs, "generator")
+    if generator is not None and generator is not _torch_compat.NO_ARGUMENT:
+        return None
+    tensors = _outputs(out)
+    if not tensors or tensors[0].device.type not in _RESTORABLE:
+        return None
+    return tensors[0].device
+
+
+@functools.cache
+def _cpu_state_bytes() -> int:
+    return int(torch.get_rng_state().untyped_storage().nbytes())
+
+
+def state_bytes(device: torch.device) -> int:
+    """The bytes in ``device``'s memory a kept random call's generator
+    state takes (:func:`generator_device`): the CPU generator's state on the
+    CPU; a CUDA generator's state is a host tensor, none of the device's."""
+    return _cpu_state_bytes() if device.type == "cpu" else 0
+
+
 def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, int, int, bool]:
-    """One call's (FLOPs, bytes of its new outputs, their elements,
-    whether it draws random numbers: :func:`draws_random`)."""
+    """One call's (FLOPs, bytes of its new outputs, their elements, whether
+    it draws random numbers from a generator a recompute cannot set past
+    it: :func:`draws_random` without a :func:`generator_device`).  A random
+    call with a FLOP formula that may be kept counts its generator state
+    among its bytes (:func:`state_bytes`): keeping it keeps that too."""
     random = draws_random(func, args, kwargs)
     if not _torch_compat.op_writes_new(func):
         return 0.0, 0, 0, random
@@ -169,6 +217,11 @@ def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, int,
     numel = sum(t.numel() for t in tensors)
     count = _torch_compat.flop_formula(func)
     flops = float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
+    if random:
+        device = generator_device(func, args, kwargs, out)
+        if device is not None and flops > 0.0:
+            random = False
+            nbytes += state_bytes(device)
     return flops, nbytes, numel, random
 
 
@@ -210,9 +263,11 @@ def _weighted(flops: float, numel: int, kind: int, weights: Weights) -> float:
 
 
 def keeps(threshold: float, flops: float, nbytes: int, random: bool) -> bool:
-    """The policy: keep an op's output when it is not random and costs at
-    least ``threshold`` FLOPs per byte written (``flops / nbytes``, the
-    very division :func:`layer_profile` makes a level's threshold of)."""
+    """The policy: keep an op's output when it is not random (to
+    :func:`op_cost`, a random call whose generator a recompute can set past
+    it is not) and costs at least ``threshold`` FLOPs per byte written
+    (``flops / nbytes``, the very division :func:`layer_profile` makes a
+    level's threshold of)."""
     return not random and flops > 0.0 and nbytes > 0 and flops / nbytes >= threshold
 
 
@@ -553,7 +608,8 @@ def layer_profile(
 ) -> tuple[Level, ...] | None:
     """The layer's levels run selective, fewest bytes kept first: per
     level (threshold, bytes of the outputs it keeps, what its recompute
-    costs).  The ops with a FLOP formula that are not random are sorted by
+    costs).  The ops with a FLOP formula that are not random (to
+    :func:`op_cost`) are sorted by
     FLOPs per byte written; each distinct value is a level's threshold (it
     keeps every op at or above it), down to the level that keeps them all.
     A level is left out when it would keep an output a later op writes in
@@ -798,11 +854,51 @@ class _Kept:
     reads the same outputs (a second backward of a ``retain_graph=True``
     graph recomputes from them too)."""
 
-    __slots__ = ("calls", "outputs")
+    __slots__ = ("calls", "outputs", "states")
 
     def __init__(self) -> None:
         self.calls: dict[Any, int] = {}
         self.outputs: dict[tuple[Any, int], Any] = {}
+        # Of each kept random call: its generator's state right after it.
+        self.states: dict[tuple[Any, int], _State] = {}
+
+
+class _State:
+    """The state a kept random call left its generator in (``device``'s
+    default one), which the recompute sets instead of running the call;
+    ``real`` is False in a fake-tensor pass (the simulation), where no
+    generator drew and ``tensor`` is a stand-in of the bytes the state
+    takes in the device's memory, made through the modes below the
+    selective one (the storage tracker counts it)."""
+
+    __slots__ = ("device", "real", "tensor")
+
+    def __init__(self, device: torch.device, tensor: torch.Tensor, real: bool) -> None:
+        self.device = device
+        self.tensor = tensor
+        self.real = real
+
+
+def _state_after(device: torch.device) -> torch.Tensor | None:
+    """The state of ``device``'s default generator now, right after a kept
+    random call; None where it cannot be read (a CUDA stream capturing a
+    graph)."""
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    return torch.cuda.get_rng_state(device)
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.cuda.set_rng_state(state, device)
+
+
+def _state_now(device: torch.device) -> torch.Tensor:
+    return torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
 
 
 @_torch_compat.guard_dispatch
@@ -850,6 +946,21 @@ class _KeepMode(_DispatchMode):
                 policy.check_layout(func, index, out)
             else:
                 policy.check_reads(func, args, kwargs, out)
+        if keep and draws_random(func, args, kwargs):
+            # The recompute will not run it: it sets the generator to the
+            # state the call left it in, so every later call draws as here.
+            device = generator_device(func, args, kwargs, out)
+            if device is None:
+                keep = False  # (it runs again in order, as an unkept one)
+            elif any(_torch_compat.is_fake(t) for t in _outputs(out)):
+                stand_in = torch.empty(state_bytes(device), dtype=torch.uint8, device=device)
+                self.kept.states[(func, index)] = _State(device, stand_in, False)
+            else:
+                state = _state_after(device)
+                if state is None:
+                    keep = False
+                else:
+                    self.kept.states[(func, index)] = _State(device, state, True)
         if keep:
             self.kept.outputs[(func, index)] = tree_map_only(torch.Tensor, _Cached, out)
         return out
@@ -923,6 +1034,9 @@ class _RecomputeMode(_DispatchMode):
         self.counts: dict[Any, int] = {}
         self.put_off: dict[int, _PutOff] = {}  # by the storage of each unwritten output
         self.skipping = False  # (set on entering)
+        # The generators a kept random call's state was set on, with their
+        # states before the first such set, put back on leaving.
+        self.generators: dict[torch.device, _State] = {}
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -937,7 +1051,37 @@ class _RecomputeMode(_DispatchMode):
 
     def __exit__(self, *exc: Any) -> Any:
         self.put_off.clear()
-        return super().__exit__(*exc)
+        try:
+            # torch's checkpoint restores the generators of the devices of
+            # the layer's inputs after its recompute; this restores any
+            # other one set here, as the recompute without the set would
+            # have left it but for the call it did not run.
+            while self.generators:
+                before = self.generators.popitem()[1]
+                if before.real:
+                    _set_state(before.device, before.tensor)
+        finally:
+            result = super().__exit__(*exc)
+        return result
+
+    def _put_forward(self, key: tuple[Any, int]) -> None:
+        """Set the generator of the kept random call ``key`` to the state
+        its forward call left it in (:class:`_KeepMode`), as running it
+        would have: every later random call draws what it drew in the
+        forward."""
+        found = self.kept.states.get(key)
+        if found is None:
+            return
+        device = found.device
+        if device not in self.generators:
+            now = (
+                _state_now(device)
+                if found.real
+                else torch.empty(state_bytes(device), dtype=torch.uint8, device=device)
+            )
+            self.generators[device] = _State(device, now, found.real)
+        if found.real:
+            _set_state(device, found.tensor)
 
     def run_put_off(self, func: Any, args: tuple, kwargs: dict) -> set[int]:
         """Run the put-off calls whose outputs a call of ``func`` that runs
@@ -975,6 +1119,8 @@ class _RecomputeMode(_DispatchMode):
             )
         entry = self.kept.outputs.get((func, index))
         if entry is not None:
+            if self.kept.states:
+                self._put_forward((func, index))
             return tree_map_only(_Cached, _Cached.read, entry)
         policy = self.policy
         if self.skipping and (str(func), index) in policy.skip:

@@ -982,17 +982,17 @@ def flop_formula(func: Any) -> Any:
     return flop_mapping().get(packet) or flop_registry.get(packet)
 
 
-_NO_ARGUMENT = object()
+NO_ARGUMENT = object()
 
 
 def op_argument(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
     """The value of the aten operator ``func``'s argument ``name`` in this
     call (from ``args`` or ``kwargs``, else its schema's default), or
-    ``_NO_ARGUMENT`` when it has no such argument or no schema.  Reads its
+    ``NO_ARGUMENT`` when it has no such argument or no schema.  Reads its
     private ``_schema``."""
     schema = getattr(func, "_schema", None)
     if schema is None:
-        return _NO_ARGUMENT
+        return NO_ARGUMENT
     for i, arg in enumerate(schema.arguments):
         if arg.name != name:
             continue
@@ -1001,7 +1001,7 @@ def op_argument(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
         if i < len(args) and not arg.kwarg_only:
             return args[i]
         return arg.default_value
-    return _NO_ARGUMENT
+    return NO_ARGUMENT
 
 
 def op_written_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:

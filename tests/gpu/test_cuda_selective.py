@@ -7,8 +7,9 @@ level may keep their outputs (``_selective.draws_random``).  These tests
 check, on the device: that the fake-tensor pass that profiles a layer
 picks the attention kernel a real forward runs (the plan counts the
 kernel's outputs); that a kept attention output is not recomputed and the
-gradients are the plain layer's; that with dropout the kernel is rerun
-with the forward's RNG state (the same mask); and that a Hugging Face
+gradients are the plain layer's, with dropout too (the recompute sets the
+device's generator to the state the kernel left it in, so a dropout after
+it draws the forward's mask); and that a Hugging Face
 Llama's selective plan fits its budget with the predicted peak within 2%
 of the device's."""
 
@@ -115,11 +116,11 @@ def test_the_fake_pass_picks_the_attention_kernel_a_real_forward_runs(dtype):
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("p", [0.0, 0.1])
 def test_a_selective_attention_block_on_cuda(dtype, p):
-    """At dropout 0 the first level keeps the attention kernel's outputs:
-    the recompute does not run the kernel again.  With dropout the kernel
-    is never kept and is rerun in backward with the forward's RNG state.
-    Either way the gradients are bitwise the plain block's (control: the
-    plain block run twice)."""
+    """The first level keeps the attention kernel's outputs, with dropout
+    too (the kernel draws from the device's default generator, which the
+    recompute sets past it): the recompute does not run the kernel again,
+    and the gradients are bitwise the plain block's (control: the plain
+    block run twice)."""
     _selective_or_skip()
     fresh_device()
     x = torch.randn(8, 128, 64, generator=torch.Generator().manual_seed(4))
@@ -150,8 +151,10 @@ def test_a_selective_attention_block_on_cuda(dtype, p):
             "schema": str(func._schema),
         },
     )
-    # cuDNN's kernel stays random at dropout 0 (_selective.draws_random).
-    assert random == (p > 0.0 or "cudnn" in kernels[0])
+    # cuDNN's kernel counts as random at dropout 0 too (_selective.draws_random);
+    # to the policy none is (its generator is the device's default one).
+    assert _selective.draws_random(func, args, kwargs) == (p > 0.0 or "cudnn" in kernels[0])
+    assert not random
     assert flops > 0.0, f"torch's FLOP counter has no formula for {kernels[0]}"
     levels = _selective.layer_profile(ops, flops=1e12, saved_bytes=10**12)
     assert levels
@@ -183,10 +186,70 @@ def test_a_selective_attention_block_on_cuda(dtype, p):
             "selective_vs_plain_max_diff": _max_diff(ours, first),
         },
     )
-    assert kept == (not random)
-    assert len(rerun) == (0 if kept else 1)
+    assert kept
+    assert not rerun
     assert _max_diff(first, again) == 0.0, "the plain block is not reproducible on this device"
     assert _max_diff(ours, first) == 0.0
+
+
+class _AttentionThenDropout(Attention):
+    """The attention block, then a dropout: a random call after the kernel."""
+
+    def __init__(self, p: float, width: int) -> None:
+        super().__init__(p, width)
+        self.drop = torch.nn.Dropout(0.2)
+
+    def forward(self, x):
+        return self.drop(super().forward(x))
+
+
+def test_a_kept_attention_kernel_with_dropout_leaves_later_draws_as_in_the_forward():
+    """The kernel with dropout is kept; the recompute sets the CUDA
+    generator to the state the forward's kernel left it in, so the dropout
+    after it (recomputed) draws the forward's mask: the gradients are
+    bitwise the plain block's, and the caller's generator ends where the
+    plain step leaves it."""
+    _selective_or_skip()
+    fresh_device()
+    x = torch.randn(8, 128, 64, generator=torch.Generator().manual_seed(4)).to(DEV)
+    block = _AttentionThenDropout(0.1, width=64).to(DEV)
+    plain = _AttentionThenDropout(0.1, width=64).to(DEV)
+    plain.load_state_dict(block.state_dict())
+    with _selective.OpRecorder([block]) as rec:
+        block(x)
+    rec.close()
+    levels = _selective.layer_profile(rec.ops[0], flops=1e12, saved_bytes=10**12)
+    threshold = levels[0][0]
+
+    def step(module):
+        module.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(11)
+        out = (
+            _selective.run(module.forward, threshold, (xi,), {}) if module is block else module(xi)
+        )
+        calls = _Calls()
+        with calls:
+            out.pow(2).mean().backward()
+        return [xi.grad, *grads(module)], calls.names, torch.cuda.get_rng_state()
+
+    with _deterministic_where_possible():
+        first, _, first_state = step(plain)
+        again, _, _ = step(plain)
+        ours, names, our_state = step(block)
+    kernels = _attention_ops(names)
+    record(
+        "selective_attention_dropout_after",
+        {
+            "kernel_reruns_in_backward": len(kernels),
+            "plain_vs_plain_max_diff": _max_diff(first, again),
+            "selective_vs_plain_max_diff": _max_diff(ours, first),
+        },
+    )
+    assert not kernels
+    assert _max_diff(first, again) == 0.0, "the plain block is not reproducible on this device"
+    assert _max_diff(ours, first) == 0.0
+    assert torch.equal(our_state, first_state)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
