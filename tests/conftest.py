@@ -337,6 +337,24 @@ def train_step(
     return loss.detach()
 
 
+def adamw_step_peak(model: nn.Module, batch, loss_fn) -> int:
+    """The exact peak of one training step of ``model`` (zero_grad,
+    ``loss_fn(model, batch)``, backward, an AdamW step) after a warm-up
+    step, with the batch and the optimizer's state counted from the start
+    (``memscale._measure.measure_peak``)."""
+    from memscale._measure import measure_peak
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model, batch).backward()
+        optimizer.step()
+
+    step()
+    return measure_peak(step, model=model, inputs=(batch, optimizer.state), warmup=1).peak_bytes
+
+
 def assert_same_step(
     model: nn.Module,
     ref: nn.Module,

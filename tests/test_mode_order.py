@@ -9,7 +9,7 @@ from __future__ import annotations
 import conftest
 import pytest
 import torch
-from conftest import mlp, tiny_gpt2
+from conftest import adamw_step_peak, mlp, tiny_gpt2
 
 import memscale
 from memscale._measure import measure_peak
@@ -56,18 +56,10 @@ def measured(case: str, config: memscale.Config | None) -> tuple[int, object]:
     if config is not None:
         memscale.wrap(model, config, sample_input=batch)
         plan = model._memscale_executor.plan
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        loss_of(model, batch).backward()
-        optimizer.step()
-
-    step()
-    report = measure_peak(step, model=model, inputs=(batch, optimizer.state), warmup=1)
+    peak = adamw_step_peak(model, batch, loss_of)
     if config is not None:
         memscale.detach(model)
-    return report.peak_bytes, plan
+    return peak, plan
 
 
 def assert_ordered(peaks: dict[str, int]) -> None:
