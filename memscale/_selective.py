@@ -172,16 +172,35 @@ def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
 # device's, the generators torch's checkpoint restores.
 _RESTORABLE = ("cpu", "cuda")
 
+# The random operators (overload packets by name) known to draw from the
+# default generator of their first output's device, and from no other:
+# torch's fused attention kernels, whose dropout draws on the query's
+# device.  Only these may be kept (:func:`generator_device`); a custom
+# operator that draws so may be added by its name ("ns::op"), which
+# declares it: one that draws elsewhere (its mask on the CPU for a CUDA
+# output) would leave that generator behind when the recompute skips it.
+RESTORABLE_RANDOM: set[str] = {
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward",
+}
+
 
 def generator_device(func: Any, args: tuple, kwargs: dict, out: Any) -> torch.device | None:
     """The device whose default generator the random call ``func`` draws
     from, where a recompute that does not run the call can set that
     generator to the state the forward left it in right after the call
     (:class:`_KeepMode` records it, :class:`_RecomputeMode` sets it): the
-    device of its first output, a CPU or CUDA one.  None where the call is
-    given a generator of its own (no checkpoint restores that one), or
-    makes no tensor, or its output is on another device type: such a call
-    is never kept, and its recompute draws again in order."""
+    device of its first output, a CPU or CUDA one, for an operator of
+    :data:`RESTORABLE_RANDOM`.  None for any other operator, or where the
+    call is given a generator of its own (no checkpoint restores that
+    one), or makes no tensor, or its output is on another device type:
+    such a call is never kept, and its recompute draws again in order."""
+    packet = _torch_compat.op_packet(func)
+    if packet is None or getattr(packet, "_qualified_op_name", None) not in RESTORABLE_RANDOM:
+        return None
     generator = _torch_compat.op_argument(func, args, kwargs, "generator")
     if generator is not None and generator is not _torch_compat.NO_ARGUMENT:
         return None
@@ -879,26 +898,28 @@ class _State:
         self.real = real
 
 
+def _generator(device: torch.device) -> torch.Generator:
+    """``device``'s default generator (a CPU or CUDA device).  Its state is
+    read and set on the generator itself: ``torch.cuda.set_rng_state``
+    clones the state through the dispatcher in some torch releases (2.4 to
+    2.6), which a selective mode would count as a call of the layer."""
+    if device.type == "cpu":
+        return torch.default_generator
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.default_generators[index]
+
+
 def _state_after(device: torch.device) -> torch.Tensor | None:
     """The state of ``device``'s default generator now, right after a kept
     random call; None where it cannot be read (a CUDA stream capturing a
     graph)."""
-    if device.type == "cpu":
-        return torch.get_rng_state()
-    if torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    return torch.cuda.get_rng_state(device)
+    return _generator(device).get_state()
 
 
 def _set_state(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cpu":
-        torch.set_rng_state(state)
-    else:
-        torch.cuda.set_rng_state(state, device)
-
-
-def _state_now(device: torch.device) -> torch.Tensor:
-    return torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+    _generator(device).set_state(state)
 
 
 @_torch_compat.guard_dispatch
@@ -1052,17 +1073,16 @@ class _RecomputeMode(_DispatchMode):
     def __exit__(self, *exc: Any) -> Any:
         self.put_off.clear()
         try:
-            # torch's checkpoint restores the generators of the devices of
-            # the layer's inputs after its recompute; this restores any
-            # other one set here, as the recompute without the set would
-            # have left it but for the call it did not run.
-            while self.generators:
-                before = self.generators.popitem()[1]
+            return super().__exit__(*exc)
+        finally:
+            # Outside the mode.  torch's checkpoint restores the generators
+            # of the devices of the layer's inputs after its recompute; any
+            # other one set here goes back to where the recompute found it
+            # (undoing, with the set, the draws of the calls after it).
+            generators, self.generators = self.generators, {}
+            for before in generators.values():
                 if before.real:
                     _set_state(before.device, before.tensor)
-        finally:
-            result = super().__exit__(*exc)
-        return result
 
     def _put_forward(self, key: tuple[Any, int]) -> None:
         """Set the generator of the kept random call ``key`` to the state
@@ -1075,7 +1095,7 @@ class _RecomputeMode(_DispatchMode):
         device = found.device
         if device not in self.generators:
             now = (
-                _state_now(device)
+                _generator(device).get_state()
                 if found.real
                 else torch.empty(state_bytes(device), dtype=torch.uint8, device=device)
             )

@@ -64,8 +64,12 @@ def _flops(x, w, p, out_val=None, **_):
 @pytest.fixture(autouse=True)
 def _counted(monkeypatch):
     """torch's FLOP counter counts the product (as it does CUDA's fused
-    attention kernels)."""
+    attention kernels), and the product is declared to draw from the
+    default generator of its output's device (as they do)."""
     monkeypatch.setitem(flop_registry, NOISY.overloadpacket, _flops)
+    monkeypatch.setattr(
+        _selective, "RESTORABLE_RANDOM", _selective.RESTORABLE_RANDOM | {"memscale_test::noisy_mm"}
+    )
 
 
 class _Noisy(nn.Module):
@@ -132,6 +136,11 @@ def test_a_random_call_with_flops_counts_its_generator_state_and_may_be_kept():
     meta = torch.empty(4, device="meta")
     assert _selective.generator_device(aten.bernoulli.default, (meta,), {}, meta) is None
     assert _selective.op_cost(aten.native_dropout.default, (X, 0.1, True), {}, (X, X > 0))[3]
+    # Not declared to draw from its output's device: random, never kept.
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_selective, "RESTORABLE_RANDOM", set())
+        assert _selective.generator_device(NOISY, (h, block.w, 0.25), {}, out) is None
+        assert _selective.op_cost(NOISY, (h, block.w, 0.25), {}, out)[3]
 
 
 def test_a_kept_random_call_is_not_run_again_and_later_calls_draw_as_in_the_forward():
@@ -178,7 +187,8 @@ def test_a_generator_the_checkpoint_does_not_restore_is_put_back_after_the_recom
     layer's inputs around its recompute; a generator the recompute set for
     a kept call is put back where it found it when the recompute ends,
     also where the checkpoint would not restore it (here: it preserves no
-    RNG state)."""
+    RNG state), outside the recompute's mode (a state set through the
+    dispatcher is no call of the layer)."""
     from torch.utils import checkpoint as ckpt
 
     real = ckpt.checkpoint
@@ -187,6 +197,14 @@ def test_a_generator_the_checkpoint_does_not_restore_is_put_back_after_the_recom
         return real(*args, preserve_rng_state=False, **kwargs)
 
     monkeypatch.setattr(_selective, "checkpoint", unpreserved)
+    real_set = _selective._set_state
+
+    def cloning(device, state):
+        # As torch.cuda.set_rng_state did in torch 2.4 to 2.6: a clone
+        # through the dispatcher, which the recompute's mode must not see.
+        real_set(device, state.clone())
+
+    monkeypatch.setattr(_selective, "_set_state", cloning)
     block, _ = _pair()
     _, levels = _levels(block)
     torch.manual_seed(7)
