@@ -1268,7 +1268,19 @@ def run(
             return keep, recompute
         return keep, _Told(recompute, unit)
 
-    out = checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    # The keyword arguments go to torch's checkpoint as positional ones:
+    # it finds the devices whose RNG state it records and restores among
+    # its positional arguments only (a layer called as
+    # ``layer(hidden_states=x)`` on CUDA would have its dropout draw
+    # other masks in the recompute), and a keyword of its own (``debug``,
+    # ``determinism_check``...) would not reach the forward.
+    names = tuple(kwargs)
+    count = len(args)
+
+    def call(*given: Any) -> Any:
+        return forward(*given[:count], **dict(zip(names, given[count:])))
+
+    out = checkpoint(call, *args, *kwargs.values(), use_reentrant=False, context_fn=context_fn)
     if tail is not None and not policy.reached:
         _tail_missed(tail)
     return out

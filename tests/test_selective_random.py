@@ -269,3 +269,56 @@ def test_a_planned_model_keeps_its_random_products_within_its_prediction():
         assert simulated == peak
     finally:
         memscale.detach(model)
+
+
+class _Keyworded(nn.Module):
+    """A block whose forward takes its input and a flag by keyword; the
+    flag is named as one of torch's checkpoint's own arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, *, x, debug=False):
+        out = x + self.drop(self.fc(x))
+        return out * 2 if debug else out
+
+
+def test_keyword_arguments_reach_the_forward_and_torchs_rng_bookkeeping(monkeypatch):
+    """A selective layer called with its tensors by keyword: torch's
+    checkpoint finds the devices whose RNG state it records and restores
+    among its positional arguments only (on CUDA a dropout would draw
+    other masks in the recompute), so ``run`` hands it every keyword
+    argument positionally, and a keyword named as one of the
+    checkpoint's own (``debug``) reaches the forward.  The gradients are
+    bitwise the plain block's."""
+    from torch.utils import checkpoint as ckpt
+
+    seen = []
+
+    def spied(real):
+        def spy(*args):
+            seen.append(args)
+            return real(*args)
+
+        return spy
+
+    # (Where CUDA is initialized, get_device_states is asked too.)
+    for name in ("get_device_states", "_infer_device_type"):
+        monkeypatch.setattr(ckpt, name, spied(getattr(ckpt, name)))
+    torch.manual_seed(0)
+    block, plain = _Keyworded(), _Keyworded()
+    plain.load_state_dict(block.state_dict())
+    xa, xb = X.clone().requires_grad_(), X.clone().requires_grad_()
+    torch.manual_seed(5)
+    out = _selective.run(block.forward, 1.0, (), {"x": xa, "debug": True})
+    torch.manual_seed(5)
+    expected = plain(x=xb, debug=True)
+    assert torch.equal(out, expected)  # (debug reached the forward: doubled)
+    assert seen and all(any(a is xa for a in args) for args in seen)
+    out.pow(2).mean().backward()
+    expected.pow(2).mean().backward()
+    assert torch.equal(xa.grad, xb.grad)
+    for a, b in zip(block.parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad)

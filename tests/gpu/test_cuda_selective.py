@@ -252,6 +252,46 @@ def test_a_kept_attention_kernel_with_dropout_leaves_later_draws_as_in_the_forwa
     assert torch.equal(our_state, first_state)
 
 
+class _Keyworded(torch.nn.Module):
+    """A block whose forward takes its input by keyword only, with dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.fc = torch.nn.Linear(64, 64)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, *, x):
+        return x + self.drop(torch.relu(self.fc(x)))
+
+
+def test_a_selective_layer_called_by_keyword_draws_the_forwards_masks_on_cuda():
+    """torch's checkpoint restores the RNG state of the CUDA devices it
+    finds among its positional arguments only; ``_selective.run`` hands it
+    the keyword arguments positionally, so a layer called as
+    ``layer(x=...)`` recomputes its dropout with the forward's masks: the
+    gradients are bitwise the plain block's."""
+    _selective_or_skip()
+    fresh_device()
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(4)).to(DEV)
+    block, plain = _Keyworded().to(DEV), _Keyworded().to(DEV)
+
+    def step(module):
+        module.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(11)
+        if module is block:
+            out = _selective.run(module.forward, float("inf"), (), {"x": xi})
+        else:
+            out = module(x=xi)
+        out.pow(2).mean().backward()
+        return [xi.grad, *grads(module)]
+
+    first, ours = step(plain), step(block)
+    record("selective_keyword_dropout", {"max_diff": _max_diff(ours, first)})
+    assert _max_diff(ours, first) == 0.0
+
+
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_a_llama_selective_plan_fits_on_cuda(dtype):
     """A 4-block Llama (SDPA) planned a fifth of its predicted activations
