@@ -39,7 +39,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from . import _copying, _planning, _selective
 
@@ -191,7 +190,7 @@ def _unit_forward(unit: nn.Module, region: _Region, own: Any, regions: _Regions)
             if key:
                 _announce(key)
             if region.checkpoint and unit.training and torch.is_grad_enabled():
-                return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+                return _selective.checkpoint_call(inner, args, kwargs)
             return inner(*args, **kwargs)
         limit = region.selective
         if limit is not None and unit.training and torch.is_grad_enabled():

@@ -1235,6 +1235,25 @@ def _hooked(unit: nn.Module | None) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in unit.modules() if m is not unit)
 
 
+def checkpoint_call(forward: Any, args: tuple, kwargs: dict, **options: Any) -> Any:
+    """``forward(*args, **kwargs)`` under torch's non-reentrant checkpoint
+    (``options``: its own arguments, such as ``context_fn``), with the
+    keyword arguments handed to it as positional ones and the keyword call
+    rebuilt inside: the checkpoint finds the devices whose RNG state it
+    records and restores among its positional arguments only (a layer
+    called as ``layer(hidden_states=x)`` on CUDA would have its dropout
+    draw other masks in the recompute), and a keyword named as one of its
+    own (``debug``, ``determinism_check``...) would not reach the
+    forward.  Dynamo traces the closure as it traces the forward."""
+    names = tuple(kwargs)
+    count = len(args)
+
+    def call(*given: Any) -> Any:
+        return forward(*given[:count], **dict(zip(names, given[count:])))
+
+    return checkpoint(call, *args, *kwargs.values(), use_reentrant=False, **options)
+
+
 def run(
     forward: Any,
     threshold: float,
@@ -1268,19 +1287,7 @@ def run(
             return keep, recompute
         return keep, _Told(recompute, unit)
 
-    # The keyword arguments go to torch's checkpoint as positional ones:
-    # it finds the devices whose RNG state it records and restores among
-    # its positional arguments only (a layer called as
-    # ``layer(hidden_states=x)`` on CUDA would have its dropout draw
-    # other masks in the recompute), and a keyword of its own (``debug``,
-    # ``determinism_check``...) would not reach the forward.
-    names = tuple(kwargs)
-    count = len(args)
-
-    def call(*given: Any) -> Any:
-        return forward(*given[:count], **dict(zip(names, given[count:])))
-
-    out = checkpoint(call, *args, *kwargs.values(), use_reentrant=False, context_fn=context_fn)
+    out = checkpoint_call(forward, args, kwargs, context_fn=context_fn)
     if tail is not None and not policy.reached:
         _tail_missed(tail)
     return out

@@ -542,3 +542,47 @@ def test_a_class_forward_patched_after_wrap_is_seen():
     finally:
         if "_memscale_executor" in model.__dict__:
             memscale.detach(model)
+
+
+class _Flagged(torch.nn.Module):
+    """A block whose forward takes a keyword named as one of torch's
+    checkpoint's own arguments (``debug``), default True."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+
+    def forward(self, x, debug=True):
+        y = x + torch.relu(self.fc(x))
+        return y * 2 if debug else y
+
+
+class _FlaggedStack(torch.nn.Sequential):
+    def forward(self, x):
+        for block in self:
+            x = block(x, debug=False)
+        return x
+
+
+def test_a_keyword_named_as_a_checkpoint_argument_reaches_the_compiled_region():
+    """Compiled, a checkpointed layer's region hands its keyword arguments
+    to torch's checkpoint positionally (as the eager selective run does):
+    ``debug=False`` reaches the forward, not the checkpoint (which took it
+    as its own flag: the forward ran with ``debug=True``, or the
+    compilation failed), in one graph with a region per layer, and the
+    loss and gradients are the unwrapped model's."""
+
+    def build():
+        torch.manual_seed(0)
+        return _FlaggedStack(*[_Flagged() for _ in range(3)]).train()
+
+    model, ref = build(), build()
+    x = torch.randn(4, 32)
+    memscale.wrap(model, FORCE, sample_input=x)
+    backend = Graphs()
+    loss = step(torch.compile(model, backend=backend), x)
+    assert backend.regions() == 3
+    assert graph_breaks() == 0
+    assert torch.equal(loss, step(ref, x))
+    assert_same_grads(model, ref)
+    memscale.detach(model)
