@@ -47,8 +47,8 @@ on CUDA, whose outputs carry the seed and offset its backward draws the
 mask again from): the forward records the generator's state right after
 the call, and the recompute, which does not run it, sets the generator
 to that state, so every later random op draws what it drew in the
-forward (:func:`generator_device`; on the CPU the state's bytes count
-as kept, :func:`state_bytes`).  Dropout itself has no FLOP formula: it
+forward (``memscale._generators``; on the CPU the state's bytes count
+as kept).  Dropout itself has no FLOP formula: it
 is never kept.
 A layer whose forward writes its own buffers or parameters in place
 (BatchNorm's running statistics) never runs selective: torch's
@@ -82,7 +82,7 @@ from torch.utils import checkpoint as _checkpoint_module
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
-from . import _dataflow, _torch_compat
+from . import _dataflow, _generators, _torch_compat
 
 logger = logging.getLogger(__name__)
 
@@ -167,67 +167,13 @@ def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
     return not isinstance(p, (int, float)) or p != 0
 
 
-# The device types whose default generator a recompute can set past a
-# kept random call (:func:`generator_device`): the CPU's and each CUDA
-# device's, the generators torch's checkpoint restores.
-_RESTORABLE = ("cpu", "cuda")
-
-# The random operators (overload packets by name) known to draw from the
-# default generator of their first output's device, and from no other:
-# torch's fused attention kernels, whose dropout draws on the query's
-# device.  Only these may be kept (:func:`generator_device`); a custom
-# operator that draws so may be added by its name ("ns::op"), which
-# declares it: one that draws elsewhere (its mask on the CPU for a CUDA
-# output) would leave that generator behind when the recompute skips it.
-RESTORABLE_RANDOM: set[str] = {
-    "aten::_scaled_dot_product_flash_attention",
-    "aten::_scaled_dot_product_efficient_attention",
-    "aten::_scaled_dot_product_cudnn_attention",
-    "aten::_flash_attention_forward",
-    "aten::_efficient_attention_forward",
-}
-
-
-def generator_device(func: Any, args: tuple, kwargs: dict, out: Any) -> torch.device | None:
-    """The device whose default generator the random call ``func`` draws
-    from, where a recompute that does not run the call can set that
-    generator to the state the forward left it in right after the call
-    (:class:`_KeepMode` records it, :class:`_RecomputeMode` sets it): the
-    device of its first output, a CPU or CUDA one, for an operator of
-    :data:`RESTORABLE_RANDOM`.  None for any other operator, or where the
-    call is given a generator of its own (no checkpoint restores that
-    one), or makes no tensor, or its output is on another device type:
-    such a call is never kept, and its recompute draws again in order."""
-    packet = _torch_compat.op_packet(func)
-    if packet is None or getattr(packet, "_qualified_op_name", None) not in RESTORABLE_RANDOM:
-        return None
-    generator = _torch_compat.op_argument(func, args, kwargs, "generator")
-    if generator is not None and generator is not _torch_compat.NO_ARGUMENT:
-        return None
-    tensors = _outputs(out)
-    if not tensors or tensors[0].device.type not in _RESTORABLE:
-        return None
-    return tensors[0].device
-
-
-@functools.cache
-def _cpu_state_bytes() -> int:
-    return int(torch.get_rng_state().untyped_storage().nbytes())
-
-
-def state_bytes(device: torch.device) -> int:
-    """The bytes in ``device``'s memory a kept random call's generator
-    state takes (:func:`generator_device`): the CPU generator's state on the
-    CPU; a CUDA generator's state is a host tensor, none of the device's."""
-    return _cpu_state_bytes() if device.type == "cpu" else 0
-
-
 def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, int, int, bool]:
     """One call's (FLOPs, bytes of its new outputs, their elements, whether
     it draws random numbers from a generator a recompute cannot set past
-    it: :func:`draws_random` without a :func:`generator_device`).  A random
-    call with a FLOP formula that may be kept counts its generator state
-    among its bytes (:func:`state_bytes`): keeping it keeps that too."""
+    it: :func:`draws_random` without a ``_generators.device_of``).  A
+    random call with a FLOP formula that may be kept counts its generator
+    state among its bytes (``_generators.state_bytes``): keeping it keeps
+    that too."""
     random = draws_random(func, args, kwargs)
     if not _torch_compat.op_writes_new(func):
         return 0.0, 0, 0, random
@@ -237,10 +183,10 @@ def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, int,
     count = _torch_compat.flop_formula(func)
     flops = float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
     if random:
-        device = generator_device(func, args, kwargs, out)
+        device = _generators.device_of(func, args, kwargs, out)
         if device is not None and flops > 0.0:
             random = False
-            nbytes += state_bytes(device)
+            nbytes += _generators.state_bytes(device)
     return flops, nbytes, numel, random
 
 
@@ -879,47 +825,7 @@ class _Kept:
         self.calls: dict[Any, int] = {}
         self.outputs: dict[tuple[Any, int], Any] = {}
         # Of each kept random call: its generator's state right after it.
-        self.states: dict[tuple[Any, int], _State] = {}
-
-
-class _State:
-    """The state a kept random call left its generator in (``device``'s
-    default one), which the recompute sets instead of running the call;
-    ``real`` is False in a fake-tensor pass (the simulation), where no
-    generator drew and ``tensor`` is a stand-in of the bytes the state
-    takes in the device's memory, made through the modes below the
-    selective one (the storage tracker counts it)."""
-
-    __slots__ = ("device", "real", "tensor")
-
-    def __init__(self, device: torch.device, tensor: torch.Tensor, real: bool) -> None:
-        self.device = device
-        self.tensor = tensor
-        self.real = real
-
-
-def _generator(device: torch.device) -> torch.Generator:
-    """``device``'s default generator (a CPU or CUDA device).  Its state is
-    read and set on the generator itself: ``torch.cuda.set_rng_state``
-    clones the state through the dispatcher in some torch releases (2.4 to
-    2.6), which a selective mode would count as a call of the layer."""
-    if device.type == "cpu":
-        return torch.default_generator
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.default_generators[index]
-
-
-def _state_after(device: torch.device) -> torch.Tensor | None:
-    """The state of ``device``'s default generator now, right after a kept
-    random call; None where it cannot be read (a CUDA stream capturing a
-    graph)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    return _generator(device).get_state()
-
-
-def _set_state(device: torch.device, state: torch.Tensor) -> None:
-    _generator(device).set_state(state)
+        self.states: dict[tuple[Any, int], _generators.State] = {}
 
 
 @_torch_compat.guard_dispatch
@@ -970,18 +876,13 @@ class _KeepMode(_DispatchMode):
         if keep and draws_random(func, args, kwargs):
             # The recompute will not run it: it sets the generator to the
             # state the call left it in, so every later call draws as here.
-            device = generator_device(func, args, kwargs, out)
-            if device is None:
+            device = _generators.device_of(func, args, kwargs, out)
+            real = not any(_torch_compat.is_fake(t) for t in _outputs(out))
+            state = None if device is None else _generators.after(device, real)
+            if state is None:
                 keep = False  # (it runs again in order, as an unkept one)
-            elif any(_torch_compat.is_fake(t) for t in _outputs(out)):
-                stand_in = torch.empty(state_bytes(device), dtype=torch.uint8, device=device)
-                self.kept.states[(func, index)] = _State(device, stand_in, False)
             else:
-                state = _state_after(device)
-                if state is None:
-                    keep = False
-                else:
-                    self.kept.states[(func, index)] = _State(device, state, True)
+                self.kept.states[(func, index)] = state
         if keep:
             self.kept.outputs[(func, index)] = tree_map_only(torch.Tensor, _Cached, out)
         return out
@@ -1055,9 +956,9 @@ class _RecomputeMode(_DispatchMode):
         self.counts: dict[Any, int] = {}
         self.put_off: dict[int, _PutOff] = {}  # by the storage of each unwritten output
         self.skipping = False  # (set on entering)
-        # The generators a kept random call's state was set on, with their
-        # states before the first such set, put back on leaving.
-        self.generators: dict[torch.device, _State] = {}
+        # The generators a kept random call's state was set on, put back
+        # on leaving.
+        self.generators = _generators.PutBack()
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -1079,29 +980,7 @@ class _RecomputeMode(_DispatchMode):
             # of the devices of the layer's inputs after its recompute; any
             # other one set here goes back to where the recompute found it
             # (undoing, with the set, the draws of the calls after it).
-            generators, self.generators = self.generators, {}
-            for before in generators.values():
-                if before.real:
-                    _set_state(before.device, before.tensor)
-
-    def _put_forward(self, key: tuple[Any, int]) -> None:
-        """Set the generator of the kept random call ``key`` to the state
-        its forward call left it in (:class:`_KeepMode`), as running it
-        would have: every later random call draws what it drew in the
-        forward."""
-        found = self.kept.states.get(key)
-        if found is None:
-            return
-        device = found.device
-        if device not in self.generators:
-            now = (
-                _generator(device).get_state()
-                if found.real
-                else torch.empty(state_bytes(device), dtype=torch.uint8, device=device)
-            )
-            self.generators[device] = _State(device, now, found.real)
-        if found.real:
-            _set_state(device, found.tensor)
+            self.generators.restore()
 
     def run_put_off(self, func: Any, args: tuple, kwargs: dict) -> set[int]:
         """Run the put-off calls whose outputs a call of ``func`` that runs
@@ -1139,8 +1018,11 @@ class _RecomputeMode(_DispatchMode):
             )
         entry = self.kept.outputs.get((func, index))
         if entry is not None:
-            if self.kept.states:
-                self._put_forward((func, index))
+            state = self.kept.states.get((func, index)) if self.kept.states else None
+            if state is not None:
+                # As running the call would have: every later random call
+                # draws what it drew in the forward.
+                self.generators.set(state)
             return tree_map_only(_Cached, _Cached.read, entry)
         policy = self.policy
         if self.skipping and (str(func), index) in policy.skip:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.flop_counter import flop_registry
 
 import memscale
-from memscale import _selective
+from memscale import _generators, _selective
 from memscale._planner import PredictionSession
 
 GIB = 2**30
@@ -68,7 +68,9 @@ def _counted(monkeypatch):
     default generator of its output's device (as they do)."""
     monkeypatch.setitem(flop_registry, NOISY.overloadpacket, _flops)
     monkeypatch.setattr(
-        _selective, "RESTORABLE_RANDOM", _selective.RESTORABLE_RANDOM | {"memscale_test::noisy_mm"}
+        _generators,
+        "RESTORABLE_RANDOM",
+        _generators.RESTORABLE_RANDOM | {"memscale_test::noisy_mm"},
     )
 
 
@@ -126,20 +128,25 @@ def test_a_random_call_with_flops_counts_its_generator_state_and_may_be_kept():
 
     h = torch.randn(512, 256)
     out = NOISY(h, block.w, 0.25)
-    assert _selective.generator_device(NOISY, (h, block.w, 0.25), {}, out) == torch.device("cpu")
+    assert _generators.device_of(NOISY, (h, block.w, 0.25), {}, out) == torch.device("cpu")
     aten = torch.ops.aten
-    g = torch.Generator()
-    drawn = aten.bernoulli.default(X.sigmoid(), generator=g)
-    assert (
-        _selective.generator_device(aten.bernoulli.default, (X,), {"generator": g}, drawn) is None
-    )
-    meta = torch.empty(4, device="meta")
-    assert _selective.generator_device(aten.bernoulli.default, (meta,), {}, meta) is None
+    # Dropout stays random: it is not declared (nor has it a FLOP formula).
     assert _selective.op_cost(aten.native_dropout.default, (X, 0.1, True), {}, (X, X > 0))[3]
+    bernoulli = aten.bernoulli.default
+    assert _generators.device_of(bernoulli, (X,), {}, X) is None
+    with pytest.MonkeyPatch.context() as m:
+        # Declared, it draws from its output's device; given a generator of
+        # its own, or on another device type, it does not.
+        m.setattr(_generators, "RESTORABLE_RANDOM", {"aten::bernoulli"})
+        assert _generators.device_of(bernoulli, (X,), {}, X) == torch.device("cpu")
+        g = torch.Generator()
+        assert _generators.device_of(bernoulli, (X,), {"generator": g}, X) is None
+        meta = torch.empty(4, device="meta")
+        assert _generators.device_of(bernoulli, (meta,), {}, meta) is None
     # Not declared to draw from its output's device: random, never kept.
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(_selective, "RESTORABLE_RANDOM", set())
-        assert _selective.generator_device(NOISY, (h, block.w, 0.25), {}, out) is None
+        m.setattr(_generators, "RESTORABLE_RANDOM", set())
+        assert _generators.device_of(NOISY, (h, block.w, 0.25), {}, out) is None
         assert _selective.op_cost(NOISY, (h, block.w, 0.25), {}, out)[3]
 
 
@@ -197,14 +204,14 @@ def test_a_generator_the_checkpoint_does_not_restore_is_put_back_after_the_recom
         return real(*args, preserve_rng_state=False, **kwargs)
 
     monkeypatch.setattr(_selective, "checkpoint", unpreserved)
-    real_set = _selective._set_state
+    real_set = _generators.set_state
 
     def cloning(device, state):
         # As torch.cuda.set_rng_state did in torch 2.4 to 2.6: a clone
         # through the dispatcher, which the recompute's mode must not see.
         real_set(device, state.clone())
 
-    monkeypatch.setattr(_selective, "_set_state", cloning)
+    monkeypatch.setattr(_generators, "set_state", cloning)
     block, _ = _pair()
     _, levels = _levels(block)
     torch.manual_seed(7)
