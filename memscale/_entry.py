@@ -45,6 +45,7 @@ def wrap(
     async_config: AsyncOffloadConfig | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: Any = None,
 ) -> Any:
     """Attach memscale to ``target`` and return ``target``.
 
@@ -62,6 +63,13 @@ def wrap(
     with its parameter groups and hyper-parameters is
     ``model._memscale_executor.optimizer`` (train with that one; a
     ``ValueError`` says why when ``optimizer`` cannot be replaced).
+    ``loss_fn`` (keyword only) maps the model's output to the loss your
+    training computes: the simulated steps the plan is made from then run
+    it instead of the default stand-in (``output.loss`` where the model
+    computes one, else the mean of squares of its outputs), so that a
+    loss that holds more than the stand-in (a cross-entropy's
+    ``log_softmax``, an MSE's elementwise buffer) is counted against the
+    budget.
 
     Wrapping a model twice raises ``RuntimeError``: call ``detach`` first.
 
@@ -85,6 +93,12 @@ def wrap(
                 "optimizer the Trainer builds; give yours to the Trainer "
                 "(Trainer(..., optimizers=(optimizer, scheduler))) instead"
             )
+        if loss_fn is not None:
+            raise TypeError(
+                "memscale.wrap(trainer, loss_fn=...): a Trainer's model "
+                "computes its own loss (output.loss), which memscale "
+                "simulates; pass no loss_fn"
+            )
         from .integrations import hf  # imports transformers
 
         return hf.attach(
@@ -99,7 +113,15 @@ def wrap(
             f"{type(target).__name__}; pass the callback instead: "
             "Trainer(callbacks=[memscale.integrations.lightning.MemScaleCallback()])"
         )
-    return api.wrap(target, config, sample_input, async_offload, async_config, optimizer=optimizer)
+    return api.wrap(
+        target,
+        config,
+        sample_input,
+        async_offload,
+        async_config,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+    )
 
 
 def detach(model: Any) -> None:

@@ -642,6 +642,7 @@ def predicted_offsets(
     hardware: Hardware,
     fixed: int,
     stage1: Callable[[Profile], Config] | None = None,
+    loss_fn: Callable[[Any], Any] | None = None,
 ) -> Offsets:
     """The OOM predictor's corrections of the engine, for ``wrap``: of its
     unoptimized peak, and of its plans' peaks with the per-layer terms
@@ -654,13 +655,16 @@ def predicted_offsets(
     that forward again); ``stage1`` then maps it to the Config to plan with
     (default ``config``).  The returned ``profile`` is the one to plan
     from.  (0, 0, False) (logged), with ``profile`` None, when the step
-    cannot be simulated."""
+    cannot be simulated.  ``loss_fn``: the loss of the model's output
+    (``wrap``'s), else the OOM predictor's default."""
     why_not = _planning.static_profiling_supported(model)
     if why_not is not None:
         logger.info("memscale: no OOM prediction for the engine: %s", why_not)
         return Offsets(0, 0, False, None)
     try:
-        with PredictionSession(model, sample_input, optimizer, config=config) as session:
+        with PredictionSession(
+            model, sample_input, optimizer, loss_fn=loss_fn, config=config
+        ) as session:
             if profile is None:
                 profile = session.profile
                 if stage1 is not None:

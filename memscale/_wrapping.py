@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -208,11 +209,16 @@ class Wrapping:
     the pipeline runs after the last one (:meth:`plan_after_warmup`)."""
 
     def __init__(
-        self, model: torch.nn.Module, config: Config, optimizer: torch.optim.Optimizer | None
+        self,
+        model: torch.nn.Module,
+        config: Config,
+        optimizer: torch.optim.Optimizer | None,
+        loss_fn: Callable[[Any], Any] | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.optimizer = optimizer
+        self.loss_fn = loss_fn  # what the simulated steps take as the loss
         device = _model.model_device(model)
         if config.memory_budget_gb is not None and device.type not in ("cpu", "cuda"):
             self.hardware = _hardware.assumed(device.type, 0, int(config.memory_budget_gb * GIB))
@@ -257,7 +263,7 @@ class Wrapping:
             offsets = None
             if config.use_static_profiling and _planning.static_profiling_supported(model) is None:
                 offsets = _planner.predicted_offsets(
-                    model, inputs, optimizer, None, config, hardware, fixed, stage1
+                    model, inputs, optimizer, None, config, hardware, fixed, stage1, self.loss_fn
                 )
             if offsets is not None and offsets.profile is not None:
                 profile = offsets.profile
@@ -267,7 +273,14 @@ class Wrapping:
                 early_config = stage1(profile)
                 if offsets is None:
                     offsets = _planner.predicted_offsets(
-                        model, inputs, optimizer, profile, early_config, hardware, fixed
+                        model,
+                        inputs,
+                        optimizer,
+                        profile,
+                        early_config,
+                        hardware,
+                        fixed,
+                        loss_fn=self.loss_fn,
                     )
                 if offsets.profile is not None:
                     profile = offsets.profile

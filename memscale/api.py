@@ -114,6 +114,7 @@ def wrap(
     async_config: AsyncOffloadConfig | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: Any = None,
 ) -> Any:
     """Attach memscale to the model ``target`` and return it: what
     ``memscale.wrap`` does with a model (see :func:`memscale._entry.wrap`)."""
@@ -122,9 +123,14 @@ def wrap(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
         )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn must be callable (the model's output -> its scalar loss) or None, "
+            f"got {type(loss_fn).__name__}"
+        )
     config = effective_config(config, async_offload, async_config)
     _step_in_backward.check(config, optimizer)
-    wrapping = _wrapping.Wrapping(model, config, _training_optimizer(config, optimizer))
+    wrapping = _wrapping.Wrapping(model, config, _training_optimizer(config, optimizer), loss_fn)
     # Profile before any hook of ours exists, so that the profiling pass
     # is not seen (or counted) as a training forward.
     upfront = None if sample_input is None else wrapping.profile(model, sample_input, config)
@@ -166,12 +172,15 @@ def optimize(
     optimizer: torch.optim.Optimizer | None = None,
     config: Config | None = None,
     sample_input: Any = None,
+    *,
+    loss_fn: Any = None,
 ) -> Iterator[Executor]:
     """Wrap ``model`` for the duration of a ``with`` block; yields the
     executor and detaches on exit, also when the block raises.  With
     ``Config(use_8bit_optimizer=True)``, ``optimizer`` is replaced by its
-    8-bit counterpart, ``executor.optimizer``: train with that one."""
-    wrap(model, config, sample_input, optimizer=optimizer)
+    8-bit counterpart, ``executor.optimizer``: train with that one.
+    ``loss_fn`` as :func:`wrap`'s."""
+    wrap(model, config, sample_input, optimizer=optimizer, loss_fn=loss_fn)
     try:
         yield (_torch_compat.compiled_inner(model) or model).__dict__[ATTR]
     finally:

@@ -78,7 +78,7 @@ def measure(
     plan = None
     if config is not None:
         try:
-            memscale.wrap(model, config, sample_input=batch.sample_input)
+            memscale.wrap(model, config, sample_input=batch.sample_input, loss_fn=batch.loss_fn)
         except memscale.MemoryBudgetError as exc:
             return {"peak": None, "plan": f"no plan (least {format_bytes(exc.min_budget_bytes)})"}
         plan = model._memscale_executor.plan  # type: ignore[union-attr]

@@ -337,11 +337,12 @@ def train_step(
     return loss.detach()
 
 
-def adamw_step_peak(model: nn.Module, batch, loss_fn) -> int:
+def adamw_step_peak(model: nn.Module, batch, loss_fn, report: bool = False):
     """The exact peak of one training step of ``model`` (zero_grad,
     ``loss_fn(model, batch)``, backward, an AdamW step) after a warm-up
     step, with the batch and the optimizer's state counted from the start
-    (``memscale._measure.measure_peak``)."""
+    (``memscale._measure.measure_peak``); with ``report``, its whole
+    MemoryReport (the bytes the step starts from too)."""
     from memscale._measure import measure_peak
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -352,7 +353,8 @@ def adamw_step_peak(model: nn.Module, batch, loss_fn) -> int:
         optimizer.step()
 
     step()
-    return measure_peak(step, model=model, inputs=(batch, optimizer.state), warmup=1).peak_bytes
+    measured = measure_peak(step, model=model, inputs=(batch, optimizer.state), warmup=1)
+    return measured if report else measured.peak_bytes
 
 
 def assert_same_step(

@@ -259,6 +259,8 @@ def test_wrap_trainer_misuse(tmp_path):
     trainer = make_trainer("gpt2", tmp_path)
     with pytest.raises(TypeError, match="optimizer the Trainer builds"):
         memscale.wrap(trainer, optimizer=torch.optim.SGD(trainer.model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="computes its own loss"):
+        memscale.wrap(trainer, loss_fn=lambda out: out.loss)
     with pytest.raises(TypeError, match="Config"):
         memscale.wrap(trainer, {"mode": "balanced"})
     with pytest.warns(RuntimeWarning, match="nothing to do"):
