@@ -48,8 +48,7 @@ mask again from): the forward records the generator's state right after
 the call, and the recompute, which does not run it, sets the generator
 to that state, so every later random op draws what it drew in the
 forward (``memscale._generators``; on the CPU the state's bytes count
-as kept).  Dropout itself has no FLOP formula: it
-is never kept.
+as kept).  Dropout itself has no FLOP formula: it is never kept.
 A layer whose forward writes its own buffers or parameters in place
 (BatchNorm's running statistics) never runs selective: torch's
 checkpoint would write them again in the recompute.
@@ -574,9 +573,9 @@ def layer_profile(
     """The layer's levels run selective, fewest bytes kept first: per
     level (threshold, bytes of the outputs it keeps, what its recompute
     costs).  The ops with a FLOP formula that are not random (to
-    :func:`op_cost`) are sorted by
-    FLOPs per byte written; each distinct value is a level's threshold (it
-    keeps every op at or above it), down to the level that keeps them all.
+    :func:`op_cost`) are sorted by FLOPs per byte written; each distinct
+    value is a level's threshold (it keeps every op at or above it), down
+    to the level that keeps them all.
     A level is left out when it would keep an output a later op writes in
     place (torch refuses a changed cached output), and so are the ones
     after it; a level that keeps no fewer bytes than the layer saves is no
