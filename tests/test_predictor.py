@@ -305,6 +305,23 @@ def test_the_default_loss():
         predictor.default_loss(out.detach())
 
 
+def test_a_cuda_target_counts_the_caching_allocators_blocks():
+    # CUDA's caching allocator gives every request a block of a multiple of
+    # 512 bytes and torch.cuda.max_memory_allocated counts the block: a
+    # tensor of 20 bytes takes 512 there.  This model's tensors are all
+    # under 512 bytes.
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+    x = torch.randn(7, 3)
+    cpu = predict_peak(model, x, device="cpu").unoptimized
+    cuda = predict_peak(model, x, device=DeviceSpec("cuda", capacity_bytes=1 << 30)).unoptimized
+    assert cpu.parameters == 4 * (15 + 5 + 5 + 1)
+    assert cuda.parameters == cuda.gradients == 4 * 512
+    assert cuda.inputs == 512
+    for b in (cuda.peak_bytes, cuda.activations, cuda.workspace, cuda.optimizer_state):
+        assert b % 512 == 0
+    assert cuda.peak_bytes > 4 * cpu.peak_bytes
+
+
 def test_arguments_are_checked():
     model, x, _ = _case("mlp")
     with pytest.raises(ValueError, match="sample_input"):

@@ -64,9 +64,12 @@ replayed in later steps (``StorageTracker.recorded``).
 
 What the prediction counts is what ``memscale._measure``
 measures: the bytes of live tensor storages, and on CUDA the libraries'
-workspaces.  Not counted: other memory that is not a tensor, scratch
-memory of kernels outside those, and on CUDA the caching allocator's
-rounding and reserve.
+workspaces, each storage in the caching allocator's block (its bytes
+rounded up to 512) and host tensors not at all, as
+``torch.cuda.max_memory_allocated`` counts them.  Not counted: other
+memory that is not a tensor, scratch memory of kernels outside those,
+and on CUDA the caching allocator's unsplit blocks (a request served by a
+cached block up to 1 MiB larger counts the whole block) and reserve.
 
 One file per job: ``_device`` (the device predicted for), ``_results`` (what
 a prediction returns), ``_tree`` (tensors in nested containers),

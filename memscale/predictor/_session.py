@@ -80,6 +80,7 @@ class _Simulation:
                 else estimated_state(self.world, self.real_optimizer, self.model)
             )
             self.step = Step(self.world, inputs, self.loss_fn, opt, fallback)
+            self.step.target_type = self.target_type
             self.profile = self._warm_up()
             self._below_floor(opt)
         except BaseException:

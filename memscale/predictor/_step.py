@@ -19,7 +19,7 @@ from .._tree import tensors_in
 from ._fake import FakeWorld
 from ._results import PeakBreakdown
 from ._tracker import FakeCaller, Recording, StorageTracker
-from ._workspace import Kernel
+from ._workspace import CUDA_GRANULE, Kernel
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +191,9 @@ class Step:
         # step in backward keeps its own bookkeeping across steps).
         self.replays_optimizer = True
         self.optimizer_steps = 0  # optimizer steps run (warm-up included)
+        # The device type predicted for ("cuda": storages take the caching
+        # allocator's blocks, _workspace.CUDA_GRANULE).
+        self.target_type = "cpu"
 
     def _loss(self, output: Any) -> torch.Tensor:
         loss = self.loss_fn(output) if self.loss_fn is not None else default_loss(output)
@@ -302,6 +305,8 @@ class Step:
         elif self.world.device.type == "cuda" and torch.cuda.is_available():
             tracker.kernel_calls = []
             tracker.probe_all = True
+        if self.target_type == "cuda":
+            tracker.granule = (CUDA_GRANULE, self.world.device.type)
         handles = []
 
         # The executor's checkpoint frame keeps the RNG state of its layer's

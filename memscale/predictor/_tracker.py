@@ -202,6 +202,14 @@ class StorageTracker(_DispatchMode):
         # Record every probeable call, not only those of _WORKSPACE_OPS
         # (a step on CUDA: _workspace.probe_on_device).
         self.probe_all = False
+        # (granule, device type): a step for a CUDA device, whose caching
+        # allocator gives every request a block of a multiple of the
+        # granule and counts the block (torch.cuda.max_memory_allocated):
+        # the storages of tensors on that device type (the fake tensors',
+        # the CPU's when a CUDA target is simulated with CPU kernels) take
+        # their bytes so rounded, and those on another none (_allocated).
+        # None: every storage counts its own bytes.
+        self.granule: tuple[int, str] | None = None
         # Called with each new phase before it is marked (the step's own
         # bookkeeping of what the executor holds).
         self.on_phase: Callable[[str], None] | None = None
@@ -248,12 +256,12 @@ class StorageTracker(_DispatchMode):
         entry = self._known.get(key)
         if entry is not None and entry[0]() is st:
             serial = entry[1]
-            nbytes = st.nbytes()
+            nbytes = self._allocated(t, st)
             if nbytes != self.sizes[serial]:  # resized in place
                 self.events.append((serial, nbytes - self.sizes[serial]))
                 self.sizes[serial] = nbytes
             return None
-        nbytes = st.nbytes()
+        nbytes = self._allocated(t, st)
         serial = self._born(nbytes, category)
         known = self._known
 
@@ -264,6 +272,21 @@ class StorageTracker(_DispatchMode):
 
         known[key] = (weakref.ref(st, freed), serial)
         return serial
+
+    def _allocated(self, t: torch.Tensor, st: torch.UntypedStorage) -> int:
+        """The bytes of the predicted device's memory that ``t``'s storage
+        ``st`` takes.  With a granule: ``st``'s bytes rounded up to it
+        when ``t`` is on the granule's device type (a fake tensor's storage
+        is on the meta device; the tensor says which device it stands
+        for), and none when it is on another (a host tensor in a step on
+        CUDA, such as AdamW's step counters)."""
+        nbytes = st.nbytes()
+        if self.granule is not None and nbytes:
+            granule, device_type = self.granule
+            if t.device.type != device_type:
+                return 0
+            nbytes = -(-nbytes // granule) * granule
+        return nbytes
 
     def _born(self, nbytes: int, category: str | None = None) -> int:
         """A new serial of ``nbytes``, allocated now."""
@@ -488,6 +511,8 @@ class StorageTracker(_DispatchMode):
             if kernel.scratch > scratch.get(at, 0):
                 scratch[at] = kernel.scratch
             for serial, real in zip(serials, kernel.returned):
+                if self.granule is not None and real:
+                    real = -(-real // self.granule[0]) * self.granule[0]
                 if serial is not None and real > self.sizes_at_birth[serial]:
                     scale[serial] = real
         return scratch, scale

@@ -53,6 +53,12 @@ _WORKSPACE_OPS = (
     "_scaled_dot_product_flash_attention_for_cpu.default",
     "_scaled_dot_product_flash_attention_for_cpu_backward.default",
 )
+# The CUDA caching allocator's least block and rounding (kMinBlockSize in
+# c10/cuda/CUDACachingAllocator.cpp): a request of n bytes takes a block of
+# n rounded up to a multiple of it, and the allocator's statistics and the
+# profiler's memory events count the block.
+CUDA_GRANULE = 512
+
 # A call is run for real only if its inputs and outputs take at most this
 # many bytes (and at most 1/8 of the device's capacity); larger ones are not
 # probed, and PeakPrediction.unprobed_calls counts them.
@@ -289,6 +295,10 @@ def _probe_batch(todo: list[Any], device_type: str, threads: int) -> tuple[dict[
                 for t in tensors_in(result):
                     st = t.untyped_storage()
                     nbytes = 0 if id(st) in held else st.nbytes()
+                    if device_type == "cuda" and nbytes:
+                        # the block it took: the profiler's events count
+                        # blocks, so the scratch is what is left above them
+                        nbytes = -(-nbytes // CUDA_GRANULE) * CUDA_GRANULE
                     sizes[id(st)] = nbytes
                     per_output.append(nbytes)
                 calls[i] = (sum(sizes.values()), tuple(per_output))

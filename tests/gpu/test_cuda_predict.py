@@ -91,3 +91,44 @@ def test_predicted_peak_within_target_of_the_device(name):
         assert abs(row["error_vs_tensors"]) <= TARGET, (variant, row)
     for variant, row in rows.items():
         assert abs(row["error_vs_device"]) <= TARGET, (variant, row)
+
+
+class _Odd(torch.nn.Module):
+    """Elementwise only (no library workspace), every tensor under 512
+    bytes or of an odd size: each takes a block of the caching allocator
+    rounded up to 512 bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(37))
+        self.b = torch.nn.Parameter(torch.randn(37))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x * self.w).tanh() + self.b).sigmoid()
+
+
+def test_small_tensors_are_predicted_as_the_allocators_blocks():
+    # torch.cuda.max_memory_allocated counts the caching allocator's
+    # blocks (multiples of 512 bytes) and no host tensor (AdamW's step
+    # counters): the prediction counts the same, to the byte.
+    fresh_device()
+    torch.manual_seed(0)
+    model = _Odd().to(DEV)
+    x = torch.randn(5, 37, device=DEV)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.sum()
+
+    prediction = memscale.predict_peak(model, x, optimizer=optimizer, loss_fn=loss_fn)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(x)).backward()
+        optimizer.step()
+
+    measured = measure_device_peak(step, CudaMemory(DEV), warmup=1).peak_bytes
+    predicted = prediction.unoptimized.peak_bytes
+    record("predict_small_tensors", {"predicted": predicted, "measured": measured})
+    assert predicted % 512 == 0
+    assert predicted == measured
