@@ -191,6 +191,35 @@ def test_summary_flags_every_broken_claim():
     assert "m: 6 violation(s)" in sweep.summary_text([_result(rows)])
 
 
+def test_conservative_is_held_to_the_whole_layer_peers_flops():
+    # CONSERVATIVE checkpoints whole layers by design: a selective peer
+    # that fits with fewer FLOPs is a violation for BALANCED, not for it.
+    rows = _clean_rows() + [_row("selective every block", 0.6, 148 * MIB, 1.0)]
+    summary = sweep.summarize(_result(rows))
+    assert summary["violations"] == [
+        "m memscale: at 60% FLOPs ratio 1.0500x is above selective every block's "
+        "1.0000x, which also fits"
+    ]
+    at60 = next(
+        b for b in summary["methods"]["memscale conservative"]["budgets"] if b["fraction"] == 0.6
+    )
+    assert at60["best_peer"] == "checkpoint every block"
+    # Held to the whole-layer peers, it is still judged by them.
+    rows = [
+        {**r, "recompute_overhead": 1.34}
+        if r["method"] == "memscale conservative" and r["fraction"] == 0.6
+        else r
+        for r in rows
+    ]
+    assert (
+        "m memscale conservative: at 60% FLOPs ratio 1.3400x is above checkpoint every "
+        "block's 1.3300x, which also fits"
+    ) in sweep.summarize(_result(rows))["violations"]
+    text = sweep.summary_text([_result(rows)])
+    assert "least of the whole-layer peers that fit 1.330x (checkpoint every block)" in text
+    assert "least of the peers that fit 1.000x (selective every block)" in text
+
+
 def test_sweep_check_recomputes_the_summary_of_a_json(tmp_path, capsys):
     clean, broken = tmp_path / "clean.json", tmp_path / "broken.json"
     clean.write_text(json.dumps({"results": [_result(_clean_rows())]}))

@@ -92,6 +92,18 @@ MEMSCALE: dict[str, dict[str, Any]] = {
     "memscale conservative": {"mode": memscale.OptimizationMode.CONSERVATIVE},
 }
 
+# The peers whose FLOPs each memscale method is held to (claim (a) of
+# summarize; None: every peer).  CONSERVATIVE keeps or checkpoints whole
+# layers by design, the schedule of the frameworks' own gradient
+# checkpointing (docs/checkpointing.md, "Modes"): its recompute is held to
+# the peers that also checkpoint whole blocks, not to the op-level ones
+# (torch's selective policy, the compile min-cut), which BALANCED is held to.
+WHOLE_LAYER_PEERS = ("checkpoint every block", "sqrt(n) segments")
+FLOPS_HELD_TO: dict[str, tuple[str, ...] | None] = {
+    "memscale": None,
+    "memscale conservative": WHOLE_LAYER_PEERS,
+}
+
 ROCKMATE = (
     "Rockmate 2 does not run here: rockmate 2.0.0 needs rkgb >= 2.0.0, and the "
     "rkgb 2.0.0 published on PyPI lacks its rkgb.core package (import fails "
@@ -538,7 +550,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
     (a) at every fraction: if memscale planned, whether it fits and its
         FLOPs ratio against the least FLOPs ratio of any peer that fits
-        there; if it did not plan, whether some peer fits;
+        there (of the peers FLOPS_HELD_TO names for the method); if it did
+        not plan, whether some peer fits;
     (b) the least memory memscale reaches (the least budget it accepts, or
         its lowest measured peak) against the lowest peak of any peer;
     (c) every plan's predicted peak against its measured peak, in percent.
@@ -567,7 +580,13 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                 for p in peers
                 if p["fits"] and p["fraction"] is not None and math.isclose(p["fraction"], f)
             ]
-            counted = [p for p in fitting if p["recompute_overhead"] is not None]
+            held_to = FLOPS_HELD_TO.get(name)
+            counted = [
+                p
+                for p in fitting
+                if p["recompute_overhead"] is not None
+                and (held_to is None or p["method"] in held_to)
+            ]
             best = min(counted, key=lambda p: p["recompute_overhead"], default=None)
             planned = r["peak_bytes"] is not None
             item = {
@@ -699,11 +718,12 @@ def summary_text(results: list[dict[str, Any]]) -> str:
                     lines.append(f"  {_pct(b['fraction'])}: no plan; peers that fit: {peers}")
                     continue
                 flops = _times(b["flops_ratio"])
+                kind = "whole-layer peers" if FLOPS_HELD_TO.get(name) else "peers"
                 peer = (
-                    f"least of the peers that fit {_times(b['best_peer_flops_ratio'])} "
+                    f"least of the {kind} that fit {_times(b['best_peer_flops_ratio'])} "
                     f"({b['best_peer']})"
                     if b["best_peer"]
-                    else "no peer fits"
+                    else f"none of the {kind} fits"
                 )
                 fits = "fits" if b["fits"] else "DOES NOT FIT"
                 lines.append(
