@@ -91,6 +91,68 @@ def test_prediction_matches_the_measured_step(name):
     assert prediction.optimized.activations <= prediction.unoptimized.activations
 
 
+def _optimizer_phase(name, make_optimizer):
+    """The unoptimized simulated step's optimizer phase (each event's bytes,
+    category and storage, numbered by first appearance; the kernel calls
+    by event index), the whole step's predicted peak, and how many
+    optimizer steps the simulation ran."""
+    model, x, loss_fn = _case(name)
+    with PredictionSession(model, x, make_optimizer(model), loss_fn=loss_fn) as session:
+        prediction = session.predict(FORCE)
+        steps = session._steps
+        tracker = steps._unoptimized.tracker
+        ran = steps._sim.step.optimizer_steps
+    start = next(at for at, phase in tracker.phase_marks if phase == "optimizer")
+    end = next(at for at, phase in tracker.phase_marks if phase == "end")
+    order: dict[int, int] = {}
+    events = [
+        (order.setdefault(serial, len(order)), delta, tracker.categories[serial])
+        for serial, delta in tracker.events[start:end]
+    ]
+    calls = [(i - start, sig) for i, sig, _ in tracker.kernel_calls if start <= i <= end]
+    return events, calls, prediction.unoptimized, prediction.optimized, ran
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+        lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=0.1, amsgrad=True),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True),
+    ],
+    ids=["adamw", "adam-amsgrad", "adamw-foreach"],
+)
+def test_the_warm_ups_adam_update_stands_for_the_steady_one(monkeypatch, make_optimizer):
+    # The warm-up's update, less the state it made, is replayed as the
+    # steady-state update: the same events as running the update once
+    # more in the first tracked step, with one simulated update fewer.
+    derived = _optimizer_phase("llama", make_optimizer)
+    monkeypatch.setattr(predictor._step, "_FIRST_UPDATE_IS_STEADY", ())
+    ran_again = _optimizer_phase("llama", make_optimizer)
+    assert derived[:4] == ran_again[:4]
+    assert derived[0]  # the update makes temporaries
+    assert (derived[4], ran_again[4]) == (1, 2)
+
+
+def test_a_recording_less_what_it_kept_renumbers_its_kernel_calls():
+    from memscale.predictor._tracker import StorageTracker
+
+    tracker = StorageTracker()
+    tracker.kernel_calls = []
+    before = tracker._born(100)
+    since = tracker.mark()
+    tracker._born(8)  # kept: the state
+    temporary = tracker._born(16)
+    tracker.kernel_calls.append((len(tracker.events), "sig", (temporary,)))
+    tracker._died(temporary)
+    recording = tracker.recorded_less_kept(since)
+    assert recording.events == ((1, 16), (1, -16))
+    assert recording.sizes_at_birth == (0, 16)
+    assert recording.kernel_calls == ((1, "sig", (1,)),)
+    tracker._died(before)  # a storage made before it: not a recording
+    assert tracker.recorded_less_kept(since) is None
+
+
 @pytest.mark.parametrize("name", ["llama", "mlp"])
 def test_the_first_step_after_wrap_is_predicted(name):
     # Issue 22: the first step checks each checkpointed layer (its saved

@@ -95,6 +95,7 @@ class _Simulation:
         if not self.floor.step_in_backward:
             return
         self.step.replays_optimizer = False
+        self.step.optimizer_replay = None  # the warm-up's, of a step after backward
         if opt is not None:
             tier = (
                 _step_in_backward.SimulatedStateTier()

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .. import _model, _selective, _torch_compat
+from .._smallvalues import SmallValues
 from .._tree import tensors_in
 from ._fake import FakeWorld
 from ._results import PeakBreakdown
@@ -158,6 +159,16 @@ class Trace:
         return self.tracker.breakdown(self.recategorize, workspace)
 
 
+# Optimizers whose first step runs the ops of every later one, and makes
+# its state besides (torch's Adam and AdamW, in each implementation: the
+# state is made in _init_group, and the update is the same code at every
+# step): the warm-up's step, tracked, less the state it made, is the
+# steady-state step's events (Step._first_update_recorded), so no tracked
+# step runs the optimizer again.  Other optimizers are run once more, in
+# the first tracked step, and recorded there.
+_FIRST_UPDATE_IS_STEADY = (torch.optim.Adam, torch.optim.AdamW)
+
+
 class Step:
     """One simulated training step at a time over a FakeWorld."""
 
@@ -182,10 +193,12 @@ class Step:
         self.optimizer = optimizer
         self.fallback_state = fallback_state
         # The steady-state optimizer step, as the first tracked step ran it
-        # (StorageTracker.recorded): its memory does not depend on the plan
-        # (the same gradients and state, every temporary freed inside it),
-        # so later steps replay its events instead of running it again.
-        # None: not recorded yet, or it cannot be replayed.
+        # (StorageTracker.recorded), or the warm-up's first update less the
+        # state it made (_first_update_recorded, Adam and AdamW): its memory
+        # does not depend on the plan (the same gradients and state, every
+        # temporary freed inside it), so tracked steps replay its events
+        # instead of running it again.  None: not recorded yet, or it
+        # cannot be replayed.
         self.optimizer_replay: Recording | None = None
         # False when optimizer.step() does more than its events show (the
         # step in backward keeps its own bookkeeping across steps).
@@ -260,9 +273,18 @@ class Step:
             for p in self.world.params:
                 if p.requires_grad and id(p) in reached:
                     p.grad = torch.zeros_like(p)
-            if self.optimizer is not None:
+            recorded = (
+                self.optimizer is not None
+                and self.replays_optimizer
+                and not self.state_made_in_step
+                and type(self.optimizer) in _FIRST_UPDATE_IS_STEADY
+            )
+            if self.optimizer is not None and not recorded:
                 self.optimizer.step()
-                self.optimizer_steps += 1
+        if recorded:
+            self._first_update_recorded()
+        if self.optimizer is not None:
+            self.optimizer_steps += 1
         return result
 
     def optimizer_state(self) -> list[torch.Tensor]:
@@ -283,6 +305,46 @@ class Step:
         out += [(t, "inputs") for t in tensors_in((self.args, self.kwargs))]
         return out
 
+    def _tracker(self, small: Any) -> StorageTracker:
+        """A StorageTracker for a step of this world (``small``: what of
+        its calls runs for real, memscale._smallvalues)."""
+        tracker = StorageTracker(small, self.world.calls)
+        if self.world.device.type == "cpu":
+            tracker.kernel_calls = []
+            # The Python numbers autograd keeps are CPU tensors of their own.
+            tracker.count_numbers = True
+        elif self.world.device.type == "cuda" and torch.cuda.is_available():
+            tracker.kernel_calls = []
+            tracker.probe_all = True
+        if self.target_type == "cuda":
+            tracker.granule = (CUDA_GRANULE, self.world.device.type)
+        return tracker
+
+    def _first_update_recorded(self) -> None:
+        """The warm-up's optimizer step (the first: it makes the state),
+        run under a StorageTracker; its events less the state it made are
+        a steady-state step's (``_FIRST_UPDATE_IS_STEADY``), kept as
+        :attr:`optimizer_replay`.  The step counters are made fake, as the
+        untracked warm-up makes them (no small values run for real)."""
+        tracker = self._tracker(SmallValues(None, 0))
+        for t in self.world.params + self.world.buffers:
+            tracker.track(t, "parameters")
+        for p in self.world.params:
+            if p.grad is not None:
+                tracker.track(p.grad, "gradients")
+        tracker.set_phase("optimizer")
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # frees at refcount zero only, as in a tracked step
+        try:
+            with tracker:
+                since = tracker.mark()
+                self.optimizer.step()  # type: ignore[union-attr]
+                self.optimizer_replay = tracker.recorded_less_kept(since)
+        finally:
+            tracker.active = False
+            if gc_was_enabled:
+                gc.enable()
+
     def tracked(
         self,
         recompute_units: list[nn.Module],
@@ -297,16 +359,7 @@ class Step:
         before them, whose frame keeps the one RNG state.  Each of the
         ``nested`` lists is the units of a nested checkpoint segment."""
         self.world.refill_inputs()
-        tracker = StorageTracker(self.world.small, self.world.calls)
-        if self.world.device.type == "cpu":
-            tracker.kernel_calls = []
-            # The Python numbers autograd keeps are CPU tensors of their own.
-            tracker.count_numbers = True
-        elif self.world.device.type == "cuda" and torch.cuda.is_available():
-            tracker.kernel_calls = []
-            tracker.probe_all = True
-        if self.target_type == "cuda":
-            tracker.granule = (CUDA_GRANULE, self.world.device.type)
+        tracker = self._tracker(self.world.small)
         handles = []
 
         # The executor's checkpoint frame keeps the RNG state of its layer's

@@ -421,6 +421,40 @@ class StorageTracker(_DispatchMode):
             ),
         )
 
+    def recorded_less_kept(self, since: tuple[int, int, int]) -> Recording | None:
+        """:meth:`recorded`, less the storages made from ``since`` that are
+        still alive (what a first optimizer update makes and keeps, its
+        state): their events are left out, and a kernel call's output
+        among them is not given.  None when it touched a storage made
+        before it."""
+        at, first, calls = since
+        events = self.events[at:]
+        if any(serial < first for serial, _ in events):
+            return None
+        kept = {serial - first for serial in range(first, len(self.sizes)) if self.sizes[serial]}
+        new_index = []  # per event from ``at``: its index among those left
+        left: list[tuple[int, int]] = []
+        for serial, delta in events:
+            new_index.append(len(left))
+            if serial - first not in kept:
+                left.append((serial - first, delta))
+        new_index.append(len(left))
+        return Recording(
+            events=tuple(left),
+            sizes_at_birth=tuple(
+                0 if i in kept else n for i, n in enumerate(self.sizes_at_birth[first:])
+            ),
+            categories=tuple(self.categories[first:]),
+            kernel_calls=tuple(
+                (
+                    new_index[i - at],
+                    sig,
+                    tuple(None if s is None or s - first in kept else s - first for s in got),
+                )
+                for i, sig, got in (self.kernel_calls or [])[calls:]
+            ),
+        )
+
     def replay(self, recording: Recording) -> None:
         """Append ``recording``'s events as if what made them ran here: new
         serials for the storages it made (each born and freed in it), the
