@@ -215,3 +215,27 @@ def test_registry_covers_the_documented_families():
         "GPT-2 Large 2x512",
         "GPT-2 XL 1x512",
     }
+
+
+def test_memscale_variants_plan_with_the_batchs_loss(monkeypatch):
+    # The MLP trains with an MSE against a target; wrap's simulated steps
+    # must run that loss, not the predictor's stand-in.
+    import memscale
+
+    seen = []
+    real_wrap = memscale.wrap
+
+    def spy(model, *args, **kwargs):
+        seen.append(kwargs.get("loss_fn"))
+        return real_wrap(model, *args, **kwargs)
+
+    monkeypatch.setattr(memscale, "wrap", spy)
+    entry = BENCHMARK_MODELS["mlp"]
+    prepared = prepare(entry, "conservative")
+    try:
+        _, batch = entry.build(seed=0)
+        out = prepared.model(*batch.args, **batch.kwargs)
+        assert len(seen) == 1 and seen[0] is not None
+        assert seen[0](out).item() == batch.loss_fn(out).item()
+    finally:
+        prepared.close()

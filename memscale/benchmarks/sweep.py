@@ -296,7 +296,7 @@ def _memscale_row(
 
     def setup(m: nn.Module, b: Batch) -> Any:
         try:
-            memscale.wrap(m, config, sample_input=b.sample_input)
+            memscale.wrap(m, config, sample_input=b.sample_input, loss_fn=b.loss_fn)
         except memscale.MemoryBudgetError as exc:
             return exc
         return m._memscale_executor.plan  # type: ignore[union-attr]
