@@ -134,6 +134,40 @@ def test_the_warm_ups_adam_update_stands_for_the_steady_one(monkeypatch, make_op
     assert (derived[4], ran_again[4]) == (1, 2)
 
 
+class _FlopCounterTally:
+    """The warm-up's FLOP counter as it was: torch's FlopCounterMode, a
+    dispatch mode above the warm-up's caller (which then counts nothing)."""
+
+    on = False
+
+    def __init__(self):
+        self.mode = memscale._torch_compat.flop_counter()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+    def get_total_flops(self):
+        return self.mode.get_total_flops()
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "llama"])
+def test_the_warm_ups_flop_tally_counts_as_flop_counter_mode(monkeypatch, name):
+    def profile_flops():
+        model, x, loss_fn = _case(name)
+        with PredictionSession(model, x, loss_fn=loss_fn) as session:
+            profile = session._steps.profile
+        return [layer.flops for layer in profile.layers], profile.total_flops
+
+    tallied = profile_flops()
+    monkeypatch.setattr(predictor._step, "FlopTally", _FlopCounterTally)
+    assert tallied == profile_flops()
+    assert tallied[1] > 0 and all(f > 0 for f in tallied[0])
+
+
 def test_a_recording_less_what_it_kept_renumbers_its_kernel_calls():
     from memscale.predictor._tracker import StorageTracker
 

@@ -59,7 +59,8 @@ reads FakeTensorMode's own dispatch cache through a cheaper key (the same
 values: each tensor's metadata, the other arguments, the same global
 state) and makes the output with FakeTensorMode's own method; the
 warm-up's operators go the same way (``_tracker.FakeCaller``, below the
-profiler's modes).  The steady-state optimizer step is simulated once and
+profiler's modes), and the caller counts their FLOPs for the profiler
+(``_tracker.FlopTally``: FlopCounterMode's formulas, without its mode).  The steady-state optimizer step is simulated once and
 replayed in later steps (``StorageTracker.recorded``); for torch's Adam and
 AdamW it is the warm-up's first update less the state that update made
 (``StorageTracker.recorded_less_kept``), so the optimizer runs once in all.

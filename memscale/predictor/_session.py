@@ -19,7 +19,6 @@ from .. import (
     _recompute_check,
     _selective,
     _step_in_backward,
-    _torch_compat,
     _verify,
 )
 from .._executor import Executor
@@ -125,9 +124,14 @@ class _Simulation:
         holder: dict[str, Any] = {}
 
         class _Pass:
+            def __init__(self_inner, flops: Any) -> None:
+                # The FLOP counter: the warm-up caller's tally of its calls
+                # (the same formulas as FlopCounterMode, without a mode).
+                self_inner.flops = flops
+
             def __enter__(self_inner) -> Any:
                 modules = [m for _, m in units]
-                prof = _core.Profiler(modules, params, _torch_compat.flop_counter())
+                prof = _core.Profiler(modules, params, self_inner.flops)
                 prof.attach()
                 holder["profiler"] = prof
                 try:

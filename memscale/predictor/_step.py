@@ -19,7 +19,7 @@ from .._smallvalues import SmallValues
 from .._tree import tensors_in
 from ._fake import FakeWorld
 from ._results import PeakBreakdown
-from ._tracker import FakeCaller, Recording, StorageTracker
+from ._tracker import FakeCaller, FlopTally, Recording, StorageTracker
 from ._workspace import CUDA_GRANULE, Kernel
 
 logger = logging.getLogger(__name__)
@@ -245,21 +245,23 @@ class Step:
         del loss
         tracker.set_phase("end")
 
-    def warm_up(self, on_forward: Callable[[], Any]) -> Any:
+    def warm_up(self, on_forward: Callable[[FlopTally], Any]) -> Any:
         """The first step, untracked: a steady-state step starts with
         gradients and optimizer state, so this one makes them.  The forward
-        runs inside ``on_forward()`` (the profiler's pass, whose value is
-        returned), as wrap()'s static profiling runs it.
+        runs inside ``on_forward(flops)`` (the profiler's pass, whose value
+        is returned), as wrap()'s static profiling runs it; ``flops`` is
+        the tally of the FLOPs of its calls, its FLOP counter.
         Backward is not run: the parameters it would give a gradient are
         the ones the loss's graph reaches, and a zero gradient of each is
         enough for the optimizer to build its state.  Its operators are
         called as the tracked steps call them (:class:`FakeCaller`, below
         the profiler's modes)."""
         self.world.refill_inputs()
-        with FakeCaller(self.world.calls, self.world.small) as caller:
+        flops = FlopTally()
+        with FakeCaller(self.world.calls, self.world.small, flops) as caller:
             self._zero_grad()
             with torch.enable_grad():
-                with on_forward() as result:
+                with on_forward(flops) as result:
                     output = self.world.model(*self.args, **self.kwargs)
                 loss = self._loss(output)
                 del output

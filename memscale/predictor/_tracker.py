@@ -121,6 +121,41 @@ class Recording:
     kernel_calls: tuple[tuple[int, Any, tuple[int | None, ...]], ...]
 
 
+_NO_FORMULA = object()
+
+
+class FlopTally:
+    """The FLOPs of the calls a :class:`FakeCaller` makes while this is
+    entered: what ``torch.utils.flop_counter.FlopCounterMode`` counts
+    (torch's FLOP formulas and memscale's, ``_torch_compat.flop_formula``,
+    each given the call's arguments and output), without a dispatch mode of
+    its own above the caller.  The C profiler enters it for its pass and
+    reads :meth:`get_total_flops` where each unit starts and ends, as it
+    does a FlopCounterMode."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.on = False
+        self._formulas: dict[Any, Any] = {}
+
+    def __enter__(self) -> FlopTally:
+        self.on = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.on = False
+
+    def get_total_flops(self) -> int:
+        return self.total
+
+    def count(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        formula = self._formulas.get(func, _NO_FORMULA)
+        if formula is _NO_FORMULA:
+            formula = self._formulas[func] = _torch_compat.flop_formula(func)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+
+
 @_torch_compat.guard_dispatch
 class FakeCaller(_DispatchMode):
     """A dispatch mode that calls every operator as the storage tracker
@@ -129,13 +164,18 @@ class FakeCaller(_DispatchMode):
     the untracked warm-up runs under it, below the profiler's modes."""
 
     def __init__(
-        self, calls: Callable[[Any, Any, Any], Any] | None, small: SmallValues | None = None
+        self,
+        calls: Callable[[Any, Any, Any], Any] | None,
+        small: SmallValues | None = None,
+        flops: FlopTally | None = None,
     ) -> None:
         super().__init__()
         self._calls = calls
         self._fake_device = _torch_compat.fake_device_reader()
         self._small = small if small is not None else SmallValues(None, 0)
         self._real = True
+        # Counts each call's FLOPs while entered (the profiler's pass).
+        self._flops = flops
 
     def small_values(self, on: bool) -> None:
         """Whether calls on small real values run for real from now on."""
@@ -148,10 +188,15 @@ class FakeCaller(_DispatchMode):
                 return device
         kwargs = kwargs or {}
         if self._real and self._small.all_real(args, kwargs):
-            return self._small.run(func, args, kwargs)
-        if self._calls is None:
-            return func(*args, **kwargs)
-        return self._calls(func, args, kwargs)
+            out = self._small.run(func, args, kwargs)
+        elif self._calls is None:
+            out = func(*args, **kwargs)
+        else:
+            out = self._calls(func, args, kwargs)
+        flops = self._flops
+        if flops is not None and flops.on:
+            flops.count(func, args, kwargs, out)
+        return out
 
 
 @_torch_compat.guard_dispatch
