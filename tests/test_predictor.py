@@ -180,9 +180,11 @@ def test_a_recording_less_what_it_kept_renumbers_its_kernel_calls():
     tracker.kernel_calls.append((len(tracker.events), "sig", (temporary,)))
     tracker._died(temporary)
     recording = tracker.recorded_less_kept(since)
-    assert recording.events == ((1, 16), (1, -16))
-    assert recording.sizes_at_birth == (0, 16)
-    assert recording.kernel_calls == ((1, "sig", (1,)),)
+    # As if the kept storage had not been made: the temporary is the
+    # recording's first storage, and the kernel call its first event's.
+    assert recording.events == ((0, 16), (0, -16))
+    assert recording.sizes_at_birth == (16,)
+    assert recording.kernel_calls == ((1, "sig", (0,)),)
     tracker._died(before)  # a storage made before it: not a recording
     assert tracker.recorded_less_kept(since) is None
 

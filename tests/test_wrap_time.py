@@ -57,13 +57,18 @@ def _budget_config(session, share=0.5):
     return memscale.Config(mode="conservative", memory_budget_gb=budget / GIB, enable_logging=False)
 
 
-def test_the_optimizer_step_is_simulated_once_per_session():
+@pytest.mark.parametrize("optimizer, runs", [("adamw", 1), ("sgd-momentum", 2)])
+def test_the_optimizer_step_is_simulated_once_per_session(optimizer, runs):
     model, x, loss_fn = _mlp()
+    opt = None  # AdamW, the default
+    if optimizer == "sgd-momentum":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with _Steps() as steps:
-        with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
-            # The warm-up makes the state; the unoptimized step runs the
-            # steady-state step once.
-            assert steps.count == 2
+        with _planner.PredictionSession(model, x, opt, loss_fn=loss_fn) as session:
+            # The warm-up makes the state; the steady-state step is its
+            # update less that state (Adam, AdamW), or else the unoptimized
+            # step runs it once more.
+            assert steps.count == runs
             config = _budget_config(session)
             plan = session.plan(config)
             assert plan.technique_counts["checkpoint"]
@@ -71,7 +76,7 @@ def test_the_optimizer_step_is_simulated_once_per_session():
             simulated = session._steps._traces
             assert len(simulated) >= 2, list(simulated)  # forced and the plan
     # Every later step replays it (before: one more step per simulation).
-    assert steps.count == 2
+    assert steps.count == runs
 
 
 @pytest.mark.parametrize(

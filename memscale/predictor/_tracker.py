@@ -469,33 +469,30 @@ class StorageTracker(_DispatchMode):
     def recorded_less_kept(self, since: tuple[int, int, int]) -> Recording | None:
         """:meth:`recorded`, less the storages made from ``since`` that are
         still alive (what a first optimizer update makes and keeps, its
-        state): their events are left out, and a kernel call's output
-        among them is not given.  None when it touched a storage made
-        before it."""
+        state): their events are left out and the other storages numbered
+        as if they had not been made, and a kernel call's output among
+        them is not given.  None when it touched a storage made before it."""
         at, first, calls = since
         events = self.events[at:]
         if any(serial < first for serial, _ in events):
             return None
-        kept = {serial - first for serial in range(first, len(self.sizes)) if self.sizes[serial]}
+        serial_of: dict[int, int] = {}  # a storage left, from ``first`` -> its new number
+        for serial in range(first, len(self.sizes)):
+            if not self.sizes[serial]:
+                serial_of[serial] = len(serial_of)
         new_index = []  # per event from ``at``: its index among those left
         left: list[tuple[int, int]] = []
         for serial, delta in events:
             new_index.append(len(left))
-            if serial - first not in kept:
-                left.append((serial - first, delta))
+            if serial in serial_of:
+                left.append((serial_of[serial], delta))
         new_index.append(len(left))
         return Recording(
             events=tuple(left),
-            sizes_at_birth=tuple(
-                0 if i in kept else n for i, n in enumerate(self.sizes_at_birth[first:])
-            ),
-            categories=tuple(self.categories[first:]),
+            sizes_at_birth=tuple(self.sizes_at_birth[s] for s in serial_of),
+            categories=tuple(self.categories[s] for s in serial_of),
             kernel_calls=tuple(
-                (
-                    new_index[i - at],
-                    sig,
-                    tuple(None if s is None or s - first in kept else s - first for s in got),
-                )
+                (new_index[i - at], sig, tuple(serial_of.get(s) for s in got))
                 for i, sig, got in (self.kernel_calls or [])[calls:]
             ),
         )
