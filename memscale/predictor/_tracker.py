@@ -492,7 +492,11 @@ class StorageTracker(_DispatchMode):
             sizes_at_birth=tuple(self.sizes_at_birth[s] for s in serial_of),
             categories=tuple(self.categories[s] for s in serial_of),
             kernel_calls=tuple(
-                (new_index[i - at], sig, tuple(serial_of.get(s) for s in got))
+                (
+                    new_index[i - at],
+                    sig,
+                    tuple(None if s is None else serial_of.get(s) for s in got),
+                )
                 for i, sig, got in (self.kernel_calls or [])[calls:]
             ),
         )
