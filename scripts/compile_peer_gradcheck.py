@@ -33,9 +33,7 @@ def _backend(fraction: float, counts: list[int]):
     nop = get_nop_func()
 
     def backward(gm, inputs):
-        counts.append(
-            sum(1 for n in gm.graph.nodes if any(r in str(n.target) for r in RANDOM))
-        )
+        counts.append(sum(1 for n in gm.graph.nodes if any(r in str(n.target) for r in RANDOM)))
         return nop(gm, inputs)
 
     from torch._inductor.compile_fx import select_decomp_table
