@@ -154,10 +154,35 @@ class _FlopCounterTally:
         return self.mode.get_total_flops()
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "llama"])
+class _FrozenFirst(nn.Module):
+    """A block whose first linear runs under torch.inference_mode: there
+    ``aten.linear`` reaches the dispatch modes whole (no autograd key to
+    decompose it), and FlopCounterMode counts it by its decomposition."""
+
+    def __init__(self, frozen):
+        super().__init__()
+        self.a, self.b, self.frozen = nn.Linear(64, 64), nn.Linear(64, 64), frozen
+
+    def forward(self, x):
+        if self.frozen:
+            with torch.inference_mode():
+                y = self.a(x.detach())
+            y = y.clone()
+        else:
+            y = self.a(x)
+        return torch.relu(self.b(y)) + x
+
+
+def _frozen_first():
+    torch.manual_seed(0)
+    model = nn.Sequential(_FrozenFirst(True), _FrozenFirst(False))
+    return model, torch.randn(32, 64), lambda out: out.pow(2).mean()
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "llama", "frozen-first"])
 def test_the_warm_ups_flop_tally_counts_as_flop_counter_mode(monkeypatch, name):
     def profile_flops():
-        model, x, loss_fn = _case(name)
+        model, x, loss_fn = _frozen_first() if name == "frozen-first" else _case(name)
         with PredictionSession(model, x, loss_fn=loss_fn) as session:
             profile = session._steps.profile
         return [layer.flops for layer in profile.layers], profile.total_flops
@@ -166,6 +191,8 @@ def test_the_warm_ups_flop_tally_counts_as_flop_counter_mode(monkeypatch, name):
     monkeypatch.setattr(predictor._step, "FlopTally", _FlopCounterTally)
     assert tallied == profile_flops()
     assert tallied[1] > 0 and all(f > 0 for f in tallied[0])
+    if name == "frozen-first":  # both linears of each block counted
+        assert tallied[0] == [2 * (2 * 32 * 64 * 64)] * 2
 
 
 def test_a_recording_less_what_it_kept_renumbers_its_kernel_calls():
@@ -418,6 +445,9 @@ def test_a_cuda_target_counts_the_caching_allocators_blocks():
     for b in (cuda.peak_bytes, cuda.activations, cuda.workspace, cuda.optimizer_state):
         assert b % 512 == 0
     assert cuda.peak_bytes > 4 * cpu.peak_bytes
+    # The first step after wrap too.
+    first = predict_peak(model, x, FORCE, device=DeviceSpec("cuda", capacity_bytes=1 << 30))
+    assert first.first_step.peak_bytes % 512 == 0 and first.first_step.parameters == 4 * 512
 
 
 def test_arguments_are_checked():

@@ -78,8 +78,9 @@ class _Simulation:
                 if opt is not None
                 else estimated_state(self.world, self.real_optimizer, self.model)
             )
-            self.step = Step(self.world, inputs, self.loss_fn, opt, fallback)
-            self.step.target_type = self.target_type
+            self.step = Step(
+                self.world, inputs, self.loss_fn, opt, fallback, target_type=self.target_type
+            )
             self.profile = self._warm_up()
             self._below_floor(opt)
         except BaseException:
@@ -198,6 +199,7 @@ class _Simulation:
             self.loss_fn,
             self.step.optimizer,
             self.step.fallback_state,
+            target_type=self.target_type,
             state_made_in_step=not stateful,
         )
         grads = [(p, p.grad) for p in self.world.params]

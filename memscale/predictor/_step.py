@@ -180,6 +180,7 @@ class Step:
         optimizer: torch.optim.Optimizer | None,
         fallback_state: list[torch.Tensor],
         *,
+        target_type: str,
         state_made_in_step: bool = False,
     ) -> None:
         self.world = world
@@ -206,7 +207,7 @@ class Step:
         self.optimizer_steps = 0  # optimizer steps run (warm-up included)
         # The device type predicted for ("cuda": storages take the caching
         # allocator's blocks, _workspace.CUDA_GRANULE).
-        self.target_type = "cpu"
+        self.target_type = target_type
 
     def _loss(self, output: Any) -> torch.Tensor:
         loss = self.loss_fn(output) if self.loss_fn is not None else default_loss(output)

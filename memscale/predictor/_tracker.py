@@ -137,6 +137,7 @@ class FlopTally:
         self.total = 0
         self.on = False
         self._formulas: dict[Any, Any] = {}
+        self._decomposes: dict[Any, bool] = {}
 
     def __enter__(self) -> FlopTally:
         self.on = True
@@ -147,6 +148,25 @@ class FlopTally:
 
     def get_total_flops(self) -> int:
         return self.total
+
+    def decomposes(self, func: Any) -> bool:
+        """Whether FlopCounterMode would run ``func`` as its decomposition
+        (an operator with a CompositeImplicitAutograd kernel that reaches
+        the dispatch modes whole, as ``aten.linear`` does under
+        ``torch.inference_mode``), counting the pieces."""
+        known = self._decomposes.get(func)
+        if known is None:
+            known = self._decomposes[func] = (
+                isinstance(func, torch._ops.OpOverload)
+                and func is not _DEVICE
+                and (
+                    torch._C.DispatchKey.CompositeImplicitAutograd in func.py_kernels
+                    or torch._C._dispatch_has_kernel_for_dispatch_key(
+                        func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+                    )
+                )
+            )
+        return known
 
     def count(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         formula = self._formulas.get(func, _NO_FORMULA)
@@ -187,13 +207,19 @@ class FakeCaller(_DispatchMode):
             if device is not None:
                 return device
         kwargs = kwargs or {}
+        flops = self._flops
+        if flops is not None and flops.on and flops.decomposes(func):
+            # As FlopCounterMode runs it: its pieces come back through here.
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         if self._real and self._small.all_real(args, kwargs):
             out = self._small.run(func, args, kwargs)
         elif self._calls is None:
             out = func(*args, **kwargs)
         else:
             out = self._calls(func, args, kwargs)
-        flops = self._flops
         if flops is not None and flops.on:
             flops.count(func, args, kwargs, out)
         return out
@@ -470,8 +496,9 @@ class StorageTracker(_DispatchMode):
         """:meth:`recorded`, less the storages made from ``since`` that are
         still alive (what a first optimizer update makes and keeps, its
         state): their events are left out and the other storages numbered
-        as if they had not been made, and a kernel call's output among
-        them is not given.  None when it touched a storage made before it."""
+        as if they had not been made, a kernel call that made only kept
+        storages is left out, and another's output among them is not
+        given.  None when it touched a storage made before it."""
         at, first, calls = since
         events = self.events[at:]
         if any(serial < first for serial, _ in events):
@@ -498,6 +525,8 @@ class StorageTracker(_DispatchMode):
                     tuple(None if s is None else serial_of.get(s) for s in got),
                 )
                 for i, sig, got in (self.kernel_calls or [])[calls:]
+                # (a call that made only kept storages is not a steady step's)
+                if not got or not all(s is not None and s not in serial_of for s in got)
             ),
         )
 
