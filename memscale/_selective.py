@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,13 +227,24 @@ def _weighted(flops: float, numel: int, kind: int, weights: Weights) -> float:
     return flops
 
 
+def rate(flops: float, nbytes: int) -> float:
+    """What an op's output is worth keeping, the order levels keep outputs
+    in: its FLOPs per byte written, and of outputs at the same FLOPs per
+    byte, the one of fewer bytes first, so that a level can keep the
+    smaller without the larger (a GPT-2 block's four products all cost 128
+    FLOPs a byte, and their outputs are 2 to 8 MiB).  The FLOPs per byte
+    are raised by a millionth for each halving of the bytes below 2**64:
+    at a threshold of exactly some FLOPs per byte, every output of at
+    least that many is kept, as without the order."""
+    return flops / nbytes * (1.0 + 1e-6 * (64.0 - math.log2(nbytes)))
+
+
 def keeps(threshold: float, flops: float, nbytes: int, random: bool) -> bool:
     """The policy: keep an op's output when it is not random (to
     :func:`op_cost`, a random call whose generator a recompute can set past
-    it is not) and costs at least ``threshold`` FLOPs per byte written
-    (``flops / nbytes``, the very division :func:`layer_profile` makes a
-    level's threshold of)."""
-    return not random and flops > 0.0 and nbytes > 0 and flops / nbytes >= threshold
+    it is not) and its :func:`rate` is at least ``threshold`` (the very
+    value :func:`layer_profile` makes a level's threshold of)."""
+    return not random and flops > 0.0 and nbytes > 0 and rate(flops, nbytes) >= threshold
 
 
 @dataclass
@@ -573,7 +585,7 @@ def layer_profile(
     """The layer's levels run selective, fewest bytes kept first: per
     level (threshold, bytes of the outputs it keeps, what its recompute
     costs).  The ops with a FLOP formula that are not random (to
-    :func:`op_cost`) are sorted by FLOPs per byte written; each distinct
+    :func:`op_cost`) are sorted by their :func:`rate`; each distinct
     value is a level's threshold (it keeps every op at or above it), down
     to the level that keeps them all.
     A level is left out when it would keep an output a later op writes in
@@ -597,7 +609,7 @@ def layer_profile(
         return None
     ratios = sorted(
         {
-            op_flops / nbytes
+            rate(op_flops, nbytes)
             for op_flops, nbytes, _, random in ops.calls
             if keeps(0.0, op_flops, nbytes, random)
         },

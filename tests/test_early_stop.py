@@ -162,9 +162,10 @@ def test_tail_is_left_out_of_selective_levels():
     ops = _selective.LayerOps(list(calls), tail={2, 3})
     # Keep op 0 (10 FLOPs/byte): recompute op 1's 10 elements (not the
     # tail's 50 + 10); keep ops 0 and 2: the same recompute.
-    assert _selective.layer_profile(ops, 150.0, 200) == ((10.0, 10, 10.0), (5.0, 20, 10.0))
+    ten, five = _selective.rate(100.0, 10), _selective.rate(50.0, 10)  # 10 and 5 FLOPs/byte
+    assert _selective.layer_profile(ops, 150.0, 200) == ((ten, 10, 10.0), (five, 20, 10.0))
     whole = _selective.layer_profile(_selective.LayerOps(list(calls)), 150.0, 200)
-    assert whole == ((10.0, 10, 70.0), (5.0, 20, 20.0))
+    assert whole == ((ten, 10, 70.0), (five, 20, 20.0))
     assert _selective.tail(ops, 150.0) == (50.0, 50.0)
     weights = (1.0, 1.0, 3.0)  # an element costs 3 matmul FLOPs
     assert _selective.recompute_cost(ops, 150.0, weights) == 190.0

@@ -29,6 +29,16 @@ X = torch.randn(8, 64, 32, generator=torch.Generator().manual_seed(0))
 ROWS = 8 * 64
 
 
+def _level(ratio, nbytes):
+    """The threshold of the level whose last kept output costs ``ratio``
+    FLOPs per byte and has ``nbytes`` bytes (``_selective.rate``)."""
+    return _selective.rate(ratio * nbytes, nbytes)
+
+
+FC2_LEVEL = _level(64.0, ROWS * 32 * 4)  # fc2's output (128 -> 32)
+FC1_LEVEL = _level(16.0, ROWS * 128 * 4)  # fc1's (32 -> 128)
+
+
 def _units(model):
     return list(model.named_children())
 
@@ -101,7 +111,7 @@ def test_profile_of_an_mlp_block_is_a_ladder_of_the_matmul_outputs():
     for layer in profile.layers:
         assert layer.flops == 2 * fc1
         assert _selective.threshold(layer.flops, layer.saved_bytes) < 16.0
-        assert layer.selective_levels == ((16.0, ROWS * 128 * 4, cheap),)
+        assert layer.selective_levels == ((FC1_LEVEL, ROWS * 128 * 4, cheap),)
     for detail in profile.details:
         assert detail["tail_op"] == "aten.addmm.default"  # fc2's
         assert _planning.tail_from(detail) == ("aten.addmm.default", 1)  # fc1's is the first
@@ -112,8 +122,9 @@ def test_profile_of_an_mlp_block_is_a_ladder_of_the_matmul_outputs():
 def test_levels_keep_more_and_recompute_less_in_turn():
     """The ladder from made-up op records: levels in decreasing threshold,
     each keeping more bytes and recomputing less (an op with no formula
-    counts one per element), random ops never kept, equal ratios kept
-    together, and none past an op whose output is written in place."""
+    counts one per element), random ops never kept, of equal ratios the
+    smaller output first (a level of its own), and none past an op whose
+    output is written in place."""
     calls = [
         (800.0, 8, 2, False),  # 100 FLOPs per byte
         (400.0, 8, 2, False),  # 50
@@ -125,27 +136,30 @@ def test_levels_keep_more_and_recompute_less_in_turn():
     ]
     ops = _selective.LayerOps(calls)
     levels = _selective.layer_profile(ops, flops=1e4, saved_bytes=1000)
-    assert [t for t, _, _ in levels] == [100.0, 50.0, 10.0, 1.0]
-    assert [b for _, b, _ in levels] == [8, 96, 106, 116]
+    by_rate = [_level(100.0, 8), _level(50.0, 8), _level(50.0, 80), _level(10.0, 10)]
+    assert [t for t, _, _ in levels] == [*by_rate, _level(1.0, 10)]
+    assert by_rate[1] > by_rate[2]  # the 8 bytes before the 80
+    assert [b for _, b, _ in levels] == [8, 16, 96, 106, 116]
     rest = 9e9 + 10  # the random op and the op without a formula
     assert [f for _, _, f in levels] == [
         4510.0 + rest,
+        4110.0 + rest,
         110.0 + rest,
         10.0 + rest,
         rest,
     ]
     # Written in place later: the level keeping call 3 and those after go.
     ops.mutated.add(3)
-    assert [t for t, _, _ in _selective.layer_profile(ops, 1e4, 1000)] == [100.0, 50.0]
+    assert [t for t, _, _ in _selective.layer_profile(ops, 1e4, 1000)] == by_rate[:3]
     ops.mutated.add(0)
     assert _selective.layer_profile(ops, 1e4, 1000) is None
     # A level keeping as much as the layer saves is no better than keeping it.
     ops.mutated.clear()
-    assert [b for _, b, _ in _selective.layer_profile(ops, 1e4, 106)] == [8, 96]
+    assert [b for _, b, _ in _selective.layer_profile(ops, 1e4, 106)] == [8, 16, 96]
     # At most `limit` levels: the first, the last, the layer's own
     # threshold's (here 10: flops over saved bytes), the rest by bytes.
     picked = _selective.layer_profile(ops, flops=1e4, saved_bytes=1000, limit=3)
-    assert [t for t, _, _ in picked] == [100.0, 10.0, 1.0]
+    assert [t for t, _, _ in picked] == [by_rate[0], by_rate[3], _level(1.0, 10)]
 
 
 class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
@@ -366,9 +380,9 @@ def test_the_plans_level_runs_with_its_threshold_and_tail():
     plan = model._memscale_executor.plan
     assert _techniques(model) == [("selective",)] * 3 + [()]
     assert [(lp.selective_level, lp.selective_threshold) for lp in plan.layers] == [
-        (0, 16.0)
+        (0, FC1_LEVEL)
     ] * 3 + [(-1, 0.0)]
-    assert '"selective_level":0,"selective_threshold":16.0' in plan.to_json()
+    assert f'"selective_level":0,"selective_threshold":{FC1_LEVEL!r}' in plan.to_json()
     seen = []
     run = _selective.run
 
@@ -383,7 +397,7 @@ def test_the_plans_level_runs_with_its_threshold_and_tail():
         report = measure_peak(lambda: _mse(model, X).backward(), model=model, inputs=X, warmup=1)
     finally:
         _selective.run = run
-    assert seen and set(seen) == {(16.0, ("aten.addmm.default", 1))}
+    assert seen and set(seen) == {(FC1_LEVEL, ("aten.addmm.default", 1))}
     assert report.start_bytes + report.peak_delta_bytes <= plan.budget_bytes
     memscale.detach(model)
     model, _ = _wrapped(_mlp, X, 0.5)
@@ -772,7 +786,7 @@ def test_an_inplace_op_on_a_kept_output_ends_the_ladder_there():
     ops = recorder.ops[0]
     assert ops.tail_start() is None  # recorded without the saved-tensor hooks
     levels = _selective.layer_profile(ops, flops=1e9, saved_bytes=10**9)
-    assert [(t, b) for t, b, _ in levels] == [(64.0, ROWS * 32 * 4)]
+    assert [(t, b) for t, b, _ in levels] == [(FC2_LEVEL, ROWS * 32 * 4)]
     model, ref = _wrapped(_relu_inplace, X, 0.8)
     assert {t for ts in _techniques(model) for t in ts} & {"selective", "checkpoint"}
     for seed in range(2):
@@ -1086,21 +1100,24 @@ def test_a_call_no_saved_tensor_reads_is_neither_kept_nor_run_again():
     (layer,) = profile.layers
     fc1 = 2 * ROWS * 32 * 128
     cheap = ROWS * (128 + 32 + 32)  # GELU, the noise and the dropout's output
-    assert [(t, b) for t, b, _ in layer.selective_levels] == [(64.0, 0), (16.0, ROWS * 128 * 4)]
+    assert [(t, b) for t, b, _ in layer.selective_levels] == [
+        (FC2_LEVEL, 0),
+        (FC1_LEVEL, ROWS * 128 * 4),
+    ]
     assert layer.selective_levels[0][2] < fc1 + cheap + ROWS * 128
     skip = (("aten.addmm.default", 1),)
-    assert profile.details[0]["skips"] == ((64.0, skip), (16.0, skip))
-    assert _planning.skips_from(profile.details[0], 64.0) == skip
+    assert profile.details[0]["skips"] == ((FC2_LEVEL, skip), (FC1_LEVEL, skip))
+    assert _planning.skips_from(profile.details[0], FC2_LEVEL) == skip
     assert _planning.skips_from(profile.details[0], 1.0) == ()
     tail = _planning.tail_from(profile.details[0])
     assert tail == ("aten.mul.Tensor", 0)  # the dropout's: the noise is its last save
     expected = _plain_grads(block)
     # (threshold, skip): addmm calls the recompute makes, bytes held.
     runs = {
-        (64.0, skip): (1, 0),
-        (64.0, ()): (1, ROWS * 32 * 4),  # fc2's output kept, for nothing
+        (FC2_LEVEL, skip): (1, 0),
+        (FC2_LEVEL, ()): (1, ROWS * 32 * 4),  # fc2's output kept, for nothing
         (1e30, ()): (2, 0),  # nothing kept: a whole recompute
-        (16.0, skip): (0, ROWS * 128 * 4),
+        (FC1_LEVEL, skip): (0, ROWS * 128 * 4),
     }
     held = {}
     for (threshold, given), (calls, _) in runs.items():
@@ -1152,11 +1169,11 @@ def test_a_put_off_call_whose_output_is_read_after_all_runs_then():
     block = _ResidualDropout()
     profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
     tail = _planning.tail_from(profile.details[0])
-    skip = _planning.skips_from(profile.details[0], 64.0)
+    skip = _planning.skips_from(profile.details[0], FC2_LEVEL)
     assert skip
     expected = _plain_grads(block)
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-        ran, grads = _run_counting(block, 64.0, skip, tail)
+        ran, grads = _run_counting(block, FC2_LEVEL, skip, tail)
     assert ran == 2
     for a, b in zip(grads, expected):
         assert torch.equal(a, b)
@@ -1244,11 +1261,11 @@ def test_only_a_fake_profile_and_no_reader_before_the_tail_make_a_call_dead():
     block.fc1 = torch.nn.Linear(32, 128, bias=False)
     block.fc2 = torch.nn.Linear(128, 32, bias=False)
     profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
-    skip = _planning.skips_from(profile.details[0], 64.0)
+    skip = _planning.skips_from(profile.details[0], FC2_LEVEL)
     assert skip == (("aten.mm.default", 1),)
     tail = _planning.tail_from(profile.details[0])
     expected = _plain_grads(block)
-    for threshold, given, recomputed in ((64.0, skip, 1), (1e30, (), 2)):
+    for threshold, given, recomputed in ((FC2_LEVEL, skip, 1), (1e30, (), 2)):
         ran, grads = _run_counting(block, threshold, given, tail, "mm.default")
         assert ran == recomputed + 4  # and backward's four
         for a, b in zip(grads, expected):
@@ -1274,11 +1291,11 @@ def test_a_fused_dropout_runs_on_the_unwritten_output_it_alone_reads():
     block = _FusedDropout()
     profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
     skip = (("aten.addmm.default", 1), ("aten.native_dropout.default", 0))
-    assert profile.details[0]["skips"] == ((64.0, skip), (16.0, skip))
+    assert profile.details[0]["skips"] == ((FC2_LEVEL, skip), (FC1_LEVEL, skip))
     assert [b for _, b, _ in profile.layers[0].selective_levels] == [0, ROWS * 128 * 4]
     tail = _planning.tail_from(profile.details[0])
     expected = _plain_grads(block)
-    for threshold, given, recomputed in ((64.0, skip, 1), (1e30, (), 2)):
+    for threshold, given, recomputed in ((FC2_LEVEL, skip, 1), (1e30, (), 2)):
         ran, grads = _run_counting(block, threshold, given, tail)
         assert ran == recomputed
         for a, b in zip(grads, expected):
@@ -1333,11 +1350,13 @@ def test_a_skip_stands_down_where_the_run_differs_from_its_profile():
     written output too."""
     block = _GatedByInput()
     profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
-    skip = _planning.skips_from(profile.details[0], 64.0)
+    skip = _planning.skips_from(profile.details[0], FC2_LEVEL)
     assert skip == (("aten.addmm.default", 1),)
     tail = _planning.tail_from(profile.details[0])
-    assert _same_grads_run_and_plain(block, X.clone().requires_grad_(), 64.0, tail, skip)
-    out = _selective.run(block.forward, 64.0, (X.clone().requires_grad_(),), {}, tail, None, skip)
+    assert _same_grads_run_and_plain(block, X.clone().requires_grad_(), FC2_LEVEL, tail, skip)
+    out = _selective.run(
+        block.forward, FC2_LEVEL, (X.clone().requires_grad_(),), {}, tail, None, skip
+    )
     with _Calls() as calls:
         out.pow(2).mean().backward()
     assert calls.names.count("addmm.default") == 2  # fc2 ran again (stale memory may hide it)
@@ -1346,14 +1365,14 @@ def test_a_skip_stands_down_where_the_run_differs_from_its_profile():
     block = _ResidualDropout()
     profile = _planning.profile_upfront(block, [("b", block)], X, memscale.Config())
     skip, tail = (
-        _planning.skips_from(profile.details[0], 64.0),
+        _planning.skips_from(profile.details[0], FC2_LEVEL),
         _planning.tail_from(profile.details[0]),
     )
     acts = {}
     handle = block.fc2.register_forward_hook(lambda m, i, o: acts.__setitem__("fc2", o.detach()))
     try:
         x = X.clone().requires_grad_()
-        out = _selective.run(block.forward, 64.0, (x,), {}, tail, block, skip)
+        out = _selective.run(block.forward, FC2_LEVEL, (x,), {}, tail, block, skip)
         captured = acts["fc2"].clone()
         out.pow(2).mean().backward()
         assert torch.equal(acts["fc2"], captured)
@@ -1361,7 +1380,7 @@ def test_a_skip_stands_down_where_the_run_differs_from_its_profile():
         handle.remove()
     # (b) again, the hook registered after the forward, before backward
     x = X.clone().requires_grad_()
-    out = _selective.run(block.forward, 64.0, (x,), {}, tail, block, skip)
+    out = _selective.run(block.forward, FC2_LEVEL, (x,), {}, tail, block, skip)
     captured = []
     handle = block.fc2.register_forward_hook(lambda m, i, o: captured.append(o.detach()))
     try:
@@ -1388,12 +1407,12 @@ def test_a_skip_stands_down_where_the_run_differs_from_its_profile():
     fused = _FusedDropout()
     profile = _planning.profile_upfront(fused, [("b", fused)], X, memscale.Config())
     skip, tail = (
-        _planning.skips_from(profile.details[0], 64.0),
+        _planning.skips_from(profile.details[0], FC2_LEVEL),
         _planning.tail_from(profile.details[0]),
     )
     assert skip
     fused.forward = lambda x: _FusedDropout.forward(fused, x).tanh()
-    assert _same_grads_run_and_plain(fused, X.clone().requires_grad_(), 64.0, tail, skip)
+    assert _same_grads_run_and_plain(fused, X.clone().requires_grad_(), FC2_LEVEL, tail, skip)
 
 
 class _ConvDropout(torch.nn.Module):
