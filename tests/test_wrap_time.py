@@ -57,17 +57,20 @@ def _budget_config(session, share=0.5):
     return memscale.Config(mode="conservative", memory_budget_gb=budget / GIB, enable_logging=False)
 
 
-@pytest.mark.parametrize("optimizer, runs", [("adamw", 1), ("sgd-momentum", 2)])
+@pytest.mark.parametrize("optimizer, runs", [("adamw", 1), ("sgd-momentum", 2), ("adagrad", 2)])
 def test_the_optimizer_step_is_simulated_once_per_session(optimizer, runs):
     model, x, loss_fn = _mlp()
     opt = None  # AdamW, the default
     if optimizer == "sgd-momentum":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    elif optimizer == "adagrad":
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
     with _Steps() as steps:
         with _planner.PredictionSession(model, x, opt, loss_fn=loss_fn) as session:
             # The warm-up makes the state; the steady-state step is its
             # update less that state (Adam, AdamW), or else the unoptimized
-            # step runs it once more.
+            # step runs it once more (SGD's first step makes no momentum
+            # temporaries where later ones pass the momentum as a number).
             assert steps.count == runs
             config = _budget_config(session)
             plan = session.plan(config)
@@ -81,13 +84,28 @@ def test_the_optimizer_step_is_simulated_once_per_session(optimizer, runs):
 
 @pytest.mark.parametrize(
     "case, optimizer",
-    [(_mlp, None), (_gpt2, None), (_mlp, "sgd-momentum")],
+    [
+        (_mlp, None),
+        (_gpt2, None),
+        (_mlp, "sgd-momentum"),
+        (_mlp, "sgd-nesterov"),
+        (_mlp, "sgd-foreach"),
+        (_mlp, "sgd"),
+    ],
 )
 def test_a_replayed_optimizer_step_is_the_step_run_again(case, optimizer):
     model, x, loss_fn = case()
     opt = None
     if optimizer == "sgd-momentum":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    elif optimizer == "sgd-nesterov":
+        opt = torch.optim.SGD(
+            model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01
+        )
+    elif optimizer == "sgd-foreach":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    elif optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with _planner.PredictionSession(model, x, opt, loss_fn=loss_fn) as session:
         steps = session._steps
         step = steps._sim.step
