@@ -82,6 +82,21 @@ def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return total
 
 
+def check_step_arguments(optimizer: Any, loss_fn: Any) -> None:
+    """The ``optimizer`` and ``loss_fn`` a training step is simulated with
+    (``wrap``, ``predict_peak``): a TypeError naming the one that is not a
+    torch optimizer, or not callable, and not None."""
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn must be callable (the model's output -> its scalar loss) or None, "
+            f"got {type(loss_fn).__name__}"
+        )
+
+
 def checkpoint_frame_bytes(device_type: str) -> int:
     """Bytes a checkpoint keeps in the device's memory besides its inputs,
     from its forward until backward is done with it: the RNG state its

@@ -600,12 +600,7 @@ def _check_args(
         config = Config()
     elif not isinstance(config, Config):
         raise TypeError(f"config must be a memscale.Config or None, got {type(config).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
-        )
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
+    _model.check_step_arguments(optimizer, loss_fn)
     if model.__dict__.get("_memscale_executor") is not None:
         raise RuntimeError(
             f"{what}() predicts for a model memscale has not wrapped (its hooks "

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import _step_in_backward, _telemetry, _torch_compat, _wrapping, optim
+from . import _model, _step_in_backward, _telemetry, _torch_compat, _wrapping, optim
 from ._executor import Executor
 from ._wrapping import ATTR
 from .config import AsyncOffloadConfig, Config, OptimizationMode
@@ -119,15 +119,7 @@ def wrap(
     """Attach memscale to the model ``target`` and return it: what
     ``memscale.wrap`` does with a model (see :func:`memscale._entry.wrap`)."""
     model = _checked_target(target)
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
-        )
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(
-            f"loss_fn must be callable (the model's output -> its scalar loss) or None, "
-            f"got {type(loss_fn).__name__}"
-        )
+    _model.check_step_arguments(optimizer, loss_fn)
     config = effective_config(config, async_offload, async_config)
     _step_in_backward.check(config, optimizer)
     wrapping = _wrapping.Wrapping(model, config, _training_optimizer(config, optimizer), loss_fn)

@@ -18,7 +18,7 @@ from .. import _torch_compat
 from .._smallvalues import SmallValues
 from .._tree import tensor_list
 from ._results import CATEGORIES, PeakBreakdown
-from ._workspace import Kernel, probe_on_device, signature, workspace_ops
+from ._workspace import Kernel, in_blocks, probe_on_device, signature, workspace_ops
 
 _EQUAL = torch.ops.aten.equal.default
 _DEVICE = torch.ops.prim.device.default
@@ -356,7 +356,7 @@ class StorageTracker(_DispatchMode):
             granule, device_type = self.granule
             if t.device.type != device_type:
                 return 0
-            nbytes = -(-nbytes // granule) * granule
+            nbytes = in_blocks(nbytes, granule)
         return nbytes
 
     def _born(self, nbytes: int, category: str | None = None) -> int:
@@ -621,7 +621,7 @@ class StorageTracker(_DispatchMode):
                 scratch[at] = kernel.scratch
             for serial, real in zip(serials, kernel.returned):
                 if self.granule is not None and real:
-                    real = -(-real // self.granule[0]) * self.granule[0]
+                    real = in_blocks(real, self.granule[0])
                 if serial is not None and real > self.sizes_at_birth[serial]:
                     scale[serial] = real
         return scratch, scale

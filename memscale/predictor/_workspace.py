@@ -59,6 +59,13 @@ _WORKSPACE_OPS = (
 # profiler's memory events count the block.
 CUDA_GRANULE = 512
 
+
+def in_blocks(nbytes: int, granule: int = CUDA_GRANULE) -> int:
+    """``nbytes`` rounded up to a multiple of ``granule``: the block a
+    request of that many bytes takes."""
+    return -(-nbytes // granule) * granule
+
+
 # A call is run for real only if its inputs and outputs take at most this
 # many bytes (and at most 1/8 of the device's capacity); larger ones are not
 # probed, and PeakPrediction.unprobed_calls counts them.
@@ -298,7 +305,7 @@ def _probe_batch(todo: list[Any], device_type: str, threads: int) -> tuple[dict[
                     if device_type == "cuda" and nbytes:
                         # the block it took: the profiler's events count
                         # blocks, so the scratch is what is left above them
-                        nbytes = -(-nbytes // CUDA_GRANULE) * CUDA_GRANULE
+                        nbytes = in_blocks(nbytes)
                     sizes[id(st)] = nbytes
                     per_output.append(nbytes)
                 calls[i] = (sum(sizes.values()), tuple(per_output))
