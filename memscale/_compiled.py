@@ -31,6 +31,7 @@ instead:
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -101,6 +102,9 @@ def fallbacks(plan: Any, mixed_precision: bool = False) -> tuple[CompileFallback
     if plan is None:
         return tuple(found)
     layers = plan.layers
+    members = collections.Counter(
+        layer.segment for layer in layers if "checkpoint" in layer.techniques
+    )
     seen_segments: set[int] = set()
     for layer in layers:
         techniques = set(layer.techniques)
@@ -115,19 +119,9 @@ def fallbacks(plan: Any, mixed_precision: bool = False) -> tuple[CompileFallback
         seg = layer.segment
         if seg >= 0 and seg not in seen_segments:
             seen_segments.add(seg)
-            members = [
-                other
-                for other in layers
-                if other.segment == seg and "checkpoint" in other.techniques
-            ]
-            if len(members) > 1:
-                found.append(
-                    CompileFallback(
-                        layer.name,
-                        "segment",
-                        SEGMENT.format(n=len(members), k=len(members) - 1),
-                    )
-                )
+            n = members[seg]
+            if n > 1:
+                found.append(CompileFallback(layer.name, "segment", SEGMENT.format(n=n, k=n - 1)))
     return tuple(found)
 
 
