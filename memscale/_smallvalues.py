@@ -33,6 +33,15 @@ from . import _dataflow, _torch_compat
 from ._tree import tensor_list, tensors_in
 
 REAL_VALUE_LIMIT = 8 << 20
+_PRUNE_AT = 4096  # storages remembered before the expired ones are dropped
+_ELEMENT_BYTES = 16  # the widest element (complex128)
+_aten = torch.ops.aten
+# What torch calls on the tensor it made for a literal (``torch.tensor``).
+_LIFTS = frozenset((_aten.lift_fresh.default, _aten.lift_fresh_copy.default))
+# Operators that return a number, or their one-element argument (or a copy).
+_ONE_ELEMENT_OPS = _LIFTS | frozenset(
+    (_aten._local_scalar_dense.default, _aten.clone.default, _aten.detach.default)
+)
 _DispatchMode: type = _torch_compat.dispatch_mode_base() or object
 
 
@@ -60,8 +69,11 @@ class SmallValues:
             self._fake_cls = _torch_compat.fake_tensor_class()
         # The real storages this pass made (storage key -> weak reference).
         self._made: dict[int, StorageWeakRef] = {}
+        self._prune_at = _PRUNE_AT
         # Per operator: where its schema says it writes (position, name).
         self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
+        # Per operator: whether :meth:`_one_element` may answer for it.
+        self._one_element_ops: dict[Any, bool] = {}
 
     def all_real(self, args: Any, kwargs: Any) -> bool:
         """Whether no tensor argument of a call is fake (False without a
@@ -91,9 +103,14 @@ class SmallValues:
         read later), or when its size depends on values and is bounded
         within the limit (:func:`_value_bound`: ``item()``, ``nonzero``),
         if it may (above); else the fake result stands, or the fake mode's
-        error for a size it cannot know."""
+        error for a size it cannot know.  A call on one-element tensors
+        whose result is no larger (:meth:`_one_element`: a step counter's
+        ``+= 1`` and ``item()``) runs for real without the fake twins."""
+        may = self._may_run(func, args, kwargs)
+        if may and self._one_element(func, args, kwargs):
+            return self._for_real(func, args, kwargs)
         fargs, fkwargs = self._faked(args, kwargs)
-        if not self._may_run(func, args, kwargs):
+        if not may:
             return func(*fargs, **fkwargs)
         try:
             out = func(*fargs, **fkwargs)
@@ -107,13 +124,46 @@ class SmallValues:
             sizes = [t.untyped_storage().nbytes() for t in tensors_in(out)]
             if sizes and sum(sizes) > self.limit:
                 return out
+        return self._for_real(func, args, kwargs)
+
+    def _for_real(self, func: Any, args: Any, kwargs: Any) -> Any:
         with self._unset_fake():
             real = func(*args, **kwargs)
         # A result that is a view of an argument is the pass's own only if
-        # that argument was.
-        given = {_torch_compat.storage_key(t) for t in tensor_list((args, kwargs))}
+        # that argument was.  ``lift_fresh``'s argument is the tensor torch
+        # made for a literal in the pass (``torch.tensor(0.0)``: an
+        # optimizer's step counter), the pass's own when torch allocated
+        # its storage (resizable), not when it is a NumPy array's memory
+        # (``torch.as_tensor(array)``, ``from_numpy``: not resizable).
+        tensors = tensor_list((args, kwargs))
+        if func in _LIFTS and all(t.untyped_storage().resizable() for t in tensors):
+            given: set[int] = set()
+        else:
+            given = {_torch_compat.storage_key(t) for t in tensors}
         self._remember(real, given)
         return real
+
+    def _one_element(self, func: Any, args: Any, kwargs: Any) -> bool:
+        """Whether a call's result is known to be within the limit without
+        learning its size: every tensor argument holds at most one element,
+        and the operator returns a number, or tensors no larger than one
+        element each (a pointwise operator broadcasts one-element tensors
+        to one element; a ``_foreach_`` operator returns one tensor per
+        element of its lists; ``lift_fresh`` returns its argument)."""
+        known = self._one_element_ops.get(func)
+        if known is None:
+            known = self._one_element_ops[func] = func in _ONE_ELEMENT_OPS or (
+                isinstance(func, torch._ops.OpOverload)
+                and (torch.Tag.pointwise in func.tags or func.__name__.startswith("_foreach_"))
+            )
+        if not known:
+            return False
+        tensors = tensor_list((args, kwargs))
+        return (
+            bool(tensors)
+            and len(tensors) * _ELEMENT_BYTES <= self.limit
+            and all(t.numel() <= 1 for t in tensors)
+        )
 
     def _faked(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         convert = self._mode.from_tensor
@@ -141,9 +191,12 @@ class SmallValues:
         """Note the storages of ``out`` as the pass's own, but those of the
         ``given`` arguments (a view of a tensor the pass did not make)."""
         made = self._made
-        if len(made) > 4096:  # the expired ones go
+        if len(made) > self._prune_at:  # the expired ones go
             for key in [k for k, ref in made.items() if ref.expired()]:
                 del made[key]
+            # (not again before it has doubled: thousands of step counters
+            # alive would make every call walk them)
+            self._prune_at = max(_PRUNE_AT, 2 * len(made))
         for t in tensors_in(out):
             storage = t.untyped_storage()
             if storage._cdata not in given:

@@ -196,3 +196,69 @@ def test_a_size_that_depends_on_values_runs_for_real_only_when_bounded():
         with pytest.raises(Exception, match="repeat_interleave"):
             torch.repeat_interleave(torch.tensor([10**9]))
     assert found.flatten().tolist() == [1, 3]
+
+
+def test_a_literal_is_the_pass_own_and_a_numpy_array_is_not():
+    """``torch.tensor(0.0)`` made in the pass (an optimizer's step counter)
+    is the pass's own: ``+= 1`` on it runs for real and ``item()`` reads
+    it.  ``torch.as_tensor`` and ``torch.from_numpy`` of a NumPy array,
+    which reach the same ``lift_fresh``, share the array's memory: a write
+    runs on a fake twin, and the array is as it was."""
+    import numpy as np
+
+    array = np.zeros(2, dtype=np.float32)
+    mode, _ = _torch_compat.fake_tensor_mode(allow_non_fake_inputs=True)
+    with mode, _smallvalues.SmallValuesMode(_smallvalues.SmallValues(mode)):
+        step = torch.tensor(0.0)
+        step += 1
+        step += 1
+        seen = step.item()
+        torch.as_tensor(array).add_(1)
+        torch.from_numpy(array).mul_(3).add_(5)
+    assert not _torch_compat.is_fake(step) and seen == 2.0 and float(step) == 2.0
+    assert array.tolist() == [0.0, 0.0]
+
+
+def test_calls_on_one_element_run_for_real_without_fake_twins(monkeypatch):
+    """A call whose tensors hold one element each and whose result is no
+    larger (a pointwise operator, ``_foreach_``, ``item()``) runs for real
+    at once: the step counters of a deep model's optimizer cost no fake
+    twin each.  A larger one still learns its size on twins first."""
+    twins = []
+    faked = _smallvalues.SmallValues._faked
+
+    def counted(self, args, kwargs):
+        twins.append(1)
+        return faked(self, args, kwargs)
+
+    monkeypatch.setattr(_smallvalues.SmallValues, "_faked", counted)
+    mode, _ = _torch_compat.fake_tensor_mode(allow_non_fake_inputs=True)
+    with mode, _smallvalues.SmallValuesMode(_smallvalues.SmallValues(mode)):
+        steps = [torch.tensor(0.0), torch.tensor(4.0)]
+        torch._foreach_add_(steps, 1)
+        steps[0] += 1
+        scale = (steps[1] * 0.5).sqrt().item()
+        assert twins == []
+        torch.arange(4).add_(1)
+    assert [float(s) for s in steps] == [2.0, 5.0] and scale == pytest.approx(1.5811388)
+    assert len(twins) == 2
+
+
+def test_the_pass_remembers_thousands_of_storages_without_walking_them_each_call(monkeypatch):
+    """The storages a pass made are remembered (weakly); the expired ones
+    are dropped when their count doubles, not at every call past 4,096:
+    thousands of step counters alive would make each call walk them."""
+    walked = []
+
+    class Counted(_smallvalues.StorageWeakRef):
+        def expired(self):
+            walked.append(1)
+            return super().expired()
+
+    monkeypatch.setattr(_smallvalues, "StorageWeakRef", Counted)
+    values = _smallvalues.SmallValues(_torch_compat.fake_tensor_mode()[0])
+    alive = [torch.zeros(()) for _ in range(4500)]
+    for t in alive:
+        values._remember(t)
+    assert len(values._made) == len(alive)
+    assert len(walked) < 2 * len(alive)

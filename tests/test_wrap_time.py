@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import memscale
-from memscale import _planner, _torch_compat
+from memscale import _planner, _smallvalues, _torch_compat
 from memscale.benchmarks.models import BENCHMARK_MODELS
 from memscale.benchmarks.runner import prepare
 from memscale.config import GIB
@@ -122,6 +122,34 @@ def test_a_replayed_optimizer_step_is_the_step_run_again(case, optimizer):
     assert replayed.tracker.kernel_calls == run.tracker.kernel_calls
     assert replayed.breakdown({}) == run.breakdown({})
     assert any(phase == "optimizer" for _, phase in run.tracker.phase_marks)
+
+
+def test_step_counters_and_rng_stand_ins_are_real_and_made_at_once(monkeypatch):
+    """The warm-up's AdamW makes its step counters real (small values:
+    ``+= 1`` and ``item()`` on them run for real, not through the fake
+    mode's constant propagation), and each simulated step makes the RNG
+    states its checkpoint frames keep without a call through the small
+    values (their size is known)."""
+    calls = []
+    run = _smallvalues.SmallValues.run
+
+    def counted(self, func, args, kwargs):
+        calls.append(str(func))
+        return run(self, func, args, kwargs)
+
+    monkeypatch.setattr(_smallvalues.SmallValues, "run", counted)
+    model, x, loss_fn = _mlp()
+    with _planner.PredictionSession(model, x, None, loss_fn=loss_fn) as session:
+        opt = session._steps._sim.step.optimizer
+        steps = [state["step"] for state in opt.state.values()]
+        assert len(steps) == len(list(model.parameters()))
+        assert not any(_torch_compat.is_fake(s) for s in steps)
+        calls.clear()
+        plan = session.plan(_budget_config(session))
+        assert plan.technique_counts["checkpoint"]
+        assert len(session._steps._traces) >= 2
+    assert "aten.empty.memory_format" not in calls, calls
+    assert [float(s) for s in steps] == [1.0] * len(steps)  # the warm-up's update
 
 
 def test_a_step_that_keeps_what_its_optimizer_made_is_not_replayed():

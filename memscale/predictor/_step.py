@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from .. import _model, _selective, _torch_compat
-from .._smallvalues import SmallValues
 from .._tree import tensors_in
 from ._fake import FakeWorld
 from ._results import PeakBreakdown
@@ -259,7 +258,7 @@ class Step:
         the profiler's modes)."""
         self.world.refill_inputs()
         flops = FlopTally()
-        with FakeCaller(self.world.calls, self.world.small, flops) as caller:
+        with FakeCaller(self.world.calls, self.world.small, flops):
             self._zero_grad()
             with torch.enable_grad():
                 with on_forward(flops) as result:
@@ -268,11 +267,11 @@ class Step:
                 del output
                 reached = _leaves_reached(loss)
                 del loss
-            # The optimizer's state is made fake, step counters too (as
-            # before small values were real in the warm-up): real ones
-            # would be converted to fake twins at each update of a fake
-            # parameter, thousands of times on a deep model.
-            caller.small_values(False)
+            # The optimizer's state is fake but its step counters, real
+            # (small values, memscale._smallvalues: a counter's ``+= 1``
+            # and ``item()`` run on it for real, as fake ones would go
+            # through the fake mode's constant propagation, thousands of
+            # times on a deep model).
             for p in self.world.params:
                 if p.requires_grad and id(p) in reached:
                     p.grad = torch.zeros_like(p)
@@ -327,9 +326,9 @@ class Step:
         """The warm-up's optimizer step (the first: it makes the state),
         run under a StorageTracker; its events less the state it made are
         a steady-state step's (``_FIRST_UPDATE_IS_STEADY``), kept as
-        :attr:`optimizer_replay`.  The step counters are made fake, as the
-        untracked warm-up makes them (no small values run for real)."""
-        tracker = self._tracker(SmallValues(None, 0))
+        :attr:`optimizer_replay`.  The step counters are real, as the
+        untracked warm-up makes them (small values run for real)."""
+        tracker = self._tracker(self.world.small)
         for t in self.world.params + self.world.buffers:
             tracker.track(t, "parameters")
         for p in self.world.params:
@@ -417,9 +416,7 @@ class Step:
                         nest_seen[ids[0]] = seen + 1
                         nest_entry.append((ids, k, seen < len(ids) - 1))
                     if rng_bytes and not caller:
-                        caller.append(
-                            torch.empty(rng_bytes, dtype=torch.uint8, device=self.world.device)
-                        )
+                        caller.append(tracker.stand_in(rng_bytes, self.world.device))
                 tracker.recompute_depth += 1
             elif tracker.phase == "forward":
                 if (
@@ -430,7 +427,7 @@ class Step:
                     and torch.is_grad_enabled()
                 ):
                     held.setdefault(id(module), []).append(
-                        torch.empty(rng_bytes, dtype=torch.uint8, device=self.world.device)
+                        tracker.stand_in(rng_bytes, self.world.device)
                     )
                 nesting[0] += 1
 
@@ -441,9 +438,7 @@ class Step:
                     ids, k, first_pass = nest_entry.pop()
                     if first_pass:
                         if rng_bytes:
-                            nest_kept[ids[k + 1]] = torch.empty(
-                                rng_bytes, dtype=torch.uint8, device=self.world.device
-                            )
+                            nest_kept[ids[k + 1]] = tracker.stand_in(rng_bytes, self.world.device)
                         if k == len(ids) - 2:
                             caller.clear()
                         return

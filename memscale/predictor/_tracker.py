@@ -22,6 +22,7 @@ from ._workspace import Kernel, in_blocks, probe_on_device, signature, workspace
 
 _EQUAL = torch.ops.aten.equal.default
 _DEVICE = torch.ops.prim.device.default
+_NO_DISPATCH = torch._C._DisableTorchDispatch
 
 # A Python number given for a tensor argument (``x * 0.5``, ``x + 1``)
 # reaches an operator as a real 0-dim CPU tensor of its own, made by
@@ -343,6 +344,19 @@ class StorageTracker(_DispatchMode):
 
         known[key] = (weakref.ref(st, freed), serial)
         return serial
+
+    def stand_in(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A tensor of ``nbytes`` on ``device`` for what the step holds out
+        of the operators' sight (the RNG state a checkpoint frame keeps),
+        tracked as an operator's output would be from here.  It is made
+        past the dispatch modes (as an operator would make it for real,
+        :mod:`memscale._smallvalues`, without learning its size on fake
+        twins first: it is known)."""
+        with _NO_DISPATCH():
+            t = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if self.active:
+            self.track(t)
+        return t
 
     def _allocated(self, t: torch.Tensor, st: torch.UntypedStorage) -> int:
         """The bytes of the predicted device's memory that ``t``'s storage
