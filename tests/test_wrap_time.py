@@ -322,6 +322,33 @@ def test_a_real_tensor_is_made_fake_once_with_its_storage(monkeypatch):
     assert model.part is real["part"]
 
 
+def test_the_fake_parameters_are_made_through_the_cheaper_key(monkeypatch):
+    """A deep model's fake parameters: each is a Parameter over its fake
+    twin with the real one's requires_grad, and the detach that makes it
+    a Parameter is answered through the cheaper key (one dispatch to
+    FakeTensorMode per shape, not per parameter)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memscale.predictor._fake import FakeWorld
+
+    dispatched = []
+    original = FakeTensorMode.dispatch
+
+    def counted(self, func, *args, **kwargs):
+        dispatched.append(str(func))
+        return original(self, func, *args, **kwargs)
+
+    monkeypatch.setattr(FakeTensorMode, "dispatch", counted)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(40)])
+    model[3].weight.requires_grad_(False)
+    with FakeWorld(model, torch.device("cpu")):
+        params = list(model.parameters())
+        assert len(params) == 80
+        assert all(isinstance(p, nn.Parameter) and _torch_compat.is_fake(p) for p in params)
+        assert [p.requires_grad for p in params] == [i != 6 for i in range(80)]
+    assert dispatched.count("aten.detach.default") <= 4, dispatched
+
+
 def _made(t):
     """What a fake output is: every property the simulated steps read, and
     the attributes FakeTensor keeps, in their order."""

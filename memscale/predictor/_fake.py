@@ -15,6 +15,7 @@ from torch import nn
 from .. import _torch_compat
 from .._smallvalues import REAL_VALUE_LIMIT, SmallValues
 from .._tree import tensors_in
+from ._tracker import FakeCaller
 
 __all__ = ["REAL_VALUE_LIMIT", "FakeWorld"]
 
@@ -79,7 +80,10 @@ class FakeWorld:
                 tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=self.device
             )
         if isinstance(t, nn.Parameter):
-            out = nn.Parameter(out, requires_grad=t.requires_grad)
+            # (its detach answered from the fake mode's cache through the
+            # cheaper key, as every simulated step's calls are)
+            with FakeCaller(self.calls):
+                out = nn.Parameter(out, requires_grad=t.requires_grad)
         elif t.requires_grad and t.is_leaf:
             out.requires_grad_(True)
         self._memo[id(t)] = out
