@@ -1,11 +1,11 @@
 """What a model holds and what it is given: the device it is on, the bytes
 a training step starts with (parameters, buffers, gradients, optimizer
 state; :func:`fixed_bytes`), and a sample input as positional and keyword
-inputs (:func:`split_input`).
+inputs (:func:`split_input`, :func:`check_sample_input`).
 
 Shared by the profiling (``_planning``), the OOM predictor and the planner;
-imports no other part of memscale but the torch compatibility layer and
-the 8-bit optimizer's class.
+imports no other part of memscale but the torch compatibility layer, the
+walk through nested inputs (``_tree``) and the 8-bit optimizer's class.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _torch_compat
+from ._tree import tensors_in
 from .config import AsyncOffloadConfig, Config
 from .optim import AdamW8bit
 
@@ -95,6 +96,25 @@ def check_step_arguments(optimizer: Any, loss_fn: Any) -> None:
             f"loss_fn must be callable (the model's output -> its scalar loss) or None, "
             f"got {type(loss_fn).__name__}"
         )
+
+
+def check_sample_input(sample_input: Any, what: str) -> None:
+    """A ValueError naming the first tensor of ``sample_input`` made under
+    ``torch.inference_mode()``: ``what`` (``wrap``, ``predict_peak``)
+    runs a forward on it that autograd records, and such a tensor has no
+    version counter, so torch refuses to save it for backward."""
+    args, kwargs = split_input(sample_input)
+    places = [(f"positional input {i}", a) for i, a in enumerate(args)]
+    places += [(f"input {k!r}", v) for k, v in kwargs.items()]
+    for where, value in places:
+        for t in tensors_in(value):
+            if t.is_inference():
+                raise ValueError(
+                    f"{what}(): sample_input's {where} holds a tensor made under "
+                    "torch.inference_mode(), which autograd cannot record a "
+                    "training step on; pass a clone made outside it "
+                    "(tensor.clone()), or make the batch under torch.no_grad()"
+                )
 
 
 def checkpoint_frame_bytes(device_type: str) -> int:

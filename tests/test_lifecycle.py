@@ -239,6 +239,26 @@ def test_bad_sample_input_type():
         memscale.wrap(mlp(), FORCE, sample_input=3.0)
 
 
+def test_a_sample_input_made_under_inference_mode_is_named_and_nothing_is_attached():
+    """A batch made under ``torch.inference_mode()`` cannot be recorded by
+    autograd (torch refuses to save it for backward): wrap and
+    predict_peak say which input it is and how to make one that works,
+    before anything is attached; its clone is wrapped as usual."""
+    model = mlp()
+    with torch.inference_mode():
+        ids = torch.randn(2, 32)
+    with pytest.raises(ValueError, match=r"positional input 0 .*inference_mode.*clone"):
+        memscale.wrap(model, FORCE, sample_input=(ids,))
+    assert not hasattr(model, "_memscale_executor")
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    with pytest.raises(ValueError, match=r"input 'x' .*inference_mode"):
+        memscale.predict_peak(model, {"x": [ids]}, FORCE)
+    memscale.wrap(model, FORCE, sample_input=ids.clone())
+    assert model._memscale_executor.plan.technique_counts["checkpoint"]
+    memscale.detach(model)
+
+
 def test_bad_config_type():
     with pytest.raises(TypeError, match="Config"):
         memscale.wrap(mlp(), {"mode": "balanced"})
