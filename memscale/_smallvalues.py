@@ -22,7 +22,8 @@ Everything else is fake.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -74,6 +75,20 @@ class SmallValues:
         self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
         # Per operator: whether :meth:`_one_element` may answer for it.
         self._one_element_ops: dict[Any, bool] = {}
+        self._narrow = False  # only one-element calls run for real (narrowed)
+
+    @contextlib.contextmanager
+    def narrowed(self) -> Iterator[None]:
+        """While entered, only calls on one-element tensors whose result is
+        no larger run for real (:meth:`_one_element`): an optimizer's step
+        counters are real, and the state it makes with factory calls
+        (``torch.zeros(n)``, AdamW8bit's codes) stays fake, allocating
+        nothing, as every other tensor of its step."""
+        narrow, self._narrow = self._narrow, True
+        try:
+            yield
+        finally:
+            self._narrow = narrow
 
     def all_real(self, args: Any, kwargs: Any) -> bool:
         """Whether no tensor argument of a call is fake (False without a
@@ -110,7 +125,7 @@ class SmallValues:
         if may and self._one_element(func, args, kwargs):
             return self._for_real(func, args, kwargs)
         fargs, fkwargs = self._faked(args, kwargs)
-        if not may:
+        if not may or self._narrow:
             return func(*fargs, **fkwargs)
         try:
             out = func(*fargs, **fkwargs)

@@ -152,6 +152,47 @@ def test_step_counters_and_rng_stand_ins_are_real_and_made_at_once(monkeypatch):
     assert [float(s) for s in steps] == [1.0] * len(steps)  # the warm-up's update
 
 
+class _Momentum(torch.optim.Optimizer):
+    """A hand-written optimizer whose state is made by a factory call that
+    takes no tensor (``torch.zeros(shape)``), as third-party ones are."""
+
+    def __init__(self, params, lr=0.01, beta=0.9):
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["buf"] = torch.zeros(p.shape, device=p.device, dtype=p.dtype)
+                state["buf"].mul_(group["beta"]).add_(p.grad)
+                p.add_(state["buf"], alpha=-group["lr"])
+
+
+def test_optimizer_state_made_by_a_factory_call_stays_fake_and_is_predicted():
+    """Only one-element calls run for real in the warm-up's update (the
+    step counters): state an optimizer makes with ``torch.zeros(shape)``
+    stays fake, allocating nothing, and the step's predicted peak is the
+    measured one (a real buffer would be updated on a fake twin the
+    tracker counts, a phantom buffer in the optimizer phase)."""
+    from memscale.autotuning import measure_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    x = torch.randn(8, 64)
+    opt = _Momentum(model.parameters())
+    with _planner.PredictionSession(model, x, opt) as session:
+        state = session._steps._sim.step.optimizer.state
+        assert len(state) == 12
+        assert all(_torch_compat.is_fake(s["buf"]) for s in state.values())
+        predicted = session.unoptimized_peak()
+    measured = measure_step(model, x, None, opt).peak_bytes
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
 def test_a_step_that_keeps_what_its_optimizer_made_is_not_replayed():
     """An optimizer whose step leaves a new tensor alive (here: a fresh
     buffer each step) depends on the step it runs in: it is run again."""

@@ -268,10 +268,10 @@ class Step:
                 reached = _leaves_reached(loss)
                 del loss
             # The optimizer's state is fake but its step counters, real
-            # (small values, memscale._smallvalues: a counter's ``+= 1``
-            # and ``item()`` run on it for real, as fake ones would go
-            # through the fake mode's constant propagation, thousands of
-            # times on a deep model).
+            # (small values narrowed to one element, memscale._smallvalues:
+            # a counter's ``+= 1`` and ``item()`` run on it for real, as
+            # fake ones would go through the fake mode's constant
+            # propagation, thousands of times on a deep model).
             for p in self.world.params:
                 if p.requires_grad and id(p) in reached:
                     p.grad = torch.zeros_like(p)
@@ -282,7 +282,8 @@ class Step:
                 and type(self.optimizer) in _FIRST_UPDATE_IS_STEADY
             )
             if self.optimizer is not None and not recorded:
-                self.optimizer.step()
+                with self.world.small.narrowed():
+                    self.optimizer.step()
         if recorded:
             self._first_update_recorded()
         if self.optimizer is not None:
@@ -327,7 +328,8 @@ class Step:
         run under a StorageTracker; its events less the state it made are
         a steady-state step's (``_FIRST_UPDATE_IS_STEADY``), kept as
         :attr:`optimizer_replay`.  The step counters are real, as the
-        untracked warm-up makes them (small values run for real)."""
+        untracked warm-up makes them (small values narrowed to one
+        element)."""
         tracker = self._tracker(self.world.small)
         for t in self.world.params + self.world.buffers:
             tracker.track(t, "parameters")
@@ -340,7 +342,8 @@ class Step:
         try:
             with tracker:
                 since = tracker.mark()
-                self.optimizer.step()  # type: ignore[union-attr]
+                with self.world.small.narrowed():
+                    self.optimizer.step()  # type: ignore[union-attr]
                 self.optimizer_replay = tracker.recorded_less_kept(since)
         finally:
             tracker.active = False
