@@ -1,7 +1,7 @@
 """What a model holds and what it is given: the device it is on, the bytes
 a training step starts with (parameters, buffers, gradients, optimizer
 state; :func:`fixed_bytes`), and a sample input as positional and keyword
-inputs (:func:`split_input`, :func:`check_sample_input`).
+inputs (:func:`split_input`).
 
 Shared by the profiling (``_planning``), the OOM predictor and the planner;
 imports no other part of memscale but the torch compatibility layer, the
@@ -98,23 +98,62 @@ def check_step_arguments(optimizer: Any, loss_fn: Any) -> None:
         )
 
 
-def check_sample_input(sample_input: Any, what: str) -> None:
-    """A ValueError naming the first tensor of ``sample_input`` made under
-    ``torch.inference_mode()``: ``what`` (``wrap``, ``predict_peak``)
-    runs a forward on it that autograd records, and such a tensor has no
-    version counter, so torch refuses to save it for backward."""
+def inference_input_error(sample_input: Any, what: str, failure: str) -> ValueError | None:
+    """The error to raise when ``what`` (``wrap``'s profiling, the OOM
+    predictor's simulation) failed with ``failure`` on torch's refusal of an
+    inference tensor (made under ``torch.inference_mode()``: it has no
+    version counter, so autograd cannot save it for backward) and
+    ``sample_input`` holds one: a ValueError naming the input; else None.
+    A batch made under inference mode that the step never saves (a uint8
+    image cast first) is simulated as any other."""
+    if "Inference tensors" not in failure:
+        return None
     args, kwargs = split_input(sample_input)
     places = [(f"positional input {i}", a) for i, a in enumerate(args)]
     places += [(f"input {k!r}", v) for k, v in kwargs.items()]
     for where, value in places:
-        for t in tensors_in(value):
-            if t.is_inference():
-                raise ValueError(
-                    f"{what}(): sample_input's {where} holds a tensor made under "
-                    "torch.inference_mode(), which autograd cannot record a "
-                    "training step on; pass a clone made outside it "
-                    "(tensor.clone()), or make the batch under torch.no_grad()"
-                )
+        if any(t.is_inference() for t in tensors_in(value)):
+            return ValueError(
+                f"{what}: sample_input's {where} holds a tensor made under "
+                "torch.inference_mode(), which a training step cannot save for "
+                "backward; pass a clone made outside it (tensor.clone()), or "
+                "make the batch under torch.no_grad()"
+            )
+    return None
+
+
+Attributes = list[tuple[torch.nn.Module, dict[str, Any]]]
+
+
+def attributes(model: torch.nn.Module) -> Attributes:
+    """Every module's plain attributes as they are now, for
+    :func:`restore_attributes` after a pass of memscale's."""
+    return [(module, dict(module.__dict__)) for module in model.modules()]
+
+
+def restore_attributes(before: Attributes) -> list[tuple[torch.nn.Module, str]]:
+    """A forward may keep a tensor in a plain attribute (a cache, a mask, a
+    counter it makes on its first call): one kept in a pass of memscale's
+    (fake, or a small value made real in it) must not outlive the pass,
+    nor change the model the user trains.  Every attribute that holds a
+    tensor and was set or rebound since ``before`` gets its old value
+    back, or is removed if new; the (module, name) of each."""
+    restored = []
+    for module, old in before:
+        for key, value in list(module.__dict__.items()):
+            if key in ("_parameters", "_buffers", "_modules"):
+                continue
+            if value is old.get(key, _MISSING) or not any(True for _ in tensors_in(value)):
+                continue
+            if key in old:
+                module.__dict__[key] = old[key]
+            else:
+                del module.__dict__[key]
+            restored.append((module, key))
+    return restored
+
+
+_MISSING = object()
 
 
 def checkpoint_frame_bytes(device_type: str) -> int:

@@ -227,8 +227,8 @@ def _fake_twins(model: torch.nn.Module, convert: Any) -> Iterator[list[torch.Ten
     twins: dict[int, torch.Tensor] = {}
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     # A forward may keep a tensor in a plain attribute (a cache, a mask):
-    # one made in the fake pass is fake and must not outlive it.
-    attrs = [(module, dict(module.__dict__)) for module in model.modules()]
+    # one made in the fake pass must not outlive it.
+    attrs = _model.attributes(model)
     try:
         for module in model.modules():  # each distinct module once
             tables = _torch_compat.module_tensor_tables(module)
@@ -254,35 +254,7 @@ def _fake_twins(model: torch.nn.Module, convert: Any) -> Iterator[list[torch.Ten
     finally:
         for table, name, real in reversed(swapped):
             table[name] = real
-        _drop_fake_attributes(attrs)
-
-
-def _holds_fake(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return _torch_compat.is_fake(value)
-    if isinstance(value, (tuple, list)):
-        return any(_holds_fake(v) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_fake(v) for v in value.values())
-    return False
-
-
-def _drop_fake_attributes(attrs: list[tuple[torch.nn.Module, dict[str, Any]]]) -> None:
-    """Give every plain attribute a fake pass set to a fake tensor its old
-    value back (or remove it, if new)."""
-    for module, before in attrs:
-        for key, value in list(module.__dict__.items()):
-            if key in ("_parameters", "_buffers", "_modules"):
-                continue
-            if value is before.get(key, _MISSING) or not _holds_fake(value):
-                continue
-            if key in before:
-                module.__dict__[key] = before[key]
-            else:
-                del module.__dict__[key]
-
-
-_MISSING = object()
+        _model.restore_attributes(attrs)
 
 
 def _profile_empirical(model, units, args, kwargs):
@@ -317,6 +289,9 @@ def profile_upfront(
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             continue
         return profile_from(profiler, units, name, ops=ops)
+    why = _model.inference_input_error(sample_input, "wrap()", "; ".join(errors))
+    if why is not None:
+        raise why
     raise RuntimeError(
         "memscale could not profile the model with sample_input ("
         + "; ".join(errors)

@@ -262,3 +262,31 @@ def test_the_pass_remembers_thousands_of_storages_without_walking_them_each_call
         values._remember(t)
     assert len(values._made) == len(alive)
     assert len(walked) < 2 * len(alive)
+
+
+def test_a_counter_a_forward_makes_on_a_module_is_gone_after_the_passes():
+    """A module that makes a counter in its first forward (a literal, real
+    in memscale's passes) and bumps it each forward: predict_peak and wrap
+    leave the attribute as it was, however many passes they ran."""
+
+    class Counts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+            self.seen = None
+
+        def forward(self, x):
+            if self.seen is None:
+                self.seen = torch.tensor(0)
+            self.seen += 1
+            return self.fc(x)
+
+    config = memscale.Config(mode="conservative", force_optimize=True, enable_logging=False)
+    model = Counts()
+    memscale.predict_peak(model, torch.randn(4, 8), config)
+    assert model.seen is None
+    memscale.wrap(model, config, sample_input=torch.randn(4, 8))
+    assert model.seen is None
+    model(torch.randn(4, 8)).sum().backward()
+    assert int(model.seen) == 1  # the user's own forward counts
+    memscale.detach(model)

@@ -12,16 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _torch_compat
+from .. import _model, _torch_compat
 from .._smallvalues import REAL_VALUE_LIMIT, SmallValues
-from .._tree import tensors_in
 from ._tracker import FakeCaller
 
 __all__ = ["REAL_VALUE_LIMIT", "FakeWorld"]
 
 logger = logging.getLogger(__name__)
-
-_MISSING = object()
 
 
 class FakeWorld:
@@ -124,7 +121,7 @@ class FakeWorld:
             seen_b: set[int] = set()
             for module in self.model.modules():
                 self._training.append((module, module.training))
-                self._attrs.append((module, dict(module.__dict__)))
+            self._attrs = _model.attributes(self.model)
             for module in self.model.modules():
                 tables = _torch_compat.module_tensor_tables(module)
                 if tables is None:
@@ -168,27 +165,10 @@ class FakeWorld:
 
     def _restore_attributes(self) -> None:
         """A forward may store a tensor on a module (a cache, a mask): one
-        made in the simulation is fake, and must not outlive it.  Such
-        attributes get their old value back, or are removed if new."""
-        tools = _torch_compat.fake_tensor_tools()
-        is_fake = tools[0] if tools is not None else (lambda _t: False)
-
-        def holds_fake(value: Any) -> bool:
-            if isinstance(value, (tuple, list, dict)):
-                return any(is_fake(t) for t in tensors_in(value))
-            return isinstance(value, torch.Tensor) and is_fake(value)
-
-        for module, before in self._attrs:
-            for key, value in list(module.__dict__.items()):
-                if key in ("_parameters", "_buffers", "_modules"):
-                    continue
-                if value is before.get(key, _MISSING) or not holds_fake(value):
-                    continue
-                logger.debug(
-                    "memscale: restoring %s.%s after the simulation", type(module).__name__, key
-                )
-                if key in before:
-                    module.__dict__[key] = before[key]
-                else:
-                    del module.__dict__[key]
+        stored in the simulation must not outlive it
+        (:func:`memscale._model.restore_attributes`)."""
+        for module, key in _model.restore_attributes(self._attrs):
+            logger.debug(
+                "memscale: restoring %s.%s after the simulation", type(module).__name__, key
+            )
         self._attrs.clear()
