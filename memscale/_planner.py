@@ -595,7 +595,7 @@ def _check_args(
             "tensor, a tuple of positional inputs or a dict of keyword inputs) "
             "to simulate a training step; it allocates none of its memory"
         )
-    _model.check_sample_input(sample_input, what)  # TypeError for anything else
+    _model.split_input(sample_input)  # TypeError for anything else
     if config is None:
         config = Config()
     elif not isinstance(config, Config):

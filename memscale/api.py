@@ -120,8 +120,6 @@ def wrap(
     ``memscale.wrap`` does with a model (see :func:`memscale._entry.wrap`)."""
     model = _checked_target(target)
     _model.check_step_arguments(optimizer, loss_fn)
-    if sample_input is not None:
-        _model.check_sample_input(sample_input, "wrap")
     config = effective_config(config, async_offload, async_config)
     _step_in_backward.check(config, optimizer)
     wrapping = _wrapping.Wrapping(model, config, _training_optimizer(config, optimizer), loss_fn)

@@ -239,24 +239,39 @@ def test_bad_sample_input_type():
         memscale.wrap(mlp(), FORCE, sample_input=3.0)
 
 
-def test_a_sample_input_made_under_inference_mode_is_named_and_nothing_is_attached():
-    """A batch made under ``torch.inference_mode()`` cannot be recorded by
-    autograd (torch refuses to save it for backward): wrap and
-    predict_peak say which input it is and how to make one that works,
-    before anything is attached; its clone is wrapped as usual."""
+def test_a_sample_input_made_under_inference_mode_is_named_where_the_step_saves_it():
+    """A batch made under ``torch.inference_mode()`` that the step saves for
+    backward (a linear layer's input) cannot be recorded by autograd: wrap
+    and predict_peak say which input it is and how to make one that works,
+    and nothing is attached; its clone is wrapped as usual.  One the step
+    never saves (uint8 images cast first) is wrapped as any other batch."""
     model = mlp()
     with torch.inference_mode():
-        ids = torch.randn(2, 32)
+        x = torch.randn(2, 32)
+        images = torch.randint(0, 256, (2, 32), dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"positional input 0 .*inference_mode.*clone"):
-        memscale.wrap(model, FORCE, sample_input=(ids,))
+        memscale.wrap(model, FORCE, sample_input=(x,))
     assert not hasattr(model, "_memscale_executor")
-    assert not model._forward_hooks and not model._forward_pre_hooks
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-    with pytest.raises(ValueError, match=r"input 'x' .*inference_mode"):
-        memscale.predict_peak(model, {"x": [ids]}, FORCE)
-    memscale.wrap(model, FORCE, sample_input=ids.clone())
+    with pytest.raises(ValueError, match=r"positional input 0 .*inference_mode"):
+        memscale.predict_peak(model, (x,), FORCE)
+    memscale.wrap(model, FORCE, sample_input=x.clone())
     assert model._memscale_executor.plan.technique_counts["checkpoint"]
     memscale.detach(model)
+
+    class Images(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = mlp()
+
+        def forward(self, pixels):
+            return self.body(pixels.float().div(255))
+
+    cast = Images()
+    assert memscale.predict_peak(cast, images, FORCE).optimized.peak_bytes > 0
+    memscale.wrap(cast, FORCE, sample_input=images)
+    cast(images.clone()).sum().backward()
+    memscale.detach(cast)
 
 
 def test_bad_config_type():

@@ -307,6 +307,11 @@ class SimulationSession:
         except (TypeError, ValueError):
             raise
         except Exception as exc:
+            why = _model.inference_input_error(
+                self._sim.sample_input, "the OOM predictor", str(exc)
+            )
+            if why is not None:
+                raise why from exc
             raise RuntimeError(
                 f"memscale could not simulate a training step of "
                 f"{type(self.model).__name__} on fake tensors ("
