@@ -296,17 +296,20 @@ problem_ok(const ms_solver_problem *p)
  * candidate is the root.  The whole DP is O(n x buckets x log max_segment).
  */
 typedef struct {
-    double g;
     int64_t held; /* exact bytes held at the target state */
     uint32_t src_i;
     uint16_t src_h;
     uint8_t offload;
 } cand;
 
+/* A candidate's g apart from the rest (the tree compares only g: the
+   leaves a fix reads lie together). */
 typedef struct {
     size_t leaves;  /* a power of two >= max_segment + 1 */
+    double *g;      /* columns x leaves: INFINITY where no candidate */
     cand *leaf;     /* columns x leaves */
     uint32_t *node; /* columns x leaves: index of the best leaf below */
+    uint32_t *live; /* columns: leaves holding a candidate */
 } forest;
 
 /* Leaf `slot` changed: recompute the winners on its path to the root.
@@ -314,7 +317,7 @@ typedef struct {
 static void
 tree_fix(forest *t, size_t col, size_t slot)
 {
-    cand *leaf = t->leaf + col * t->leaves;
+    const double *g = t->g + col * t->leaves;
     uint32_t *node = t->node + col * t->leaves;
     size_t k = (slot + t->leaves) / 2;
     while (k >= 1) {
@@ -322,7 +325,7 @@ tree_fix(forest *t, size_t col, size_t slot)
         a = 2 * k >= t->leaves ? (uint32_t)(2 * k - t->leaves) : node[2 * k];
         b = 2 * k + 1 >= t->leaves ? (uint32_t)(2 * k + 1 - t->leaves)
                                    : node[2 * k + 1];
-        uint32_t win = leaf[b].g < leaf[a].g ? b : a;
+        uint32_t win = g[b] < g[a] ? b : a;
         if (win == node[k] && win != (uint32_t)slot) {
             break;
         }
@@ -335,9 +338,11 @@ static void
 tree_offer(forest *t, size_t col, size_t slot, double g, int64_t held,
            size_t src_i, size_t src_h, int offload)
 {
-    cand *c = &t->leaf[col * t->leaves + slot];
-    if (g < c->g || (g == c->g && held < c->held)) {
-        c->g = g;
+    size_t at = col * t->leaves + slot;
+    cand *c = &t->leaf[at];
+    if (g < t->g[at] || (g == t->g[at] && held < c->held)) {
+        t->live[col] += t->g[at] == INFINITY;
+        t->g[at] = g;
         c->held = held;
         c->src_i = (uint32_t)src_i;
         c->src_h = (uint16_t)src_h;
@@ -349,18 +354,20 @@ tree_offer(forest *t, size_t col, size_t slot, double g, int64_t held,
 static void
 tree_expire(forest *t, size_t col, size_t slot)
 {
-    cand *c = &t->leaf[col * t->leaves + slot];
-    if (c->g != INFINITY) {
-        c->g = INFINITY;
+    size_t at = col * t->leaves + slot;
+    if (t->g[at] != INFINITY) {
+        t->g[at] = INFINITY;
+        t->live[col]--;
         tree_fix(t, col, slot);
     }
 }
 
-static const cand *
+/* The index (into g and leaf) of the column's best candidate. */
+static size_t
 tree_best(const forest *t, size_t col)
 {
     const uint32_t *node = t->node + col * t->leaves;
-    return &t->leaf[col * t->leaves + (t->leaves > 1 ? node[1] : 0)];
+    return col * t->leaves + (t->leaves > 1 ? node[1] : 0);
 }
 
 /* The largest end e in [lo, hi] (exclusive ends of segments starting at
@@ -379,6 +386,35 @@ longest_fit(const int64_t *term, size_t i, size_t lo, size_t hi, int64_t room)
         }
     }
     return lo;
+}
+
+/* Adding x >= 0 bytes to a state of bucket h, whose held bytes are
+   h * bucket + r (0 <= r < bucket): with q = x / bucket and rem =
+   x % bucket, worked out once per row, the sum's bucket is h + q, plus
+   one when r + rem reaches a bucket, without a division per state.  A
+   sum that saturated (or a negative x, q < 0) is divided as it is. */
+typedef struct {
+    int64_t q, rem;
+} bucket_step;
+
+static bucket_step
+step_of(int64_t x, int64_t bucket)
+{
+    bucket_step s = {-1, 0};
+    if (x >= 0) {
+        s.q = x / bucket;
+        s.rem = x % bucket;
+    }
+    return s;
+}
+
+static inline size_t
+bucket_after(size_t h, int64_t r, bucket_step s, int64_t sum, int64_t bucket)
+{
+    if (s.q < 0 || sum == INT64_MAX) {
+        return (size_t)(sum / bucket);
+    }
+    return h + (size_t)s.q + (size_t)(r + s.rem >= bucket);
 }
 
 /* One run of the DP; with `nested`, nested segments are a move too. */
@@ -404,14 +440,14 @@ solve_pass(const ms_solver_problem *p, const ms_layer *L, size_t n,
                             ? p->max_segment
                             : SEGMENT_LEN_LIMIT);
     size_t width = M + 1;
-    forest t = {1, NULL, NULL};
+    forest t = {1, NULL, NULL, NULL, NULL};
     while (t.leaves < W + 1) {
         t.leaves *= 2;
     }
     /* Nested segments: candidates g = cost - (P[i] + Q[i]), arriving at
        row r with g + P[r - 1] + Q[r] (the first pass runs i .. r - 2,
        and each layer is recomputed alone, less its tail). */
-    forest tn = {t.leaves, NULL, NULL};
+    forest tn = {t.leaves, NULL, NULL, NULL, NULL};
 
     double *cur = malloc(width * sizeof(double));
     double *next = malloc(width * sizeof(double));
@@ -429,24 +465,31 @@ solve_pass(const ms_solver_problem *p, const ms_layer *L, size_t n,
        (ms_mem_nest_step); non-decreasing in k. */
     int64_t *nt = malloc((W + 1) * sizeof(int64_t));
     double *Q = malloc((n + 1) * sizeof(double)); /* cost less tail prefix */
+    t.g = malloc(width * t.leaves * sizeof(double));
     t.leaf = malloc(width * t.leaves * sizeof(cand));
     t.node = calloc(width * t.leaves, sizeof(uint32_t));
+    t.live = calloc(width, sizeof(uint32_t));
     if (nested) {
+        tn.g = malloc(width * tn.leaves * sizeof(double));
         tn.leaf = malloc(width * tn.leaves * sizeof(cand));
         tn.node = calloc(width * tn.leaves, sizeof(uint32_t));
+        tn.live = calloc(width, sizeof(uint32_t));
     }
     int rc = -1;
     if (cur == NULL || next == NULL || back == NULL || SP == NULL || P == NULL
-        || run_end == NULL || t.leaf == NULL || t.node == NULL
-        || cur_held == NULL || next_held == NULL || rt == NULL || nt == NULL
-        || Q == NULL || (nested && (tn.leaf == NULL || tn.node == NULL)))
+        || run_end == NULL || t.g == NULL || t.leaf == NULL || t.node == NULL
+        || t.live == NULL || cur_held == NULL || next_held == NULL
+        || rt == NULL || nt == NULL || Q == NULL
+        || (nested
+            && (tn.g == NULL || tn.leaf == NULL || tn.node == NULL
+                || tn.live == NULL)))
     {
         goto done;
     }
     for (size_t k = 0; k < width * t.leaves; k++) {
-        t.leaf[k].g = INFINITY;
+        t.g[k] = INFINITY;
         if (nested) {
-            tn.leaf[k].g = INFINITY;
+            tn.g[k] = INFINITY;
         }
     }
     for (size_t k = 0; k < (n + 1) * width; k++) {
@@ -479,11 +522,15 @@ solve_pass(const ms_solver_problem *p, const ms_layer *L, size_t n,
         if (ckpt && i > 0) {
             size_t slot = (i - 1) % t.leaves;
             for (size_t h = 0; h < width; h++) {
+                if (t.live[h] == 0) {
+                    continue; /* no candidate in this column */
+                }
                 tree_expire(&t, h, slot);
-                const cand *c = tree_best(&t, h);
+                size_t b = tree_best(&t, h);
+                const cand *c = &t.leaf[b];
                 /* A segment ending at layer i - 1 stops early there. */
-                double v = c->g + P[i] - tail_seconds(p, &L[i - 1]);
-                if (c->g < INFINITY
+                double v = t.g[b] + P[i] - tail_seconds(p, &L[i - 1]);
+                if (t.g[b] < INFINITY
                     && (v < cur[h] || (v == cur[h] && c->held < cur_held[h])))
                 {
                     cur[h] = v;
@@ -497,10 +544,14 @@ solve_pass(const ms_solver_problem *p, const ms_layer *L, size_t n,
         if (ckpt && nested && i > 0) {
             size_t slot = (i - 1) % tn.leaves;
             for (size_t h = 0; h < width; h++) {
+                if (tn.live[h] == 0) {
+                    continue;
+                }
                 tree_expire(&tn, h, slot);
-                const cand *c = tree_best(&tn, h);
-                double v = c->g + P[i - 1] + Q[i];
-                if (c->g < INFINITY
+                size_t b = tree_best(&tn, h);
+                const cand *c = &tn.leaf[b];
+                double v = tn.g[b] + P[i - 1] + Q[i];
+                if (tn.g[b] < INFINITY
                     && (v < cur[h] || (v == cur[h] && c->held < cur_held[h])))
                 {
                     cur[h] = v;
@@ -560,6 +611,12 @@ solve_pass(const ms_solver_problem *p, const ms_layer *L, size_t n,
                 inputs = ms_add_sat(inputs, ms_mem_stored(&L[k], 0));
             }
         }
+        bucket_step kept_step = step_of(ms_mem_saved(&L[i]), bucket);
+        bucket_step in_step = step_of(ms_mem_stored(&L[i], 0), bucket);
+        bucket_step sel_step[MS_SEL_LEVELS];
+        for (int k = 0; k < n_sel; k++) {
+            sel_step[k] = step_of(sel_held[k], bucket);
+        }
         for (size_t h = 0; h < width; h++) {
             double v = cur[h];
             if (v == INFINITY) {
@@ -570,10 +627,11 @@ solve_pass(const ms_solver_problem *p, const ms_layer *L, size_t n,
                fall in the same bucket compete (the cheaper one stays). */
             int64_t held = cur_held[h];
             int64_t room = B - held;
+            int64_t r = held - (int64_t)h * bucket; /* held % bucket */
             /* Kept. */
             int64_t hk_bytes = ms_add_sat(held, ms_mem_saved(&L[i]));
             if (hk_bytes <= BE) {
-                size_t hk = (size_t)(hk_bytes / bucket);
+                size_t hk = bucket_after(h, r, kept_step, hk_bytes, bucket);
                 if (v < next[hk]
                     || (v == next[hk] && hk_bytes < next_held[hk]))
                 {
@@ -590,11 +648,13 @@ solve_pass(const ms_solver_problem *p, const ms_layer *L, size_t n,
                     continue;
                 }
                 int64_t hs_bytes = ms_add_sat(held, sel_held[k]);
+                if (hs_bytes > BE) {
+                    continue;
+                }
                 double cs = v + sel_cost[k];
-                size_t hs = (size_t)(hs_bytes / bucket);
-                if (hs_bytes <= BE
-                    && (cs < next[hs]
-                        || (cs == next[hs] && hs_bytes < next_held[hs])))
+                size_t hs = bucket_after(h, r, sel_step[k], hs_bytes, bucket);
+                if (cs < next[hs]
+                    || (cs == next[hs] && hs_bytes < next_held[hs]))
                 {
                     next[hs] = cs;
                     next_held[hs] = hs_bytes;
@@ -611,11 +671,13 @@ solve_pass(const ms_solver_problem *p, const ms_layer *L, size_t n,
                nothing: held stays. */
             int64_t in_bytes = ms_add_sat(held, ms_mem_stored(&L[i], 0));
             int in_fits = in_bytes <= BE;
-            size_t hin = in_fits ? (size_t)(in_bytes / bucket) : 0;
+            size_t hin = in_fits
+                             ? bucket_after(h, r, in_step, in_bytes, bucket)
+                             : 0;
             if (rt[1] <= room) {
                 /* The longest segment whose recompute fits. */
                 size_t lo = longest_fit(rt, i, i + 1, last, room);
-                size_t slot = lo % t.leaves; /* expires after row lo */
+                size_t slot = lo & (t.leaves - 1); /* expires after row lo */
                 double g = v - P[i];
                 if (in_fits) {
                     tree_offer(&t, hin, slot, g, in_bytes, i, h, 0);
@@ -627,8 +689,8 @@ solve_pass(const ms_solver_problem *p, const ms_layer *L, size_t n,
             if (nested && in_fits && last > i + 1 && nt[2] <= room) {
                 /* The longest nested segment whose recompute fits. */
                 size_t lo = longest_fit(nt, i, i + 2, last, room);
-                tree_offer(&tn, hin, lo % tn.leaves, v - P[i] - Q[i], in_bytes,
-                           i, h, 0);
+                tree_offer(&tn, hin, lo & (tn.leaves - 1), v - P[i] - Q[i],
+                           in_bytes, i, h, 0);
             }
             /* One layer in tiles, when it does not fit whole: the fewest
                tiles whose share fits. */
@@ -725,10 +787,14 @@ done:
     free(rt);
     free(nt);
     free(Q);
+    free(t.g);
     free(t.leaf);
     free(t.node);
+    free(t.live);
+    free(tn.g);
     free(tn.leaf);
     free(tn.node);
+    free(tn.live);
     return rc;
 }
 
