@@ -370,22 +370,23 @@ tree_best(const forest *t, size_t col)
     return col * t->leaves + (t->leaves > 1 ? node[1] : 0);
 }
 
-/* The largest end e in [lo, hi] (exclusive ends of segments starting at
-   i) whose term term[e - i] fits `room`, given term[lo - i] does: a binary
-   search, as the term only grows with the segment. */
+/* The largest end e in [lo, *end] (exclusive ends of segments starting
+   at i) whose term term[e - i] fits `room`, given term[lo - i] does; it
+   is left in *end.  A row's states come in the order of their held
+   bytes, so each has less room than the one before and an end no
+   greater: the search goes down from the last state's end, and takes
+   O(max_segment) steps over the whole row (the term only grows with the
+   segment). */
 static size_t
-longest_fit(const int64_t *term, size_t i, size_t lo, size_t hi, int64_t room)
+longest_fit(const int64_t *term, size_t i, size_t lo, size_t *end,
+            int64_t room)
 {
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo + 1) / 2;
-        if (term[mid - i] <= room) {
-            lo = mid;
-        }
-        else {
-            hi = mid - 1;
-        }
+    size_t e = *end;
+    while (e > lo && term[e - i] > room) {
+        e--;
     }
-    return lo;
+    *end = e;
+    return e;
 }
 
 /* Adding x >= 0 bytes to a state of bucket h, whose held bytes are
@@ -611,6 +612,9 @@ solve_pass(const ms_solver_problem *p, const ms_layer *L, size_t n,
                 inputs = ms_add_sat(inputs, ms_mem_stored(&L[k], 0));
             }
         }
+        /* Where the longest segment (nested segment) starting at i whose
+           recompute fits ended for the state before (longest_fit). */
+        size_t seg_end = last, nest_end = last;
         bucket_step kept_step = step_of(ms_mem_saved(&L[i]), bucket);
         bucket_step in_step = step_of(ms_mem_stored(&L[i], 0), bucket);
         bucket_step sel_step[MS_SEL_LEVELS];
@@ -676,7 +680,7 @@ solve_pass(const ms_solver_problem *p, const ms_layer *L, size_t n,
                              : 0;
             if (rt[1] <= room) {
                 /* The longest segment whose recompute fits. */
-                size_t lo = longest_fit(rt, i, i + 1, last, room);
+                size_t lo = longest_fit(rt, i, i + 1, &seg_end, room);
                 size_t slot = lo & (t.leaves - 1); /* expires after row lo */
                 double g = v - P[i];
                 if (in_fits) {
@@ -688,7 +692,7 @@ solve_pass(const ms_solver_problem *p, const ms_layer *L, size_t n,
             }
             if (nested && in_fits && last > i + 1 && nt[2] <= room) {
                 /* The longest nested segment whose recompute fits. */
-                size_t lo = longest_fit(nt, i, i + 2, last, room);
+                size_t lo = longest_fit(nt, i, i + 2, &nest_end, room);
                 tree_offer(&tn, hin, lo & (tn.leaves - 1), v - P[i] - Q[i],
                            in_bytes, i, h, 0);
             }
