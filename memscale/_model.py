@@ -179,7 +179,8 @@ def optimizer_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     An optimizer whose state already exists is measured.  Otherwise the
     state is derived from its class: Adam-family optimizers keep two
     tensors per trainable parameter, SGD with momentum one, SGD without
-    none; with no optimizer, Adam is assumed (the spec's rule of thumb).
+    none, L-BFGS two per entry of its history and two more; with no
+    optimizer, Adam is assumed (the spec's rule of thumb).
     """
     trainable = [p for p in model.parameters() if p.requires_grad]
     per_param = storage_bytes(trainable)
@@ -188,10 +189,11 @@ def optimizer_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     # Per-parameter buffers only: scalar entries such as Adam's ``step`` are
     # left out, so a plan does not change once the optimizer has stepped.
     existing = [
-        v
+        t
         for state in optimizer.state.values()
         for v in state.values()
-        if isinstance(v, torch.Tensor) and v.dim() > 0
+        for t in tensors_in(v)  # LBFGS keeps lists of them
+        if t.dim() > 0
     ]
     if existing:
         return storage_bytes(existing)
@@ -210,6 +212,12 @@ def optimizer_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimiz
                     total += 2 * p.numel() * p.element_size()
         return total
     name = type(optimizer).__name__.lower()
+    if isinstance(optimizer, torch.optim.LBFGS):
+        # Once its history is full: history_size directions and steps,
+        # the search direction and the previous flat gradient, each the
+        # size of all its parameters.
+        history = optimizer.param_groups[0].get("history_size", 100)
+        return (2 * history + 2) * per_param
     if name == "sgd":
         momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
         return per_param if momentum else 0

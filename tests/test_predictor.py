@@ -875,3 +875,37 @@ def test_wrap_counts_the_loss_it_is_given():
         memscale.detach(model)
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         memscale.wrap(entry.build(seed=0)[0], config, batch.sample_input, loss_fn="mse")
+
+
+def test_lbfgs_state_is_estimated_as_its_full_history_holds_it():
+    """L-BFGS's step needs a closure, which a simulated step cannot give:
+    its state is estimated, as what it holds once its history is full
+    (two flat tensors per entry, the direction and the last gradient),
+    and that is what a real L-BFGS holds after a few steps (its lists
+    counted too); wrap plans with it."""
+    from memscale import _model
+
+    torch.manual_seed(0)
+    model = mlp(depth=3, width=32)
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    p = predict_peak(
+        model, x, QUIET, optimizer=torch.optim.LBFGS(model.parameters(), history_size=10)
+    )
+    assert not p.optimizer_simulated and p.optimizer == "LBFGS"
+    opt = torch.optim.LBFGS(model.parameters(), history_size=10)
+    for _ in range(5):
+
+        def closure():
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    assert len(opt.state[opt._params[0]]["old_dirs"]) == 10
+    held = _model.optimizer_state_bytes(model, opt)
+    assert held == 22 * sum(q.numel() * 4 for q in model.parameters())
+    assert p.unoptimized.optimizer_state == held
+    memscale.wrap(model, FORCE, sample_input=x, optimizer=opt)
+    assert model._memscale_executor.plan.technique_counts["checkpoint"]
+    memscale.detach(model)

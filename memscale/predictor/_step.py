@@ -91,6 +91,16 @@ def rebuild_optimizer(
     return cls(groups, **kwargs)
 
 
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` cannot be called without a closure (its
+    ``closure`` parameter has no default: ``torch.optim.LBFGS``)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 def fake_optimizer(
     optimizer: torch.optim.Optimizer | None, world: FakeWorld, target_type: str
 ) -> tuple[torch.optim.Optimizer | None, str]:
@@ -103,6 +113,14 @@ def fake_optimizer(
         params = [p for p in world.params if p.requires_grad]
         return torch.optim.AdamW(params, foreach=foreach), "AdamW"
     cls = type(optimizer)
+    if _needs_closure(optimizer):
+        logger.info(
+            "memscale: %s's step needs a closure (it evaluates the loss "
+            "itself), which a simulated step cannot give; its state is "
+            "estimated from its class",
+            cls.__name__,
+        )
+        return None, cls.__name__
     try:
         return rebuild_optimizer(optimizer, world.fake, foreach), cls.__name__
     except Exception as exc:  # noqa: BLE001 - reported, estimated instead
