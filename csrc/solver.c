@@ -56,6 +56,7 @@
 #include "solver.h"
 #include "memory.h"
 
+#include <assert.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -338,6 +339,9 @@ static void
 tree_offer(forest *t, size_t col, size_t slot, double g, int64_t held,
            size_t src_i, size_t src_h, int offload)
 {
+    if (!(g < INFINITY)) {
+        return; /* no candidate (an infinite offload cost) */
+    }
     size_t at = col * t->leaves + slot;
     cand *c = &t->leaf[at];
     if (g < t->g[at] || (g == t->g[at] && held < c->held)) {
@@ -390,10 +394,12 @@ longest_fit(const int64_t *term, size_t i, size_t lo, size_t *end,
 }
 
 /* Adding x >= 0 bytes to a state of bucket h, whose held bytes are
-   h * bucket + r (0 <= r < bucket): with q = x / bucket and rem =
+   h * bucket + r (0 <= r < bucket: every move writes a state into the
+   bucket of its own held bytes): with q = x / bucket and rem =
    x % bucket, worked out once per row, the sum's bucket is h + q, plus
    one when r + rem reaches a bucket, without a division per state.  A
-   sum that saturated (or a negative x, q < 0) is divided as it is. */
+   sum that saturated is divided as it is (and a negative x, which the
+   memory terms never give: they are clamped at 0). */
 typedef struct {
     int64_t q, rem;
 } bucket_step;
@@ -415,7 +421,9 @@ bucket_after(size_t h, int64_t r, bucket_step s, int64_t sum, int64_t bucket)
     if (s.q < 0 || sum == INT64_MAX) {
         return (size_t)(sum / bucket);
     }
-    return h + (size_t)s.q + (size_t)(r + s.rem >= bucket);
+    size_t b = h + (size_t)s.q + (size_t)(r + s.rem >= bucket);
+    assert(b == (size_t)(sum / bucket));
+    return b;
 }
 
 /* One run of the DP; with `nested`, nested segments are a move too. */
