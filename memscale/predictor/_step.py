@@ -389,7 +389,8 @@ class Step:
         # forward (a real ByteTensor made outside any operator, so the
         # tracker cannot see it) until backward is done with the layer,
         # which is when the next layer is recomputed, or backward ends: a
-        # fake tensor of that size stands in for it over the same span.  A
+        # tensor of that size stands in for it over the same span
+        # (StorageTracker.stand_in).  A
         # segment's frame keeps one for all its units (csrc/segment.c: a
         # joining unit records its state only when the generator moved
         # since the unit before it ended, which no fake operator makes it

@@ -194,13 +194,8 @@ class FakeCaller(_DispatchMode):
         self._calls = calls
         self._fake_device = _torch_compat.fake_device_reader()
         self._small = small if small is not None else SmallValues(None, 0)
-        self._real = True
         # Counts each call's FLOPs while entered (the profiler's pass).
         self._flops = flops
-
-    def small_values(self, on: bool) -> None:
-        """Whether calls on small real values run for real from now on."""
-        self._real = on
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and self._fake_device is not None and len(args) == 1:
@@ -215,7 +210,7 @@ class FakeCaller(_DispatchMode):
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        if self._real and self._small.all_real(args, kwargs):
+        if self._small.all_real(args, kwargs):
             out = self._small.run(func, args, kwargs)
         elif self._calls is None:
             out = func(*args, **kwargs)
