@@ -393,13 +393,12 @@ longest_fit(const int64_t *term, size_t i, size_t lo, size_t *end,
     return e;
 }
 
-/* Adding x >= 0 bytes to a state of bucket h, whose held bytes are
-   h * bucket + r (0 <= r < bucket: every move writes a state into the
-   bucket of its own held bytes): with q = x / bucket and rem =
-   x % bucket, worked out once per row, the sum's bucket is h + q, plus
-   one when r + rem reaches a bucket, without a division per state.  A
-   sum that saturated is divided as it is (and a negative x, which the
-   memory terms never give: they are clamped at 0). */
+/* Adding x >= 0 bytes (the memory terms are clamped at 0) to a state of
+   bucket h, whose held bytes are h * bucket + r (0 <= r < bucket: every
+   move writes a state into the bucket of its own held bytes): with
+   q = x / bucket and rem = x % bucket, worked out once per row, the
+   sum's bucket is h + q, plus one when r + rem reaches a bucket, without
+   a division per state.  A sum that saturated is divided as it is. */
 typedef struct {
     int64_t q, rem;
 } bucket_step;
@@ -407,18 +406,15 @@ typedef struct {
 static bucket_step
 step_of(int64_t x, int64_t bucket)
 {
-    bucket_step s = {-1, 0};
-    if (x >= 0) {
-        s.q = x / bucket;
-        s.rem = x % bucket;
-    }
+    assert(x >= 0);
+    bucket_step s = {x / bucket, x % bucket};
     return s;
 }
 
 static inline size_t
 bucket_after(size_t h, int64_t r, bucket_step s, int64_t sum, int64_t bucket)
 {
-    if (s.q < 0 || sum == INT64_MAX) {
+    if (sum == INT64_MAX) {
         return (size_t)(sum / bucket);
     }
     size_t b = h + (size_t)s.q + (size_t)(r + s.rem >= bucket);

@@ -41,6 +41,8 @@ class FakeWorld:
         # cache through a cheaper key (None: called as usual); the storage
         # tracker of every simulated step calls through it.
         self.calls = _torch_compat.fake_calls(self.mode)
+        # Calls through it, tracking nothing (making the fake parameters).
+        self._caller = FakeCaller(self.calls)
         self.model = model
         self.device = device
         self._memo: dict[int, torch.Tensor] = {}
@@ -79,7 +81,7 @@ class FakeWorld:
         if isinstance(t, nn.Parameter):
             # (its detach answered from the fake mode's cache through the
             # cheaper key, as every simulated step's calls are)
-            with FakeCaller(self.calls):
+            with self._caller:
                 out = nn.Parameter(out, requires_grad=t.requires_grad)
         elif t.requires_grad and t.is_leaf:
             out.requires_grad_(True)
