@@ -77,12 +77,12 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules import module as _module
-from torch.utils import _pytree as pytree
 from torch.utils import checkpoint as _checkpoint_module
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 from . import _dataflow, _generators, _torch_compat
+from ._tree import tensor_list
 
 logger = logging.getLogger(__name__)
 
@@ -180,8 +180,8 @@ def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, int,
     tensors = _outputs(out)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     numel = sum(t.numel() for t in tensors)
-    count = _torch_compat.flop_formula(func)
-    flops = float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
+    count = _torch_compat.call_flops(func, args, kwargs, out)
+    flops = float(count) if count is not None else 0.0
     if random:
         device = _generators.device_of(func, args, kwargs, out)
         if device is not None and flops > 0.0:
@@ -933,7 +933,7 @@ class _PutOff:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return tensor_list(tree)
 
 
 def _unwritten(layouts: list[tuple[Any, ...]] | None) -> Any:

@@ -982,6 +982,90 @@ def flop_formula(func: Any) -> Any:
     return flop_mapping().get(packet) or flop_registry.get(packet)
 
 
+class _CallFlops:
+    """The FLOPs of one operator call by its formula (:func:`flop_formula`),
+    None where it has none; remembered per operator and the shapes and
+    other values of the call's arguments and output.
+
+    A formula of torch's made by its ``shape_wrapper`` (every one but those
+    registered ``get_raw``) is given each tensor's shape and every other
+    value as it is, and memscale's (:func:`_grouped_formula`) hand on shapes
+    too: the call's operator, its tensors' shapes and its other values
+    decide their result, so a call with the same formula and the same ones
+    gets the one counted first.  (Torch's wrapper walks the arguments with pytree: in a deep
+    model's profiled forward, the formulas cost more than the calls.)  A
+    call with another kind of value, or a formula that may read tensors'
+    values, is counted every time."""
+
+    # Remembered calls at most (the memo starts again past it).
+    LIMIT = 1 << 16
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[Any, ...], Any] = {}
+        self._shape_codes: tuple[Any, ...] | None = None
+
+    def _shape_only(self, formula: Any) -> bool:
+        if self._shape_codes is None:
+            from torch.utils.flop_counter import shape_wrapper
+
+            self._shape_codes = (
+                shape_wrapper(_shape_of).__code__,
+                _grouped_formula(None, 0, ()).__code__,
+            )
+        return getattr(formula, "__code__", None) in self._shape_codes
+
+    def __call__(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
+        # (looked up at each call: a formula registered later counts)
+        formula = flop_formula(func)
+        if formula is None:
+            return None
+        if not self._shape_only(formula):
+            return formula(*args, **kwargs, out_val=out)
+        key: list[Any] = [formula, func, len(args)]
+        if not _shape_key(args, key):
+            return formula(*args, **kwargs, out_val=out)
+        if kwargs:
+            key += (len(kwargs), *kwargs)
+            if not _shape_key(kwargs.values(), key):
+                return formula(*args, **kwargs, out_val=out)
+        if not _shape_key((out,), key):
+            return formula(*args, **kwargs, out_val=out)
+        memo_key = tuple(key)
+        got = self._memo.get(memo_key, _UNSEEN)
+        if got is _UNSEEN:
+            got = formula(*args, **kwargs, out_val=out)
+            if len(self._memo) >= self.LIMIT:
+                self._memo.clear()
+            self._memo[memo_key] = got
+        return got
+
+
+def _shape_key(values: Any, out: list[Any]) -> bool:
+    """Append to ``out`` what a shape-reading FLOP formula is given of
+    ``values``: each tensor's shape, each list's and tuple's length and
+    items, each other value with its type; False for a value of another
+    type (not keyed)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out += (_TENSOR, v.shape)
+        elif type(v) is list or type(v) is tuple:
+            out += (type(v), len(v))
+            if not _shape_key(v, out):
+                return False
+        elif v is None or type(v) in _KEYED_TYPES:
+            out += (type(v), v)
+        else:
+            return False
+    return True
+
+
+_TENSOR: Any = object()
+
+# The FLOPs of operator calls (FlopTally and the selective recorder's
+# op_cost count with it).
+call_flops = _CallFlops()
+
+
 NO_ARGUMENT = object()
 
 

@@ -688,3 +688,39 @@ def test_guarded_modes_simulate_as_torch_wrapped_ones(compiled, monkeypatch):
     finally:
         torch._dynamo.reset()
     assert results[0] == results[1]
+
+
+def test_call_flops_remembers_a_shape_formula_by_shapes(monkeypatch):
+    """_torch_compat.call_flops counts a call with its formula once per
+    operator, formula, shapes and other values (torch's shape-wrapped
+    formulas are given nothing else), counts a call of other shapes anew,
+    counts every call of a formula that may read tensors' values, and uses
+    a formula registered after it first counted."""
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+    calls = []
+
+    def mm_formula(a_shape, b_shape, *args, out_shape=None, **kwargs):
+        calls.append((tuple(a_shape), tuple(b_shape)))
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+    counter = _torch_compat._CallFlops()
+    mm = torch.ops.aten.mm.default
+    monkeypatch.setitem(flop_registry, torch.ops.aten.mm, shape_wrapper(mm_formula))
+    a, b, c = torch.empty(4, 8), torch.empty(8, 2), torch.empty(8, 3)
+    assert counter(mm, (a, b), {}, torch.empty(4, 2)) == 128
+    assert counter(mm, (torch.empty(4, 8), torch.empty(8, 2)), {}, torch.empty(4, 2)) == 128
+    assert len(calls) == 1  # the same shapes: remembered
+    assert counter(mm, (a, c), {}, torch.empty(4, 3)) == 192
+    assert len(calls) == 2
+    raw = []
+
+    def raw_formula(*args, out_val=None, **kwargs):
+        raw.append(args)
+        return 7
+
+    monkeypatch.setitem(flop_registry, torch.ops.aten.mm, raw_formula)
+    assert counter(mm, (a, b), {}, torch.empty(4, 2)) == 7  # registered later
+    assert counter(mm, (a, b), {}, torch.empty(4, 2)) == 7
+    assert len(raw) == 2  # may read values: counted every time
+    assert counter(torch.ops.aten.relu.default, (a,), {}, a) is None

@@ -122,9 +122,6 @@ class Recording:
     kernel_calls: tuple[tuple[int, Any, tuple[int | None, ...]], ...]
 
 
-_NO_FORMULA = object()
-
-
 class FlopTally:
     """The FLOPs of the calls a :class:`FakeCaller` makes while this is
     entered: what ``torch.utils.flop_counter.FlopCounterMode`` counts
@@ -137,7 +134,6 @@ class FlopTally:
     def __init__(self) -> None:
         self.total = 0
         self.on = False
-        self._formulas: dict[Any, Any] = {}
         self._decomposes: dict[Any, bool] = {}
 
     def __enter__(self) -> FlopTally:
@@ -170,11 +166,9 @@ class FlopTally:
         return known
 
     def count(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        formula = self._formulas.get(func, _NO_FORMULA)
-        if formula is _NO_FORMULA:
-            formula = self._formulas[func] = _torch_compat.flop_formula(func)
-        if formula is not None:
-            self.total += formula(*args, **kwargs, out_val=out)
+        flops = _torch_compat.call_flops(func, args, kwargs, out)
+        if flops is not None:
+            self.total += flops
 
 
 @_torch_compat.guard_dispatch
