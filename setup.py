@@ -44,6 +44,7 @@ SOURCES = [
     "csrc/tiling.c",
     "csrc/solver.c",
     "csrc/dispatch_guard.c",
+    "csrc/fake_calls.c",
 ]
 
 # Every header: a change to one rebuilds the extension.

@@ -12,6 +12,7 @@
 #include "dispatch_guard.h"
 #include "engine.h"
 #include "executor.h"
+#include "fake_calls.h"
 #include "hardware.h"
 #include "layer_stats.h"
 #include "plan.h"
@@ -309,7 +310,8 @@ module_exec(PyObject *module)
         || ms_executor_init_types(module, st) < 0
         || ms_profiler_init_types(module, st) < 0
         || ms_spill_init_types(module, st) < 0
-        || ms_dispatch_guard_init_type(module, st) < 0)
+        || ms_dispatch_guard_init_type(module, st) < 0
+        || ms_fake_calls_init_type(module, st) < 0)
     {
         return -1;
     }

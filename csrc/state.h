@@ -41,6 +41,7 @@
     TYPE(spilled_type)                                                       \
     TYPE(spill_store_type)                                                   \
     TYPE(dispatch_guard_type)                                                \
+    TYPE(fake_calls_type)                                                    \
     /* Torch callables and types, looked up once. */                         \
     IMPORT(torch, "torch", "")                                               \
     IMPORT(tensor_type, "torch", "Tensor")                                   \

@@ -306,6 +306,47 @@ class DispatchGuard:
     def __get__(self, instance: object, owner: type | None = None, /) -> Any: ...
     def is_fast(self) -> bool: ...
 
+@final
+class FakeCalls:
+    def __new__(
+        cls,
+        *,
+        mode: Any,
+        fake_cls: type,
+        tensor_cls: type,
+        memo: dict[Any, Any],
+        miss: Callable[[Any, Any, Any, tuple[Any, ...]], Any],
+        entry_output: Callable[[Any, Any, Any], Any],
+        alone: Callable[[], bool],
+        stack_len: Callable[[], int],
+        slot_mode: Callable[[Any], Any],
+        fake_slot: Any,
+        default_dtype: Callable[[], torch.dtype],
+        default_device: Callable[[], Any],
+        inference: Callable[[], bool],
+        proxy_mode: Callable[[], Any],
+        keyed_types: frozenset[type],
+        strided: Any,
+        no_subclass_fn: Callable[[], Any],
+        unseen: Any,
+        lean: tuple[Any, ...] | None = None,
+    ) -> FakeCalls: ...
+    @property
+    def mode(self) -> Any: ...
+    @property
+    def memo(self) -> dict[Any, Any]: ...
+    @property
+    def hits(self) -> int: ...
+    @property
+    def lean_hits(self) -> int: ...
+    def __call__(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None, /
+    ) -> Any: ...
+    def key(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None, /
+    ) -> tuple[Any, ...] | None: ...
+    def build(self, recipe: Any, args: tuple[Any, ...], /) -> Any: ...
+
 @disjoint_base
 class Executor:
     def __new__(

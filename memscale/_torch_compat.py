@@ -210,149 +210,59 @@ def fake_device_reader() -> Callable[[Any], torch.device | None] | None:
     return read
 
 
-class _FakeCalls:
-    """Calls of operators on fake tensors, dispatched as ``func(*args,
-    **kwargs)`` would be when FakeTensorMode ``mode`` is the only mode left
-    on the stack, with the key of FakeTensorMode's dispatch cache read from
-    a memo instead of recomputed.
+class _Misses:
+    """What the extension's ``FakeCalls`` (csrc/fake_calls.c) hands back to
+    Python: the first call of each key, and a call from the memo whose
+    output it does not make itself.
 
     FakeTensorMode answers a call it has seen before (its cache key: the
     operator, every fake argument's metadata, the other arguments and some
     global state) by making the output from its cache entry; computing that
-    key in Python is most of what such a call costs.  Here a cheaper key,
-    made of the same values (each tensor's dtype, shape, strides, device,
-    storage offset and bytes, and flags; the other arguments with their
-    types; the same global state), maps to the key and entry FakeTensorMode
-    made the first time, and the output is made from that entry with
-    FakeTensorMode's own method: the same output as its cache gives.  A call
-    whose arguments it cannot key (a real tensor, a symbolic size, a
-    constant, another mode's fake tensor, an argument of another type), or
-    whose entry is not a valid cached output, is dispatched as usual."""
+    key in Python is most of what such a call costs.  ``FakeCalls`` keys the
+    call by the same values more cheaply (each tensor's dtype, shape,
+    strides, device, storage offset and bytes, and flags; the other
+    arguments with their types; the same global state); on a first call,
+    :meth:`miss` dispatches it to FakeTensorMode and notes in the memo the
+    key and entry the mode made (and the entry's recipe, for the extension
+    to make the output from), or None where the mode did not cache it.  A
+    later call with the same key gets the output FakeTensorMode's cache
+    would give: made by the extension from the recipe, or by the mode's own
+    method (:meth:`entry_output`).  A call whose arguments it cannot key (a
+    real tensor, a symbolic size, a constant, another mode's fake tensor,
+    an argument of another type), or made while another mode is on the
+    stack, is dispatched as usual.
+
+    It refers to nothing of the ``FakeCalls`` it serves (no cycle)."""
 
     def __init__(
         self,
         mode: Any,
-        fake_cls: Any,
         state_cls: Any,
         valid_cls: Any,
-        lean: _LeanOutputs | None = None,
+        memo: dict[Any, Any],
+        lean: _LeanOutputs | None,
     ) -> None:
         self._mode = mode
-        self._fake_cls = fake_cls
         self._state_cls = state_cls
         self._valid_cls = valid_cls
         self._cache = type(mode).cache
-        # key -> (FakeTensorMode's key, its entry, the entry's recipe for
-        # _LeanOutputs or None), or None: not cached.
-        self._memo: dict[tuple[Any, ...], tuple[Any, Any, Any] | None] = {}
-        self.hits = 0  # calls answered from the memo
-        # Outputs made from a recipe (the rest by FakeTensorMode's method).
+        # key -> (FakeTensorMode's key, its entry, the entry's recipe or
+        # None), or None: not cached.
+        self._memo = memo
         self._lean = lean
-        self.lean_hits = 0
-        self._alone_checked: bool | None = None
-        self._fake_key = torch._C._TorchDispatchModeKey.FAKE
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-        self._proxy_mode = get_proxy_mode
-
-    def _alone(self) -> bool:
+    def alone(self) -> bool:
         """Whether a stack of one mode, with ``mode`` in the fake slot, is
-        ``mode`` alone (no other mode to pass by): checked once, on the
+        ``mode`` alone (no other mode to pass by): asked once, on the
         first such call."""
-        if self._alone_checked is None:
-            from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-            stack = _get_current_dispatch_mode_stack()
-            self._alone_checked = len(stack) == 1 and stack[0] is self._mode
-        return self._alone_checked
+        stack = _get_current_dispatch_mode_stack()
+        return len(stack) == 1 and stack[0] is self._mode
 
-    def _values(self, values: Any, out: list[Any]) -> bool:
-        fake_cls, mode = self._fake_cls, self._mode
-        for v in values:
-            if type(v) is fake_cls:
-                # A FakeTensor of the mode (not of a subclass: its
-                # attributes are read off the instance), without a constant
-                # or symbolic sizes.
-                if (
-                    v.fake_mode is not mode
-                    or v.constant is not None
-                    or v.layout is not _STRIDED
-                    or v._has_symbolic_sizes_strides
-                ):
-                    return False
-                out += (
-                    v.dtype,
-                    v.shape,
-                    v.stride(),
-                    v.fake_device,  # an attribute in torch 2.11, a property after
-                    v.storage_offset(),
-                    v.untyped_storage().nbytes(),
-                    v.requires_grad,
-                    v.is_conj(),
-                    v.is_neg(),
-                    v.is_inference(),
-                )
-            elif isinstance(v, torch.Tensor):
-                return False  # a real tensor, a subclass's
-            elif isinstance(v, (list, tuple)):
-                out += (type(v), len(v))
-                if not self._values(v, out):
-                    return False
-            elif v is None or type(v) in _KEYED_TYPES:
-                out += (type(v), v)
-            else:
-                return False
-        return True
-
-    def _key(self, func: Any, args: Any, kwargs: Any) -> tuple[Any, ...] | None:
-        out: list[Any] = [
-            func,
-            torch.get_default_dtype(),
-            torch._C._get_default_device(),
-            torch.is_inference_mode_enabled(),
-            self._proxy_mode() is not None,
-            len(args),
-        ]
-        # The tensors' metadata is read without the check for a subclass's
-        # __torch_function__ (FakeTensor's is torch's disabled one; torch
-        # function modes are still asked): half the cost of each read.
-        with _NO_SUBCLASS_FUNCTION():
-            if not self._values(args, out):
-                return None
-            if kwargs:
-                out += (len(kwargs), *kwargs)
-                if not self._values(kwargs.values(), out):
-                    return None
-        return tuple(out)
-
-    def __call__(self, func: Any, args: Any, kwargs: Any) -> Any:
+    def miss(self, func: Any, args: Any, kwargs: Any, key: tuple[Any, ...]) -> Any:
+        kwargs = kwargs or {}
         mode = self._mode
-        if (
-            not mode.cache_enabled
-            or mode.cache_crosscheck_enabled
-            or mode.shape_env is not None
-            or torch._C._len_torch_dispatch_stack() != 1
-            or torch._C._get_dispatch_mode(self._fake_key) is not mode
-            or not self._alone()
-        ):
-            return func(*args, **kwargs)
-        key = self._key(func, args, kwargs)
-        if key is None:
-            return func(*args, **kwargs)
-        known = self._memo.get(key, _UNSEEN)
-        if known is None:  # FakeTensorMode does not cache this call
-            return func(*args, **kwargs)
-        if known is not _UNSEEN:
-            self.hits += 1
-            recipe = known[2]
-            if recipe is not None:
-                out = self._lean.build(recipe, args)  # type: ignore[union-attr]
-                if out is not _UNSEEN:
-                    self.lean_hits += 1
-                    return out
-            return mode._output_from_cache_entry(
-                self._state_cls(None), known[1], known[0], func, args
-            )
         try:
             cache_key = mode._cache_key(self._state_cls(None), func, args, kwargs)
         except Exception:  # noqa: BLE001 - its cache is bypassed for this call
@@ -366,23 +276,29 @@ class _FakeCalls:
             self._memo[key] = None
         return out
 
+    def entry_output(self, known: tuple[Any, Any, Any], func: Any, args: Any) -> Any:
+        return self._mode._output_from_cache_entry(
+            self._state_cls(None), known[1], known[0], func, args
+        )
+
 
 class _LeanOutputs:
-    """Makes the output of a cached call from a recipe read once off
-    FakeTensorMode's cache entry, doing what its
-    ``_get_output_tensor_from_cache_entry`` does (torch 2.13) with fewer
-    Python calls: a meta tensor ``empty_strided`` with the entry's shape,
-    strides, dtype and ``requires_grad`` (no dispatch mode sees it), its
-    conjugate and negative bits, a view's storage set to its base's, then
-    the FakeTensor made around it with the attributes a FakeTensor made by
-    the mode has, the same values in the same order (``template``, checked
-    against a FakeTensor the mode makes, :func:`_lean_outputs`).
+    """Recipes read once off FakeTensorMode's cache entries, from which the
+    extension's ``FakeCalls`` makes a cached call's output doing what the
+    mode's ``_get_output_tensor_from_cache_entry`` does (torch 2.13) with
+    fewer Python calls: a meta tensor ``empty_strided`` with the entry's
+    shape, strides, dtype and ``requires_grad`` (no dispatch mode sees
+    it), its conjugate and negative bits, a view's storage set to its
+    base's, then the FakeTensor made around it with the attributes a
+    FakeTensor made by the mode has, the same values in the same order
+    (``template``, checked against a FakeTensor the mode makes,
+    :func:`_lean_outputs`).
 
     A recipe exists only for outputs without symbolic sizes, strided, on a
     device that needs no resolving; a call whose recipe does not fit its
     arguments (a view's base or an in-place argument not a FakeTensor),
-    or made while the mode is in an unexpected state, gets ``_UNSEEN``
-    back and is answered by FakeTensorMode's own method."""
+    or made while the mode is in an unexpected state, gets no output from
+    it and is answered by FakeTensorMode's own method."""
 
     def __init__(
         self, mode: Any, fake_cls: Any, template: dict[str, Any], no_constant: Any
@@ -393,8 +309,6 @@ class _LeanOutputs:
         # An entry's constant_value when it has none (the mode's method
         # refuses to return it).
         self._no_constant = no_constant
-        self._make = torch.Tensor._make_subclass
-        self._empty = torch.empty_strided
         self._guard = (
             torch._C._set_warn_deprecated_on_mutable_data_ptr
             if mode._allow_unsafe_data_ptr_access
@@ -447,65 +361,24 @@ class _LeanOutputs:
             m.device,
         )
 
-    def build(self, recipe: tuple[bool, tuple[Any, ...]], args: Any) -> Any:
-        mode = self._mode
-        if mode.in_kernel_invocation or mode.shape_env is not None or self._exporting():
-            return _UNSEEN
-        is_tuple, outs = recipe
-        made = []
-        for out in outs:
-            kind = out[0]
-            if kind is _CONSTANT:
-                made.append(out[1])
-            elif kind is _INPLACE:
-                arg = args[out[1]]
-                if not isinstance(arg, self._fake_cls):
-                    return _UNSEEN
-                made.append(arg)
-            else:
-                t = self._new(out, args)
-                if t is None:
-                    return _UNSEEN
-                made.append(t)
-        return tuple(made) if is_tuple else made[0]
-
-    def _new(self, out: tuple[Any, ...], args: Any) -> Any:
-        _, shape, stride, dtype, requires_grad, conj, neg, view_idx, offset, device = out
-        base = None
-        if view_idx is not None:
-            base = args[view_idx]
-            if not isinstance(base, self._fake_cls):
-                return None
-        mode = self._mode
-        # No dispatch mode sees these calls, as in the mode's kernel state;
-        # the meta key it also includes changes nothing for a meta factory
-        # call and a meta tensor's set_ (the tests compare the results).
-        with _NO_DISPATCH():
-            mode.in_kernel_invocation = True
-            try:
-                empty = self._empty(
-                    shape, stride, dtype=dtype, device="meta", requires_grad=requires_grad
-                )
-                if conj:
-                    torch._C._set_conj(empty, True)
-                if neg:
-                    torch._C._set_neg(empty, True)
-                if base is not None:
-                    empty.set_(base.untyped_storage(), offset, shape, stride)
-            finally:
-                mode.in_kernel_invocation = False
-        t = self._make(
-            self._fake_cls,
-            empty,
-            requires_grad,
-            dispatch_device=True,
-            device_for_backend_keys=device,
+    def c_args(self) -> tuple[Any, ...]:
+        """What the extension's ``FakeCalls`` builds outputs with (its
+        ``lean`` argument): the attributes, the calls, the meta device and
+        the recipe's kinds of output."""
+        return (
+            self._template,
+            torch.empty_strided,
+            torch.Tensor._make_subclass,
+            torch._C._set_conj,
+            torch._C._set_neg,
+            self._guard,
+            self._exporting,
+            _NO_DISPATCH,
+            "meta",
+            _CONSTANT,
+            _INPLACE,
+            _NEW,
         )
-        self._guard(t)
-        d = t.__dict__
-        d.update(self._template)
-        d["_fake_device"] = device
-        return t
 
 
 _CONSTANT: Any = object()
@@ -526,10 +399,11 @@ _KEYED_TYPES = frozenset(
 
 def fake_calls(mode: Any) -> Callable[[Any, Any, Any], Any] | None:
     """A caller of operators on the fake tensors of FakeTensorMode ``mode``
-    that answers repeated calls from FakeTensorMode's dispatch cache with a
-    cheaper key (:class:`_FakeCalls`; the OOM predictor's storage tracker
-    dispatches through it).  None when this torch lacks what it reads:
-    then operators are called as usual."""
+    (``calls(func, args, kwargs)``) that answers repeated calls from
+    FakeTensorMode's dispatch cache with a cheaper key: the extension's
+    ``FakeCalls`` over a :class:`_Misses` (the OOM predictor's storage
+    tracker dispatches through it).  None when this torch lacks what it
+    reads: then operators are called as usual."""
     if not TESTED_TORCH[0] <= torch_version() <= TESTED_TORCH[1]:
         return None  # its cache key may hold other values
     got = _fake_tensor_names(
@@ -540,10 +414,41 @@ def fake_calls(mode: Any) -> Callable[[Any, Any, Any], Any] | None:
     fake_cls, mode_cls, key_state, valid_entry = got
     if not isinstance(mode, mode_cls) or not _signatures_match(mode):
         return None  # pragma: no cover
-    return _FakeCalls(mode, fake_cls, key_state, valid_entry, _lean_outputs(mode, fake_cls))
+    try:
+        from . import _core
+
+        made = _core.FakeCalls
+    except (ImportError, AttributeError):  # pragma: no cover - an old build
+        return None
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    lean = _lean_outputs(mode, fake_cls)
+    memo: dict[Any, Any] = {}
+    misses = _Misses(mode, key_state, valid_entry, memo, lean)
+    return made(
+        mode=mode,
+        fake_cls=fake_cls,
+        tensor_cls=torch.Tensor,
+        memo=memo,
+        miss=misses.miss,
+        entry_output=misses.entry_output,
+        alone=misses.alone,
+        stack_len=torch._C._len_torch_dispatch_stack,
+        slot_mode=torch._C._get_dispatch_mode,
+        fake_slot=torch._C._TorchDispatchModeKey.FAKE,
+        default_dtype=torch.get_default_dtype,
+        default_device=torch._C._get_default_device,
+        inference=torch.is_inference_mode_enabled,
+        proxy_mode=get_proxy_mode,
+        keyed_types=_KEYED_TYPES,
+        strided=_STRIDED,
+        no_subclass_fn=_NO_SUBCLASS_FUNCTION,
+        unseen=_UNSEEN,
+        lean=lean.c_args() if lean is not None else None,
+    )
 
 
-# The releases whose FakeTensor construction _LeanOutputs was checked
+# The releases whose FakeTensor construction the lean build was checked
 # against (FakeTensor.__new__ and FakeTensorMode's
 # _get_output_tensor_from_cache_entry).
 LEAN_TORCH = ((2, 13),)
@@ -603,7 +508,7 @@ _FAKE_ATTRS = [
 
 
 def _signatures_match(mode: Any) -> bool:
-    """Whether FakeTensorMode's cache methods take what _FakeCalls passes."""
+    """Whether FakeTensorMode's cache methods take what _Misses passes."""
     import inspect
 
     want = {

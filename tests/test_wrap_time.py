@@ -431,42 +431,52 @@ def test_a_lean_output_is_the_output_fake_tensor_mode_makes(case, monkeypatch):
     shape, strides, offset, dtype, device, flags, storage bytes, dispatch
     keys and attributes; a view shares its base's storage as that one
     does, and an in-place call returns the same argument."""
-    original = _torch_compat._FakeCalls.__call__
+    from torch._subclasses.fake_tensor import _CacheKeyState
+
     compared = []
+    made = []
 
-    def checked(self, func, args, kwargs):
-        key = self._key(func, args, kwargs) if self._alone_checked else None
-        known = self._memo.get(key) if key is not None else None
-        lean = self.lean_hits
-        out = original(self, func, args, kwargs)
-        if self.lean_hits == lean:
+    def checked_calls(mode):
+        calls = original(mode)
+        assert calls is not None
+        made.append(calls)
+
+        def checked(func, args, kwargs):
+            key = calls.key(func, args, kwargs)
+            known = calls.memo.get(key) if key is not None else None
+            lean = calls.lean_hits
+            out = calls(func, args, kwargs)
+            if calls.lean_hits == lean:
+                return out
+            assert known is not None and known[2] is not None
+            ref = calls.mode._output_from_cache_entry(
+                _CacheKeyState(None), known[1], known[0], func, args
+            )
+            outs, refs = (out, ref) if isinstance(ref, tuple) else ((out,), (ref,))
+            assert isinstance(out, tuple) == isinstance(ref, tuple)
+            assert len(outs) == len(refs)
+            for o, r in zip(outs, refs):
+                assert _made(o) == _made(r), func
+                if not isinstance(r, torch.Tensor):
+                    continue
+                if any(r is a for a in args):  # in place: the argument itself
+                    assert o is r
+                elif func.is_view:
+                    assert _torch_compat.storage_key(o) == _torch_compat.storage_key(r)
+                else:
+                    assert _torch_compat.storage_key(o) != _torch_compat.storage_key(r)
+            compared.append(func)
             return out
-        assert known is not None and known[2] is not None
-        state = self._state_cls(None)
-        ref = self._mode._output_from_cache_entry(state, known[1], known[0], func, args)
-        outs, refs = (out, ref) if isinstance(ref, tuple) else ((out,), (ref,))
-        assert isinstance(out, tuple) == isinstance(ref, tuple)
-        assert len(outs) == len(refs)
-        for o, r in zip(outs, refs):
-            assert _made(o) == _made(r), func
-            if not isinstance(r, torch.Tensor):
-                continue
-            if any(r is a for a in args):  # in place: the argument itself
-                assert o is r
-            elif func.is_view:
-                assert _torch_compat.storage_key(o) == _torch_compat.storage_key(r)
-            else:
-                assert _torch_compat.storage_key(o) != _torch_compat.storage_key(r)
-        compared.append(func)
-        return out
 
-    monkeypatch.setattr(_torch_compat._FakeCalls, "__call__", checked)
+        return checked
+
+    original = _torch_compat.fake_calls
+    monkeypatch.setattr(_torch_compat, "fake_calls", checked_calls)
     model, x, loss_fn = case()
     with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
         plan = session.plan(FORCE)
         session._steps.simulated_peak(plan, FORCE)
-        calls = session._steps._sim.world.calls
-        assert calls.lean_hits == len(compared)
+        assert len(made) == 1 and made[0].lean_hits == len(compared)
     assert len(compared) > 100  # the lean build answered
     assert any(f.is_view for f in compared)
 
@@ -480,7 +490,8 @@ def test_a_lean_build_that_does_not_fit_is_answered_by_fake_tensor_mode():
 
     mode = FakeTensorMode()
     lean = _torch_compat._lean_outputs(mode, FakeTensor)
-    assert lean is not None
+    calls = _torch_compat.fake_calls(mode)
+    assert lean is not None and calls is not None
     with mode:
         a = torch.empty(4, 4)
         a.t()
@@ -494,15 +505,15 @@ def test_a_lean_build_that_does_not_fit_is_answered_by_fake_tensor_mode():
     view = lean.recipe(entries[torch.ops.aten.t.default], torch.ops.aten.t.default)
     inplace = lean.recipe(entries[torch.ops.aten.add_.Tensor], torch.ops.aten.add_.Tensor)
     assert view is not None and inplace is not None
-    made = lean.build(view, (a,))
+    made = calls.build(view, (a,))
     assert (made.shape, made.stride()) == ((4, 4), (1, 4))
     assert _torch_compat.storage_key(made) == _torch_compat.storage_key(a)
-    assert lean.build(inplace, (a, 1)) is a
-    assert lean.build(view, (real,)) is _torch_compat._UNSEEN
-    assert lean.build(inplace, (real, 1)) is _torch_compat._UNSEEN
+    assert calls.build(inplace, (a, 1)) is a
+    assert calls.build(view, (real,)) is _torch_compat._UNSEEN
+    assert calls.build(inplace, (real, 1)) is _torch_compat._UNSEEN
     mode.in_kernel_invocation = True
     try:
-        assert lean.build(view, (a,)) is _torch_compat._UNSEEN
+        assert calls.build(view, (a,)) is _torch_compat._UNSEEN
     finally:
         mode.in_kernel_invocation = False
 
@@ -531,7 +542,8 @@ def test_a_lean_output_keeps_every_field_of_the_entry(op, change):
     func = {"t": torch.ops.aten.t.default, "mul": torch.ops.aten.mul.Tensor}[op]
     mode = FakeTensorMode()
     lean = _torch_compat._lean_outputs(mode, FakeTensor)
-    assert lean is not None
+    calls = _torch_compat.fake_calls(mode)
+    assert lean is not None and calls is not None
     with mode:
         a = torch.empty(4, 4)
         args = (a,) if op == "t" else (a, a)
@@ -549,9 +561,9 @@ def test_a_lean_output_keeps_every_field_of_the_entry(op, change):
     except RuntimeError as exc:  # a view that requires grad: set_ refuses it
         assert op == "t" and "requires_grad" in change, exc
         with pytest.raises(type(exc)):
-            lean.build(recipe, args)
+            calls.build(recipe, args)
         return
-    made = lean.build(recipe, args)
+    made = calls.build(recipe, args)
     assert _made(made) == _made(ref)
     for field, value in change.items():
         got = {
@@ -688,6 +700,93 @@ def test_guarded_modes_simulate_as_torch_wrapped_ones(compiled, monkeypatch):
     finally:
         torch._dynamo.reset()
     assert results[0] == results[1]
+
+
+def test_the_fake_call_key_tells_apart_what_the_output_depends_on():
+    """The extension's FakeCalls keys a call by every value of its fake
+    arguments the output can depend on (dtype, shape, strides, device,
+    offset, storage bytes, requires_grad, conjugate and negative bits), the
+    other arguments with their types, the keyword names and the global
+    state (the default dtype); the same values give the same key, and a
+    call it cannot key (a real tensor, another mode's fake tensor, a value
+    of another type) has none."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    calls = _torch_compat.fake_calls(mode)
+    assert calls is not None
+    add = torch.ops.aten.add.Tensor
+    with mode:
+        a = torch.empty(4, 4)
+        variants = {
+            "same": torch.empty(4, 4),
+            "dtype": torch.empty(4, 4, dtype=torch.float64),
+            "shape": torch.empty(4, 5),
+            "stride": torch.empty(4, 4).t(),
+            "offset": torch.empty(20)[4:].view(4, 4),
+            "storage": torch.empty(32)[:16].view(4, 4),
+            "grad": torch.empty(4, 4, requires_grad=True),
+            "neg": torch.empty(4, 4)._neg_view(),
+        }
+        c = torch.empty(4, 4, dtype=torch.complex64)
+        conj = c.conj()
+        other = FakeTensorMode().from_tensor(torch.empty(4, 4))
+    key = calls.key(add, (a, a), {})
+    assert key is not None and calls.key(add, (a, variants["same"]), {}) == key
+    for name, t in variants.items():
+        got = calls.key(add, (a, t), {})
+        assert got is not None, name
+        assert (got == key) == (name == "same"), name
+    assert calls.key(add, (c, conj), {}) != calls.key(add, (c, c), {})
+    assert calls.key(add, (a, a), {"alpha": 2}) != key
+    assert calls.key(add, (a, a), {"alpha": 2}) != calls.key(add, (a, a), {"alpha": 2.0})
+    assert calls.key(torch.ops.aten.sub.Tensor, (a, a), {}) != key
+    assert calls.key(torch.ops.aten.cat.default, ([a, a],), {}) != calls.key(
+        torch.ops.aten.cat.default, ([a, a, a],), {}
+    )
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert calls.key(add, (a, a), {}) != key
+    finally:
+        torch.set_default_dtype(old)
+    assert calls.key(add, (a, torch.empty(4, 4)), {}) is None  # a real tensor
+    assert calls.key(add, (a, other), {}) is None  # another mode's
+    assert calls.key(add, (a, object()), {}) is None
+
+
+def test_the_fake_caller_refuses_what_it_cannot_take():
+    """FakeCalls is made from keyword arguments only, each of the kind it
+    needs, and is called with (func, args, kwargs): anything else is a
+    TypeError naming what was wrong; it is collected with its mode."""
+    import gc
+    import weakref
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memscale import _core
+
+    mode = FakeTensorMode()
+    calls = _torch_compat.fake_calls(mode)
+    assert calls is not None
+    with pytest.raises(TypeError, match="keyword"):
+        _core.FakeCalls(mode)
+    with pytest.raises(TypeError, match="missing"):
+        _core.FakeCalls(mode=mode)
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        calls(torch.ops.aten.add.Tensor, [1, 2], {})
+    with pytest.raises(TypeError, match="kwargs must be a dict"):
+        calls(torch.ops.aten.add.Tensor, (1, 2), [])
+    with pytest.raises(TypeError, match="takes"):
+        calls(torch.ops.aten.add.Tensor, (1, 2))
+    with mode:
+        a = torch.empty(2)
+        out = calls(torch.ops.aten.add.Tensor, (a, a), None)
+    assert out.shape == (2,)
+    ref = weakref.ref(mode)
+    del mode, calls, a, out
+    gc.collect()
+    assert ref() is None
 
 
 def test_call_flops_remembers_a_shape_formula_by_shapes(monkeypatch):
