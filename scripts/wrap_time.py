@@ -12,12 +12,17 @@ fresh copy with ``Config(mode="conservative", memory_budget_gb=...)`` and
 its wall seconds, the simulated steps the planner ran, the plan hash and
 whether the plan is every layer checkpointed alone (the fallback).
 ``--profile NAME`` prints the top of a cProfile of that model's wrap,
-sorted by ``--sort`` (cumulative time unless told).
+sorted by ``--sort`` (cumulative time unless told).  ``--phases`` prints,
+under each model's row, the CPU seconds of each phase of its wrap (a timer
+around each): the fake world's entry, the warm-up's forward (the
+profile's pass), its first optimizer update, each simulated step (the
+unoptimized one, then one per plan simulated) and the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import logging
@@ -92,6 +97,64 @@ def _budget(name: str, share: float) -> int:
     return int(start + share * activations)
 
 
+class _Phases:
+    """CPU seconds of each phase of a wrap while installed: a timer around
+    the simulation's methods (the warm-up's total less its update is its
+    forward)."""
+
+    _TIMED = (
+        ("world", "memscale.predictor._fake", "FakeWorld", "__enter__"),
+        ("warm-up", "memscale.predictor._step", "Step", "warm_up"),
+        ("first update", "memscale.predictor._step", "Step", "_first_update_recorded"),
+        ("step", "memscale.predictor._step", "Step", "tracked"),
+    )
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = {}
+        self._orig: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> _Phases:
+        import importlib
+
+        for label, module, cls_name, name in self._TIMED:
+            cls = getattr(importlib.import_module(module), cls_name)
+            orig = cls.__dict__[name]
+            self._orig.append((cls, name, orig))
+            setattr(cls, name, self._timed(label, orig))
+        return self
+
+    def _timed(self, label: str, orig: Any) -> Any:
+        seconds = self.seconds
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.process_time()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                seconds.setdefault(label, []).append(time.process_time() - t0)
+
+        return timed
+
+    def __exit__(self, *exc: Any) -> None:
+        for cls, name, orig in reversed(self._orig):
+            setattr(cls, name, orig)
+        self._orig.clear()
+
+    def line(self, total: float) -> str:
+        s = self.seconds
+        update = sum(s.get("first update", []))
+        warm = sum(s.get("warm-up", []))
+        steps = s.get("step", [])
+        parts = [
+            ("world", sum(s.get("world", []))),
+            ("warm-up forward", warm - update),
+            ("first update", update),
+        ]
+        parts += [(f"step {i + 1}", t) for i, t in enumerate(steps)]
+        parts.append(("rest", total - sum(t for _, t in parts)))
+        return "  phases (CPU s): " + ", ".join(f"{n} {t:.2f}" for n, t in parts)
+
+
 class _Counter:
     """Counts the simulated steps under a plan (the planner's verification
     simulations) while it is installed."""
@@ -115,7 +178,11 @@ class _Counter:
 
 
 def time_wrap(
-    name: str, share: float, profile: bool = False, sort: str = "cumulative"
+    name: str,
+    share: float,
+    profile: bool = False,
+    sort: str = "cumulative",
+    phases: bool = False,
 ) -> dict[str, Any]:
     budget = _budget(name, share)
     gc.collect()
@@ -124,7 +191,8 @@ def time_wrap(
         mode="conservative", memory_budget_gb=budget / GIB, enable_logging=False
     )
     prof = cProfile.Profile() if profile else None
-    with _Counter() as counter:
+    timers = _Phases() if phases else contextlib.nullcontext()
+    with _Counter() as counter, timers:
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -156,6 +224,7 @@ def time_wrap(
         "plan": result,
         "checkpoint": counts.get("checkpoint", 0),
         "every_block": every,
+        "phases": timers.line(cpu) if isinstance(timers, _Phases) else None,
     }
 
 
@@ -170,6 +239,9 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=0.5, help="budget: share of activations")
     parser.add_argument("--profile", default=None, help="cProfile this model's wrap")
     parser.add_argument(
+        "--phases", action="store_true", help="print the CPU seconds of each phase of each wrap"
+    )
+    parser.add_argument(
         "--sort", default="cumulative", help="the profile's order (pstats: cumulative, tottime)"
     )
     args = parser.parse_args()
@@ -178,12 +250,16 @@ def main() -> None:
     print("| model | budget | wrap CPU s | wrap wall s | simulations | plan | ckpt | every block |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models:
-        r = time_wrap(name, args.share, profile=name == args.profile, sort=args.sort)
+        r = time_wrap(
+            name, args.share, profile=name == args.profile, sort=args.sort, phases=args.phases
+        )
         print(
             f"| {r['model']} | {r['budget']} | {r['cpu_s']:.2f} | {r['wall_s']:.2f} | "
             f"{r['simulations']} | {r['plan']} | {r['checkpoint']} | {r['every_block']} |",
             flush=True,
         )
+        if r["phases"] is not None:
+            print(r["phases"], flush=True)
         gc.collect()
 
 
