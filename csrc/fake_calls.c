@@ -237,7 +237,13 @@ add_value(FakeCalls *fc, PyObject *v, PyObject *out)
         {
             return -1;
         }
-        return add_values(fc, v, out);
+        /* (a list that holds itself would recurse without end) */
+        if (Py_EnterRecursiveCall(" in FakeCalls.key")) {
+            return -1;
+        }
+        r = add_values(fc, v, out);
+        Py_LeaveRecursiveCall();
+        return r;
     }
     if (v != Py_None) {
         r = PySet_Contains(fc->keyed_types, (PyObject *)Py_TYPE(v));
@@ -269,7 +275,7 @@ add_values(FakeCalls *fc, PyObject *seq, PyObject *out)
     return 1;
 }
 
-/* The key of func(*args, **kwargs) as _FakeCalls keyed it in Python: a
+/* The memo's key of func(*args, **kwargs) (see the top of this file): a
    new tuple, or NULL without an exception when the call cannot be keyed,
    or NULL with one. */
 static PyObject *
@@ -303,7 +309,7 @@ make_key(FakeCalls *fc, PyObject *func, PyObject *args, PyObject *kwargs)
     r = add_values(fc, args, out);
     if (r == 1 && kwargs != NULL && PyDict_GET_SIZE(kwargs) > 0) {
         PyObject *keys = PyDict_Keys(kwargs);
-        values = PyDict_Values(kwargs);
+        values = keys != NULL ? PyDict_Values(kwargs) : NULL;
         if (keys == NULL || values == NULL
             || append_new(out, PyLong_FromSsize_t(PyDict_GET_SIZE(kwargs)))
                    < 0)
@@ -491,7 +497,14 @@ new_output(FakeCalls *fc, PyObject *out, PyObject *args)
     }
     Py_DECREF(res);
     PyObject *d = PyObject_GetAttr(t, fc->s_dict);
-    if (d == NULL || !PyDict_Check(d) || PyDict_Update(d, fc->template) < 0
+    if (d != NULL && !PyDict_Check(d)) {
+        PyErr_Format(PyExc_TypeError,
+                     "FakeCalls: a FakeTensor's __dict__ is a %.100s, not a "
+                     "dict",
+                     Py_TYPE(d)->tp_name);
+        Py_CLEAR(d);
+    }
+    if (d == NULL || PyDict_Update(d, fc->template) < 0
         || PyDict_SetItem(d, fc->s_fake_device_attr, device) < 0)
     {
         Py_XDECREF(d);
@@ -655,6 +668,7 @@ answer(FakeCalls *fc, PyObject *func, PyObject *args, PyObject *kwargs)
         return PyErr_Occurred() ? NULL : call_op(func, args, kwargs);
     }
     PyObject *known = PyDict_GetItemWithError(fc->memo, key); /* borrowed */
+    Py_XINCREF(known); /* the memo may change while the output is made */
     if (known == NULL) {
         PyObject *out = NULL;
         if (!PyErr_Occurred()) {
@@ -668,9 +682,9 @@ answer(FakeCalls *fc, PyObject *func, PyObject *args, PyObject *kwargs)
     }
     Py_DECREF(key);
     if (known == Py_None) { /* FakeTensorMode does not cache this call */
+        Py_DECREF(known);
         return call_op(func, args, kwargs);
     }
-    Py_INCREF(known); /* the memo may change while the output is made */
     fc->hits++;
     PyObject *out = NULL;
     if (fc->template != NULL && PyTuple_CheckExact(known)

@@ -77,6 +77,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules import module as _module
+from torch.utils import _pytree as pytree
 from torch.utils import checkpoint as _checkpoint_module
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
@@ -303,7 +304,8 @@ class LayerOps:
 def _all_fake(args: Any) -> bool:
     """Whether ``args`` holds tensors, all of them fake."""
     tools = _torch_compat.fake_tensor_tools()
-    tensors = _tensors(args)
+    # (a module's arguments: pytree also opens the containers it knows of)
+    tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
     return tools is not None and bool(tensors) and all(tools[0](t) for t in tensors)
 
 
@@ -933,6 +935,8 @@ class _PutOff:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors of an operator's arguments or outputs (tuples, lists
+    and dicts of them)."""
     return tensor_list(tree)
 
 

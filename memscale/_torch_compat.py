@@ -894,13 +894,14 @@ class _CallFlops:
 
     A formula of torch's made by its ``shape_wrapper`` (every one but those
     registered ``get_raw``) is given each tensor's shape and every other
-    value as it is, and memscale's (:func:`_grouped_formula`) hand on shapes
-    too: the call's operator, its tensors' shapes and its other values
-    decide their result, so a call with the same formula and the same ones
-    gets the one counted first.  (Torch's wrapper walks the arguments with pytree: in a deep
-    model's profiled forward, the formulas cost more than the calls.)  A
-    call with another kind of value, or a formula that may read tensors'
-    values, is counted every time."""
+    value as it is, and memscale's (:func:`_grouped_formula`) hands shapes
+    on to torch's, which it reads at each call: the operator, the formulas,
+    the tensors' shapes and the other values decide the result, so a call
+    with the same ones gets the one counted first.  (Torch's wrapper walks
+    the arguments with pytree: in a deep model's profiled forward, the
+    formulas cost more than the calls.)  A call with another kind of value
+    or a symbolic size, or whose formula may read tensors' values, is
+    counted every time."""
 
     # Remembered calls at most (the memo starts again past it).
     LIMIT = 1 << 16
@@ -910,13 +911,12 @@ class _CallFlops:
         self._shape_codes: tuple[Any, ...] | None = None
 
     def _shape_only(self, formula: Any) -> bool:
+        """Whether ``formula`` is one of torch's made by ``shape_wrapper``
+        (given shapes and the other values only)."""
         if self._shape_codes is None:
             from torch.utils.flop_counter import shape_wrapper
 
-            self._shape_codes = (
-                shape_wrapper(_shape_of).__code__,
-                _grouped_formula(None, 0, ()).__code__,
-            )
+            self._shape_codes = (shape_wrapper(_shape_of).__code__,)
         return getattr(formula, "__code__", None) in self._shape_codes
 
     def __call__(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
@@ -924,9 +924,16 @@ class _CallFlops:
         formula = flop_formula(func)
         if formula is None:
             return None
-        if not self._shape_only(formula):
+        inner = formula
+        if getattr(formula, "__code__", None) is _GROUPED_CODE:
+            # memscale's wrapper reads torch's formula at each call: that
+            # one decides, and is keyed.
+            from torch.utils.flop_counter import flop_registry
+
+            inner = flop_registry.get(op_packet(func))
+        if inner is None or not self._shape_only(inner):
             return formula(*args, **kwargs, out_val=out)
-        key: list[Any] = [formula, func, len(args)]
+        key: list[Any] = [formula, inner, func, len(args)]
         if not _shape_key(args, key):
             return formula(*args, **kwargs, out_val=out)
         if kwargs:
@@ -936,7 +943,10 @@ class _CallFlops:
         if not _shape_key((out,), key):
             return formula(*args, **kwargs, out_val=out)
         memo_key = tuple(key)
-        got = self._memo.get(memo_key, _UNSEEN)
+        try:
+            got = self._memo.get(memo_key, _UNSEEN)
+        except TypeError:  # a symbolic size: not hashable
+            return formula(*args, **kwargs, out_val=out)
         if got is _UNSEEN:
             got = formula(*args, **kwargs, out_val=out)
             if len(self._memo) >= self.LIMIT:
@@ -965,6 +975,8 @@ def _shape_key(values: Any, out: list[Any]) -> bool:
 
 
 _TENSOR: Any = object()
+
+_GROUPED_CODE = _grouped_formula(None, 0, ()).__code__
 
 # The FLOPs of operator calls (FlopTally and the selective recorder's
 # op_cost count with it).

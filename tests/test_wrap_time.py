@@ -823,3 +823,61 @@ def test_call_flops_remembers_a_shape_formula_by_shapes(monkeypatch):
     assert counter(mm, (a, b), {}, torch.empty(4, 2)) == 7
     assert len(raw) == 2  # may read values: counted every time
     assert counter(torch.ops.aten.relu.default, (a,), {}, a) is None
+
+
+def test_a_list_that_holds_itself_is_a_recursion_error_in_the_key():
+    """The key walks nested lists and tuples: one that holds itself raises
+    RecursionError (the interpreter's limit), as walking it in Python
+    would, instead of overflowing the C stack."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls = _torch_compat.fake_calls(FakeTensorMode())
+    assert calls is not None
+    looped: list = []
+    looped.append(looped)
+    with pytest.raises(RecursionError):
+        calls.key(torch.ops.aten.cat.default, (looped,), None)
+    assert calls.key(torch.ops.aten.cat.default, ([[1, 2], (3,)],), None) is not None
+
+
+def test_call_flops_reads_the_attention_formula_and_symbolic_sizes(monkeypatch):
+    """memscale's grouped-query wrapper reads torch's attention formula at
+    each call: a formula put in its place later counts (the memo keys the
+    one read), a formula that may read values is counted every time, and a
+    call with symbolic sizes is counted by the formula, not remembered."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+    op = torch.ops.aten._scaled_dot_product_efficient_attention
+    func = op.default
+    q = torch.empty(2, 4, 8, 16)
+    args = (q, q, q, None, False)
+    out = (torch.empty(2, 4, 8, 16), torch.empty(2, 4, 8), torch.empty(2), torch.empty(2))
+    counter = _torch_compat._CallFlops()
+    first = counter(func, args, {}, out)
+    assert first and first > 0
+    monkeypatch.setitem(flop_registry, op, shape_wrapper(lambda *a, out_shape=None, **k: 12345))
+    assert counter(func, args, {}, out) == 12345
+    raw = []
+    monkeypatch.setitem(flop_registry, op, lambda *a, out_val=None, **k: raw.append(a) or 7)
+    assert counter(func, args, {}, out) == 7 and counter(func, args, {}, out) == 7
+    assert len(raw) == 2
+
+    mm = torch.ops.aten.mm.default
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 2)
+    a, b = (
+        mode.from_tensor(torch.empty(*shape), symbolic_context=dynamic, source=ConstantSource(n))
+        for n, shape in (("a", (4, 8)), ("b", (8, 2)))
+    )
+    with mode:
+        c = torch.mm(a, b)
+    assert not isinstance(a.shape[0], int)
+    got = _torch_compat._CallFlops()(mm, (a, b), {}, c)
+    assert str(got) == str(flop_registry[torch.ops.aten.mm](a, b, out_val=c))
