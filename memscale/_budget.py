@@ -111,6 +111,12 @@ def suggestions(
     return out
 
 
+def fails(plan: Any) -> bool:
+    """Whether the planner found no plan for the budget (:func:`check`
+    raises then)."""
+    return not (plan.fits or plan.skipped or plan.min_budget_bytes < 0)
+
+
 def check(
     plan: Any,
     problem: PlanProblem,
@@ -122,7 +128,7 @@ def check(
     """Raise :class:`MemoryBudgetError` when the planner found no plan.
     ``least``: the least budget as checked by simulation (wrap with a
     sample_input), else the planner's own figure is reported."""
-    if plan.fits or plan.skipped or plan.min_budget_bytes < 0:
+    if not fails(plan):
         return
     budget = int(plan.budget_bytes)
     planner_least = int(plan.min_budget_bytes)

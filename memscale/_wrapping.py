@@ -376,14 +376,15 @@ class Wrapping:
             problem = problem.with_layer_flags(check.excluded, _core.LAYER_UNREPEATABLE)
         plan = _distributed.shared_plan(problem)
         _log_plan(config, hardware, plan, executor.decision)
-        _budget.check(
-            plan,
-            problem,
-            plan_config,
-            _model.optimizer_state_bytes(self.model, self.optimizer),
-            least,
-            _model.floor_options(self.model, self.optimizer, config, hardware.device),
-        )
+        if _budget.fails(plan):  # (the suggestions' figures only then)
+            _budget.check(
+                plan,
+                problem,
+                plan_config,
+                _model.optimizer_state_bytes(self.model, self.optimizer),
+                least,
+                _model.floor_options(self.model, self.optimizer, config, hardware.device),
+            )
         if old is None:
             _offload.attach(executor, plan_config, plan)
             _tiling.install(executor, self.units, plan)
