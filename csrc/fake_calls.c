@@ -1,6 +1,6 @@
 /*
  * fake_calls.c: FakeCalls, the OOM predictor's caller of operators on fake
- * tensors (memscale/_torch_compat.py, _FakeCalls, makes it and keeps what
+ * tensors (memscale/_torch_compat.py, fake_calls, makes it and keeps what
  * it shares with it).
  *
  * FakeTensorMode answers a call it has seen before from its dispatch cache,
@@ -582,12 +582,17 @@ build(FakeCalls *fc, PyObject *recipe, PyObject *args)
             }
             Py_INCREF(item);
         }
-        else {
+        else if (kind == fc->k_new) {
             item = new_output(fc, out, args);
             if (item == NULL || item == fc->unseen) {
                 Py_DECREF(made);
                 return item;
             }
+        }
+        else {
+            PyErr_SetString(PyExc_TypeError, "FakeCalls: a malformed recipe");
+            Py_DECREF(made);
+            return NULL;
         }
         PyTuple_SET_ITEM(made, k, item);
     }
@@ -969,7 +974,7 @@ static PyType_Slot fc_slots[] = {
      "no_subclass_fn, unseen, lean=None)\n--\n\n"
      "Calls operators on the fake tensors of a FakeTensorMode, answering "
      "repeated calls from its dispatch cache through a cheaper key "
-     "(memscale._torch_compat._FakeCalls makes it)."},
+     "(memscale._torch_compat.fake_calls makes it)."},
     {Py_tp_new, fc_new},
     {Py_tp_call, PyVectorcall_Call},
     {Py_tp_dealloc, fc_dealloc},

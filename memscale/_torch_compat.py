@@ -303,7 +303,6 @@ class _LeanOutputs:
     def __init__(
         self, mode: Any, fake_cls: Any, template: dict[str, Any], no_constant: Any
     ) -> None:
-        self._mode = mode
         self._fake_cls = fake_cls
         self._template = template
         # An entry's constant_value when it has none (the mode's method

@@ -879,5 +879,7 @@ def test_call_flops_reads_the_attention_formula_and_symbolic_sizes(monkeypatch):
     with mode:
         c = torch.mm(a, b)
     assert not isinstance(a.shape[0], int)
-    got = _torch_compat._CallFlops()(mm, (a, b), {}, c)
+    symbolic = _torch_compat._CallFlops()
+    got = symbolic(mm, (a, b), {}, c)
     assert str(got) == str(flop_registry[torch.ops.aten.mm](a, b, out_val=c))
+    assert not symbolic._memo  # counted, not remembered

@@ -126,8 +126,8 @@ class FlopTally:
     """The FLOPs of the calls a :class:`FakeCaller` makes while this is
     entered: what ``torch.utils.flop_counter.FlopCounterMode`` counts
     (torch's FLOP formulas and memscale's, ``_torch_compat.flop_formula``,
-    each given the call's arguments and output), without a dispatch mode of
-    its own above the caller.  The C profiler enters it for its pass and
+    through ``_torch_compat.call_flops``, which remembers a shape formula's
+    count per shapes), without a dispatch mode of its own above the caller.  The C profiler enters it for its pass and
     reads :meth:`get_total_flops` where each unit starts and ends, as it
     does a FlopCounterMode."""
 
