@@ -14,9 +14,10 @@ whether the plan is every layer checkpointed alone (the fallback).
 ``--profile NAME`` prints the top of a cProfile of that model's wrap,
 sorted by ``--sort`` (cumulative time unless told).  ``--phases`` prints,
 under each model's row, the CPU seconds of each phase of its wrap (a timer
-around each): the fake world's entry, the warm-up's forward (the
-profile's pass), its first optimizer update, each simulated step (the
-unoptimized one, then one per plan simulated) and the rest.
+around each): the fake world's entry, the warm-up step (the profile's
+pass) less its first optimizer update, that update, each simulated step
+(the unoptimized one, then one per plan simulated) and the rest (see
+``_Phases``).
 """
 
 from __future__ import annotations
@@ -99,8 +100,12 @@ def _budget(name: str, share: float) -> int:
 
 class _Phases:
     """CPU seconds of each phase of a wrap while installed: a timer around
-    the simulation's methods (the warm-up's total less its update is its
-    forward)."""
+    the simulation's methods.  "warm-up less its update" is the warm-up
+    step (its profiled forward, the loss, the gradients it makes) less the
+    first optimizer update, which is timed on its own where it is recorded
+    (Adam and AdamW; another optimizer's first update is in the warm-up,
+    and the update prints n/a); "rest" is the wrap's time outside them
+    (planning, solving, reading the traces, installing the plan)."""
 
     _TIMED = (
         ("world", "memscale.predictor._fake", "FakeWorld", "__enter__"),
@@ -116,11 +121,15 @@ class _Phases:
     def __enter__(self) -> _Phases:
         import importlib
 
-        for label, module, cls_name, name in self._TIMED:
-            cls = getattr(importlib.import_module(module), cls_name)
-            orig = cls.__dict__[name]
-            self._orig.append((cls, name, orig))
-            setattr(cls, name, self._timed(label, orig))
+        try:
+            for label, module, cls_name, name in self._TIMED:
+                cls = getattr(importlib.import_module(module), cls_name)
+                orig = cls.__dict__[name]
+                self._orig.append((cls, name, orig))
+                setattr(cls, name, self._timed(label, orig))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def _timed(self, label: str, orig: Any) -> Any:
@@ -147,12 +156,14 @@ class _Phases:
         steps = s.get("step", [])
         parts = [
             ("world", sum(s.get("world", []))),
-            ("warm-up forward", warm - update),
-            ("first update", update),
+            ("warm-up less its update", warm - update),
         ]
         parts += [(f"step {i + 1}", t) for i, t in enumerate(steps)]
-        parts.append(("rest", total - sum(t for _, t in parts)))
-        return "  phases (CPU s): " + ", ".join(f"{n} {t:.2f}" for n, t in parts)
+        rest = total - update - sum(t for _, t in parts)
+        shown = [f"{n} {t:.2f}" for n, t in parts]
+        shown.insert(2, f"first update {update:.2f}" if "first update" in s else "first update n/a")
+        shown.append(f"rest {rest:.2f}")
+        return "  phases of wrap (CPU s): " + ", ".join(shown)
 
 
 class _Counter:
@@ -192,12 +203,14 @@ def time_wrap(
     )
     prof = cProfile.Profile() if profile else None
     timers = _Phases() if phases else contextlib.nullcontext()
+    wrapped = 0.0  # CPU seconds of wrap itself (the row's also has detach)
     with _Counter() as counter, timers:
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if prof is not None:
             prof.enable()
         try:
             memscale.wrap(model, config, sample_input=sample)
+            wrapped = time.process_time() - cpu0
             plan = model._memscale_executor.plan
             result = plan.hash
             counts = plan.technique_counts
@@ -224,7 +237,7 @@ def time_wrap(
         "plan": result,
         "checkpoint": counts.get("checkpoint", 0),
         "every_block": every,
-        "phases": timers.line(cpu) if isinstance(timers, _Phases) else None,
+        "phases": timers.line(wrapped) if isinstance(timers, _Phases) and wrapped else None,
     }
 
 
