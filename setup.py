@@ -45,6 +45,7 @@ SOURCES = [
     "csrc/solver.c",
     "csrc/dispatch_guard.c",
     "csrc/fake_calls.c",
+    "csrc/storage_track.c",
 ]
 
 # Every header: a change to one rebuilds the extension.

@@ -18,6 +18,7 @@
 #include "plan.h"
 #include "profiler.h"
 #include "spill.h"
+#include "storage_track.h"
 #include "tiling.h"
 #include "units.h"
 
@@ -212,10 +213,20 @@ PyDoc_STRVAR(tile_call_doc,
 "without checkpoint frames (for verifying a layer is row-independent).");
 /* clang-format on */
 
+/* clang-format off */
+PyDoc_STRVAR(track_doc,
+"track($module, tracker, tensor, category=None, /)\n--\n\n"
+"Register the storage of *tensor* with the OOM predictor's storage\n"
+"tracker (memscale.predictor._tracker.StorageTracker.track): its new\n"
+"serial, or None when the storage was known (a resize in place is\n"
+"recorded).");
+/* clang-format on */
+
 static PyMethodDef module_methods[] = {
     {"tile_call", (PyCFunction)(void (*)(void))ms_tile_call, METH_FASTCALL,
      tile_call_doc},
     {"find_units", (PyCFunction)find_units, METH_O, find_units_doc},
+    {"track", (PyCFunction)(void (*)(void))ms_track, METH_FASTCALL, track_doc},
     {"detect_hardware", (PyCFunction)(void (*)(void))ms_detect_hardware,
      METH_VARARGS | METH_KEYWORDS, detect_hardware_doc},
     {"build_plan", (PyCFunction)(void (*)(void))ms_plan_build,
@@ -311,7 +322,8 @@ module_exec(PyObject *module)
         || ms_profiler_init_types(module, st) < 0
         || ms_spill_init_types(module, st) < 0
         || ms_dispatch_guard_init_type(module, st) < 0
-        || ms_fake_calls_init_type(module, st) < 0)
+        || ms_fake_calls_init_type(module, st) < 0
+        || ms_storage_track_init_type(module, st) < 0)
     {
         return -1;
     }

@@ -42,6 +42,7 @@
     TYPE(spill_store_type)                                                   \
     TYPE(dispatch_guard_type)                                                \
     TYPE(fake_calls_type)                                                    \
+    TYPE(freed_type)                                                         \
     /* Torch callables and types, looked up once. */                         \
     IMPORT(torch, "torch", "")                                               \
     IMPORT(tensor_type, "torch", "Tensor")                                   \
@@ -121,6 +122,17 @@
     NAME(s_put, "put")                                                       \
     NAME(s_layout, "layout")                                                 \
     NAME(s_is_conj, "is_conj")                                               \
+    NAME(s_active, "active")                                                 \
+    NAME(s_sizes, "sizes")                                                   \
+    NAME(s_sizes_at_birth, "sizes_at_birth")                                 \
+    NAME(s_categories, "categories")                                         \
+    NAME(s_events, "events")                                                 \
+    NAME(s_granule, "granule")                                               \
+    NAME(s_phase, "phase")                                                   \
+    NAME(s_recompute_depth, "recompute_depth")                               \
+    NAME(s_known, "_known")                                                  \
+    NAME(s_activations, "activations")                                       \
+    NAME(s_workspace, "workspace")                                           \
     NAME(s_is_neg, "is_neg")
 
 #define MS_STATE_TYPE_FIELD(field) PyTypeObject *field;

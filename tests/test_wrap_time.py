@@ -883,3 +883,119 @@ def test_call_flops_reads_the_attention_formula_and_symbolic_sizes(monkeypatch):
     got = symbolic(mm, (a, b), {}, c)
     assert str(got) == str(flop_registry[torch.ops.aten.mm](a, b, out_val=c))
     assert not symbolic._memo  # counted, not remembered
+
+
+def _python_track(self, t, category=None):
+    """StorageTracker.track as it was in Python (before
+    csrc/storage_track.c): the reference the extension's track is held
+    to."""
+    import weakref
+
+    from memscale.predictor._workspace import in_blocks
+
+    def allocated(st):
+        nbytes = st.nbytes()
+        if self.granule is not None and nbytes:
+            granule, device_type = self.granule
+            if t.device.type != device_type:
+                return 0
+            nbytes = in_blocks(nbytes, granule)
+        return nbytes
+
+    st = t.untyped_storage()
+    key = id(st)
+    entry = self._known.get(key)
+    if entry is not None and entry[0]() is st:
+        serial = entry[1]
+        nbytes = allocated(st)
+        if nbytes != self.sizes[serial]:
+            self.events.append((serial, nbytes - self.sizes[serial]))
+            self.sizes[serial] = nbytes
+        return None
+    serial = self._born(allocated(st), category)
+    known = self._known
+
+    def freed(ref, key=key, serial=serial):
+        if known.get(key, (None,))[0] is ref:
+            del known[key]
+        self._died(serial)
+
+    known[key] = (weakref.ref(st, freed), serial)
+    return serial
+
+
+@pytest.mark.parametrize("case", [_mlp, _gpt2, _llama])
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_the_extension_tracks_storages_as_the_python_tracker_did(case, target, monkeypatch):
+    """The storage tracker's per-output work is the extension's
+    (csrc/storage_track.c): the profile, the unoptimized step and the step
+    with every layer checkpointed are the same, event for event, with the
+    Python reference in its place; also for a CUDA target simulated on the
+    CPU (every storage rounded up to the allocator's blocks)."""
+    from memscale.predictor import DeviceSpec, _tracker
+
+    def record():
+        model, x, loss_fn = case()
+        device = DeviceSpec("cuda", capacity_bytes=1 << 30) if target == "cuda" else "cpu"
+        with _planner.PredictionSession(model, x, loss_fn=loss_fn, device=device) as session:
+            plan = session.plan(FORCE)
+            steps = session._steps
+            return (
+                session.profile,
+                _step_record(steps._unoptimized),
+                _step_record(steps._trace(plan, FORCE)[1]),
+                steps.simulated_peak(plan, FORCE),
+                plan.hash,
+            )
+
+    extension = record()
+    monkeypatch.setattr(_tracker, "_track", _python_track)
+    assert record() == extension
+
+
+@pytest.mark.parametrize("granule", [None, (512, "cpu"), (512, "cuda")])
+def test_track_records_birth_resize_and_free_as_the_python_tracker(granule):
+    """One storage born, seen again, resized in place, born under a
+    recompute, freed while active and freed while not: the extension's
+    track() records the same serials, sizes, categories and events as the
+    Python reference, with and without the allocator's granule (a tensor of
+    another device type than the granule's takes none)."""
+    import gc
+
+    from memscale.predictor._tracker import StorageTracker
+
+    def scenario(track):
+        tracker = StorageTracker()
+        tracker.granule = granule
+        a = torch.empty(4)
+        got = [track(tracker, a, "inputs"), track(tracker, a)]
+        a.resize_(300)  # the same storage, larger
+        got.append(track(tracker, a))
+        tracker.phase = "backward"
+        b = torch.empty(2)
+        got.append(track(tracker, b))
+        tracker.recompute_depth = 1
+        c = torch.empty(3)
+        got.append(track(tracker, c))
+        del a
+        gc.collect()
+        tracker.active = False
+        del b
+        gc.collect()
+        return got, tracker.events, tracker.sizes, tracker.sizes_at_birth, tracker.categories
+
+    from memscale import _core
+
+    ours = scenario(_core.track)
+    reference = scenario(_python_track)
+    assert ours == reference
+    got, events, sizes, _, categories = ours
+    assert got == [0, None, None, 1, 2]
+    assert categories == ["inputs", "workspace", "activations"]
+    if granule is not None and granule[1] == "cuda":  # host tensors: none
+        assert events == [] and sizes == [0, 0, 0]
+    else:
+        assert events[-1][0] == 0 and events[-1][1] < 0  # a's free
+        assert sizes[0] == 0 and sizes[1] > 0  # b's free, inactive: not recorded
+    with pytest.raises(TypeError, match="track"):
+        _core.track(StorageTracker())

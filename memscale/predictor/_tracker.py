@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import _torch_compat
+from .. import _core, _torch_compat
 from .._smallvalues import SmallValues
 from .._tree import tensor_list
 from ._results import CATEGORIES, PeakBreakdown
@@ -108,6 +108,9 @@ def _release(cell: list[Any], *_: Any) -> None:
 # importing memscale still works (wrap() does not need it), and a
 # StorageTracker refuses to be made, saying why.
 _DispatchMode: type = _torch_compat.dispatch_mode_base() or object
+
+# StorageTracker.track's work, in the extension (csrc/storage_track.c).
+_track = _core.track
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +271,8 @@ class StorageTracker(_DispatchMode):
         # granule and counts the block (torch.cuda.max_memory_allocated):
         # the storages of tensors on that device type (the fake tensors',
         # the CPU's when a CUDA target is simulated with CPU kernels) take
-        # their bytes so rounded, and those on another none (_allocated).
+        # their bytes so rounded, and those on another none (the
+        # extension's track(), csrc/storage_track.c).
         # None: every storage counts its own bytes.
         self.granule: tuple[int, str] | None = None
         # Called with each new phase before it is marked (the step's own
@@ -311,28 +315,16 @@ class StorageTracker(_DispatchMode):
         return None
 
     def track(self, t: torch.Tensor, category: str | None = None) -> int | None:
-        """Register the storage of ``t``; its serial if it is new."""
-        st = t.untyped_storage()
-        key = id(st)
-        entry = self._known.get(key)
-        if entry is not None and entry[0]() is st:
-            serial = entry[1]
-            nbytes = self._allocated(t, st)
-            if nbytes != self.sizes[serial]:  # resized in place
-                self.events.append((serial, nbytes - self.sizes[serial]))
-                self.sizes[serial] = nbytes
-            return None
-        nbytes = self._allocated(t, st)
-        serial = self._born(nbytes, category)
-        known = self._known
-
-        def freed(ref: weakref.ref, key: int = key, serial: int = serial) -> None:
-            if known.get(key, (None,))[0] is ref:
-                del known[key]
-            self._died(serial)
-
-        known[key] = (weakref.ref(st, freed), serial)
-        return serial
+        """Register the storage of ``t``; its serial if it is new (None:
+        known, a resize in place recorded).  The extension does the work,
+        per output of every simulated operator (``csrc/storage_track.c``):
+        ``_known`` maps id(storage) to a weak reference whose callback
+        records the free (:meth:`_died`); a new storage is born as
+        :meth:`_born` makes one, its bytes those of the predicted device's
+        memory it takes (with a granule: rounded up to it on the granule's
+        device type, none on another, such as AdamW's host step counters
+        in a step on CUDA)."""
+        return _track(self, t, category)
 
     def stand_in(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A tensor of ``nbytes`` on ``device`` for what the step holds out
@@ -346,21 +338,6 @@ class StorageTracker(_DispatchMode):
         if self.active:
             self.track(t)
         return t
-
-    def _allocated(self, t: torch.Tensor, st: torch.UntypedStorage) -> int:
-        """The bytes of the predicted device's memory that ``t``'s storage
-        ``st`` takes.  With a granule: ``st``'s bytes rounded up to it
-        when ``t`` is on the granule's device type (a fake tensor's storage
-        is on the meta device; the tensor says which device it stands
-        for), and none when it is on another (a host tensor in a step on
-        CUDA, such as AdamW's step counters)."""
-        nbytes = st.nbytes()
-        if self.granule is not None and nbytes:
-            granule, device_type = self.granule
-            if t.device.type != device_type:
-                return 0
-            nbytes = in_blocks(nbytes, granule)
-        return nbytes
 
     def _born(self, nbytes: int, category: str | None = None) -> int:
         """A new serial of ``nbytes``, allocated now."""
@@ -573,9 +550,11 @@ class StorageTracker(_DispatchMode):
             out = func(*args, **kwargs)
         if self.active:
             # Most operators return one tensor: no walk through a tree.
-            outs = [out] if isinstance(out, torch.Tensor) else tensor_list(out)
-            track = self.track
-            serials = tuple([track(t) for t in outs])
+            serials = (
+                (_track(self, out, None),)
+                if isinstance(out, torch.Tensor)
+                else tuple([_track(self, t, None) for t in tensor_list(out)])
+            )
             if self.kernel_calls is not None and (
                 probe_on_device(func) if self.probe_all else func in workspace_ops()
             ):
