@@ -48,11 +48,14 @@ died(ms_state *st, PyObject *tracker, Py_ssize_t serial)
         return -1;
     }
     int r = -1;
-    if (!PyList_Check(sizes) || serial < 0 || serial >= PyList_GET_SIZE(sizes))
-    {
+    if (!PyList_Check(sizes)) {
         PyErr_SetString(PyExc_TypeError,
-                        "track: the tracker's sizes are not a list holding "
-                        "the serial");
+                        "track: the tracker's sizes are not a list");
+        goto done;
+    }
+    if (serial < 0 || serial >= PyList_GET_SIZE(sizes)) {
+        PyErr_SetString(PyExc_IndexError,
+                        "track: a serial the tracker's sizes do not hold");
         goto done;
     }
     PyObject *size = Py_NewRef(PyList_GET_ITEM(sizes, serial));
@@ -63,6 +66,11 @@ died(ms_state *st, PyObject *tracker, Py_ssize_t serial)
         goto done;
     }
     PyObject *events = PyObject_GetAttr(tracker, st->s_events);
+    if (events != NULL && !PyList_Check(events)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "track: the tracker's events are not a list");
+        Py_CLEAR(events);
+    }
     PyObject *neg = events != NULL ? PyNumber_Negative(size) : NULL;
     Py_DECREF(size);
     PyObject *event = neg != NULL ? Py_BuildValue("(nO)", serial, neg) : NULL;
@@ -269,6 +277,11 @@ append_to(PyObject *tracker, PyObject *name, PyObject *item)
         return -1;
     }
     PyObject *list = PyObject_GetAttr(tracker, name);
+    if (list != NULL && !PyList_Check(list)) {
+        PyErr_Format(PyExc_TypeError, "track: the tracker's %U is not a list",
+                     name);
+        Py_CLEAR(list);
+    }
     int r = list == NULL ? -1 : PyList_Append(list, item);
     Py_XDECREF(list);
     Py_DECREF(item);
@@ -284,20 +297,26 @@ resized(ms_state *st, PyObject *tracker, Py_ssize_t serial, PyObject *nbytes)
         return -1;
     }
     int r = -1;
-    if (!PyList_Check(sizes) || serial < 0 || serial >= PyList_GET_SIZE(sizes))
-    {
+    if (!PyList_Check(sizes)) {
         PyErr_SetString(PyExc_TypeError,
-                        "track: the tracker's sizes are not a list holding "
-                        "the serial");
+                        "track: the tracker's sizes are not a list");
         goto done;
     }
-    PyObject *before = PyList_GET_ITEM(sizes, serial); /* borrowed */
+    if (serial < 0 || serial >= PyList_GET_SIZE(sizes)) {
+        PyErr_SetString(PyExc_IndexError,
+                        "track: a serial the tracker's sizes do not hold");
+        goto done;
+    }
+    /* (owned: comparing may run Python code that replaces it) */
+    PyObject *before = Py_NewRef(PyList_GET_ITEM(sizes, serial));
     int same = PyObject_RichCompareBool(nbytes, before, Py_EQ);
     if (same != 0) {
         r = same < 0 ? -1 : 0;
+        Py_DECREF(before);
         goto done;
     }
     PyObject *delta = PyNumber_Subtract(nbytes, before);
+    Py_DECREF(before);
     PyObject *event = delta != NULL ? Py_BuildValue("(nO)", serial, delta)
                                     : NULL;
     Py_XDECREF(delta);

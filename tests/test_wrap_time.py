@@ -999,3 +999,7 @@ def test_track_records_birth_resize_and_free_as_the_python_tracker(granule):
         assert sizes[0] == 0 and sizes[1] > 0  # b's free, inactive: not recorded
     with pytest.raises(TypeError, match="track"):
         _core.track(StorageTracker())
+    broken = StorageTracker()
+    broken.categories = ()  # not a list: named, not a SystemError
+    with pytest.raises(TypeError, match="categories"):
+        _core.track(broken, torch.empty(2))
