@@ -29,6 +29,26 @@ typedef struct {
     vectorcallfunc vectorcall;
 } Freed;
 
+/* tracker.sizes, a list holding `serial`: a new reference, or NULL with
+   an exception set. */
+static PyObject *
+sizes_holding(ms_state *st, PyObject *tracker, Py_ssize_t serial)
+{
+    PyObject *sizes = PyObject_GetAttr(tracker, st->s_sizes);
+    if (sizes != NULL && !PyList_Check(sizes)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "track: the tracker's sizes are not a list");
+        Py_CLEAR(sizes);
+    }
+    else if (sizes != NULL && (serial < 0 || serial >= PyList_GET_SIZE(sizes)))
+    {
+        PyErr_SetString(PyExc_IndexError,
+                        "track: a serial the tracker's sizes do not hold");
+        Py_CLEAR(sizes);
+    }
+    return sizes;
+}
+
 /* tracker._died(serial): the serial's bytes freed now, if the tracker is
    active and it still has some.  0, or -1 with an exception set. */
 static int
@@ -43,21 +63,11 @@ died(ms_state *st, PyObject *tracker, Py_ssize_t serial)
     if (on <= 0) {
         return on;
     }
-    PyObject *sizes = PyObject_GetAttr(tracker, st->s_sizes);
+    PyObject *sizes = sizes_holding(st, tracker, serial);
     if (sizes == NULL) {
         return -1;
     }
     int r = -1;
-    if (!PyList_Check(sizes)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "track: the tracker's sizes are not a list");
-        goto done;
-    }
-    if (serial < 0 || serial >= PyList_GET_SIZE(sizes)) {
-        PyErr_SetString(PyExc_IndexError,
-                        "track: a serial the tracker's sizes do not hold");
-        goto done;
-    }
     PyObject *size = Py_NewRef(PyList_GET_ITEM(sizes, serial));
     int nonzero = PyObject_IsTrue(size);
     if (nonzero <= 0) {
@@ -292,21 +302,11 @@ append_to(PyObject *tracker, PyObject *name, PyObject *item)
 static int
 resized(ms_state *st, PyObject *tracker, Py_ssize_t serial, PyObject *nbytes)
 {
-    PyObject *sizes = PyObject_GetAttr(tracker, st->s_sizes);
+    PyObject *sizes = sizes_holding(st, tracker, serial);
     if (sizes == NULL) {
         return -1;
     }
     int r = -1;
-    if (!PyList_Check(sizes)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "track: the tracker's sizes are not a list");
-        goto done;
-    }
-    if (serial < 0 || serial >= PyList_GET_SIZE(sizes)) {
-        PyErr_SetString(PyExc_IndexError,
-                        "track: a serial the tracker's sizes do not hold");
-        goto done;
-    }
     /* (owned: comparing may run Python code that replaces it) */
     PyObject *before = Py_NewRef(PyList_GET_ITEM(sizes, serial));
     int same = PyObject_RichCompareBool(nbytes, before, Py_EQ);

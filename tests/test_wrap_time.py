@@ -278,10 +278,10 @@ def _step_record(trace):
     )
 
 
-def _session_record(model, x, loss_fn):
+def _session_record(model, x, loss_fn, device=None):
     """What a session simulates: the profile, the unoptimized step and the
     step with every layer checkpointed (event for event), and the plan."""
-    with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+    with _planner.PredictionSession(model, x, loss_fn=loss_fn, device=device) as session:
         plan = session.plan(FORCE)
         steps = session._steps
         return (
@@ -935,18 +935,8 @@ def test_the_extension_tracks_storages_as_the_python_tracker_did(case, target, m
     from memscale.predictor import DeviceSpec, _tracker
 
     def record():
-        model, x, loss_fn = case()
         device = DeviceSpec("cuda", capacity_bytes=1 << 30) if target == "cuda" else "cpu"
-        with _planner.PredictionSession(model, x, loss_fn=loss_fn, device=device) as session:
-            plan = session.plan(FORCE)
-            steps = session._steps
-            return (
-                session.profile,
-                _step_record(steps._unoptimized),
-                _step_record(steps._trace(plan, FORCE)[1]),
-                steps.simulated_peak(plan, FORCE),
-                plan.hash,
-            )
+        return _session_record(*case(), device=device)
 
     extension = record()
     monkeypatch.setattr(_tracker, "_track", _python_track)
