@@ -329,8 +329,17 @@ class OpRecorder(_DispatchMode):
     saves an op's inputs before the op runs and its outputs after, so the
     calls not yet recorded at the unit's last save are never rerun."""
 
-    def __init__(self, units: list[nn.Module], saved_hooks: SavedHooks | None = None) -> None:
+    def __init__(
+        self,
+        units: list[nn.Module],
+        saved_hooks: SavedHooks | None = None,
+        as_mode: bool = True,
+    ) -> None:
         super().__init__()
+        # False: entering pushes no dispatch mode; the caller hands every
+        # op to :meth:`record` itself (the OOM predictor's warm-up caller,
+        # the mode right below where this one would be).
+        self._as_mode = as_mode
         self.ops = [LayerOps([]) for _ in units]
         self._current: int | None = None
         self._state: set[int] = set()  # ids of the current unit's buffers and parameters
@@ -370,24 +379,28 @@ class OpRecorder(_DispatchMode):
         return self._saved_hooks[0](tensor)
 
     def __enter__(self) -> OpRecorder:
-        super().__enter__()
+        if self._as_mode:
+            super().__enter__()
         if self._saved_hooks is not None:
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._saved_hooks[1])
             try:
                 ctx.__enter__()
             except BaseException:
-                super().__exit__(None, None, None)
+                if self._as_mode:
+                    super().__exit__(None, None, None)
                 raise
             self._saved_ctx = ctx
         return self
 
     def __exit__(self, *exc: Any) -> Any:
         ctx, self._saved_ctx = self._saved_ctx, None
+        result = None
         try:
             if ctx is not None:
                 ctx.__exit__(*exc)
         finally:
-            result = super().__exit__(*exc)
+            if self._as_mode:
+                result = super().__exit__(*exc)
         return result
 
     def close(self) -> None:
@@ -399,6 +412,12 @@ class OpRecorder(_DispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.record(func, args, kwargs, out)
+        return out
+
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Record one op call of the current unit (``out``: what it
+        returned)."""
         index = self._current
         if index is not None and func not in IGNORED_OPS:
             ops = self.ops[index]
@@ -442,20 +461,22 @@ class OpRecorder(_DispatchMode):
             ops.calls.append(op_cost(func, args, kwargs, out))
             ops.classes.append(op_class(func))
             ops.names.append(str(func))
-        return out
 
 
-def recorder(units: list[nn.Module], profiler: Any = None) -> OpRecorder | None:
+def recorder(
+    units: list[nn.Module], profiler: Any = None, as_mode: bool = True
+) -> OpRecorder | None:
     """An :class:`OpRecorder` of ``units``, or None where torch has no
     dispatch modes or cannot run selective checkpointing
     (``_torch_compat.selective_supported``).  With ``profiler`` (the C
     Profiler whose pass it records, begun before it is entered) it records
     the units' tails too, its saved-tensor hooks handing every tensor on
-    to the profiler's."""
+    to the profiler's.  With ``as_mode`` False it is no dispatch mode: the
+    caller hands it each op (:meth:`OpRecorder.record`)."""
     if _torch_compat.dispatch_mode_base() is None or not _torch_compat.selective_supported():
         return None
     hooks = None if profiler is None else (profiler._count, profiler._ident)
-    return OpRecorder(units, hooks)
+    return OpRecorder(units, hooks, as_mode)
 
 
 def threshold(flops: float, saved_bytes: int) -> float:

@@ -195,6 +195,67 @@ def test_the_warm_ups_flop_tally_counts_as_flop_counter_mode(monkeypatch, name):
         assert tallied[0] == [2 * (2 * 32 * 64 * 64)] * 2
 
 
+class _ModeRecorder:
+    """The warm-up's op recorder as a dispatch mode of its own, above the
+    warm-up's caller (as it was before the caller handed it each call):
+    the reference the caller's hand-over is held to."""
+
+    def __init__(self, units, profiler, as_mode=False):
+        from memscale import _selective
+
+        self.inner = _selective.OpRecorder(units, (profiler._count, profiler._ident))
+        self.ops = self.inner.ops
+
+    def __enter__(self):
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+    def close(self):
+        self.inner.close()
+
+    def record(self, *args):
+        pass  # the mode records
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "cnn", "frozen-first"])
+def test_the_warm_up_caller_hands_the_op_recorder_what_its_mode_saw(monkeypatch, name):
+    """The warm-up's caller hands the profiler's op recorder every call,
+    as the recorder saw them as a mode above it: the same ops of each unit
+    (costs, classes, names, tail, saved, data flow), and the same profile
+    (frozen-first: a linear under inference mode, which the caller runs
+    as its decomposition, recorded whole)."""
+    from memscale import _selective
+
+    def recorded():
+        made = []
+        recorder = _selective.recorder
+
+        def keep(*args, **kwargs):
+            ops = recorder(*args, **kwargs)
+            made.append(ops)
+            return ops
+
+        with monkeypatch.context() as m:
+            m.setattr(_selective, "recorder", keep)
+            model, x, loss_fn = _frozen_first() if name == "frozen-first" else _case(name)
+            with PredictionSession(model, x, loss_fn=loss_fn) as session:
+                profile = session._steps.profile
+        (ops,) = made
+        return profile, ops.ops
+
+    handed = recorded()
+    with monkeypatch.context() as m:
+        m.setattr(_selective, "recorder", _ModeRecorder)
+        as_mode = recorded()
+    assert handed[1] == as_mode[1]
+    assert handed[0] == as_mode[0]
+    assert sum(len(layer.calls) for layer in handed[1]) > 0
+    assert any(layer.tail for layer in handed[1])
+
+
 def test_a_recording_less_what_it_kept_renumbers_its_kernel_calls():
     from memscale.predictor._tracker import StorageTracker
 

@@ -125,14 +125,15 @@ class _Simulation:
         holder: dict[str, Any] = {}
 
         class _Pass:
-            def __init__(self_inner, flops: Any) -> None:
-                # The FLOP counter: the warm-up caller's tally of its calls
+            def __init__(self_inner, caller: Any) -> None:
+                # The warm-up's caller: its FLOP tally is the FLOP counter
                 # (the same formulas as FlopCounterMode, without a mode).
-                self_inner.flops = flops
+                self_inner.caller = caller
 
             def __enter__(self_inner) -> Any:
                 modules = [m for _, m in units]
-                prof = _core.Profiler(modules, params, self_inner.flops)
+                caller = self_inner.caller
+                prof = _core.Profiler(modules, params, caller.flops)
                 prof.attach()
                 holder["profiler"] = prof
                 try:
@@ -141,16 +142,25 @@ class _Simulation:
                     prof.detach()
                     raise
                 # The ops of each unit, for its selective profile: the
-                # same recording as wrap()'s static profiling.
-                ops = _selective.recorder(modules, prof)
+                # same recording as wrap()'s static profiling, handed each
+                # call by the caller rather than as a mode of its own.
+                ops = _selective.recorder(modules, prof, as_mode=False)
                 if ops is not None:
-                    ops.__enter__()
+                    try:
+                        ops.__enter__()
+                    except BaseException:
+                        ops.close()
+                        prof.end_pass(ok=False)
+                        prof.detach()
+                        raise
+                    caller.recorder = ops
                 holder["ops"] = ops
                 return prof
 
             def __exit__(self_inner, exc_type: Any, *_: Any) -> None:
                 prof = holder["profiler"]
                 ops = holder.get("ops")
+                self_inner.caller.recorder = None
                 try:
                     if ops is not None:
                         ops.__exit__(None, None, None)

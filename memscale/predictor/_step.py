@@ -263,23 +263,25 @@ class Step:
         del loss
         tracker.set_phase("end")
 
-    def warm_up(self, on_forward: Callable[[FlopTally], Any]) -> Any:
+    def warm_up(self, on_forward: Callable[[FakeCaller], Any]) -> Any:
         """The first step, untracked: a steady-state step starts with
         gradients and optimizer state, so this one makes them.  The forward
-        runs inside ``on_forward(flops)`` (the profiler's pass, whose value
-        is returned), as wrap()'s static profiling runs it; ``flops`` is
-        the tally of the FLOPs of its calls, its FLOP counter.
+        runs inside ``on_forward(caller)`` (the profiler's pass, whose value
+        is returned), as wrap()'s static profiling runs it; ``caller`` is
+        the mode every call of the step goes through, its ``flops`` the
+        tally of the FLOPs of its calls (the pass's FLOP counter), its
+        ``recorder`` where the pass may put an op recorder.
         Backward is not run: the parameters it would give a gradient are
         the ones the loss's graph reaches, and a zero gradient of each is
         enough for the optimizer to build its state.  Its operators are
         called as the tracked steps call them (:class:`FakeCaller`, below
         the profiler's modes)."""
         self.world.refill_inputs()
-        flops = FlopTally()
-        with FakeCaller(self.world.calls, self.world.small, flops):
+        caller = FakeCaller(self.world.calls, self.world.small, FlopTally())
+        with caller:
             self._zero_grad()
             with torch.enable_grad():
-                with on_forward(flops) as result:
+                with on_forward(caller) as result:
                     output = self.world.model(*self.args, **self.kwargs)
                 loss = self._loss(output)
                 del output

@@ -192,7 +192,14 @@ class FakeCaller(_DispatchMode):
         self._fake_device = _torch_compat.fake_device_reader()
         self._small = small if small is not None else SmallValues(None, 0)
         # Counts each call's FLOPs while entered (the profiler's pass).
-        self._flops = flops
+        self.flops = flops
+        # The profiler's op recorder (memscale._selective.OpRecorder, made
+        # with as_mode=False), handed each call as the mode it would be,
+        # right above this one, would see it: every call but the pieces of
+        # a decomposition; None: none.  One mode fewer for torch to hand
+        # every call (and every prim.device query) to.
+        self.recorder: Any = None
+        self._decomposing = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and self._fake_device is not None and len(args) == 1:
@@ -200,12 +207,18 @@ class FakeCaller(_DispatchMode):
             if device is not None:
                 return device
         kwargs = kwargs or {}
-        flops = self._flops
+        flops = self.flops
         if flops is not None and flops.on and flops.decomposes(func):
             # As FlopCounterMode runs it: its pieces come back through here.
-            with self:
-                out = func.decompose(*args, **kwargs)
+            self._decomposing += 1
+            try:
+                with self:
+                    out = func.decompose(*args, **kwargs)
+            finally:
+                self._decomposing -= 1
             if out is not NotImplemented:
+                if self.recorder is not None and not self._decomposing:
+                    self.recorder.record(func, args, kwargs, out)
                 return out
         if self._small.all_real(args, kwargs):
             out = self._small.run(func, args, kwargs)
@@ -215,6 +228,8 @@ class FakeCaller(_DispatchMode):
             out = self._calls(func, args, kwargs)
         if flops is not None and flops.on:
             flops.count(func, args, kwargs, out)
+        if self.recorder is not None and not self._decomposing:
+            self.recorder.record(func, args, kwargs, out)
         return out
 
 
