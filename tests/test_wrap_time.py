@@ -993,3 +993,26 @@ def test_track_records_birth_resize_and_free_as_the_python_tracker(granule):
     broken.categories = ()  # not a list: named, not a SystemError
     with pytest.raises(TypeError, match="categories"):
         _core.track(broken, torch.empty(2))
+
+
+def test_a_finished_step_leaves_its_tracker_in_no_cycle():
+    """A tracked step closes its tracker: the weak references whose
+    callbacks record frees (each refers to the tracker) are dropped, so
+    the tracker and every list of its step go with the last reference to
+    the trace, not at the collector's next full pass."""
+    import gc
+    import weakref
+
+    model, x, loss_fn = _gpt2()
+    with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+        trace = session._steps._sim.unoptimized()
+        tracker = weakref.ref(trace.tracker)
+        assert trace.tracker.events and not trace.tracker._known
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            del trace
+            assert tracker() is None
+        finally:
+            if enabled:
+                gc.enable()

@@ -171,8 +171,13 @@ class _Simulation:
                     finally:
                         prof.detach()
 
-        profiler = self.step.warm_up(_Pass)
-        return self.read_profile(profiler, units, holder.get("ops"))
+        try:
+            profiler = self.step.warm_up(_Pass)
+            return self.read_profile(profiler, units, holder.get("ops"))
+        finally:
+            # The class and its methods are a cycle that refers to the
+            # holder: let the recording go with the last reference to it.
+            holder.clear()
 
     def __exit__(self, *exc: Any) -> None:
         in_backward = self.__dict__.pop("in_backward", None)

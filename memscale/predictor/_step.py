@@ -366,7 +366,7 @@ class Step:
                     self.optimizer.step()  # type: ignore[union-attr]
                 self.optimizer_replay = tracker.recorded_less_kept(since)
         finally:
-            tracker.active = False
+            tracker.close()
             if gc_was_enabled:
                 gc.enable()
 
@@ -548,7 +548,7 @@ class Step:
                                 recategorize[serial] = "optimizer_state"
             return Trace(tracker, recategorize)
         finally:
-            tracker.active = False
+            tracker.close()
             tracker.on_phase = None  # its closure refers to the tracker: no cycle
             for h in handles:
                 h.remove()

@@ -463,6 +463,17 @@ class StorageTracker(_DispatchMode):
             else:
                 node.register_hook(functools.partial(_release, [held]))
 
+    def close(self) -> None:
+        """Stop following storages: inactive, and the weak references whose
+        callbacks record frees dropped (each callback refers to the
+        tracker: a cycle the collector would otherwise have to find, with
+        every list of the step in it).  The events, sizes and marks stay;
+        :meth:`serial_of` knows no storage from here."""
+        self.active = False
+        self._known.clear()
+        self._number_refs.clear()
+        self._kept.clear()
+
     def mark(self) -> tuple[int, int, int]:
         """Where the step is now: (events, serials, kernel calls) so far;
         :meth:`recorded` takes what happened after it."""
