@@ -325,10 +325,12 @@ def test_fake_calls_from_the_memo_are_the_calls_dispatched(case, monkeypatch):
 
 
 def test_a_real_tensor_is_made_fake_once_with_its_storage(monkeypatch):
-    """The fake world converts each real parameter and buffer once (its
-    detached alias made outside the fake mode, where detaching would
-    convert it a first time), to a twin of the same shape, strides, offset
-    and storage bytes; tensors that share a storage share a fake one."""
+    """The fake world converts each real parameter and buffer that shares
+    its storage once (its detached alias made outside the fake mode, where
+    detaching would convert it a first time), to a twin of the same shape,
+    strides, offset and storage bytes; tensors that share a storage share
+    a fake one.  One with a storage of its own is not converted (it is an
+    empty_strided: test_a_tensor_alone_gets_the_twin_the_converter_makes)."""
     from torch._subclasses.fake_tensor import FakeTensorConverter
 
     from memscale.predictor._fake import FakeWorld
@@ -348,7 +350,7 @@ def test_a_real_tensor_is_made_fake_once_with_its_storage(monkeypatch):
     real = {"weight": model.weight, "bias": model.bias, "part": model.part, "whole": base}
     with FakeWorld(model, torch.device("cpu")) as world:
         fake = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        assert sorted(converted) == sorted(tuple(t.shape) for t in real.values())
+        assert sorted(converted) == [(2, 8), (4, 8)]  # part and whole
         for name, t in real.items():
             twin = fake[name]
             assert _torch_compat.is_fake(twin) and twin is world.fake(t)
@@ -361,6 +363,62 @@ def test_a_real_tensor_is_made_fake_once_with_its_storage(monkeypatch):
         assert _torch_compat.storage_key(fake["part"]) == _torch_compat.storage_key(fake["whole"])
         assert isinstance(fake["part"], nn.Parameter) and fake["part"].requires_grad
     assert model.part is real["part"]
+
+
+def test_a_tensor_alone_gets_the_twin_the_converter_makes():
+    """A parameter or buffer whose storage no other shares, spanned
+    exactly from its start, gets an empty_strided twin with every property
+    the converter's twin has (dtype, strides, storage bytes, flags,
+    dispatch keys, attributes); one whose storage it spans only in part,
+    or shares, or a subclass, is converted as before."""
+    from memscale.predictor import _fake
+    from memscale.predictor._fake import FakeWorld
+
+    def tensors():
+        torch.manual_seed(0)
+        return {
+            "contiguous": nn.Parameter(torch.randn(4, 8)),
+            "transposed": nn.Parameter(torch.randn(8, 4).t()),
+            "frozen": nn.Parameter(torch.randn(3), requires_grad=False),
+            "empty": nn.Parameter(torch.randn(0, 8)),
+            "halves": nn.Parameter(torch.randn(2, 3).half()),
+            "counts": torch.arange(6).view(2, 3),
+            "flags": torch.zeros(5, dtype=torch.bool),
+            "scalar": torch.tensor(2.0),
+            "expanded": torch.randn(1, 4).expand(3, 4),
+            "tail": torch.randn(10)[:5],
+            "offset": torch.randn(10)[2:],
+        }
+
+    def twins(fast):
+        model = nn.Module()
+        real = tensors()
+        for name, t in real.items():
+            if isinstance(t, nn.Parameter):
+                model.register_parameter(name, t)
+            else:
+                model.register_buffer(name, t)
+        alone = _fake._alone
+        if not fast:
+            _fake._alone = lambda m: set()
+        try:
+            with FakeWorld(model, torch.device("cpu")) as world:
+                found = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+                # (each world has its own fake mode: compared by presence)
+                return {name: _made(found[name], mode=world.mode) for name in real}, {
+                    name: _fake._whole_storage(t) for name, t in real.items()
+                }
+        finally:
+            _fake._alone = alone
+
+    fast, whole = twins(True)
+    converted, _ = twins(False)
+    assert fast == converted
+    assert [n for n, w in whole.items() if not w] == ["tail", "offset"]
+    assert not _fake._whole_storage(torch.randn(2, 2, dtype=torch.cfloat).conj())
+    shared = nn.Linear(2, 2)
+    shared.register_buffer("alias", shared.weight.detach())
+    assert _fake._alone(shared) == {id(shared.bias)}
 
 
 def test_the_fake_parameters_are_made_through_the_cheaper_key(monkeypatch):
@@ -390,9 +448,10 @@ def test_the_fake_parameters_are_made_through_the_cheaper_key(monkeypatch):
     assert dispatched.count("aten.detach.default") <= 4, dispatched
 
 
-def _made(t):
+def _made(t, mode=None):
     """What a fake output is: every property the simulated steps read, and
-    the attributes FakeTensor keeps, in their order."""
+    the attributes FakeTensor keeps, in their order (``mode``, when given,
+    shown as "the mode")."""
     if not isinstance(t, torch.Tensor):
         return ("value", t)
     return (
@@ -410,7 +469,7 @@ def _made(t):
         t.is_neg(),
         t.untyped_storage().nbytes(),
         str(torch._C._dispatch_keys(t)),
-        [(k, v) for k, v in t.__dict__.items()],
+        [(k, "the mode" if mode is not None and v is mode else v) for k, v in t.__dict__.items()],
     )
 
 

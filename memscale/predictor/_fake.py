@@ -60,12 +60,23 @@ class FakeWorld:
         self.buffers: list[torch.Tensor] = []  # unique fake buffers
         self.param_of: dict[int, torch.Tensor] = {}  # id(real) -> fake
 
-    def fake(self, t: torch.Tensor) -> torch.Tensor:
-        """The fake twin of a real or meta tensor (memoized)."""
+    def fake(self, t: torch.Tensor, alone: bool = False) -> torch.Tensor:
+        """The fake twin of a real or meta tensor (memoized).  ``alone``:
+        no other tensor the world fakes shares ``t``'s storage (a
+        parameter or buffer of its own, :meth:`__enter__`)."""
         got = self._memo.get(id(t))
         if got is not None:
             return got
-        if t.device.type == self.device.type and not t.is_meta:
+        if alone and _whole_storage(t) and t.device.type == self.device.type:
+            # What the converter would make of it, a fresh fake storage of
+            # the same bytes under the same shape, strides and dtype, made
+            # through the fake-call memo (a tenth of the converter's cost,
+            # which describes every tensor it converts in full).
+            with self._caller:
+                out = torch.empty_strided(
+                    tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device
+                )
+        elif t.device.type == self.device.type and not t.is_meta:
             if self._is_fake(t):
                 plain = t.detach()
             else:
@@ -121,6 +132,7 @@ class FakeWorld:
         try:
             seen_p: set[int] = set()
             seen_b: set[int] = set()
+            alone = _alone(self.model)
             for module in self.model.modules():
                 self._training.append((module, module.training))
             self._attrs = _model.attributes(self.model)
@@ -139,7 +151,7 @@ class FakeWorld:
                     for name, real in list(table.items()):
                         if real is None:
                             continue
-                        twin = self.fake(real)
+                        twin = self.fake(real, id(real) in alone)
                         if id(real) not in seen:
                             seen.add(id(real))
                             out.append(twin)
@@ -174,3 +186,30 @@ class FakeWorld:
                 "memscale: restoring %s.%s after the simulation", type(module).__name__, key
             )
         self._attrs.clear()
+
+
+def _alone(model: nn.Module) -> set[int]:
+    """ids of the parameters and buffers of ``model`` whose storage no
+    other of them shares (a tied weight is one tensor: alone)."""
+    holders: dict[int, set[int]] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if t.layout is torch.strided and not t.is_meta:
+            holders.setdefault(_torch_compat.storage_key(t), set()).add(id(t))
+    return {ids.pop() for ids in holders.values() if len(ids) == 1}
+
+
+def _whole_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain strided tensor that spans its storage
+    exactly from its start (what ``empty_strided`` of its shape and
+    strides allocates), without conjugate or negative bits: its fake twin
+    is an ``empty_strided`` of the same layout."""
+    if type(t) not in (torch.Tensor, nn.Parameter) or t.layout is not torch.strided:
+        return False
+    if t.is_meta or t.is_quantized or t.is_conj() or t.is_neg() or t.storage_offset():
+        return False
+    if t.requires_grad and not t.is_leaf:
+        return False
+    extent = 0
+    if t.numel():
+        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() == extent * t.element_size()
