@@ -14,10 +14,10 @@ whether the plan is every layer checkpointed alone (the fallback).
 ``--profile NAME`` prints the top of a cProfile of that model's wrap,
 sorted by ``--sort`` (cumulative time unless told).  ``--phases`` prints,
 under each model's row, the CPU seconds of each phase of its wrap (a timer
-around each): the fake world's entry, the warm-up step (the profile's
-pass) less its first optimizer update, that update, each simulated step
-(the unoptimized one, then one per plan simulated) and the rest (see
-``_Phases``).
+around each): the fake world's entry, the first optimizer update, each
+simulated step (the first, which is the profile's pass and the
+unoptimized step with Adam or AdamW, then one per plan simulated) and
+the rest (see ``_Phases``).
 """
 
 from __future__ import annotations
@@ -100,18 +100,21 @@ def _budget(name: str, share: float) -> int:
 
 class _Phases:
     """CPU seconds of each phase of a wrap while installed: a timer around
-    the simulation's methods.  "warm-up less its update" is the warm-up
-    step (its profiled forward, the loss, the gradients it makes) less the
-    first optimizer update, which is timed on its own where it is recorded
-    (Adam and AdamW; another optimizer's first update is in the warm-up,
-    and the update prints n/a); "rest" is the wrap's time outside them
-    (planning, solving, reading the traces, installing the plan)."""
+    the simulation's methods.  With Adam or AdamW the first step, tracked,
+    is the profile and the unoptimized step ("first step"; its first
+    optimizer update, recorded, timed on its own); with another optimizer
+    "warm-up less its update" is the untracked warm-up step (its profiled
+    forward, the loss, the gradients it makes) and the update prints n/a.
+    Each simulated step after is one "step"; "rest" is the wrap's time
+    outside them (making the steady step from the first, planning,
+    solving, reading the traces, installing the plan)."""
 
     _TIMED = (
         ("world", "memscale.predictor._fake", "FakeWorld", "__enter__"),
         ("warm-up", "memscale.predictor._step", "Step", "warm_up"),
         ("first update", "memscale.predictor._step", "Step", "_first_update_recorded"),
         ("step", "memscale.predictor._step", "Step", "tracked"),
+        ("first step", "memscale.predictor._step", "Step", "first_tracked"),
     )
 
     def __init__(self) -> None:
@@ -152,16 +155,21 @@ class _Phases:
     def line(self, total: float) -> str:
         s = self.seconds
         update = sum(s.get("first update", []))
-        warm = sum(s.get("warm-up", []))
         steps = s.get("step", [])
-        parts = [
-            ("world", sum(s.get("world", []))),
-            ("warm-up less its update", warm - update),
-        ]
-        parts += [(f"step {i + 1}", t) for i, t in enumerate(steps)]
+        parts = [("world", sum(s.get("world", [])))]
+        if "warm-up" in s:
+            # (the first update is timed inside the warm-up's step)
+            parts.append(("warm-up less its update", sum(s["warm-up"]) - update))
+        labels = [f"step {i + 1}" for i in range(len(steps))]
+        if "first step" in s and labels:
+            labels[0] = "first step (profile and unoptimized step)"
+        parts += list(zip(labels, steps))
         rest = total - update - sum(t for _, t in parts)
         shown = [f"{n} {t:.2f}" for n, t in parts]
-        shown.insert(2, f"first update {update:.2f}" if "first update" in s else "first update n/a")
+        shown.insert(
+            len(shown) - len(steps),
+            f"first update {update:.2f}" if "first update" in s else "first update n/a",
+        )
         shown.append(f"rest {rest:.2f}")
         return "  phases of wrap (CPU s): " + ", ".join(shown)
 

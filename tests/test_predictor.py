@@ -970,3 +970,153 @@ def test_lbfgs_state_is_estimated_as_its_full_history_holds_it():
     memscale.wrap(model, FORCE, sample_input=x, optimizer=opt)
     assert model._memscale_executor.plan.technique_counts["checkpoint"]
     memscale.detach(model)
+
+
+def _canonical(trace):
+    """A step's trace with its serials numbered by their first event (the
+    first step made steady numbers the gradients and state it starts with
+    after its own): events, sizes, categories as the step ends with them,
+    kernel calls and marks."""
+    tracker = trace.tracker
+    order = {}
+    for serial, _ in tracker.events:
+        order.setdefault(serial, len(order))
+    return (
+        [(order[s], delta) for s, delta in tracker.events],
+        [tracker.sizes_at_birth[s] for s in order],
+        [trace.recategorize.get(s, tracker.categories[s]) for s in order],
+        [
+            (at, sig, tuple(None if s is None else order.get(s, -1) for s in got))
+            for at, sig, got in tracker.kernel_calls or ()
+        ],
+        tracker.phase_marks,
+        [(at, type(m).__name__) for at, m in tracker.forward_marks],
+    )
+
+
+def _first_and_steady(model, x, loss_fn, optimizer, merged, device=None):
+    """The profile, the unoptimized step (canonical), its peak and
+    breakdown, the forced plan's hash and simulated peak, and how many
+    times the model's forward ran, with the warm-up and the unoptimized
+    step in one (``merged``) or apart."""
+    from memscale.predictor._session import _Simulation
+
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    merges = _Simulation._merges
+    try:
+        if not merged:
+            _Simulation._merges = lambda self: False
+        with PredictionSession(model, x, optimizer, loss_fn=loss_fn, device=device) as session:
+            forwards = len(calls)
+            steps = session._steps
+            plan = session.plan(FORCE)
+            return (
+                session.profile,
+                _canonical(steps._unoptimized),
+                session.unoptimized_peak(),
+                steps._breakdown(steps._unoptimized),
+                plan.hash,
+                steps.simulated_peak(plan, FORCE),
+                steps._sim.step.optimizer_steps,
+            ), forwards
+    finally:
+        _Simulation._merges = merges
+        handle.remove()
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "llama", "frozen-first", "reversed"])
+def test_the_first_step_made_steady_is_the_steady_step_simulated(name, target):
+    """With AdamW, the warm-up and the unoptimized step are one tracked
+    step (one forward of the model): the steady step made from it, with
+    the gradients and the state it starts with and the recorded update,
+    is the one simulated apart, event for event (serials aside); the
+    profile, the peaks and the plan are the same.  Also for a CUDA target
+    simulated on the CPU (foreach AdamW, storages in the allocator's
+    blocks).  The CNN's batch norm and frozen-first's linear under
+    inference mode reach the modes whole: the profiler counts them by
+    their decompositions, run apart, and the step runs them whole.
+    "reversed": an optimizer holding the parameters last first (its
+    zero_grad frees the gradients in that order)."""
+    device = DeviceSpec("cuda", capacity_bytes=1 << 30) if target == "cuda" else None
+
+    def case():
+        if name == "frozen-first":
+            return (*_frozen_first(), None)
+        if name == "reversed":
+            model, x, loss_fn = _case("mlp")
+            return model, x, loss_fn, torch.optim.AdamW(list(model.parameters())[::-1])
+        return (*_case(name), None)
+
+    merged, once = _first_and_steady(*case(), merged=True, device=device)
+    apart, twice = _first_and_steady(*case(), merged=False, device=device)
+    assert merged == apart
+    assert (once, twice) == (1, 2)
+
+
+class _BuildsOnce(nn.Module):
+    """A layer that makes a table at its first forward and keeps it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.table = None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.ones(64, 32) * 2
+        return torch.relu(self.fc(x)) * self.table
+
+
+def _builds_once():
+    torch.manual_seed(0)
+    return nn.Sequential(_BuildsOnce(), nn.Linear(32, 32)), torch.randn(64, 32), None
+
+
+class _OneHot(nn.Module):
+    """Token ids made one-hot under inference mode (``aten.one_hot``
+    reaches the modes whole there, on the ids, real small values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 32)
+
+    def forward(self, ids):
+        with torch.inference_mode():
+            hot = nn.functional.one_hot(ids, 8).float()
+        return self.fc(hot.clone())
+
+
+def _one_hot():
+    torch.manual_seed(0)
+    return _OneHot(), torch.randint(0, 8, (64,)), None
+
+
+def _partly_optimized():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    optimizer = torch.optim.AdamW(model[1].parameters())
+    return model, torch.randn(64, 32), None, optimizer
+
+
+@pytest.mark.parametrize("case", ["builds-once", "partly-optimized", "one-hot"])
+def test_a_first_step_that_is_not_steady_is_simulated_apart(case):
+    """Where the first step is not a steady one but for the gradients and
+    the state (a layer keeps a table it made at its first forward; a
+    parameter gets a gradient the optimizer never frees; a call on real
+    values runs as its decomposition under the profiler, its pieces
+    tracked), the steady step is simulated after it (two forwards), the
+    same as with the warm-up apart."""
+
+    def make():
+        if case == "builds-once":
+            return (*_builds_once(), None)
+        if case == "partly-optimized":
+            return _partly_optimized()
+        return (*_one_hot(), None)
+
+    merged, forwards = _first_and_steady(*make(), merged=True)
+    apart, _ = _first_and_steady(*make(), merged=False)
+    assert forwards == 2
+    assert merged == apart

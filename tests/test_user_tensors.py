@@ -238,18 +238,21 @@ class CountingNet(nn.Module):
 
 
 @pytest.mark.parametrize("static", [True, False])
-def test_wrap_calls_forward_the_documented_number_of_times(static):
+@pytest.mark.parametrize("adam", [True, False])
+def test_wrap_calls_forward_the_documented_number_of_times(static, adam):
     """docs/api.md says how many times wrap(sample_input=...) runs the
     user's forward (Python-side counters see those calls): pinned here."""
     import pathlib
 
     docs = (pathlib.Path(__file__).parents[1] / "docs" / "api.md").read_text()
-    assert "**The model's `forward` is called twice** by `wrap`" in docs
-    assert "three times\n    with `use_static_profiling=False`" in docs
+    assert "**The model's `forward` is called once** by `wrap` with Adam or\n    AdamW" in docs
+    assert "twice with another optimizer" in docs
+    assert "once more with `use_static_profiling=False`" in docs
     model = CountingNet()
     config = memscale.Config(enable_logging=False, use_static_profiling=static)
-    memscale.wrap(model, config, sample_input=torch.randn(4, 32))
-    wrapped = 2 if static else 3
+    optimizer = None if adam else torch.optim.SGD(model.parameters(), lr=0.1)
+    memscale.wrap(model, config, sample_input=torch.randn(4, 32), optimizer=optimizer)
+    wrapped = (1 if adam else 2) + (0 if static else 1)
     assert model.calls == wrapped
     model(torch.randn(4, 32))
     assert model.calls == wrapped + 1  # training forwards are the user's own

@@ -172,12 +172,23 @@ class _Simulation:
                         prof.detach()
 
         try:
-            profiler = self.step.warm_up(_Pass)
+            if self._merges():
+                # The warm-up and the unoptimized step in one tracked step.
+                self._first = self.step.first_tracked(_Pass, [m for _, m in units])
+                profiler = holder["profiler"]
+            else:
+                profiler = self.step.warm_up(_Pass)
             return self.read_profile(profiler, units, holder.get("ops"))
         finally:
             # The class and its methods are a cycle that refers to the
             # holder: let the recording go with the last reference to it.
             holder.clear()
+
+    def _merges(self) -> bool:
+        """Whether the warm-up is also the unoptimized step
+        (``Step.first_tracked``): the optimizer's first update is a steady
+        one, and no step in backward changes the steps after it."""
+        return self.step.first_update_is_steady() and not self.floor.step_in_backward
 
     def __exit__(self, *exc: Any) -> None:
         in_backward = self.__dict__.pop("in_backward", None)
@@ -192,6 +203,12 @@ class _Simulation:
             _verify.set_rng_state(self._rng)
 
     def unoptimized(self) -> Trace:
+        """The unoptimized steady-state step: the one the warm-up made
+        (``Step.first_tracked``) the first time it is asked for, if it
+        made one; simulated otherwise."""
+        first = self.__dict__.pop("_first", None)
+        if first is not None:
+            return first
         return self.step.tracked([], [m for _, m in self.units])
 
     def under(self, plan: Any, config: Config, hardware: Hardware) -> Trace:

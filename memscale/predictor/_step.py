@@ -4,6 +4,7 @@ forward, loss, backward, optimizer step) with its events."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import inspect
@@ -185,6 +186,9 @@ class Trace:
 # the first tracked step, and recorded there.
 _FIRST_UPDATE_IS_STEADY = (torch.optim.Adam, torch.optim.AdamW)
 
+# The phases a tracked step marks, in order (Step.run).
+_PHASES = ("start", "forward", "backward", "optimizer", "end")
+
 
 class Step:
     """One simulated training step at a time over a FakeWorld."""
@@ -239,19 +243,27 @@ class Step:
             for p in self.world.params:
                 p.grad = None
 
-    def run(self, tracker: Any) -> None:
+    def run(
+        self,
+        tracker: Any,
+        on_forward: Callable[[Any], Any] | None = None,
+        update: bool = True,
+    ) -> None:
         """zero_grad, forward, loss, backward, optimizer step, each phase
-        marked in ``tracker``'s events."""
+        marked in ``tracker``'s events.  The forward runs inside
+        ``on_forward(tracker)`` when given (the profiler's pass); without
+        ``update`` the optimizer phase is left empty."""
         self._zero_grad()
         tracker.set_phase("forward")
         with torch.enable_grad():
-            output = self.world.model(*self.args, **self.kwargs)
+            with on_forward(tracker) if on_forward is not None else contextlib.nullcontext():
+                output = self.world.model(*self.args, **self.kwargs)
             loss = self._loss(output)
             del output
             tracker.set_phase("backward")
             loss.backward()
         tracker.set_phase("optimizer")
-        if self.optimizer is not None:
+        if update and self.optimizer is not None:
             if self.optimizer_replay is not None:
                 tracker.replay(self.optimizer_replay)
             else:
@@ -295,12 +307,7 @@ class Step:
             for p in self.world.params:
                 if p.requires_grad and id(p) in reached:
                     p.grad = torch.zeros_like(p)
-            recorded = (
-                self.optimizer is not None
-                and self.replays_optimizer
-                and not self.state_made_in_step
-                and type(self.optimizer) in _FIRST_UPDATE_IS_STEADY
-            )
+            recorded = self.first_update_is_steady()
             if self.optimizer is not None and not recorded:
                 with self.world.small.narrowed():
                     self.optimizer.step()
@@ -309,6 +316,147 @@ class Step:
         if self.optimizer is not None:
             self.optimizer_steps += 1
         return result
+
+    def first_update_is_steady(self) -> bool:
+        """Whether the optimizer's first update, tracked, less the state it
+        makes, is the steady-state update (``_FIRST_UPDATE_IS_STEADY``)."""
+        return (
+            self.optimizer is not None
+            and self.replays_optimizer
+            and not self.state_made_in_step
+            and type(self.optimizer) in _FIRST_UPDATE_IS_STEADY
+        )
+
+    def first_tracked(
+        self, on_forward: Callable[[Any], Any], marked: list[nn.Module]
+    ) -> Trace | None:
+        """The warm-up and the unoptimized step in one (for an optimizer
+        whose first update is a steady one, :meth:`first_update_is_steady`):
+        the first step tracked, its forward inside ``on_forward(tracker)``
+        (the profiler's pass, as :meth:`warm_up` runs it) and its backward
+        making the gradients; then the first update, recorded
+        (:meth:`_first_update_recorded`: the state made).  What it returns
+        is the steady-state step made from the first one
+        (:meth:`_steady_from_first`), or None where the first step is not
+        a steady one but for the gradients and the state it starts with
+        (then the caller simulates one)."""
+        first = self.tracked([], marked, on_forward=on_forward, update=False)
+        self._first_update_recorded()
+        self.optimizer_steps += 1
+        return self._steady_from_first(first)
+
+    def _steady_from_first(self, first: Trace) -> Trace | None:
+        """The steady-state step's trace, made from the first step's
+        (``first``, tracked without its update): a steady step starts with
+        the gradients of the step before (as the first one's backward made
+        them) and the optimizer's state, after the parameters and buffers
+        and before the inputs (:meth:`existing`); its zero_grad frees the
+        gradients, in the optimizer's order, before its forward; and its
+        update is the recorded one, where the first step's optimizer phase
+        starts.  Sizes as a tracker counts them on the predicted device.
+
+        None where the first step is not a steady one but for those: a
+        call ran as its decomposition; it made something it still holds
+        at its end that is not a gradient (a cache a layer builds once); a
+        parameter it gave a gradient is not the optimizer's (its gradient
+        would grow, not be freed and made again); a gradient shares a
+        storage; or its start is not what a steady step's starts with."""
+        tr = first.tracker
+        if tr.decomposed or [p for _, p in tr.phase_marks] != list(_PHASES):
+            return None
+        forward_at = tr.phase_marks[1][0]
+        update_at = tr.phase_marks[3][0]
+        steady = self._tracker(self.world.small)
+        try:
+            for t in self.world.params + self.world.buffers:
+                steady.track(t, "parameters")
+            params_end = len(steady.events)
+            grads = [p for p in self.world.params if p.grad is not None]
+            for grad in [p.grad for p in grads if p.grad is not None]:
+                steady.track(grad, "gradients")
+            grads_end = len(steady.events)
+            for t in self.optimizer_state():
+                steady.track(t, "optimizer_state")
+            state_end = len(steady.events)
+            for t in tensors_in((self.args, self.kwargs)):
+                steady.track(t, "inputs")
+            start = steady.events[:params_end] + steady.events[state_end:]
+            if [d for _, d in tr.events[:forward_at]] != [d for _, d in start]:
+                return None
+            assert self.optimizer is not None
+            order = [p for group in self.optimizer.param_groups for p in group["params"]]
+            if {id(p) for p in grads} - {id(p) for p in order}:
+                return None
+            made = {serial for serial, _ in steady.events[params_end:grads_end]}
+            frees: list[int] = []
+            for p in order:
+                if p.grad is not None:
+                    serial = steady.serial_of(p.grad)
+                    if serial not in made or serial in frees:
+                        return None
+                    frees.append(serial)
+        finally:
+            steady.close()
+        started = {serial for serial, _ in tr.events[:forward_at]}
+        for serial, size in enumerate(tr.sizes):
+            if size and serial not in started and first.recategorize.get(serial) != "gradients":
+                return None
+        # The steady start's gradients and state, as serials of the first
+        # step's tracker.
+        adopted: dict[int, int] = {}
+        for serial, _ in steady.events[params_end:state_end]:
+            adopted[serial] = len(tr.sizes)
+            tr.sizes.append(steady.sizes[serial])
+            tr.sizes_at_birth.append(steady.sizes_at_birth[serial])
+            tr.categories.append(steady.categories[serial])
+        born = [(adopted[serial], delta) for serial, delta in steady.events[params_end:state_end]]
+        freed = []
+        for serial in frees:
+            freed.append((adopted[serial], -steady.sizes[serial]))
+            tr.sizes[adopted[serial]] = 0
+        assert self.optimizer_replay is not None
+        update = self.optimizer_replay
+        base = len(tr.sizes)
+        tr.sizes += [0] * len(update.sizes_at_birth)
+        tr.sizes_at_birth += update.sizes_at_birth
+        tr.categories += update.categories
+        replayed = [(base + serial, delta) for serial, delta in update.events]
+        inserts = ((params_end, born), (forward_at, freed), (update_at, replayed))
+
+        def moved(at: int, after: bool = True) -> int:
+            """Where old event index ``at`` is now (``after``: past what
+            was put in at that very index)."""
+            return at + sum(len(e) for where, e in inserts if where < at or (where == at and after))
+
+        events = tr.events
+        tr.events = (
+            events[:params_end]
+            + born
+            + events[params_end:forward_at]
+            + freed
+            + events[forward_at:update_at]
+            + replayed
+            + events[update_at:]
+        )
+        # The update's phase mark stays before what it put in; every
+        # other mark moves past what was put in where it is.
+        tr.phase_marks = [
+            (0 if name == "start" else moved(at, name != "optimizer"), name)
+            for at, name in tr.phase_marks
+        ]
+        tr.forward_marks = [(moved(at), m) for at, m in tr.forward_marks]
+        tr.recompute_marks = [(moved(at), m) for at, m in tr.recompute_marks]
+        if tr.kernel_calls is not None:
+            # (a call's index is where its outputs were made: what came in
+            # at that index came after it)
+            calls = [(moved(at, False), sig, got) for at, sig, got in tr.kernel_calls]
+            at_update = moved(update_at, False)
+            calls += [
+                (at_update + i, sig, tuple(None if s is None else base + s for s in got))
+                for i, sig, got in update.kernel_calls
+            ]
+            tr.kernel_calls = sorted(calls, key=lambda call: call[0])
+        return first
 
     def optimizer_state(self) -> list[torch.Tensor]:
         """The optimizer's state tensors (or the estimated stand-ins)."""
@@ -376,6 +524,8 @@ class Step:
         marked: list[nn.Module] | None = None,
         joining: list[nn.Module] | None = None,
         nested: list[list[nn.Module]] | None = None,
+        on_forward: Callable[[Any], Any] | None = None,
+        update: bool = True,
     ) -> Trace:
         """Run one step under a StorageTracker; what it recorded.  The
         forwards of the ``marked`` units (outermost calls, in the forward
@@ -526,8 +676,10 @@ class Step:
                             tracker.track(t, "optimizer_state")
 
             tracker.on_phase = on_phase
+            if on_forward is not None:
+                tracker.flops = FlopTally()
             with tracker:
-                self.run(tracker)
+                self.run(tracker, on_forward, update)
                 nest_kept.clear()
                 held.clear()
                 done.clear()

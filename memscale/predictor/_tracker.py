@@ -174,12 +174,60 @@ class FlopTally:
             self.total += flops
 
 
+class _Profiled(_DispatchMode):
+    """A mode that may carry the profiler's pass (the warm-up's forward):
+    ``flops``, the pass's FLOP counter, counts each call while on, and
+    ``recorder`` (memscale._selective.OpRecorder, made with
+    as_mode=False) is handed each call as a mode of its own right above
+    this one would see it: every call but the pieces of a decomposition.
+    One mode fewer for torch to hand every call (and every prim.device
+    query) to."""
+
+    def __init__(self, flops: FlopTally | None = None) -> None:
+        super().__init__()
+        self.flops = flops
+        self.recorder: Any = None
+        self._decomposing = 0
+        # Whether a call ran as its decomposition (FlopCounterMode's way
+        # with one that reaches the modes whole, under inference mode).
+        self.decomposed = False
+
+    def _decompose(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """While the FLOP counter is on, a call FlopCounterMode would run
+        as its decomposition, run so (its pieces come back through this
+        mode) and recorded whole; NotImplemented otherwise."""
+        flops = self.flops
+        if flops is None or not flops.on or not flops.decomposes(func):
+            return NotImplemented
+        self._decomposing += 1
+        try:
+            with self:
+                out = func.decompose(*args, **kwargs)
+        finally:
+            self._decomposing -= 1
+        if out is not NotImplemented:
+            self.decomposed = True
+            if self.recorder is not None and not self._decomposing:
+                self.recorder.record(func, args, kwargs, out)
+        return out
+
+    def _profile(self, func: Any, args: Any, kwargs: Any, out: Any, count: bool = True) -> None:
+        """A call as the profiler's pass counts (unless counted already)
+        and records it."""
+        flops = self.flops
+        if count and flops is not None and flops.on:
+            flops.count(func, args, kwargs, out)
+        if self.recorder is not None and not self._decomposing:
+            self.recorder.record(func, args, kwargs, out)
+
+
 @_torch_compat.guard_dispatch
-class FakeCaller(_DispatchMode):
+class FakeCaller(_Profiled):
     """A dispatch mode that calls every operator as the storage tracker
     does (``calls``: FakeTensorMode's cache through a cheaper key; the
     fake tensors' ``prim.device`` answered directly), tracking nothing:
-    the untracked warm-up runs under it, below the profiler's modes."""
+    the untracked warm-up runs under it, and the profiler's pass with it
+    (:class:`_Profiled`)."""
 
     def __init__(
         self,
@@ -187,19 +235,10 @@ class FakeCaller(_DispatchMode):
         small: SmallValues | None = None,
         flops: FlopTally | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(flops)
         self._calls = calls
         self._fake_device = _torch_compat.fake_device_reader()
         self._small = small if small is not None else SmallValues(None, 0)
-        # Counts each call's FLOPs while entered (the profiler's pass).
-        self.flops = flops
-        # The profiler's op recorder (memscale._selective.OpRecorder, made
-        # with as_mode=False), handed each call as the mode it would be,
-        # right above this one, would see it: every call but the pieces of
-        # a decomposition; None: none.  One mode fewer for torch to hand
-        # every call (and every prim.device query) to.
-        self.recorder: Any = None
-        self._decomposing = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and self._fake_device is not None and len(args) == 1:
@@ -207,18 +246,9 @@ class FakeCaller(_DispatchMode):
             if device is not None:
                 return device
         kwargs = kwargs or {}
-        flops = self.flops
-        if flops is not None and flops.on and flops.decomposes(func):
-            # As FlopCounterMode runs it: its pieces come back through here.
-            self._decomposing += 1
-            try:
-                with self:
-                    out = func.decompose(*args, **kwargs)
-            finally:
-                self._decomposing -= 1
+        if self.flops is not None:
+            out = self._decompose(func, args, kwargs)
             if out is not NotImplemented:
-                if self.recorder is not None and not self._decomposing:
-                    self.recorder.record(func, args, kwargs, out)
                 return out
         if self._small.all_real(args, kwargs):
             out = self._small.run(func, args, kwargs)
@@ -226,17 +256,33 @@ class FakeCaller(_DispatchMode):
             out = func(*args, **kwargs)
         else:
             out = self._calls(func, args, kwargs)
-        if flops is not None and flops.on:
-            flops.count(func, args, kwargs, out)
-        if self.recorder is not None and not self._decomposing:
-            self.recorder.record(func, args, kwargs, out)
+        self._profile(func, args, kwargs, out)
         return out
 
 
+def _counted_apart(mode: StorageTracker, func: Any, args: Any, kwargs: Any) -> bool:
+    """While ``mode``'s FLOP counter is on, a call FlopCounterMode would
+    run as its decomposition, with fake tensors only: its pieces run apart
+    (through a caller of their own, which counts them, below ``mode``:
+    untracked, and no real value written twice), so that the call itself
+    runs whole, as every other step runs it.  False: not such a call (or
+    its decomposition declined)."""
+    flops = mode.flops
+    if flops is None or not flops.on or not flops.decomposes(func):
+        return False
+    if not all(_torch_compat.is_fake(t) for t in tensor_list((args, kwargs))):
+        return False
+    with FakeCaller(mode._calls, mode._small, flops):
+        out = func.decompose(*args, **kwargs)
+    return out is not NotImplemented
+
+
 @_torch_compat.guard_dispatch
-class StorageTracker(_DispatchMode):
+class StorageTracker(_Profiled):
     """Registers the storage of every tensor an operator returns and
-    records an event when it is allocated and when it is freed."""
+    records an event when it is allocated and when it is freed.  It may
+    carry the profiler's pass (:class:`_Profiled`: the first step's
+    forward, :meth:`Step.first_tracked`)."""
 
     def __init__(
         self,
@@ -565,6 +611,13 @@ class StorageTracker(_DispatchMode):
             # snapshot back, as it does in a real step.
             return False
         kwargs = kwargs or {}
+        counted = False
+        if self.flops is not None:  # the profiler's pass
+            counted = _counted_apart(self, func, args, kwargs)
+            if not counted:
+                out = self._decompose(func, args, kwargs)
+                if out is not NotImplemented:
+                    return out
         if self._kept:
             self._settle()
         held = self._numbers(func, args) if self.count_numbers and self.active else None
@@ -574,6 +627,8 @@ class StorageTracker(_DispatchMode):
             out = self._calls(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
+        if self.flops is not None:
+            self._profile(func, args, kwargs, out, count=not counted)
         if self.active:
             # Most operators return one tensor: no walk through a tree.
             serials = (
