@@ -1026,7 +1026,9 @@ def _first_and_steady(model, x, loss_fn, optimizer, merged, device=None):
 
 
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
-@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "llama", "frozen-first", "reversed"])
+@pytest.mark.parametrize(
+    "name", ["mlp", "cnn", "gpt2", "llama", "frozen-first", "reversed", "first-call"]
+)
 def test_the_first_step_made_steady_is_the_steady_step_simulated(name, target):
     """With AdamW, the warm-up and the unoptimized step are one tracked
     step (one forward of the model): the steady step made from it, with
@@ -1038,7 +1040,9 @@ def test_the_first_step_made_steady_is_the_steady_step_simulated(name, target):
     inference mode reach the modes whole: the profiler counts them by
     their decompositions, run apart, and the step runs them whole.
     "reversed": an optimizer holding the parameters last first (its
-    zero_grad frees the gradients in that order)."""
+    zero_grad frees the gradients in that order); "first-call": the
+    forward's first call is a conv kernel's that makes nothing (its
+    scratch counted after zero_grad's frees)."""
     device = DeviceSpec("cuda", capacity_bytes=1 << 30) if target == "cuda" else None
 
     def case():
@@ -1047,6 +1051,9 @@ def test_the_first_step_made_steady_is_the_steady_step_simulated(name, target):
         if name == "reversed":
             model, x, loss_fn = _case("mlp")
             return model, x, loss_fn, torch.optim.AdamW(list(model.parameters())[::-1])
+        if name == "first-call":
+            torch.manual_seed(0)
+            return _FirstCall(), torch.randn(2, 3, 8, 8), lambda out: out, None
         return (*_case(name), None)
 
     merged, once = _first_and_steady(*case(), merged=True, device=device)
@@ -1093,6 +1100,39 @@ def _one_hot():
     return _OneHot(), torch.randint(0, 8, (64,)), None
 
 
+class _SetUpOnce(nn.Module):
+    """Scales its input by statistics of its first batch, worked out with
+    a large temporary at its first forward only (a flag, no tensor, says
+    it is done: Glow's ActNorm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.loc = nn.Parameter(torch.zeros(32))
+        self.fc = nn.Linear(32, 32)
+        self.ready = False
+
+    def forward(self, x):
+        if not self.ready:
+            with torch.no_grad():
+                big = x.unsqueeze(0).expand(16, -1, -1).contiguous()
+                self.loc.copy_(-big.mean((0, 1)))
+            self.ready = True
+        return self.fc(x + self.loc)
+
+
+class _FirstCall(nn.Module):
+    """A conv whose first call in forward returns nothing (a workspace
+    kernel's call at the very start of the forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        self.c(x[:0])
+        return self.c(x).pow(2).mean()
+
+
 def _partly_optimized():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
@@ -1100,23 +1140,149 @@ def _partly_optimized():
     return model, torch.randn(64, 32), None, optimizer
 
 
-@pytest.mark.parametrize("case", ["builds-once", "partly-optimized", "one-hot"])
+@pytest.mark.parametrize("case", ["builds-once", "partly-optimized", "one-hot", "set-up-once"])
 def test_a_first_step_that_is_not_steady_is_simulated_apart(case):
     """Where the first step is not a steady one but for the gradients and
     the state (a layer keeps a table it made at its first forward; a
     parameter gets a gradient the optimizer never frees; a call on real
     values runs as its decomposition under the profiler, its pieces
-    tracked), the steady step is simulated after it (two forwards), the
-    same as with the warm-up apart."""
+    tracked; a layer sets itself up at its first forward, with a flag),
+    the steady step is simulated after it (two forwards), the same as
+    with the warm-up apart."""
 
     def make():
         if case == "builds-once":
             return (*_builds_once(), None)
         if case == "partly-optimized":
             return _partly_optimized()
+        if case == "set-up-once":
+            torch.manual_seed(0)
+            return _SetUpOnce(), torch.randn(64, 32), None, None
         return (*_one_hot(), None)
 
     merged, forwards = _first_and_steady(*make(), merged=True)
     apart, _ = _first_and_steady(*make(), merged=False)
     assert forwards == 2
     assert merged == apart
+
+
+def _state_of(optimizer):
+    """Each parameter's state: keys, layouts, fake or real, and the step
+    counters' values (read past the fake mode)."""
+    out = []
+    with torch._C._DisableTorchDispatch():
+        for state in optimizer.state.values():
+            out.append(
+                [
+                    (
+                        k,
+                        (tuple(v.shape), v.stride(), v.dtype, str(v.device), type(v).__name__)
+                        + ((float(v),) if type(v) is torch.Tensor else ()),
+                    )
+                    if isinstance(v, torch.Tensor)
+                    else (k, v)
+                    for k, v in state.items()
+                ]
+            )
+    return out
+
+
+def _deep_chain(depth=40):
+    torch.manual_seed(0)
+    blocks = []
+    for i in range(depth):
+        blocks += [nn.Linear(16, 16 if i % 3 else 24), nn.Linear(16 if i % 3 else 24, 16)]
+        blocks.append(nn.LayerNorm(16))
+    return nn.Sequential(*blocks), torch.randn(64, 16), None
+
+
+def _update_groups(model, **settings):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    other = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return [{"params": decay}, {"params": other, "weight_decay": 0.0, **settings}]
+
+
+_UPDATES = {
+    "adamw": lambda m: torch.optim.AdamW(m.parameters()),
+    "adam": lambda m: torch.optim.Adam(m.parameters(), weight_decay=0.01),
+    "amsgrad": lambda m: torch.optim.AdamW(m.parameters(), amsgrad=True),
+    "maximize": lambda m: torch.optim.AdamW(m.parameters(), maximize=True, weight_decay=0),
+    "groups": lambda m: torch.optim.AdamW(_update_groups(m, lr=1e-4)),
+    "cuda-for-loop": lambda m: torch.optim.AdamW(m.parameters(), foreach=False),
+}
+
+
+@pytest.mark.parametrize("model", ["chain", "gpt2"])
+@pytest.mark.parametrize("update", sorted(_UPDATES))
+def test_the_update_recorded_from_a_few_parameters_is_the_whole_update(model, update):
+    """torch's one-parameter-at-a-time Adam loop, run over a few of a deep
+    model's parameters and spliced (memscale/predictor/_update.py): the
+    steady update's events and every parameter's state are those of the
+    whole first update, run over every parameter; so are the unoptimized
+    step and its peak, and a step that runs the optimizer again on that
+    state (and the state after it).  AdamW and Adam, amsgrad, maximize, two groups, and
+    a CUDA target (for-loop AdamW there, storages in the allocator's
+    blocks)."""
+    from memscale.predictor import _update
+
+    device = DeviceSpec("cuda", capacity_bytes=1 << 30) if update == "cuda-for-loop" else None
+    used = []
+    recorded = _update.recorded_update
+
+    def spy(*args, **kwargs):
+        out = recorded(*args, **kwargs)
+        used.append(out is not None)
+        return out
+
+    def run(reduce):
+        if model == "chain":
+            m, x, loss_fn = _deep_chain()
+        else:
+            m, x, loss_fn = _case("gpt2")
+        with contextlib.ExitStack() as stack:
+            mp = stack.enter_context(pytest.MonkeyPatch.context())
+            mp.setattr(_update, "recorded_update", spy if reduce else lambda *a, **k: None)
+            session = stack.enter_context(
+                PredictionSession(m, x, _UPDATES[update](m), loss_fn=loss_fn, device=device)
+            )
+            steps = session._steps
+            step = steps._sim.step
+            replay = step.optimizer_replay
+            state = _state_of(step.optimizer)
+            # A step under a plan with the optimizer run again, on the
+            # state the first update left (copies, where spliced).
+            plan = session.plan(FORCE)
+            step.optimizer_replay, step.replays_optimizer = None, False
+            again = steps._sim.under(plan, FORCE, steps.hardware)
+            return (
+                replay,
+                state,
+                _canonical(steps._unoptimized),
+                session.unoptimized_peak(),
+                _canonical(again),
+                _state_of(step.optimizer),
+            )
+
+    reduced = run(True)
+    assert used == [True]
+    assert reduced == run(False)
+    assert reduced[0].events
+
+
+def test_an_update_the_splice_does_not_know_runs_whole():
+    """Only torch's own Adam and AdamW, each group's loop one parameter at
+    a time, with number settings, are recorded from a few parameters."""
+    from memscale.predictor._update import supported
+
+    params = [nn.Parameter(torch.zeros(2))]
+    assert supported(torch.optim.AdamW(params, foreach=False))
+    assert not supported(torch.optim.AdamW(params, foreach=True))
+    assert not supported(torch.optim.AdamW(params))  # foreach unset: torch decides
+    assert not supported(torch.optim.AdamW(params, foreach=False, capturable=True))
+    assert not supported(torch.optim.Adam(params, foreach=False, lr=torch.tensor(0.1)))
+    assert not supported(torch.optim.SGD(params, lr=0.1, foreach=False))
+
+    class Mine(torch.optim.AdamW):
+        pass
+
+    assert not supported(Mine(params, foreach=False))

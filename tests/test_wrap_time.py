@@ -376,6 +376,8 @@ def test_a_tensor_alone_gets_the_twin_the_converter_makes():
 
     def tensors():
         torch.manual_seed(0)
+        with torch.inference_mode():
+            inference = torch.ones(3)
         return {
             "contiguous": nn.Parameter(torch.randn(4, 8)),
             "transposed": nn.Parameter(torch.randn(8, 4).t()),
@@ -388,6 +390,7 @@ def test_a_tensor_alone_gets_the_twin_the_converter_makes():
             "expanded": torch.randn(1, 4).expand(3, 4),
             "tail": torch.randn(10)[:5],
             "offset": torch.randn(10)[2:],
+            "inference": inference,
         }
 
     def twins(fast):
@@ -400,7 +403,7 @@ def test_a_tensor_alone_gets_the_twin_the_converter_makes():
                 model.register_buffer(name, t)
         alone = _fake._alone
         if not fast:
-            _fake._alone = lambda m: set()
+            _fake._alone = lambda *args: set()
         try:
             with FakeWorld(model, torch.device("cpu")) as world:
                 found = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -414,11 +417,47 @@ def test_a_tensor_alone_gets_the_twin_the_converter_makes():
     fast, whole = twins(True)
     converted, _ = twins(False)
     assert fast == converted
-    assert [n for n, w in whole.items() if not w] == ["tail", "offset"]
+    assert [n for n, w in whole.items() if not w] == ["tail", "offset", "inference"]
     assert not _fake._whole_storage(torch.randn(2, 2, dtype=torch.cfloat).conj())
     shared = nn.Linear(2, 2)
     shared.register_buffer("alias", shared.weight.detach())
     assert _fake._alone(shared) == {id(shared.bias)}
+    shared.kept = [shared.bias[:1]]  # a plain attribute viewing the bias
+    assert _fake._alone(shared) == set()
+    del shared.kept
+    assert _fake._alone(shared, ({"x": shared.bias.view(2, 1)},)) == set()
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.register_buffer("mask", torch.zeros(64, 64))
+
+    def forward(self, x, mask):
+        return (self.fc(x) @ mask[0]).pow(2).mean()
+
+
+def test_an_input_that_views_a_buffer_shares_its_twin():
+    """An input that is a view of a buffer (or parameter) is faked onto
+    the storage of that buffer's twin, as the converter does: its bytes
+    count once, with the buffers, the same as with every twin converted."""
+    from memscale.predictor import _fake
+
+    def breakdown(fast):
+        torch.manual_seed(0)
+        model = _Masked()
+        with pytest.MonkeyPatch.context() as mp:
+            if not fast:
+                mp.setattr(_fake, "_alone", lambda *args: set())
+            x = (torch.randn(8, 64), model.mask[None])
+            with _planner.PredictionSession(model, x, loss_fn=lambda out: out) as session:
+                steps = session._steps
+                return steps._breakdown(steps._unoptimized)
+
+    fast = breakdown(True)
+    assert fast == breakdown(False)
+    assert fast.inputs < 64 * 64 * 4
 
 
 def test_the_fake_parameters_are_made_through_the_cheaper_key(monkeypatch):

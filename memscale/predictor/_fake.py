@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import _model, _torch_compat
 from .._smallvalues import REAL_VALUE_LIMIT, SmallValues
+from .._tree import tensors_in
 from ._tracker import FakeCaller
 
 __all__ = ["REAL_VALUE_LIMIT", "FakeWorld"]
@@ -27,7 +28,7 @@ class FakeWorld:
     the real ones back on exit.  Also converts inputs, and keeps the model
     in training mode while it lasts."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, inputs: Any = ()) -> None:
         fake = _torch_compat.fake_tensor_mode(
             allow_non_fake_inputs=True, allow_fallback_kernels=False
         )
@@ -45,6 +46,8 @@ class FakeWorld:
         self._caller = FakeCaller(self.calls)
         self.model = model
         self.device = device
+        # The inputs it will fake (what may view a parameter or buffer).
+        self._inputs = inputs
         self._memo: dict[int, torch.Tensor] = {}
         self._real_copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # What of this world's passes runs for real (memscale._smallvalues).
@@ -100,6 +103,18 @@ class FakeWorld:
         self._keep.append(t)  # its id stays unique while it is in the memo
         return out
 
+    def state_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A new tensor like ``t``, an optimizer's state tensor: a fake one
+        of the same layout (through the fake-call memo) for a fake ``t``;
+        for a real one (a step counter, a small value) a real copy the
+        pass's calls may write, as the one made in the pass is."""
+        if self._is_fake(t):
+            with self._caller:
+                return torch.empty_strided(
+                    tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device
+                )
+        return self.small.real_copy(t)
+
     def fake_tree(self, obj: Any) -> Any:
         """``obj`` with its tensors faked but the small values that stay
         real (:mod:`memscale._smallvalues`): real copies of those, made
@@ -132,7 +147,7 @@ class FakeWorld:
         try:
             seen_p: set[int] = set()
             seen_b: set[int] = set()
-            alone = _alone(self.model)
+            alone = _alone(self.model, self._inputs)
             for module in self.model.modules():
                 self._training.append((module, module.training))
             self._attrs = _model.attributes(self.model)
@@ -188,13 +203,32 @@ class FakeWorld:
         self._attrs.clear()
 
 
-def _alone(model: nn.Module) -> set[int]:
+def _alone(model: nn.Module, inputs: Any = ()) -> set[int]:
     """ids of the parameters and buffers of ``model`` whose storage no
-    other of them shares (a tied weight is one tensor: alone)."""
+    other tensor the world may fake shares: none of the others, no tensor
+    a module keeps in a plain attribute, none of ``inputs`` (a tied weight
+    is one tensor: alone).  The converter gives such a view the storage of
+    the twin it made; a twin made apart would not be it."""
     holders: dict[int, set[int]] = {}
     for t in (*model.parameters(), *model.buffers()):
         if t.layout is torch.strided and not t.is_meta:
             holders.setdefault(_torch_compat.storage_key(t), set()).add(id(t))
+    others = [inputs]
+    for module in model.modules():
+        others += [
+            v
+            for k, v in vars(module).items()
+            if k not in ("_parameters", "_buffers", "_modules") and not k.endswith("hooks")
+        ]
+    try:
+        viewers = list(tensors_in(others))
+    except RecursionError:  # an attribute that holds itself: trust none
+        return set()
+    for t in viewers:
+        if t.layout is torch.strided and not t.is_meta:
+            ids = holders.get(_torch_compat.storage_key(t))
+            if ids is not None and id(t) not in ids:
+                ids.add(id(t))
     return {ids.pop() for ids in holders.values() if len(ids) == 1}
 
 
@@ -206,6 +240,8 @@ def _whole_storage(t: torch.Tensor) -> bool:
     if type(t) not in (torch.Tensor, nn.Parameter) or t.layout is not torch.strided:
         return False
     if t.is_meta or t.is_quantized or t.is_conj() or t.is_neg() or t.storage_offset():
+        return False
+    if t.is_inference():  # (an empty_strided twin would not be one)
         return False
     if t.requires_grad and not t.is_leaf:
         return False

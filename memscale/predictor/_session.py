@@ -64,7 +64,7 @@ class _Simulation:
 
     def __enter__(self) -> _Simulation:
         self._rng = _verify.rng_state()  # a model may draw from any stream
-        self.world = FakeWorld(self.model, self.device)
+        self.world = FakeWorld(self.model, self.device, self.sample_input)
         self.world.__enter__()
         try:
             args, kwargs = _model.split_input(self.sample_input)

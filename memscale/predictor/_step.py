@@ -17,6 +17,7 @@ from torch import nn
 
 from .. import _model, _selective, _torch_compat
 from .._tree import tensors_in
+from . import _update
 from ._fake import FakeWorld
 from ._results import PeakBreakdown
 from ._tracker import FakeCaller, FlopTally, Recording, StorageTracker
@@ -146,6 +147,28 @@ def estimated_state(
     want = _model.optimizer_state_bytes(model, optimizer)
     copies = round(want / per) if per else 0
     return [torch.empty_like(p) for _ in range(copies) for p in trainable]
+
+
+_TABLES = ("_parameters", "_buffers", "_modules")
+
+
+def _module_state(model: nn.Module) -> list[tuple[nn.Module, list[dict[str, Any]]]]:
+    """Each module's plain attributes and tables as they are now (for
+    :func:`_same_module_state`)."""
+    return [
+        (m, [dict(vars(m)), *(dict(getattr(m, table)) for table in _TABLES)])
+        for m in model.modules()
+    ]
+
+
+def _same_module_state(before: list[tuple[nn.Module, list[dict[str, Any]]]]) -> bool:
+    """Whether every module of ``before`` holds the same objects in its
+    plain attributes and tables as then (none added, removed or rebound)."""
+    for m, (attrs, *tables) in before:
+        for now, then in zip([vars(m), *(getattr(m, t) for t in _TABLES)], [attrs, *tables]):
+            if now.keys() != then.keys() or any(now[k] is not v for k, v in then.items()):
+                return False
+    return True
 
 
 def _leaves_reached(loss: torch.Tensor) -> set[int]:
@@ -340,10 +363,15 @@ class Step:
         (:meth:`_steady_from_first`), or None where the first step is not
         a steady one but for the gradients and the state it starts with
         (then the caller simulates one)."""
+        before = _module_state(self.world.model)
         first = self.tracked([], marked, on_forward=on_forward, update=False)
+        # A forward that changed a module's Python state (a flag set at the
+        # first call, a counter, a buffer or module made or rebound) may
+        # run otherwise at the next call: the next one is simulated.
+        steady = _same_module_state(before)
         self._first_update_recorded()
         self.optimizer_steps += 1
-        return self._steady_from_first(first)
+        return self._steady_from_first(first) if steady else None
 
     def _steady_from_first(self, first: Trace) -> Trace | None:
         """The steady-state step's trace, made from the first step's
@@ -360,7 +388,9 @@ class Step:
         at its end that is not a gradient (a cache a layer builds once); a
         parameter it gave a gradient is not the optimizer's (its gradient
         would grow, not be freed and made again); a gradient shares a
-        storage; or its start is not what a steady step's starts with."""
+        storage; its start is not what a steady step's starts with; or the
+        update was not recorded.  (:meth:`first_tracked` also gives None
+        where the forward changed a module's Python state.)"""
         tr = first.tracker
         if tr.decomposed or [p for _, p in tr.phase_marks] != list(_PHASES):
             return None
@@ -414,8 +444,9 @@ class Step:
         for serial in frees:
             freed.append((adopted[serial], -steady.sizes[serial]))
             tr.sizes[adopted[serial]] = 0
-        assert self.optimizer_replay is not None
         update = self.optimizer_replay
+        if update is None:
+            return None
         base = len(tr.sizes)
         tr.sizes += [0] * len(update.sizes_at_birth)
         tr.sizes_at_birth += update.sizes_at_birth
@@ -447,9 +478,10 @@ class Step:
         tr.forward_marks = [(moved(at), m) for at, m in tr.forward_marks]
         tr.recompute_marks = [(moved(at), m) for at, m in tr.recompute_marks]
         if tr.kernel_calls is not None:
-            # (a call's index is where its outputs were made: what came in
-            # at that index came after it)
-            calls = [(moved(at, False), sig, got) for at, sig, got in tr.kernel_calls]
+            # (a call's index is where its outputs were made: a forward call
+            # comes after zero_grad's frees, a backward one before the
+            # update)
+            calls = [(moved(at, at != update_at), sig, got) for at, sig, got in tr.kernel_calls]
             at_update = moved(update_at, False)
             calls += [
                 (at_update + i, sig, tuple(None if s is None else base + s for s in got))
@@ -497,24 +529,38 @@ class Step:
         a steady-state step's (``_FIRST_UPDATE_IS_STEADY``), kept as
         :attr:`optimizer_replay`.  The step counters are real, as the
         untracked warm-up makes them (small values narrowed to one
-        element)."""
-        tracker = self._tracker(self.world.small)
-        for t in self.world.params + self.world.buffers:
-            tracker.track(t, "parameters")
-        for p in self.world.params:
-            if p.grad is not None:
-                tracker.track(p.grad, "gradients")
-        tracker.set_phase("optimizer")
+        element).  torch's one-parameter-at-a-time Adam loop on a deep
+        model is recorded from a few of its iterations
+        (:func:`_update.recorded_update`) where it can be."""
+
+        def make_tracker() -> StorageTracker:
+            tracker = self._tracker(self.world.small)
+            for t in self.world.params + self.world.buffers:
+                tracker.track(t, "parameters")
+            for p in self.world.params:
+                if p.grad is not None:
+                    tracker.track(p.grad, "gradients")
+            tracker.set_phase("optimizer")
+            return tracker
+
         gc_was_enabled = gc.isenabled()
         gc.disable()  # frees at refcount zero only, as in a tracked step
         try:
-            with tracker:
-                since = tracker.mark()
-                with self.world.small.narrowed():
-                    self.optimizer.step()  # type: ignore[union-attr]
-                self.optimizer_replay = tracker.recorded_less_kept(since)
+            replay = _update.recorded_update(
+                self.optimizer, make_tracker, self.world, self.world.state_copy
+            )
+            if replay is None:
+                tracker = make_tracker()
+                try:
+                    with tracker:
+                        since = tracker.mark()
+                        with self.world.small.narrowed():
+                            self.optimizer.step()  # type: ignore[union-attr]
+                        replay = tracker.recorded_less_kept(since)
+                finally:
+                    tracker.close()
+            self.optimizer_replay = replay
         finally:
-            tracker.close()
             if gc_was_enabled:
                 gc.enable()
 
