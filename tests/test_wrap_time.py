@@ -1114,3 +1114,77 @@ def test_a_finished_step_leaves_its_tracker_in_no_cycle():
         finally:
             if enabled:
                 gc.enable()
+
+
+def _breakdown_by_event(tracker, recategorize, scratch, scale):
+    """The peak breakdown the simple way (the reference): every category's
+    total copied at each new highest level."""
+    from memscale.predictor._results import CATEGORIES
+
+    cats = [recategorize.get(i, c) for i, c in enumerate(tracker.categories)]
+    totals = dict.fromkeys(CATEGORIES, 0)
+    level = peak = 0
+    best = dict(totals)
+    phase_at = dict(tracker.phase_marks)  # (the last mark at an index holds)
+    phase = peak_phase = "start"
+    for i in range(len(tracker.events) + 1):
+        phase = phase_at.get(i, phase)
+        w = scratch.get(i, 0)
+        if w and level + w > peak:
+            peak, peak_phase = level + w, phase
+            best = dict(totals)
+            best["workspace"] += w
+        if i == len(tracker.events):
+            break
+        serial, delta = tracker.events[i]
+        if serial in scale:
+            delta = scale[serial] if delta > 0 else -scale[serial]
+        totals[cats[serial]] += delta
+        level += delta
+        if level > peak:
+            peak, best, peak_phase = level, dict(totals), phase
+    return peak, peak_phase, best
+
+
+def test_the_peak_breakdown_is_the_category_totals_at_the_first_highest_level(monkeypatch):
+    """The breakdown of a step (the peak, its phase, and what of each
+    category was alive there, found after the peak) is the one worked out
+    event by event, on random steps with kernels' scratch and real sizes,
+    ties and recategorized storages."""
+    import random
+
+    from memscale.predictor import _tracker
+    from memscale.predictor._results import CATEGORIES
+
+    rng = random.Random(7)
+    for _ in range(300):
+        tracker = _tracker.StorageTracker()
+        tracker.close()
+        alive = []
+        names = ["start", "forward", "backward", "optimizer", "end"]
+        tracker.phase_marks = [(0, "start")]
+        n = rng.randrange(0, 40)
+        cuts = sorted(rng.randrange(0, n + 1) for _ in range(4))
+        for at, name in zip(cuts, names[1:]):
+            tracker.phase_marks.append((at, name))
+        for _ in range(n):
+            if alive and rng.random() < 0.4:
+                serial = alive.pop(rng.randrange(len(alive)))
+                tracker.events.append((serial, -tracker.sizes_at_birth[serial]))
+            else:
+                serial = len(tracker.sizes_at_birth)
+                size = rng.choice([4, 8, 16, 32])
+                tracker.sizes.append(size)
+                tracker.sizes_at_birth.append(size)
+                tracker.categories.append(rng.choice(CATEGORIES))
+                tracker.events.append((serial, size))
+                alive.append(serial)
+        serials = range(len(tracker.sizes_at_birth))
+        scratch = {rng.randrange(0, n + 1): rng.choice([8, 24]) for _ in range(3)}
+        scale = {s: 64 for s in serials if rng.random() < 0.1}
+        recategorize = {s: "gradients" for s in serials if rng.random() < 0.2}
+        monkeypatch.setattr(tracker, "_kernel_sizes", lambda _: (scratch, scale))
+        got = tracker.breakdown(recategorize, {})
+        peak, phase, best = _breakdown_by_event(tracker, recategorize, scratch, scale)
+        assert (got.peak_bytes, got.phase) == (peak, phase)
+        assert {c: getattr(got, c) for c in CATEGORIES} == best

@@ -697,29 +697,35 @@ class StorageTracker(_Profiled):
         (alive only during the call, on top of everything else) and the
         real storage sizes of what it returns (a CPU kernel may return a
         scalar whose storage is its whole elementwise buffer)."""
-        cats = [recategorize.get(i, c) for i, c in enumerate(self.categories)]
         scratch, scale = self._kernel_sizes(workspace)
-        totals = dict.fromkeys(CATEGORIES, 0)
+        events = self.events
+        # The first point of the highest level: (events before it, the
+        # scratch on top there).
         level = peak = 0
-        best = dict(totals)
-        marks = iter(self.phase_marks[1:] + [(len(self.events) + 1, "")])
+        peak_at, peak_scratch = 0, 0
+        marks = iter(self.phase_marks[1:] + [(len(events) + 1, "")])
         phase, (next_at, next_phase) = "start", next(marks)
         peak_phase = "start"
-        for i in range(len(self.events) + 1):
+        for i in range(len(events) + 1):
             while i >= next_at:
                 phase, (next_at, next_phase) = next_phase, next(marks)
             w = scratch.get(i, 0)
             if w and level + w > peak:
-                peak, peak_phase = level + w, phase
-                best = dict(totals)
-                best["workspace"] += w
-            if i == len(self.events):
+                peak, peak_phase, peak_at, peak_scratch = level + w, phase, i, w
+            if i == len(events):
                 break
-            serial, delta = self.events[i]
+            serial, delta = events[i]
             if serial in scale:  # one alloc and one free, real size
                 delta = scale[serial] if delta > 0 else -scale[serial]
-            totals[cats[serial]] += delta
             level += delta
             if level > peak:
-                peak, best, peak_phase = level, dict(totals), phase
+                peak, peak_phase, peak_at, peak_scratch = level, phase, i + 1, 0
+        # What was alive there, by category.
+        cats = [recategorize.get(i, c) for i, c in enumerate(self.categories)]
+        best = dict.fromkeys(CATEGORIES, 0)
+        for serial, delta in events[:peak_at]:
+            if serial in scale:
+                delta = scale[serial] if delta > 0 else -scale[serial]
+            best[cats[serial]] += delta
+        best["workspace"] += peak_scratch
         return PeakBreakdown(peak_bytes=peak, phase=peak_phase, **best)
