@@ -1183,7 +1183,8 @@ def test_the_peak_breakdown_is_the_category_totals_at_the_first_highest_level(mo
         scratch = {rng.randrange(0, n + 1): rng.choice([8, 24]) for _ in range(3)}
         scale = {s: 64 for s in serials if rng.random() < 0.1}
         recategorize = {s: "gradients" for s in serials if rng.random() < 0.2}
-        monkeypatch.setattr(tracker, "_kernel_sizes", lambda _: (scratch, scale))
+        sizes = (scratch, scale)
+        monkeypatch.setattr(tracker, "_kernel_sizes", lambda _, sizes=sizes: sizes)
         got = tracker.breakdown(recategorize, {})
         peak, phase, best = _breakdown_by_event(tracker, recategorize, scratch, scale)
         assert (got.peak_bytes, got.phase) == (peak, phase)
