@@ -420,16 +420,19 @@ class OpRecorder(_DispatchMode):
         returned)."""
         index = self._current
         if index is not None and func not in IGNORED_OPS:
+            facts = _FACTS.get(func)
+            if facts is None:
+                facts = _FACTS[func] = _OpFacts.of(func)
             ops = self.ops[index]
             here = len(ops.calls)
             deps: set[int] = set()
-            if not _dataflow.shape_only(func):
+            if not facts.shape_only:
                 for t in _tensors((args, kwargs)):
                     producer = self._producer.get(_torch_compat.storage_key(t))
                     if producer is not None:
                         deps.add(producer)
             ops.deps.append(tuple(sorted(deps)))
-            if _dataflow.transparent(func):
+            if facts.transparent:
                 ops.transparent.add(here)
             written = [
                 t
@@ -448,19 +451,44 @@ class OpRecorder(_DispatchMode):
                 # Whoever reads it from here on reads this call's write
                 # (which read the earlier one: deps).
                 self._producer[key] = here
-            if (
-                _torch_compat.op_writes_new(func)
-                and _dataflow.op_name(func) not in _dataflow.ALIAS_NAMES
-            ):
+            if facts.new_outputs:
                 for t in _outputs(out):
                     self._producer[_torch_compat.storage_key(t)] = here
-                if _dataflow.op_name(func) in _dataflow.MASKED_NAMES and len(_outputs(out)) == 2:
+                if facts.masked and len(_outputs(out)) == 2:
                     # The mask depends on no value: no producer.
                     self._producer.pop(_torch_compat.storage_key(_outputs(out)[1]), None)
                     ops.masked.add(here)
             ops.calls.append(op_cost(func, args, kwargs, out))
-            ops.classes.append(op_class(func))
-            ops.names.append(str(func))
+            ops.classes.append(facts.op_class)
+            ops.names.append(facts.name)
+
+
+@dataclass(frozen=True)
+class _OpFacts:
+    """What :meth:`OpRecorder.record` reads of an op itself, worked out
+    once per op (``_FACTS``)."""
+
+    shape_only: bool
+    transparent: bool
+    new_outputs: bool  # it writes new outputs that are not views
+    masked: bool
+    op_class: int
+    name: str
+
+    @staticmethod
+    def of(func: Any) -> _OpFacts:
+        name = _dataflow.op_name(func)
+        return _OpFacts(
+            shape_only=_dataflow.shape_only(func),
+            transparent=_dataflow.transparent(func),
+            new_outputs=_torch_compat.op_writes_new(func) and name not in _dataflow.ALIAS_NAMES,
+            masked=name in _dataflow.MASKED_NAMES,
+            op_class=op_class(func),
+            name=str(func),
+        )
+
+
+_FACTS: dict[Any, _OpFacts] = {}
 
 
 def recorder(
