@@ -1105,18 +1105,23 @@ class _SetUpOnce(nn.Module):
     a large temporary at its first forward only (a flag, no tensor, says
     it is done: Glow's ActNorm)."""
 
-    def __init__(self):
+    def __init__(self, in_a_dict=False):
         super().__init__()
         self.loc = nn.Parameter(torch.zeros(32))
         self.fc = nn.Linear(32, 32)
+        self.flags = {"ready": False} if in_a_dict else None  # changed in place
         self.ready = False
 
     def forward(self, x):
-        if not self.ready:
+        ready = self.flags["ready"] if self.flags is not None else self.ready
+        if not ready:
             with torch.no_grad():
                 big = x.unsqueeze(0).expand(16, -1, -1).contiguous()
                 self.loc.copy_(-big.mean((0, 1)))
-            self.ready = True
+            if self.flags is not None:
+                self.flags["ready"] = True
+            else:
+                self.ready = True
         return self.fc(x + self.loc)
 
 
@@ -1140,7 +1145,9 @@ def _partly_optimized():
     return model, torch.randn(64, 32), None, optimizer
 
 
-@pytest.mark.parametrize("case", ["builds-once", "partly-optimized", "one-hot", "set-up-once"])
+@pytest.mark.parametrize(
+    "case", ["builds-once", "partly-optimized", "one-hot", "set-up-once", "set-up-once-in-a-dict"]
+)
 def test_a_first_step_that_is_not_steady_is_simulated_apart(case):
     """Where the first step is not a steady one but for the gradients and
     the state (a layer keeps a table it made at its first forward; a
@@ -1155,9 +1162,10 @@ def test_a_first_step_that_is_not_steady_is_simulated_apart(case):
             return (*_builds_once(), None)
         if case == "partly-optimized":
             return _partly_optimized()
-        if case == "set-up-once":
+        if case.startswith("set-up-once"):
             torch.manual_seed(0)
-            return _SetUpOnce(), torch.randn(64, 32), None, None
+            model = _SetUpOnce(in_a_dict=case.endswith("dict"))
+            return model, torch.randn(64, 32), None, None
         return (*_one_hot(), None)
 
     merged, forwards = _first_and_steady(*make(), merged=True)
@@ -1209,6 +1217,10 @@ _UPDATES = {
     "maximize": lambda m: torch.optim.AdamW(m.parameters(), maximize=True, weight_decay=0),
     "groups": lambda m: torch.optim.AdamW(_update_groups(m, lr=1e-4)),
     "cuda-for-loop": lambda m: torch.optim.AdamW(m.parameters(), foreach=False),
+    # a group no parameter of which gets a gradient
+    "idle-group": lambda m: torch.optim.AdamW(
+        [{"params": list(m.parameters())}, {"params": [nn.Parameter(torch.zeros(3))], "lr": 0}]
+    ),
 }
 
 
@@ -1286,3 +1298,45 @@ def test_an_update_the_splice_does_not_know_runs_whole():
         pass
 
     assert not supported(Mine(params, foreach=False))
+    with pytest.warns(UserWarning):  # torch steps a parameter given twice twice
+        assert not supported(torch.optim.AdamW(params + params, foreach=False))
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(lambda *_: None)
+    try:  # it would run over the few parameters only
+        assert not supported(torch.optim.AdamW(params, foreach=False))
+    finally:
+        handle.remove()
+    assert supported(torch.optim.AdamW(params, foreach=False))
+
+
+def test_an_update_with_a_zero_byte_parameter_runs_whole():
+    """A parameter of no elements is a storage without events: the
+    update runs whole (the same recording, serial for serial)."""
+    from memscale.predictor import _update
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(20)])
+    model.register_parameter("empty", nn.Parameter(torch.zeros(0)))
+    got = []
+    recorded = _update.recorded_update
+
+    def spy(*args, **kwargs):
+        got.append(recorded(*args, **kwargs))
+        return got[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_update, "recorded_update", spy)
+        model.empty.grad = None
+
+        class _Uses(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = model
+
+            def forward(self, x):
+                return self.inner(x).sum() + self.inner.empty.sum()
+
+        with PredictionSession(_Uses(), torch.randn(8, 16), loss_fn=lambda out: out) as session:
+            assert session._steps._sim.step.optimizer_replay is not None
+    assert got == [None]

@@ -152,23 +152,49 @@ def estimated_state(
 _TABLES = ("_parameters", "_buffers", "_modules")
 
 
-def _module_state(model: nn.Module) -> list[tuple[nn.Module, list[dict[str, Any]]]]:
+def _module_state(model: nn.Module) -> list[tuple[nn.Module, Any]]:
     """Each module's plain attributes and tables as they are now (for
     :func:`_same_module_state`)."""
-    return [
-        (m, [dict(vars(m)), *(dict(getattr(m, table)) for table in _TABLES)])
-        for m in model.modules()
-    ]
+    return [(m, _held(m)) for m in model.modules()]
 
 
-def _same_module_state(before: list[tuple[nn.Module, list[dict[str, Any]]]]) -> bool:
-    """Whether every module of ``before`` holds the same objects in its
-    plain attributes and tables as then (none added, removed or rebound)."""
-    for m, (attrs, *tables) in before:
-        for now, then in zip([vars(m), *(getattr(m, t) for t in _TABLES)], [attrs, *tables]):
-            if now.keys() != then.keys() or any(now[k] is not v for k, v in then.items()):
-                return False
-    return True
+def _held(m: nn.Module) -> Any:
+    return tuple(
+        _fingerprint(table, _DEPTH) for table in (vars(m), *(getattr(m, t) for t in _TABLES))
+    )
+
+
+# How deep into the containers and objects a module holds their contents
+# are compared (an attribute holding a dict of flags: two).
+_DEPTH = 3
+
+
+def _fingerprint(value: Any, depth: int) -> Any:
+    """What ``value`` holds, as far as ``depth`` levels of dicts, lists,
+    tuples, sets and objects with a ``__dict__`` (each other value, a
+    module or a tensor by its identity: it is compared, not read)."""
+    if isinstance(value, (torch.Tensor, nn.Module)) or depth == 0:
+        return id(value)
+    if isinstance(value, dict):
+        return (id(value), tuple((k, _fingerprint(v, depth - 1)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (id(value), tuple(_fingerprint(v, depth - 1) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return (id(value), frozenset(id(v) for v in value))
+    if isinstance(value, (int, float, complex, str, bytes, bool, type(None))):
+        return (type(value), value)
+    attrs = getattr(value, "__dict__", None)
+    if isinstance(attrs, dict):
+        return (id(value), _fingerprint(attrs, depth - 1))
+    return id(value)
+
+
+def _same_module_state(before: list[tuple[nn.Module, Any]]) -> bool:
+    """Whether every module of ``before`` holds what it held then, in its
+    plain attributes and tables (none added, removed or rebound, and no
+    dict, list, set or object they hold changed in place, as deep as
+    ``_DEPTH``)."""
+    return all(_held(m) == held for m, held in before)
 
 
 def _leaves_reached(loss: torch.Tensor) -> set[int]:

@@ -26,6 +26,7 @@ optimizer is not one it knows: then the update runs whole.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,8 @@ from ._tracker import Recording
 # The loop of one parameter group: (layout, layout before) per parameter.
 _Key = tuple[Any, Any]
 
-# Fewer parameters than this in a group: the update runs whole.
+# Fewer parameters than this in a group: all of the group's are run (the
+# other groups' may still be spliced).
 MIN_PARAMETERS = 16
 
 
@@ -64,15 +66,39 @@ def _layout(p: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
+def _global_hooks() -> bool | None:
+    """Whether optimizer step hooks are registered for every optimizer
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook`` and
+    ``_post_hook``: they would run over the few parameters only); None
+    when this torch keeps them where this does not look."""
+    module = sys.modules.get("torch.optim.optimizer")
+    tables = [getattr(module, name, None) for name in _GLOBAL_HOOKS]
+    if any(not isinstance(t, dict) for t in tables):
+        return None
+    return any(tables)
+
+
+_GLOBAL_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+
+
 def supported(optimizer: Any) -> bool:
     """Whether ``optimizer`` runs torch's one-parameter-at-a-time Adam loop
     (Adam or AdamW themselves, each group without foreach, fused,
-    capturable or differentiable, its betas and learning rate numbers)
-    and has the ``_init_group`` this module cuts at."""
+    capturable or differentiable, its betas and learning rate numbers,
+    each parameter once), has the ``_init_group`` this module cuts at, and
+    no hook of its own or of every optimizer runs around its step."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return False
     if not callable(getattr(optimizer, "_init_group", None)):
         return False
+    if _global_hooks() is not False:
+        return False
+    for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        if getattr(optimizer, name, None):
+            return False
+    ids = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    if len(ids) != len(set(ids)):
+        return False  # (torch steps a parameter given twice twice)
     for group in optimizer.param_groups:
         if group.get("foreach") is not False or group.get("fused"):
             return False
@@ -174,8 +200,11 @@ def recorded_update(
     if not supported(optimizer) or optimizer.state:
         return None
     params = [[p for p in g["params"] if p.grad is not None] for g in optimizer.param_groups]
-    if any(p.grad.is_sparse for ps in params for p in ps):
-        return None
+    for p in (p for ps in params for p in ps):
+        assert p.grad is not None
+        if p.grad.is_sparse or not p.numel() or not p.grad.numel():
+            # (a zero-byte storage is a serial without events: not spliced)
+            return None
     layouts = [[_layout(p) for p in ps] for ps in params]
     picks = [_chosen(ls) if len(ls) >= MIN_PARAMETERS else list(range(len(ls))) for ls in layouts]
     if sum(map(len, picks)) * 2 > sum(map(len, params)):
@@ -242,12 +271,16 @@ def _splice(
     transient = {s for s in range(first, len(tracker.sizes)) if not tracker.sizes[s]}
     bounds = marks.inits + [len(events)]
     segments: list[list[list[tuple[int, int]]]] = []
+    if len(marks.inits) != len(picks):
+        return None
     for g, pick in enumerate(picks):
         starts = marks.starts[g]
-        if len(starts) != len(pick) or g >= len(marks.inits):
+        if len(starts) != len(pick):
             return None
-        # Nothing before the loop but the state it makes (kept).
-        if any(s in transient for s, _ in events[bounds[g] : starts[0]] if starts):
+        # Nothing before the loop but the state it makes (kept); nothing
+        # in a group without a parameter to update.
+        loop_at = starts[0] if starts else bounds[g + 1]
+        if any(s in transient for s, _ in events[bounds[g] : loop_at]):
             return None
         ends = starts[1:] + [bounds[g + 1]]
         segments.append(
@@ -259,6 +292,8 @@ def _splice(
     sizes: list[int] = []
     categories: list[str] = []
     for g, (ls, pick) in enumerate(zip(layouts, picks)):
+        if not pick:
+            continue
         runs = _roles(segments[g], tracker)
         if runs is None:
             return None
