@@ -343,7 +343,11 @@ class StorageTracker(_Profiled):
         # _KEEPS_NUMBER): a step on the CPU, where they are allocated; on
         # an accelerator they are host tensors.
         self.count_numbers = False
-        self._slots: dict[Any, tuple[tuple[int, bool], ...]] = {}  # func -> _number_slots
+        # id(func) -> (func, _number_slots(func)): an operator's hash is a
+        # Python call, its id is not (the operator is kept to check it).
+        self._slots: dict[int, tuple[Any, tuple[tuple[int, bool], ...]]] = {}
+        # ids of _workspace.workspace_ops() (which keeps them alive).
+        self._workspace_ids = frozenset(map(id, workspace_ops()))
         # (tensor dtype, number type, default dtype) -> the dtype a kernel
         # computes a tensor and a Python number in (_cast_dtype).
         self._casts: dict[tuple[torch.dtype, type, torch.dtype], torch.dtype] = {}
@@ -423,9 +427,10 @@ class StorageTracker(_Profiled):
         times a float32 tensor: 4 more bytes while it runs).  In
         backward's own formulas a number given for a tensor is one autograd
         kept (``grad * other``): only its cast is new."""
-        slots = self._slots.get(func)
-        if slots is None:
-            slots = self._slots[func] = _number_slots(func)
+        known = self._slots.get(id(func))
+        if known is None or known[0] is not func:
+            known = self._slots[id(func)] = (func, _number_slots(func))
+        slots = known[1]
         formula = self.phase == "backward" and not self.recompute_depth
         held = None
         for i, parsed in slots:
@@ -637,7 +642,7 @@ class StorageTracker(_Profiled):
                 else tuple([_track(self, t, None) for t in tensor_list(out)])
             )
             if self.kernel_calls is not None and (
-                probe_on_device(func) if self.probe_all else func in workspace_ops()
+                probe_on_device(func) if self.probe_all else id(func) in self._workspace_ids
             ):
                 sig = signature(func, args, kwargs)
                 if sig is not None:
