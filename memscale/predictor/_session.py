@@ -116,10 +116,12 @@ class _Simulation:
         self.in_backward = handles
 
     def _warm_up(self) -> Any:
-        """The untracked first step: it creates gradients and optimizer
-        state (a steady-state step starts with both), and the C profiler
-        measures its forward, as static profiling in wrap() does; what it
-        measured, read by ``read_profile``."""
+        """The first step: it creates gradients and optimizer state (a
+        steady-state step starts with both), and the C profiler measures
+        its forward, as static profiling in wrap() does; what it measured,
+        read by ``read_profile``.  Tracked, and the unoptimized step made
+        from it, where :meth:`_merges` (``Step.first_tracked``); untracked
+        otherwise (``Step.warm_up``)."""
         units = self.units
         params = self.world.params + self.world.buffers
         holder: dict[str, Any] = {}
@@ -294,8 +296,9 @@ class SimulationSession:
     Entering it sets up the fake world, runs the warm-up step (its forward
     measured by the C profiler, as ``wrap()``'s static profiling measures
     it; ``read_profile(profiler, units)`` makes :attr:`profile` of the
-    measurement) and simulates the unoptimized step once; the step under a
-    plan is simulated when first asked for (once per plan).  The model's
+    measurement) and simulates the unoptimized step once (with Adam or
+    AdamW, made from the warm-up step itself where it can be); the step
+    under a plan is simulated when first asked for (once per plan).  The model's
     parameters and buffers are fake while it is open.  Making the plans is
     the caller's job (``memscale._planner.PredictionSession``).
     """

@@ -183,7 +183,10 @@ def _fingerprint(value: Any, depth: int) -> Any:
         return (id(value), frozenset(id(v) for v in value))
     if isinstance(value, (int, float, complex, str, bytes, bool, type(None))):
         return (type(value), value)
-    attrs = getattr(value, "__dict__", None)
+    try:
+        attrs = getattr(value, "__dict__", None)
+    except Exception:  # noqa: BLE001 - an object that will not say: by identity
+        attrs = None
     if isinstance(attrs, dict):
         return (id(value), _fingerprint(attrs, depth - 1))
     return id(value)
