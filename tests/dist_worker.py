@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 import warnings
 
 import torch
@@ -182,6 +183,12 @@ def run(rank, world, scenario, port, out_dir):
             else:
                 time.sleep(float(os.environ["MEMSCALE_DIST_TIMEOUT"]) + 5)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:
+        # Each rank's own traceback, whole (the test shows it on failure:
+        # the parent's stderr interleaves both ranks and is cut short).
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
     finally:
         if scenario != "absent":
             dist.destroy_process_group()

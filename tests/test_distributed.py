@@ -38,7 +38,15 @@ def run_ranks(scenario: str, tmp_path, timeout: float = 600, env=None) -> list[d
         timeout=timeout,
         env=dict(os.environ, **(env or {})),
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    if proc.returncode != 0:
+        errors = "".join(
+            f"--- rank {r} ---\n{(tmp_path / f'rank{r}.err').read_text()}"
+            for r in range(2)
+            if (tmp_path / f"rank{r}.err").exists()
+        )
+        err = proc.stderr
+        shown = err if len(err) <= 8000 else f"{err[:3000]}\n[...]\n{err[-5000:]}"
+        raise AssertionError(f"the ranks failed (exit {proc.returncode}):\n{errors}{shown}")
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
 
