@@ -75,10 +75,7 @@ class FakeWorld:
             # the same bytes under the same shape, strides and dtype, made
             # through the fake-call memo (a tenth of the converter's cost,
             # which describes every tensor it converts in full).
-            with self._caller:
-                out = torch.empty_strided(
-                    tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device
-                )
+            out = self._empty_like(t)
         elif t.device.type == self.device.type and not t.is_meta:
             if self._is_fake(t):
                 plain = t.detach()
@@ -109,11 +106,16 @@ class FakeWorld:
         for a real one (a step counter, a small value) a real copy the
         pass's calls may write, as the one made in the pass is."""
         if self._is_fake(t):
-            with self._caller:
-                return torch.empty_strided(
-                    tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device
-                )
+            return self._empty_like(t)
         return self.small.real_copy(t)
+
+    def _empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        """A fresh fake tensor of ``t``'s shape, strides, dtype and device,
+        made through the fake-call memo."""
+        with self._caller:
+            return torch.empty_strided(
+                tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device
+            )
 
     def fake_tree(self, obj: Any) -> Any:
         """``obj`` with its tensors faked but the small values that stay

@@ -430,8 +430,8 @@ class Step:
             for t in self.world.params + self.world.buffers:
                 steady.track(t, "parameters")
             params_end = len(steady.events)
-            grads = [p for p in self.world.params if p.grad is not None]
-            for grad in [p.grad for p in grads if p.grad is not None]:
+            grads = [p.grad for p in self.world.params if p.grad is not None]
+            for grad in grads:
                 steady.track(grad, "gradients")
             grads_end = len(steady.events)
             for t in self.optimizer_state():
@@ -444,7 +444,7 @@ class Step:
                 return None
             assert self.optimizer is not None
             order = [p for group in self.optimizer.param_groups for p in group["params"]]
-            if {id(p) for p in grads} - {id(p) for p in order}:
+            if {id(p) for p in self.world.params if p.grad is not None} - {id(p) for p in order}:
                 return None
             made = {serial for serial, _ in steady.events[params_end:grads_end]}
             frees: list[int] = []
