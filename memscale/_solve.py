@@ -121,8 +121,10 @@ def layer_stats(
     ``backward_bytes`` given here replaces the latter."""
     named: dict[str, Any] = {}
     if like is not None and like.selective_levels is not None:
-        named["selective_levels"] = tuple(
-            (t, int(kept * factor), cost) for t, kept, cost in like.selective_levels
+        named["selective_levels"] = (
+            like.selective_levels
+            if factor == 1.0  # (as they are: with_frame_bytes copies every layer)
+            else tuple((t, int(kept * factor), cost) for t, kept, cost in like.selective_levels)
         )
     if like is not None and like.recompute_cost is not None:
         named["recompute_cost"] = like.recompute_cost

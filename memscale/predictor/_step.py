@@ -149,46 +149,60 @@ def estimated_state(
     return [torch.empty_like(p) for _ in range(copies) for p in trainable]
 
 
-_TABLES = ("_parameters", "_buffers", "_modules")
-
-
 def _module_state(model: nn.Module) -> list[tuple[nn.Module, Any]]:
     """Each module's plain attributes and tables as they are now (for
     :func:`_same_module_state`)."""
-    return [(m, _held(m)) for m in model.modules()]
-
-
-def _held(m: nn.Module) -> Any:
-    return tuple(
-        _fingerprint(table, _DEPTH) for table in (vars(m), *(getattr(m, t) for t in _TABLES))
-    )
+    return [(m, _fingerprint(vars(m), _DEPTH)) for m in model.modules()]
 
 
 # How deep into the containers and objects a module holds their contents
-# are compared (an attribute holding a dict of flags: two).
+# are compared (an attribute holding a dict of flags: two; the module's
+# own ``vars`` are the first level, so its ``_parameters``, ``_buffers``
+# and ``_modules`` tables are read to their tensors and modules).
 _DEPTH = 3
+
+# Values compared by type and value, at any depth.
+_ATOMS = frozenset({int, float, complex, str, bytes, bool, type(None)})
 
 
 def _fingerprint(value: Any, depth: int) -> Any:
     """What ``value`` holds, as far as ``depth`` levels of dicts, lists,
-    tuples, sets and objects with a ``__dict__`` (each other value, a
-    module or a tensor by its identity: it is compared, not read)."""
-    if isinstance(value, (torch.Tensor, nn.Module)) or depth == 0:
+    tuples, sets and objects with a ``__dict__`` (a number, string or None
+    by its value; each other value, a module or a tensor by its identity:
+    it is compared, not read)."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return (kind, value)
+    if depth == 0 or isinstance(value, (torch.Tensor, nn.Module)):
         return id(value)
+    depth -= 1
+    # (The atoms are inlined below: a module's tables are most of what is
+    # read, and most of what they hold is atoms or empty.)
     if isinstance(value, dict):
-        return (id(value), tuple((k, _fingerprint(v, depth - 1)) for k, v in value.items()))
+        return (
+            id(value),
+            tuple(
+                [
+                    (k, (type(v), v) if type(v) in _ATOMS else _fingerprint(v, depth))
+                    for k, v in value.items()
+                ]
+            )
+            if value
+            else (),
+        )
     if isinstance(value, (list, tuple)):
-        return (id(value), tuple(_fingerprint(v, depth - 1) for v in value))
+        return (
+            id(value),
+            tuple([(type(v), v) if type(v) in _ATOMS else _fingerprint(v, depth) for v in value]),
+        )
     if isinstance(value, (set, frozenset)):
-        return (id(value), frozenset(id(v) for v in value))
-    if isinstance(value, (int, float, complex, str, bytes, bool, type(None))):
-        return (type(value), value)
+        return (id(value), frozenset([id(v) for v in value]))
     try:
         attrs = getattr(value, "__dict__", None)
     except Exception:  # noqa: BLE001 - an object that will not say: by identity
         attrs = None
     if isinstance(attrs, dict):
-        return (id(value), _fingerprint(attrs, depth - 1))
+        return (id(value), _fingerprint(attrs, depth))
     return id(value)
 
 
@@ -197,7 +211,7 @@ def _same_module_state(before: list[tuple[nn.Module, Any]]) -> bool:
     plain attributes and tables (none added, removed or rebound, and no
     dict, list, set or object they hold changed in place, as deep as
     ``_DEPTH``)."""
-    return all(_held(m) == held for m, held in before)
+    return all(_fingerprint(vars(m), _DEPTH) == held for m, held in before)
 
 
 def _leaves_reached(loss: torch.Tensor) -> set[int]:
