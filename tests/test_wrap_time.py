@@ -4,6 +4,8 @@ replayed in every later simulated step, event for event."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from conftest import mlp, tiny_gpt2, token_batch
@@ -1189,3 +1191,65 @@ def test_the_peak_breakdown_is_the_category_totals_at_the_first_highest_level(mo
         peak, phase, best = _breakdown_by_event(tracker, recategorize, scratch, scale)
         assert (got.peak_bytes, got.phase) == (peak, phase)
         assert {c: getattr(got, c) for c in CATEGORIES} == best
+
+
+class _SeesTheCollector(nn.Module):
+    """Notes ``gc.get_freeze_count()`` in each forward, and raises in one
+    while ``fail`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.frozen = []
+        self.fail = False
+
+    def forward(self, x):
+        self.frozen.append(gc.get_freeze_count())
+        if self.fail:
+            raise ValueError("a forward that fails")
+        return self.fc(x)
+
+
+@pytest.fixture
+def no_frozen_objects():
+    assert gc.get_freeze_count() == 0, "a test before this one left objects frozen"
+    yield
+    gc.unfreeze()  # (a failure here must not leave the next test frozen)
+
+
+def test_the_simulation_keeps_the_objects_alive_before_it_out_of_the_collector(
+    no_frozen_objects,
+):
+    model = _SeesTheCollector()
+    memscale.wrap(model, FORCE, sample_input=torch.randn(4, 8))
+    try:
+        # Every forward of wrap is simulated, with the process's objects
+        # frozen (the model among them); thawed when wrap returns.
+        assert model.frozen and min(model.frozen) > 0
+        assert gc.get_freeze_count() == 0
+        frozen_before = len(model.frozen)
+        model(torch.randn(4, 8)).sum().backward()
+        assert model.frozen[frozen_before:] == [0]
+    finally:
+        memscale.detach(model)
+
+
+def test_a_process_that_froze_objects_itself_keeps_them_frozen(no_frozen_objects):
+    model = _SeesTheCollector()
+    gc.freeze()
+    theirs = gc.get_freeze_count()
+    memscale.wrap(model, FORCE, sample_input=torch.randn(4, 8))
+    try:
+        assert model.frozen and set(model.frozen) == {theirs}
+        assert gc.get_freeze_count() == theirs
+    finally:
+        memscale.detach(model)
+
+
+def test_a_simulation_that_fails_thaws_the_objects(no_frozen_objects):
+    model = _SeesTheCollector()
+    model.fail = True
+    with pytest.raises(ValueError, match="a forward that fails"):
+        memscale.predict_peak(model, torch.randn(4, 8))
+    assert model.frozen and min(model.frozen) > 0
+    assert gc.get_freeze_count() == 0
