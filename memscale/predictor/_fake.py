@@ -19,6 +19,8 @@ from ._tracker import FakeCaller
 
 __all__ = ["REAL_VALUE_LIMIT", "FakeWorld"]
 
+_EMPTY_STRIDED = torch.ops.aten.empty_strided.default
+
 logger = logging.getLogger(__name__)
 
 
@@ -111,11 +113,22 @@ class FakeWorld:
 
     def _empty_like(self, t: torch.Tensor) -> torch.Tensor:
         """A fresh fake tensor of ``t``'s shape, strides, dtype and device,
-        made through the fake-call memo."""
-        with self._caller:
-            return torch.empty_strided(
-                tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device
-            )
+        made through the fake-call memo: called directly, as the fake
+        caller calls it, without a mode of its own for torch to hand the
+        call to (the memo dispatches it as usual when a mode other than
+        the fake one is on the stack: a step's tracker)."""
+        if self.calls is None:
+            with self._caller:
+                return torch.empty_strided(
+                    tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device
+                )
+        # (sizes as lists, as torch hands them to a mode: FakeTensorMode
+        # does not cache a call given tuples)
+        return self.calls(
+            _EMPTY_STRIDED,
+            (list(t.shape), list(t.stride())),
+            {"dtype": t.dtype, "device": t.device},
+        )
 
     def fake_tree(self, obj: Any) -> Any:
         """``obj`` with its tensors faked but the small values that stay
