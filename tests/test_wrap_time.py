@@ -464,9 +464,9 @@ def test_an_input_that_views_a_buffer_shares_its_twin():
 
 def test_the_fake_parameters_are_made_through_the_cheaper_key(monkeypatch):
     """A deep model's fake parameters: each is a Parameter over its fake
-    twin with the real one's requires_grad, and the detach that makes it
-    a Parameter is answered through the cheaper key (one dispatch to
-    FakeTensorMode per shape, not per parameter)."""
+    twin with the real one's requires_grad, and the twin, and the detach
+    that makes it a Parameter, are answered through the cheaper key (one
+    dispatch to FakeTensorMode per shape, not per parameter)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memscale.predictor._fake import FakeWorld
@@ -487,6 +487,8 @@ def test_the_fake_parameters_are_made_through_the_cheaper_key(monkeypatch):
         assert all(isinstance(p, nn.Parameter) and _torch_compat.is_fake(p) for p in params)
         assert [p.requires_grad for p in params] == [i != 6 for i in range(80)]
     assert dispatched.count("aten.detach.default") <= 4, dispatched
+    # and the twins themselves too (empty_strided, sizes given as lists)
+    assert dispatched.count("aten.empty_strided.default") <= 4, dispatched
 
 
 def _made(t, mode=None):
