@@ -133,7 +133,10 @@
     NAME(s_known, "_known")                                                  \
     NAME(s_activations, "activations")                                       \
     NAME(s_workspace, "workspace")                                           \
-    NAME(s_is_neg, "is_neg")
+    NAME(s_is_neg, "is_neg")                                                 \
+    NAME(s_fake_mode, "fake_mode")                                           \
+    NAME(s_in_kernel_invocation, "in_kernel_invocation")                     \
+    NAME(s_fake_device, "fake_device")
 
 #define MS_STATE_TYPE_FIELD(field) PyTypeObject *field;
 #define MS_STATE_IMPORT_FIELD(field, mod, attr) PyObject *field;

@@ -145,10 +145,13 @@ def fake_tensor_tools() -> (
     return is_fake_, unset, tuple(errors)
 
 
-def guard_dispatch(cls: type) -> type:
+def guard_dispatch(cls: type, *, answers_fake_devices: bool = False) -> type:
     """Class decorator of memscale's dispatch modes: their
     ``__torch_dispatch__`` skips torch's dynamo-disabling wrapper while no
-    frame can be traced.
+    frame can be traced.  With ``answers_fake_devices``
+    (:func:`guard_fake_dispatch`) the guard also answers a fake tensor's
+    ``prim.device`` query itself, as :func:`fake_device_reader` reads it,
+    before the method is called at all.
 
     torch wraps the ``__torch_dispatch__`` of every TorchDispatchMode
     (``torch._disable_dynamo``), so that dynamo, while a compiled function
@@ -169,8 +172,21 @@ def guard_dispatch(cls: type) -> type:
         return cls
     if not isinstance(raw, types.FunctionType) or not callable(wrapped):
         return cls
-    cls.__torch_dispatch__ = guard(raw, wrapped)  # type: ignore[attr-defined]
+    devices = None
+    fake_cls = fake_tensor_class()
+    if answers_fake_devices and fake_cls is not None and fake_device_reader() is not None:
+        devices = (torch.ops.prim.device.default, fake_cls, torch.device)
+    cls.__torch_dispatch__ = guard(raw, wrapped, devices)  # type: ignore[attr-defined]
     return cls
+
+
+def guard_fake_dispatch(cls: type) -> type:
+    """:func:`guard_dispatch` for a mode on fake tensors whose method
+    answers their ``prim.device`` first (with :func:`fake_device_reader`):
+    the guard answers it before the method is called, without the
+    interpreter (the autograd engine asks some 25 times per layer of a
+    backward)."""
+    return guard_dispatch(cls, answers_fake_devices=True)
 
 
 def fake_tensor_class() -> type | None:

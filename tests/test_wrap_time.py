@@ -232,13 +232,48 @@ def _trace_of(session):
     return _step_record(session._steps._unoptimized)[:5]
 
 
+def _unguarded_devices(monkeypatch):
+    """The fake modes' guards without their own answer to prim.device: the
+    method is called for it (and answers it in Python)."""
+    from memscale import _core
+    from memscale.predictor._tracker import FakeCaller, StorageTracker
+
+    for cls in (FakeCaller, StorageTracker):
+        guard = cls.__dict__["__torch_dispatch__"]
+        assert guard.fake_cls is _torch_compat.fake_tensor_class(), cls
+        monkeypatch.setattr(cls, "__torch_dispatch__", _core.DispatchGuard(guard.fast, guard.safe))
+
+
 @pytest.mark.parametrize("case", [_mlp, _gpt2])
 def test_the_tracker_answers_prim_device_as_fake_tensors_do(case, monkeypatch):
-    """The storage tracker answers ``prim.device`` (which torch's autograd
-    engine asks a fake tensor many times per layer) with the fake tensor's
-    device, without dispatching it on: every answer is the device the fake
-    tensor reports, and the simulated step is the same, event for event,
-    as with the operator dispatched to FakeTensorMode."""
+    """The fake modes answer ``prim.device`` (which torch's autograd engine
+    asks a fake tensor many times per layer) with the fake tensor's
+    device, without dispatching it on: in C, in their dispatch guard,
+    before the method is called; in the method (in Python) where the
+    guard does not.  The simulated step is the same, event for event, as
+    with the operator dispatched to FakeTensorMode."""
+    from memscale.predictor._tracker import StorageTracker
+
+    guard = StorageTracker.__dict__["__torch_dispatch__"]
+    seen = []
+
+    def fast(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return guard.fast(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(
+        StorageTracker,
+        "__torch_dispatch__",
+        type(guard)(
+            fast, guard.safe, (torch.ops.prim.device.default, guard.fake_cls, torch.device)
+        ),
+    )
+    model, x, loss_fn = case()
+    with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
+        in_c = _trace_of(session)
+        in_c_peak = session.unoptimized_peak()
+    assert len(seen) > 100 and torch.ops.prim.device.default not in seen
+
     reader = _torch_compat.fake_device_reader()
     assert reader is not None
     answers = []
@@ -252,19 +287,95 @@ def test_the_tracker_answers_prim_device_as_fake_tensors_do(case, monkeypatch):
 
         return read
 
+    _unguarded_devices(monkeypatch)
     monkeypatch.setattr(_torch_compat, "fake_device_reader", counted)
     model, x, loss_fn = case()
     with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
-        fast = _trace_of(session)
-        fast_peak = session.unoptimized_peak()
+        assert _trace_of(session) == in_c
+        assert session.unoptimized_peak() == in_c_peak
     assert len(answers) > 100  # the backward asks many times
     assert all(device == reported for device, reported in answers)
     assert reader(torch.zeros(1)) is None  # a real tensor: dispatched as usual
     monkeypatch.setattr(_torch_compat, "fake_device_reader", lambda: None)
     model, x, loss_fn = case()
     with _planner.PredictionSession(model, x, loss_fn=loss_fn) as session:
-        assert _trace_of(session) == fast
-        assert session.unoptimized_peak() == fast_peak
+        assert _trace_of(session) == in_c
+        assert session.unoptimized_peak() == in_c_peak
+
+
+def test_the_dispatch_guard_answers_a_fake_tensors_device_as_the_reader_does():
+    """``DispatchGuard(fast, safe, devices)`` answers ``prim.device`` of
+    one fake tensor outside a fake kernel with its ``fake_device``, and
+    calls the method for everything else: another operator, a real
+    tensor, a fake tensor inside a kernel or without a mode, a
+    ``fake_device`` that is not a device.  An error reading an attribute,
+    other than its absence, is raised, as ``getattr(t, name, None)``
+    raises it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memscale import _core
+
+    device_op = torch.ops.prim.device.default
+    fake_cls = _torch_compat.fake_tensor_class()
+    calls = []
+
+    def fast(self, func, types, args=(), kwargs=None):
+        calls.append(func)
+        return "the method"
+
+    guard = _core.DispatchGuard(fast, fast, (device_op, fake_cls, torch.device))
+    mode = FakeTensorMode()
+    with mode:
+        t = torch.empty(2, device="cpu")
+    reader = _torch_compat.fake_device_reader()
+    assert guard(None, device_op, (), (t,), {}) == torch.device("cpu") == reader(t)
+    assert calls == []
+    assert guard(None, torch.ops.aten.add.Tensor, (), (t,), {}) == "the method"
+    assert guard(None, device_op, (), (torch.zeros(1),), {}) == "the method"
+    assert guard(None, device_op, (), (t, t), {}) == "the method"
+    mode.in_kernel_invocation = True
+    assert reader(t) is None and guard(None, device_op, (), (t,), {}) == "the method"
+    mode.in_kernel_invocation = False
+    t.fake_mode = None
+    assert reader(t) is None and guard(None, device_op, (), (t,), {}) == "the method"
+    del t.fake_mode
+    assert reader(t) is None and guard(None, device_op, (), (t,), {}) == "the method"
+
+    def made(cls):
+        return cls.__new__(cls, mode, torch.empty(1, device="meta"), torch.device("cpu"))
+
+    class NotADevice(fake_cls):
+        @property
+        def fake_device(self):
+            return "cpu"
+
+        @fake_device.setter
+        def fake_device(self, value):
+            pass
+
+    odd = made(NotADevice)
+    assert reader(odd) is None and guard(None, device_op, (), (odd,), {}) == "the method"
+    assert len(calls) == 7
+
+    class Refuses(fake_cls):
+        @property
+        def fake_mode(self):
+            raise RuntimeError("not now")
+
+        @fake_mode.setter
+        def fake_mode(self, value):
+            pass
+
+    odd = made(Refuses)
+    with pytest.raises(RuntimeError, match="not now"):
+        reader(odd)
+    with pytest.raises(RuntimeError, match="not now"):
+        guard(None, device_op, (), (odd,), {})
+    with pytest.raises(TypeError, match="devices must be None or"):
+        _core.DispatchGuard(fast, fast, (device_op, fake_cls))
+    with pytest.raises(TypeError, match="devices must be None or"):
+        _core.DispatchGuard(fast, fast, (device_op, "FakeTensor", torch.device))
+    assert _core.DispatchGuard(fast, fast).fake_cls is None
 
 
 def _step_record(trace):

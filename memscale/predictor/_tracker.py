@@ -221,7 +221,7 @@ class _Profiled(_DispatchMode):
             self.recorder.record(func, args, kwargs, out)
 
 
-@_torch_compat.guard_dispatch
+@_torch_compat.guard_fake_dispatch
 class FakeCaller(_Profiled):
     """A dispatch mode that calls every operator as the storage tracker
     does (``calls``: FakeTensorMode's cache through a cheaper key; the
@@ -277,7 +277,7 @@ def _counted_apart(mode: StorageTracker, func: Any, args: Any, kwargs: Any) -> b
     return out is not NotImplemented
 
 
-@_torch_compat.guard_dispatch
+@_torch_compat.guard_fake_dispatch
 class StorageTracker(_Profiled):
     """Registers the storage of every tensor an operator returns and
     records an event when it is allocated and when it is freed.  It may
