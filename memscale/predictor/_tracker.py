@@ -5,6 +5,7 @@ and what made it up."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -704,33 +705,41 @@ class StorageTracker(_Profiled):
         scalar whose storage is its whole elementwise buffer)."""
         scratch, scale = self._kernel_sizes(workspace)
         events = self.events
-        # The first point of the highest level: (events before it, the
-        # scratch on top there).
-        level = peak = 0
-        peak_at, peak_scratch = 0, 0
-        marks = iter(self.phase_marks[1:] + [(len(events) + 1, "")])
-        phase, (next_at, next_phase) = "start", next(marks)
-        peak_phase = "start"
-        for i in range(len(events) + 1):
-            while i >= next_at:
-                phase, (next_at, next_phase) = next_phase, next(marks)
-            w = scratch.get(i, 0)
-            if w and level + w > peak:
-                peak, peak_phase, peak_at, peak_scratch = level + w, phase, i, w
-            if i == len(events):
-                break
-            serial, delta = events[i]
-            if serial in scale:  # one alloc and one free, real size
-                delta = scale[serial] if delta > 0 else -scale[serial]
-            level += delta
-            if level > peak:
-                peak, peak_phase, peak_at, peak_scratch = level, phase, i + 1, 0
+        n = len(events)
+        if scale:  # one alloc and one free, real size
+            deltas = [(scale[s] if d > 0 else -scale[s]) if s in scale else d for s, d in events]
+        else:
+            deltas = [d for _, d in events]
+        level = list(itertools.accumulate(deltas, initial=0))  # before each event
+        # The first point of the highest level, in the order of a walk
+        # through the events: at each index p, the level after event p - 1,
+        # then the scratch of a kernel called at p on top of the level
+        # before event p.  Ranked 2p - 1 and 2p; none above zero: the start.
+        peak = max(level)
+        rank = 2 * level.index(peak) - 1 if peak > 0 else None
+        peak_scratch = 0
+        for at in sorted(scratch):
+            w = scratch[at]
+            if at > n or not w:
+                continue
+            if level[at] + w > peak or (
+                level[at] + w == peak and rank is not None and 2 * at < rank
+            ):
+                peak, rank, peak_scratch = level[at] + w, 2 * at, w
+        if rank is None:
+            peak, peak_at, peak_phase = 0, 0, "start"
+        else:
+            peak_at = (rank + 1) // 2
+            # The phase the walk was in at the event (after event p - 1) or
+            # kernel (at p): the last mark at or before it.
+            walked = peak_at - 1 if rank % 2 else peak_at
+            marks = self.phase_marks[1:]
+            found = bisect.bisect_right([m for m, _ in marks], walked)
+            peak_phase = marks[found - 1][1] if found else "start"
         # What was alive there, by category.
         cats = [recategorize.get(i, c) for i, c in enumerate(self.categories)]
         best = dict.fromkeys(CATEGORIES, 0)
-        for serial, delta in events[:peak_at]:
-            if serial in scale:
-                delta = scale[serial] if delta > 0 else -scale[serial]
+        for (serial, _), delta in zip(events[:peak_at], deltas):
             best[cats[serial]] += delta
         best["workspace"] += peak_scratch
         return PeakBreakdown(peak_bytes=peak, phase=peak_phase, **best)
