@@ -1156,6 +1156,68 @@ def test_the_extension_tracks_storages_as_the_python_tracker_did(case, target, m
     assert record() == extension
 
 
+class _Scaled(nn.Module):
+    """Layers that give operators Python numbers (which the tracker counts
+    on a CPU step) and call them without."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x) * 0.5 + 1) + x / 3
+        return x
+
+
+def _scaled():
+    return _Scaled(), torch.randn(16, 32, generator=torch.Generator().manual_seed(3)), None
+
+
+@pytest.mark.parametrize("case", [_mlp, _gpt2, _llama, _scaled])
+@pytest.mark.parametrize("target", ["cpu", "cuda", "probed"])
+def test_the_plain_path_makes_the_steps_the_full_path_makes(case, target, monkeypatch):
+    """Calls that take the storage tracker's plain path (the memo, then
+    its outputs tracked) leave the same steps: the profile, the
+    unoptimized step and the step with every layer checkpointed are the
+    same, event for event, with every call through the full path; also
+    with Python numbers given, for a CUDA target, and with every call
+    probed for kernel scratch (as a step on a real CUDA device is)."""
+    from memscale.predictor import DeviceSpec, _step, _tracker
+
+    if target == "probed":
+        make = _step.Step._tracker
+
+        def probed(self, small):
+            tracker = make(self, small)
+            tracker.probe_all = True
+            return tracker
+
+        monkeypatch.setattr(_step.Step, "_tracker", probed)
+
+    def record():
+        device = DeviceSpec("cuda", capacity_bytes=1 << 30) if target == "cuda" else "cpu"
+        return _session_record(*case(), device=device)
+
+    full = []
+    dispatch = _tracker.StorageTracker._dispatch
+
+    def counted(self, func, args, kwargs):
+        full.append(func)
+        return dispatch(self, func, args, kwargs)
+
+    monkeypatch.setattr(_tracker.StorageTracker, "_dispatch", counted)
+    plain = record()
+    through_full = len(full)
+    monkeypatch.setattr(_tracker.StorageTracker, "_is_plain", lambda self, func: False)
+    full.clear()
+    assert record() == plain
+    if target == "probed":  # every call probed: none plain
+        assert through_full == len(full)
+    else:
+        assert len(full) - through_full >= 50  # (calls that took the plain path)
+
+
 @pytest.mark.parametrize("granule", [None, (512, "cpu"), (512, "cuda")])
 def test_track_records_birth_resize_and_free_as_the_python_tracker(granule):
     """One storage born, seen again, resized in place, born under a

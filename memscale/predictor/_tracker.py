@@ -278,6 +278,14 @@ def _counted_apart(mode: StorageTracker, func: Any, args: Any, kwargs: Any) -> b
     return out is not NotImplemented
 
 
+def _numbers_given(slots: tuple[int, ...], args: Any) -> bool:
+    """Whether a Python number is given at one of ``slots`` of ``args``."""
+    for i in slots:  # noqa: SIM110 - (a loop: no generator made per call)
+        if i < len(args) and type(args[i]) in _NUMBER_DTYPES:
+            return True
+    return False
+
+
 @_torch_compat.guard_fake_dispatch
 class StorageTracker(_Profiled):
     """Registers the storage of every tensor an operator returns and
@@ -349,6 +357,10 @@ class StorageTracker(_Profiled):
         self._slots: dict[int, tuple[Any, tuple[tuple[int, bool], ...]]] = {}
         # ids of _workspace.workspace_ops() (which keeps them alive).
         self._workspace_ids = frozenset(map(id, workspace_ops()))
+        # id(func) -> (func, the positions of its number slots), for the
+        # operators whose calls may take the plain path of
+        # __torch_dispatch__ (_is_plain).
+        self._plain: dict[int, tuple[Any, tuple[int, ...]]] = {}
         # (tensor dtype, number type, default dtype) -> the dtype a kernel
         # computes a tensor and a Python number in (_cast_dtype).
         self._casts: dict[tuple[torch.dtype, type, torch.dtype], torch.dtype] = {}
@@ -604,6 +616,35 @@ class StorageTracker(_Profiled):
             ]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # The plain path, which most calls of a step take: an operator
+        # that wraps no Python number and keeps no kernel scratch
+        # (``_plain``), outside the profiler's pass, with no number kept
+        # to settle, not on real values only: called through the memo and
+        # its outputs tracked, as :meth:`_dispatch` would.
+        plain = self._plain.get(id(func))
+        if (
+            plain is not None
+            and plain[0] is func
+            and self.flops is None
+            and not self._kept
+            and not self.probe_all
+            and self._calls is not None
+            and not (self.count_numbers and _numbers_given(plain[1], args))
+            and not self._small.all_real(args, kwargs)
+        ):
+            out = self._calls(func, args, kwargs or {})
+            if self.active:
+                if isinstance(out, torch.Tensor):
+                    _track(self, out, None)
+                else:
+                    for t in tensor_list(out):
+                        _track(self, t, None)
+            return out
+        return self._dispatch(func, args, kwargs)
+
+    def _dispatch(self, func: Any, args: Any, kwargs: Any) -> Any:
+        if id(func) not in self._plain and self._is_plain(func):
+            self._plain[id(func)] = (func, tuple(i for i, _ in self._slots[id(func)][1]))
         if func is _DEVICE and self._fake_device is not None and len(args) == 1:
             device = self._fake_device(args[0])
             if device is not None:
@@ -651,6 +692,17 @@ class StorageTracker(_Profiled):
         if held:
             self._keep_numbers(func, args, out, held)
         return out
+
+    def _is_plain(self, func: Any) -> bool:
+        """Whether ``func``'s calls may take the plain path (those given
+        no Python number where it wraps one, :meth:`_numbers`): not
+        ``prim.device`` nor ``aten.equal`` (answered here), and not an
+        operator whose kernel keeps scratch (``_workspace.workspace_ops``).
+        Its number slots are known after (``_slots``)."""
+        known = self._slots.get(id(func))
+        if known is None or known[0] is not func:
+            self._slots[id(func)] = (func, _number_slots(func))
+        return not (func is _DEVICE or func is _EQUAL or id(func) in self._workspace_ids)
 
     def span_peaks(self, workspace: Mapping[Any, Kernel], bounds: list[int]) -> list[int]:
         """The highest level (bytes alive, with kernels' scratch) between
