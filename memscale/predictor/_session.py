@@ -38,10 +38,10 @@ def _drop_grad(p: torch.Tensor) -> None:
     p.grad = None
 
 
-def _freeze_old_objects() -> bool:
+def _freeze_old_objects() -> int | None:
     """Leave the objects the process holds now out of the cyclic garbage
-    collector's passes until :func:`_thaw` (``gc.freeze``), and say
-    whether it did.
+    collector's passes until :func:`_thaw` (``gc.freeze``); the freeze
+    count right after, or None where it did not freeze.
 
     The simulated steps make and drop some hundred thousand objects (fake
     tensors, their records), and the full collections they set off would
@@ -49,18 +49,27 @@ def _freeze_old_objects() -> bool:
     with the 320,000 that ``scripts/wrap_time.py`` holds on the chain of
     1,000 blocks).  Frozen objects are only skipped: ``gc.unfreeze``
     puts them back in the oldest generation, where one that became
-    garbage meanwhile is collected as before.  While frozen they are not
-    in ``gc.get_objects()``.  Not done when the process has frozen
-    objects itself (thawing would undo that, as a server that freezes
-    before forking its workers does) or turned the collector off."""
+    garbage meanwhile is collected by the next full collection.  So is
+    garbage not yet collected when the freeze starts (a dropped model in
+    a reference cycle), except where CUDA is in use: its memory would
+    count against the first training steps, so it is collected first
+    (one full collection).  While frozen, objects are not in
+    ``gc.get_objects()``.  Not done when the process has frozen objects
+    itself (thawing would undo that, as a server that freezes before
+    forking its workers does) or turned the collector off."""
     if gc.get_freeze_count() or not gc.isenabled():
-        return False
+        return None
+    if torch.cuda.is_initialized():
+        gc.collect()
     gc.freeze()
-    return True
+    return gc.get_freeze_count()
 
 
-def _thaw(frozen: bool) -> None:
-    if frozen:
+def _thaw(frozen: int | None) -> None:
+    """Undo :func:`_freeze_old_objects`, unless the process froze objects
+    itself since (its count grew: code the simulation ran, or another
+    thread), which thawing would undo too."""
+    if frozen is not None and gc.get_freeze_count() <= frozen:
         gc.unfreeze()
 
 
@@ -225,19 +234,21 @@ class _Simulation:
         return self.step.first_update_is_steady() and not self.floor.step_in_backward
 
     def __exit__(self, *exc: Any) -> None:
-        in_backward = self.__dict__.pop("in_backward", None)
-        if isinstance(in_backward, list):
-            for h in in_backward:
-                h.remove()
-        elif in_backward is not None:
-            in_backward.remove()
         try:
-            self.world.__exit__(None, None, None)
+            in_backward = self.__dict__.pop("in_backward", None)
+            if isinstance(in_backward, list):
+                for h in in_backward:
+                    h.remove()
+            elif in_backward is not None:
+                in_backward.remove()
         finally:
             try:
-                _verify.set_rng_state(self._rng)
+                self.world.__exit__(None, None, None)
             finally:
-                _thaw(self.__dict__.pop("_frozen", False))
+                try:
+                    _verify.set_rng_state(self._rng)
+                finally:
+                    _thaw(self.__dict__.pop("_frozen", None))
 
     def unoptimized(self) -> Trace:
         """The unoptimized steady-state step: the one the warm-up made
