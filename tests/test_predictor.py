@@ -1145,6 +1145,39 @@ def _partly_optimized():
     return model, torch.randn(64, 32), None, optimizer
 
 
+def test_the_module_state_compares_numbers_and_strings_by_value():
+    """A number or string rebound to an equal one (of a subclass too, as
+    numpy's float64 or an IntEnum) is the same state; another value, a
+    rebound tensor, or a dict changed in place is not."""
+    import enum
+
+    from memscale.predictor import _step
+
+    class Scale(float):
+        pass
+
+    class Kind(enum.IntEnum):
+        A = 1
+        B = 2
+
+    m = nn.Linear(2, 2)
+    m.scale, m.kind, m.name, m.flags = Scale(0.5), Kind.A, "a", {"ready": 1}
+    before = _step._module_state(m)
+    m.scale, m.name = Scale(0.5), "".join(["a"])
+    assert _step._same_module_state(before)
+    for change in (
+        lambda: setattr(m, "scale", Scale(0.25)),
+        lambda: setattr(m, "kind", Kind.B),
+        lambda: setattr(m, "name", "b"),
+        lambda: m.flags.update(ready=2),
+        lambda: setattr(m, "weight", nn.Parameter(m.weight.detach().clone())),
+    ):
+        m.scale, m.kind, m.name, m.flags["ready"] = Scale(0.5), Kind.A, "a", 1
+        assert _step._same_module_state(before)
+        change()
+        assert not _step._same_module_state(before)
+
+
 @pytest.mark.parametrize(
     "case", ["builds-once", "partly-optimized", "one-hot", "set-up-once", "set-up-once-in-a-dict"]
 )

@@ -772,7 +772,7 @@ class StorageTracker(_Profiled):
         peak_scratch = 0
         for at in sorted(scratch):
             w = scratch[at]
-            if at > n or not w:
+            if not 0 <= at <= n or not w:
                 continue
             if level[at] + w > peak or (
                 level[at] + w == peak and rank is not None and 2 * at < rank
