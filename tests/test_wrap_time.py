@@ -1426,17 +1426,39 @@ def test_a_process_that_froze_objects_itself_keeps_them_frozen(no_frozen_objects
 
 
 class _FreezesInForward(_SeesTheCollector):
+    """Drops many objects it held before (frozen by the simulation: the
+    freeze count falls), then freezes what is alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.old = [[] for _ in range(100_000)]
+
     def forward(self, x):
+        self.old = None
         gc.freeze()
         return super().forward(x)
 
 
 def test_a_freeze_made_while_simulating_is_kept(no_frozen_objects):
     """The simulation thaws only its own freeze: code it runs that freezes
-    objects (or another thread) keeps them frozen."""
+    objects (or another thread) keeps them frozen, also when as many
+    frozen objects died meanwhile."""
     model = _FreezesInForward()
     memscale.predict_peak(model, torch.randn(4, 8))
     assert gc.get_freeze_count() > 0
+
+
+def test_a_world_that_fails_to_enter_thaws_the_objects(no_frozen_objects, monkeypatch):
+    from memscale.predictor import _fake
+
+    def failing(self):
+        assert gc.get_freeze_count() > 0  # (frozen by then)
+        raise RuntimeError("no fake world today")
+
+    monkeypatch.setattr(_fake.FakeWorld, "__enter__", failing)
+    with pytest.raises(RuntimeError, match="no fake world today"):
+        memscale.predict_peak(_SeesTheCollector(), torch.randn(4, 8))
+    assert gc.get_freeze_count() == 0
 
 
 def test_an_error_putting_the_hooks_away_still_thaws_and_restores_the_model(

@@ -38,10 +38,10 @@ def _drop_grad(p: torch.Tensor) -> None:
     p.grad = None
 
 
-def _freeze_old_objects() -> int | None:
+def _freeze_old_objects() -> list[None] | None:
     """Leave the objects the process holds now out of the cyclic garbage
-    collector's passes until :func:`_thaw` (``gc.freeze``); the freeze
-    count right after, or None where it did not freeze.
+    collector's passes until :func:`_thaw` (``gc.freeze``); a sentinel
+    made right after (for :func:`_thaw`), or None where it did not freeze.
 
     The simulated steps make and drop some hundred thousand objects (fake
     tensors, their records), and the full collections they set off would
@@ -62,14 +62,16 @@ def _freeze_old_objects() -> int | None:
     if torch.cuda.is_initialized():
         gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
+    return [None]  # (tracked by the collector, and not frozen)
 
 
-def _thaw(frozen: int | None) -> None:
+def _thaw(sentinel: list[None] | None) -> None:
     """Undo :func:`_freeze_old_objects`, unless the process froze objects
-    itself since (its count grew: code the simulation ran, or another
-    thread), which thawing would undo too."""
-    if frozen is not None and gc.get_freeze_count() <= frozen:
+    itself since (code the simulation ran, or another thread: the
+    sentinel is frozen then), which thawing would undo too; the
+    simulation's own freeze then stays, as the process's would have
+    frozen those objects too."""
+    if sentinel is not None and any(o is sentinel for o in gc.get_objects()):
         gc.unfreeze()
 
 
@@ -99,8 +101,9 @@ class _Simulation:
         self.units = _core.find_units(model)
 
     def __enter__(self) -> _Simulation:
-        self._frozen = _freeze_old_objects()
+        self._frozen = None
         try:
+            self._frozen = _freeze_old_objects()
             self._rng = _verify.rng_state()  # a model may draw from any stream
             self.world = FakeWorld(self.model, self.device, self.sample_input)
             self.world.__enter__()

@@ -173,10 +173,10 @@ def _fingerprint(value: Any, depth: int) -> Any:
     kind = type(value)
     if kind in _ATOMS:
         return (kind, value)
-    if depth == 0 or isinstance(value, (torch.Tensor, nn.Module)):
-        return id(value)
     if isinstance(value, (int, float, complex, str, bytes)):  # (numpy's float64, an IntEnum)
         return (kind, value)
+    if depth == 0 or isinstance(value, (torch.Tensor, nn.Module)):
+        return id(value)
     depth -= 1
     # (The atoms are inlined below: a module's tables are most of what is
     # read, and most of what they hold is atoms or empty.)
