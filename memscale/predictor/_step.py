@@ -161,8 +161,10 @@ def _module_state(model: nn.Module) -> list[tuple[nn.Module, Any]]:
 # and ``_modules`` tables are read to their tensors and modules).
 _DEPTH = 3
 
-# Values compared by type and value, at any depth.
+# Values compared by type and value, at any depth: these types exactly
+# (the quick test), and their subclasses (numpy's float64, an IntEnum).
 _ATOMS = frozenset({int, float, complex, str, bytes, bool, type(None)})
+_ATOM_BASES = (int, float, complex, str, bytes)
 
 
 def _fingerprint(value: Any, depth: int) -> Any:
@@ -171,9 +173,7 @@ def _fingerprint(value: Any, depth: int) -> Any:
     by its value; each other value, a module or a tensor by its identity:
     it is compared, not read)."""
     kind = type(value)
-    if kind in _ATOMS:
-        return (kind, value)
-    if isinstance(value, (int, float, complex, str, bytes)):  # (numpy's float64, an IntEnum)
+    if kind in _ATOMS or isinstance(value, _ATOM_BASES):
         return (kind, value)
     if depth == 0 or isinstance(value, (torch.Tensor, nn.Module)):
         return id(value)

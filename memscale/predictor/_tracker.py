@@ -440,10 +440,7 @@ class StorageTracker(_Profiled):
         times a float32 tensor: 4 more bytes while it runs).  In
         backward's own formulas a number given for a tensor is one autograd
         kept (``grad * other``): only its cast is new."""
-        known = self._slots.get(id(func))
-        if known is None or known[0] is not func:
-            known = self._slots[id(func)] = (func, _number_slots(func))
-        slots = known[1]
+        slots = self._slots_of(func)
         formula = self.phase == "backward" and not self.recompute_depth
         held = None
         for i, parsed in slots:
@@ -643,8 +640,10 @@ class StorageTracker(_Profiled):
         return self._dispatch(func, args, kwargs)
 
     def _dispatch(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Every call the plain path does not take: the operator learnt for
+        it when it can."""
         if id(func) not in self._plain and self._is_plain(func):
-            self._plain[id(func)] = (func, tuple(i for i, _ in self._slots[id(func)][1]))
+            self._plain[id(func)] = (func, tuple(i for i, _ in self._slots_of(func)))
         if func is _DEVICE and self._fake_device is not None and len(args) == 1:
             device = self._fake_device(args[0])
             if device is not None:
@@ -697,12 +696,15 @@ class StorageTracker(_Profiled):
         """Whether ``func``'s calls may take the plain path (those given
         no Python number where it wraps one, :meth:`_numbers`): not
         ``prim.device`` nor ``aten.equal`` (answered here), and not an
-        operator whose kernel keeps scratch (``_workspace.workspace_ops``).
-        Its number slots are known after (``_slots``)."""
+        operator whose kernel keeps scratch (``_workspace.workspace_ops``)."""
+        return not (func is _DEVICE or func is _EQUAL or id(func) in self._workspace_ids)
+
+    def _slots_of(self, func: Any) -> tuple[tuple[int, bool], ...]:
+        """``_number_slots(func)``, remembered by the operator's id."""
         known = self._slots.get(id(func))
         if known is None or known[0] is not func:
-            self._slots[id(func)] = (func, _number_slots(func))
-        return not (func is _DEVICE or func is _EQUAL or id(func) in self._workspace_ids)
+            known = self._slots[id(func)] = (func, _number_slots(func))
+        return known[1]
 
     def span_peaks(self, workspace: Mapping[Any, Kernel], bounds: list[int]) -> list[int]:
         """The highest level (bytes alive, with kernels' scratch) between
